@@ -1,0 +1,142 @@
+"""Masked statistics and the PPO actor / critic losses (semantics of verl's core_algos.py).
+
+Shapes: B = sequences, T = response tokens, V = vocabulary. ``response_mask`` [B, T] is 1 on
+generated tokens and 0 on padding; every statistic ignores the masked positions.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
+    """Sum of x over valid positions (all dims when dim is None)."""
+    return (x * mask).sum() if dim is None else (x * mask).sum(dim=dim)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
+    """Mean of x over valid positions; 0 where nothing is valid (instead of nan)."""
+    count = mask.sum() if dim is None else mask.sum(dim=dim)
+    return masked_sum(x, mask, dim) / count.clamp_min(1e-8)
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance over all valid positions; unbiased (Bessel, n/(n-1)) by default, like verl."""
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean).square(), mask)
+    if unbiased:
+        n = mask.sum()
+        if n <= 1:
+            raise ValueError(f"unbiased masked_var needs at least 2 valid elements, mask sums to {n.item()}")
+        var = var * n / (n - 1)
+    return var
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """(x - mean) / sqrt(var + 1e-8) over valid positions; shift_mean=False adds the mean back."""
+    mean, var = masked_mean(x, mask), masked_var(x, mask)
+    whitened = (x - mean) * torch.rsqrt(var + 1e-8)
+    return whitened if shift_mean else whitened + mean
+
+
+def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str) -> torch.Tensor:
+    """Reduce a per-token loss [B, T] to a scalar.
+
+    - token-mean:           sum over valid tokens / number of valid tokens (long answers weigh more)
+    - seq-mean-token-sum:   per-sequence sum, mean over the B sequences
+    - seq-mean-token-mean:  per-sequence mean, mean over the B sequences (an empty one counts as 0)
+    """
+    if loss_agg_mode == "token-mean":
+        return masked_mean(loss_mat, loss_mask)
+    if loss_agg_mode == "seq-mean-token-sum":
+        return masked_sum(loss_mat, loss_mask, dim=-1).mean()
+    if loss_agg_mode == "seq-mean-token-mean":
+        return masked_mean(loss_mat, loss_mask, dim=-1).mean()
+    raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; choose one of {list(LOSS_AGG_MODES)}")
+
+
+def compute_policy_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "token-mean",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PPO clipped surrogate with dual clip (verl "vanilla"); all inputs [B, T].
+
+    Returns (pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower), all scalars.
+    clip_ratio_high > clip_ratio_low is DAPO's clip-higher; clip_ratio_c bounds the loss of
+    negative-advantage tokens whose ratio exploded (dual-clip PPO).
+    """
+    assert clip_ratio_c > 1.0, f"clip_ratio_c must be > 1 for dual-clip PPO, got {clip_ratio_c}"
+    # Clamp the log-ratio so exp cannot overflow when the policies diverge.
+    negative_approx_kl = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
+    ratio = torch.exp(negative_approx_kl)
+    ppo_kl = masked_mean(-negative_approx_kl, response_mask)
+
+    pg_losses1 = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
+    pg_clipfrac = masked_mean(torch.gt(pg_losses2, pg_losses1).float(), response_mask)
+
+    pg_losses3 = -advantages * clip_ratio_c
+    clip_pg_losses2 = torch.minimum(pg_losses3, clip_pg_losses1)
+    negative = advantages < 0
+    pg_clipfrac_lower = masked_mean((torch.gt(clip_pg_losses1, pg_losses3) & negative).float(), response_mask)
+
+    pg_losses = torch.where(negative, clip_pg_losses2, clip_pg_losses1)
+    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode)
+    return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
+
+
+def compute_value_loss(
+    vpreds: torch.Tensor,
+    returns: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange_value: float,
+    loss_agg_mode: str = "token-mean",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clipped value loss 0.5 * max((v - R)^2, (v_clip - R)^2); inputs [B, T].
+
+    v_clip keeps the new prediction within cliprange_value of the rollout-time value.
+    Returns (vf_loss, vf_clipfrac).
+    """
+    vpredclipped = values + torch.clamp(vpreds - values, -cliprange_value, cliprange_value)
+    vf_losses1 = (vpreds - returns).square()
+    vf_losses2 = (vpredclipped - returns).square()
+    vf_loss = 0.5 * agg_loss(torch.maximum(vf_losses1, vf_losses2), response_mask, loss_agg_mode)
+    vf_clipfrac = masked_mean(torch.gt(vf_losses2, vf_losses1).float(), response_mask)
+    return vf_loss, vf_clipfrac
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy [...] of softmax(logits [..., V]) = logsumexp(z) - sum(softmax(z) * z)."""
+    pd = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (pd * logits).sum(dim=-1)
+
+
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """log p(labels) [B, T] from logits [B, T, V], computed in fp32 for accuracy."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return logp.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
+
+
+def kl_loss(
+    log_prob: torch.Tensor,
+    ref_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    kind: str = "low_var_kl",
+    loss_agg_mode: str = "token-mean",
+) -> torch.Tensor:
+    """KL-to-reference loss term (``use_kl_loss``): per-token estimate aggregated to a scalar."""
+    from hybridflow.algorithms.kl import kl_penalty  # kl imports masked_mean from here
+
+    return agg_loss(kl_penalty(log_prob, ref_log_prob, kind), response_mask, loss_agg_mode)

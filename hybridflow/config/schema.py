@@ -1,0 +1,226 @@
+"""Typed configuration, one dataclass per component, with verl's key names.
+
+The tree mirrors verl's ``ppo_trainer.yaml`` so that a verl user's dotlist overrides work here:
+``actor_rollout_ref.rollout.n=8``, ``data.train_batch_size=16``, ``algorithm.adv_estimator=grpo``.
+
+Batch-size semantics (a classic source of confusion, stated plainly):
+- ``data.train_batch_size``: number of PROMPTS per RL step, global (all workers together).
+- ``actor_rollout_ref.rollout.n``: samples per prompt, so a step trains on train_batch_size * n
+  sequences.
+- ``actor_rollout_ref.actor.ppo_mini_batch_size``: PROMPTS per optimizer step, global; it is
+  multiplied by ``rollout.n`` internally (as in verl).
+- ``*_micro_batch_size_per_gpu``: SEQUENCES per forward/backward on ONE worker (gradient
+  accumulation happens across micro-batches).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)
+    val_files: list[str] = field(default_factory=list)
+    prompt_key: str = "prompt"
+    train_batch_size: int = 8  # prompts per step, global
+    val_batch_size: Optional[int] = None  # None = the whole validation set in one batch
+    max_prompt_length: int = 64  # tokens, after the chat template
+    max_response_length: int = 16  # tokens generated at most
+    # What to do with a prompt longer than max_prompt_length:
+    # filter_overlong_prompts=True drops it (and counts it); otherwise `truncation` applies:
+    # "error" fails naming file and row, "left" keeps the last tokens, "right" keeps the first.
+    filter_overlong_prompts: bool = True
+    truncation: str = "error"
+    shuffle: bool = True
+    seed: int = 1
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""  # a local HF checkpoint directory
+    tokenizer_path: Optional[str] = None  # defaults to `path`
+    dtype: str = "float32"  # float32 on CPU (bf16 matmuls are slower there)
+    enable_gradient_checkpointing: bool = False
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    lr_warmup_steps: int = -1  # < 0: use lr_warmup_steps_ratio
+    lr_warmup_steps_ratio: float = 0.0
+    lr_scheduler_type: str = "constant"  # constant | cosine
+    min_lr_ratio: float = 0.0  # cosine floor, as a fraction of lr
+    total_training_steps: int = -1  # filled in by the trainer when < 0
+
+
+@dataclass
+class FSDPConfig:
+    param_offload: bool = False
+    reshard_after_forward: bool = True
+
+
+@dataclass
+class ActorConfig:
+    strategy: str = "fsdp2"
+    ppo_mini_batch_size: int = 8  # prompts per optimizer step, global (x rollout.n inside)
+    ppo_micro_batch_size_per_gpu: int = 8  # sequences per forward/backward per worker
+    ppo_epochs: int = 1
+    shuffle: bool = False
+    clip_ratio: float = 0.2
+    clip_ratio_low: Optional[float] = None  # None = clip_ratio
+    clip_ratio_high: Optional[float] = None  # None = clip_ratio; > low gives DAPO clip-higher
+    clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages
+    loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"  # k1 | k2 | k3 (low_var_kl = clamped k3)
+    grad_clip: float = 1.0
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    do_sample: bool = False
+    n: int = 1
+
+
+@dataclass
+class RolloutConfig:
+    name: str = "hf"  # hf (vllm: see the vLLM issue)
+    n: int = 1  # samples per prompt
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # <= 0 disables top-k
+    do_sample: bool = True
+    log_prob_micro_batch_size_per_gpu: int = 16
+    tensor_model_parallel_size: int = 1
+    val_kwargs: SamplingConfig = field(default_factory=SamplingConfig)
+
+
+@dataclass
+class RefConfig:
+    log_prob_micro_batch_size_per_gpu: int = 16
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+
+
+@dataclass
+class CriticConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)  # path "" = the actor's path
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4))
+    ppo_mini_batch_size: Optional[int] = None  # None = the actor's
+    ppo_micro_batch_size_per_gpu: int = 8
+    ppo_epochs: int = 1
+    cliprange_value: float = 0.5
+    loss_agg_mode: str = "token-mean"
+    grad_clip: float = 1.0
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+
+
+@dataclass
+class RewardModelConfig:
+    enable: bool = False  # a model-based reward; rule rewards need nothing here
+    reward_manager: str = "naive"
+
+
+@dataclass
+class CustomRewardFunctionConfig:
+    path: Optional[str] = None  # a .py file defining `name`
+    name: str = "compute_score"
+
+
+@dataclass
+class KLControlConfig:
+    type: str = "fixed"  # fixed | adaptive
+    kl_coef: float = 0.001
+    horizon: int = 10000
+    target_kl: float = 0.1
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"  # gae | grpo | rloo | reinforce_plus_plus | remax
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std_in_grpo: bool = True
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "kl"  # k1 (= kl) | k2 (= mse) | k3 (= low_var_kl) | abs
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+
+
+@dataclass
+class TrainerConfig:
+    project_name: str = "hybridflow"
+    experiment_name: str = "run"
+    device: str = "auto"  # auto | cpu | cuda
+    nnodes: int = 1
+    n_gpus_per_node: int = 2  # workers per node (processes on CPU)
+    total_epochs: int = 1
+    total_training_steps: Optional[int] = None  # None = epochs x batches per epoch
+    test_freq: int = -1  # validate every k steps (and at the end); <= 0 disables
+    val_before_train: bool = True
+    save_freq: int = -1  # checkpoint every k steps; <= 0 disables
+    resume_mode: str = "auto"  # auto (latest in default_local_dir) | disable | resume_path
+    resume_from_path: Optional[str] = None  # a global_step_<k> directory, with resume_mode=resume_path
+    default_local_dir: str = "checkpoints/hybridflow"
+    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    log_dir: Optional[str] = None  # JSONL metrics go here; None = default_local_dir
+    progress_bar: bool = True
+    seed: int = 1
+    # Debug switch: after every weight sync, check rollout weights == trained weights exactly.
+    check_weight_sync: bool = False
+
+
+@dataclass
+class RayInitConfig:
+    address: Optional[str] = None  # None = start a local cluster on 127.0.0.1; "auto" or host:port joins one
+    num_cpus: Optional[int] = None
+    cpus_per_worker: float = 0.5  # fractional, so N workers + the driver never deadlock on few cores
+
+
+@dataclass
+class HybridFlowConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    ray_init: RayInitConfig = field(default_factory=RayInitConfig)
+
+
+@dataclass
+class SFTConfig:
+    """The SFT trainer's config (``hybridflow sft``): same model/optim/trainer blocks."""
+
+    train_files: list[str] = field(default_factory=list)
+    val_files: list[str] = field(default_factory=list)
+    prompt_key: str = "prompt"
+    response_key: str = "response"
+    max_length: int = 64
+    train_batch_size: int = 64  # sequences per optimizer step, global
+    micro_batch_size_per_gpu: int = 32
+    total_steps: int = 300
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3))
+    grad_clip: float = 1.0
+    save_dir: str = "checkpoints/sft"  # the final HF checkpoint is written here
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    ray_init: RayInitConfig = field(default_factory=RayInitConfig)

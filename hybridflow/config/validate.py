@@ -1,0 +1,213 @@
+"""Driver-side config checks, run BEFORE Ray or any worker starts.
+
+Every problem is collected and reported at once, each with its key and what to change, so a user
+fixes a config in one round instead of one crash per worker start-up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from hybridflow.config.loader import ConfigError
+from hybridflow.config.schema import HybridFlowConfig, ModelConfig, OptimConfig, SFTConfig, TrainerConfig
+
+A, R = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
+_ADV_FALLBACK = {"gae", "grpo", "rloo", "reinforce_plus_plus", "remax"}
+_KL_TYPES = ["kl", "k1", "k2", "mse", "k3", "low_var_kl", "abs"]
+_LOSS_AGG = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+
+
+def _adv_estimators() -> list[str]:
+    try:
+        from hybridflow.algorithms.advantages import ADV_ESTIMATORS
+
+        return sorted(ADV_ESTIMATORS)
+    except Exception:  # the registry is not importable (yet): the documented names
+        return sorted(_ADV_FALLBACK)
+
+
+class _Problems(list):
+    def enum(self, key, value, allowed, extra=""):
+        if value not in allowed:
+            self.append(f"{key} must be one of {list(allowed)}, got {value!r}{extra}")
+
+    def positive(self, key, value):
+        if not (isinstance(value, int) and value > 0):
+            self.append(f"{key} must be a positive integer, got {value!r}")
+            return False
+        return True
+
+    def exists(self, key, path, what="file"):
+        if not os.path.exists(path):
+            self.append(f"{key}: {what} {path!r} does not exist")
+
+    def model(self, key, m: ModelConfig) -> int | None:
+        """Check a model dir; return its max_position_embeddings when known."""
+        cfg_file = os.path.join(m.path, "config.json")
+        if not m.path or not os.path.isfile(cfg_file):
+            self.append(f"{key}.path: {m.path!r} is not a directory containing config.json; point it at "
+                        f"a local HF checkpoint or create a tiny one with `hybridflow make-model "
+                        f"{m.path or 'PATH'}`")
+            return None
+        if m.tokenizer_path:
+            self.exists(f"{key}.tokenizer_path", m.tokenizer_path, "directory")
+        try:
+            with open(cfg_file) as f:
+                return json.load(f).get("max_position_embeddings")
+        except (OSError, ValueError) as e:
+            self.append(f"{key}.path: cannot read {cfg_file}: {e}")
+            return None
+
+    def optim(self, key, o: OptimConfig):
+        self.enum(f"{key}.lr_scheduler_type", o.lr_scheduler_type, ["constant", "cosine"])
+        if not o.lr > 0:
+            self.append(f"{key}.lr must be > 0, got {o.lr}")
+
+    def trainer(self, t: TrainerConfig) -> int:
+        n_workers = t.nnodes * t.n_gpus_per_node
+        if n_workers < 1:
+            self.append(f"trainer.nnodes * trainer.n_gpus_per_node must be >= 1 (got {t.nnodes} * "
+                        f"{t.n_gpus_per_node}); set trainer.n_gpus_per_node to the workers per node")
+        self.enum("trainer.device", t.device, ["auto", "cpu", "cuda"])
+        self.enum("trainer.resume_mode", t.resume_mode, ["auto", "disable", "resume_path"])
+        if t.resume_mode == "resume_path":
+            if not t.resume_from_path:
+                self.append("trainer.resume_from_path must name a global_step_<k> directory when trainer.resume_mode=resume_path")
+            else:
+                self.exists("trainer.resume_from_path", t.resume_from_path, "directory")
+        for item in t.logger:
+            self.enum("trainer.logger", item, ["console", "jsonl"])
+        return n_workers
+
+    def raise_if_any(self, what: str):
+        if self:
+            lines = "\n".join(f"  - {p}" for p in self)
+            raise ConfigError(f"invalid {what} config ({len(self)} problem{'s' * (len(self) > 1)}):\n{lines}")
+
+
+def _batch_checks(p: _Problems, who: str, mini: int, micro: int, train_bs: int, n: int, n_workers: int):
+    """Mini-batch (prompts, global) vs train batch, workers and micro-batch (sequences, per worker)."""
+    mini_key, micro_key = f"{who}.ppo_mini_batch_size", f"{who}.ppo_micro_batch_size_per_gpu"
+    if not (p.positive(mini_key, mini) & p.positive(micro_key, micro)):
+        return
+    if mini > train_bs:
+        p.append(f"{mini_key} ({mini}) must be <= data.train_batch_size ({train_bs}); lower it")
+    elif train_bs % mini:
+        p.append(f"data.train_batch_size ({train_bs}) must be a multiple of {mini_key} ({mini})")
+    if (mini * n) % n_workers:
+        p.append(f"{mini_key} * {R}.n ({mini}*{n}={mini * n}) must be divisible by the {n_workers} "
+                 f"workers; set {mini_key} so that the product is a multiple of {n_workers}")
+        return
+    per_worker = mini * n // n_workers
+    if micro > per_worker:
+        p.append(f"{micro_key} ({micro}) is larger than the per-worker mini-batch ({mini_key} * {R}.n / "
+                 f"n_workers = {per_worker} sequences); lower {micro_key} to a divisor of {per_worker}")
+    elif per_worker % micro:
+        p.append(f"per-worker mini-batch ({per_worker} sequences) must be divisible by {micro_key} ({micro}); "
+                 f"set it to a divisor of {per_worker}")
+
+
+def validate_config(cfg: HybridFlowConfig) -> None:
+    """Raise one ConfigError listing every problem in ``cfg`` (no-op when it is fine)."""
+    p = _Problems()
+    d, arr, alg = cfg.data, cfg.actor_rollout_ref, cfg.algorithm
+    actor, roll, critic = arr.actor, arr.rollout, cfg.critic
+    n_workers = p.trainer(cfg.trainer)
+
+    ok = p.positive("data.train_batch_size", d.train_batch_size) & p.positive(f"{R}.n", roll.n)
+    if ok and n_workers >= 1:
+        if (d.train_batch_size * roll.n) % n_workers:
+            p.append(f"data.train_batch_size * {R}.n ({d.train_batch_size}*{roll.n}) must be divisible by "
+                     f"n_workers = trainer.nnodes * trainer.n_gpus_per_node = {n_workers}; set "
+                     f"data.train_batch_size to a multiple of {n_workers}")
+        _batch_checks(p, A, actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu,
+                      d.train_batch_size, roll.n, n_workers)
+        if alg.adv_estimator == "gae":
+            mini = actor.ppo_mini_batch_size if critic.ppo_mini_batch_size is None else critic.ppo_mini_batch_size
+            _batch_checks(p, "critic", mini, critic.ppo_micro_batch_size_per_gpu,
+                          d.train_batch_size, roll.n, n_workers)
+
+    for key, v in [("data.max_prompt_length", d.max_prompt_length), ("data.max_response_length", d.max_response_length),
+                   (f"{A}.ppo_epochs", actor.ppo_epochs), ("critic.ppo_epochs", critic.ppo_epochs),
+                   (f"{R}.log_prob_micro_batch_size_per_gpu", roll.log_prob_micro_batch_size_per_gpu),
+                   ("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", arr.ref.log_prob_micro_batch_size_per_gpu)]:
+        p.positive(key, v)
+    if d.val_batch_size is not None:
+        p.positive("data.val_batch_size", d.val_batch_size)
+    for key, v in [(f"{A}.clip_ratio", actor.clip_ratio), (f"{A}.clip_ratio_low", actor.clip_ratio_low),
+                   (f"{A}.clip_ratio_high", actor.clip_ratio_high), ("critic.cliprange_value", critic.cliprange_value)]:
+        if v is not None and not v > 0:
+            p.append(f"{key} must be > 0, got {v}")
+    if not actor.clip_ratio_c > 1:
+        p.append(f"{A}.clip_ratio_c must be > 1 (dual-clip bound), got {actor.clip_ratio_c}")
+    for key, s in [(R, roll), (f"{R}.val_kwargs", roll.val_kwargs)]:
+        if not s.temperature >= 0:
+            p.append(f"{key}.temperature must be >= 0, got {s.temperature}")
+        if not 0 < s.top_p <= 1:
+            p.append(f"{key}.top_p must be in (0, 1], got {s.top_p}")
+
+    p.enum(f"{R}.name", roll.name, ["hf"], " (the vLLM backend is not available yet; it will need "
+           "`pip install vllm` once supported - use hf)" if roll.name == "vllm" else "")
+    p.enum(f"{A}.strategy", actor.strategy, ["fsdp2", "fsdp"])
+    p.enum(f"{A}.loss_agg_mode", actor.loss_agg_mode, _LOSS_AGG)
+    p.enum("critic.loss_agg_mode", critic.loss_agg_mode, _LOSS_AGG)
+    p.enum(f"{A}.kl_loss_type", actor.kl_loss_type, _KL_TYPES)
+    p.enum("algorithm.kl_penalty", alg.kl_penalty, _KL_TYPES)
+    p.enum("algorithm.kl_ctrl.type", alg.kl_ctrl.type, ["fixed", "adaptive"])
+    p.enum("algorithm.adv_estimator", alg.adv_estimator, _adv_estimators())
+    p.enum("data.truncation", d.truncation, ["error", "left", "right"])
+    p.optim(f"{A}.optim", actor.optim)
+    p.optim("critic.optim", critic.optim)
+    if alg.adv_estimator in ("grpo", "rloo") and isinstance(roll.n, int) and 0 < roll.n < 2:
+        p.append(f"{R}.n must be >= 2 for algorithm.adv_estimator={alg.adv_estimator} (the group baseline "
+                 f"needs several samples per prompt), got {roll.n}")
+    if roll.tensor_model_parallel_size != 1:
+        p.append(f"{R}.tensor_model_parallel_size must be 1 for now (tensor-parallel generation arrives "
+                 f"with the hybrid engine), got {roll.tensor_model_parallel_size}")
+    if cfg.reward_model.enable:
+        p.append("reward_model.enable: model-based rewards are not implemented yet; set it to false and use "
+                 "rule rewards / custom_reward_function")
+
+    max_pos = p.model("actor_rollout_ref.model", arr.model)
+    if max_pos is not None and d.max_prompt_length + d.max_response_length > max_pos:
+        p.append(f"data.max_prompt_length + data.max_response_length ({d.max_prompt_length}+"
+                 f"{d.max_response_length}) exceeds the model's max_position_embeddings ({max_pos}); lower them")
+    if critic.model.path:
+        p.model("critic.model", critic.model)
+    if not d.train_files:
+        p.append("data.train_files is empty; set it to one or more parquet files")
+    for key, files in [("data.train_files", d.train_files), ("data.val_files", d.val_files)]:
+        for f in files:
+            p.exists(key, f)
+    if cfg.custom_reward_function.path:
+        p.exists("custom_reward_function.path", cfg.custom_reward_function.path)
+    p.raise_if_any("RL")
+
+
+def validate_sft_config(cfg: SFTConfig) -> None:
+    """The SFT analogue of :func:`validate_config`."""
+    p = _Problems()
+    n_workers = p.trainer(cfg.trainer)
+    ok = p.positive("train_batch_size", cfg.train_batch_size) & p.positive(
+        "micro_batch_size_per_gpu", cfg.micro_batch_size_per_gpu)
+    if ok and n_workers >= 1:
+        per = cfg.micro_batch_size_per_gpu * n_workers
+        if cfg.train_batch_size % n_workers:
+            p.append(f"train_batch_size ({cfg.train_batch_size}) must be divisible by n_workers ({n_workers}); "
+                     f"set it to a multiple of {n_workers}")
+        elif cfg.train_batch_size % per:
+            p.append(f"train_batch_size ({cfg.train_batch_size}) must be divisible by micro_batch_size_per_gpu * "
+                     f"n_workers ({cfg.micro_batch_size_per_gpu}*{n_workers}={per}); lower micro_batch_size_per_gpu")
+    p.positive("max_length", cfg.max_length)
+    p.positive("total_steps", cfg.total_steps)
+    p.optim("optim", cfg.optim)
+    max_pos = p.model("model", cfg.model)
+    if max_pos is not None and cfg.max_length > max_pos:
+        p.append(f"max_length ({cfg.max_length}) exceeds the model's max_position_embeddings ({max_pos}); lower it")
+    if not cfg.train_files:
+        p.append("train_files is empty; set it to one or more parquet files")
+    for key, files in [("train_files", cfg.train_files), ("val_files", cfg.val_files)]:
+        for f in files:
+            p.exists(key, f)
+    p.raise_if_any("SFT")

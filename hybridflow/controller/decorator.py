@@ -1,0 +1,83 @@
+"""`register(dispatch_mode=...)`: how a worker method is called by the single controller.
+
+A worker class marks its public methods with ``@register(Dispatch.X)``. The worker group reads
+the mark and turns one driver call into N per-rank calls (dispatch) and N results into one
+(collect):
+
+- ONE_TO_ALL: every rank gets the same arguments; the result is the list of per-rank results.
+- DP_COMPUTE: every `Batch` argument is split into N equal chunks by data-parallel rank (padded
+  to a multiple of N first, un-padded after); Batch results are concatenated back in rank order,
+  dict results (metrics) are averaged over ranks.
+- RANK_ZERO: every rank runs (SPMD methods use collectives), only rank 0's result is returned.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Callable
+
+from hybridflow.protocol import Batch
+
+DISPATCH_ATTR = "_hybridflow_dispatch"
+
+
+class Dispatch(enum.Enum):
+    ONE_TO_ALL = "one_to_all"
+    DP_COMPUTE = "dp_compute"
+    RANK_ZERO = "rank_zero"
+
+
+def register(dispatch_mode: Dispatch = Dispatch.ONE_TO_ALL) -> Callable:
+    def mark(fn: Callable) -> Callable:
+        setattr(fn, DISPATCH_ATTR, dispatch_mode)
+        return fn
+
+    return mark
+
+
+def dispatch_args(mode: Dispatch, world_size: int, args: tuple, kwargs: dict) -> tuple[list, list, int]:
+    """Per-rank (args, kwargs) lists, and the number of padding rows added (DP_COMPUTE)."""
+    if mode is not Dispatch.DP_COMPUTE:
+        return [args] * world_size, [kwargs] * world_size, 0
+
+    pad = 0
+
+    def split(value: Any) -> list:
+        nonlocal pad
+        if isinstance(value, Batch):
+            padded, pad = value.pad_to_multiple(world_size)
+            return padded.chunk(world_size)
+        return [value] * world_size
+
+    split_args = [split(a) for a in args]
+    split_kwargs = {k: split(v) for k, v in kwargs.items()}
+    rank_args = [tuple(a[r] for a in split_args) for r in range(world_size)]
+    rank_kwargs = [{k: v[r] for k, v in split_kwargs.items()} for r in range(world_size)]
+    return rank_args, rank_kwargs, pad
+
+
+def collect_results(mode: Dispatch, results: list, pad: int) -> Any:
+    if mode is Dispatch.ONE_TO_ALL:
+        return results
+    if mode is Dispatch.RANK_ZERO:
+        return results[0]
+    first = results[0]
+    if isinstance(first, Batch):
+        out = Batch.concat(results)
+        rank_metrics = [r.meta.get("metrics") for r in results if r.meta.get("metrics")]
+        if rank_metrics:
+            out.meta["metrics"] = mean_metrics(rank_metrics)
+        return out.unpad(pad) if pad else out
+    if isinstance(first, dict):
+        return mean_metrics(results)
+    return results
+
+
+def mean_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """Average each numeric metric over the ranks that report it."""
+    keys = {k for d in per_rank for k in d}
+    out = {}
+    for k in sorted(keys):
+        vals = [float(d[k]) for d in per_rank if k in d]
+        out[k] = sum(vals) / len(vals)
+    return out

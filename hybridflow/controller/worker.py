@@ -1,0 +1,114 @@
+"""The SPMD side: a `Worker` is one Ray actor process of a worker group.
+
+Each worker knows its rank and the group's world size (set as environment variables by the
+worker group before the class is constructed) and joins one torch.distributed process group,
+shared by every role colocated in the process.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from hybridflow.controller.decorator import DISPATCH_ATTR
+
+# Rank 0's rendezvous socket; one per process, shared by every role colocated in it.
+_STORE_SOCKET: socket.socket | None = None
+
+
+def pick_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+class Worker:
+    """Base class: rank bookkeeping and process-group set-up."""
+
+    def __init__(self) -> None:
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+
+    # ---- called by the worker group, not by users ----
+    def _hf_master_endpoint(self, host: str) -> tuple[str, int]:
+        """Rank 0 opens the rendezvous socket on `host` (its node IP) and keeps it for the store.
+
+        Binding it ourselves (instead of env://, whose TCPStore listens on every interface)
+        keeps a local run on loopback only.
+        """
+        global _STORE_SOCKET
+        _STORE_SOCKET = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        _STORE_SOCKET.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        _STORE_SOCKET.bind((host, 0))
+        _STORE_SOCKET.listen(128)
+        return host, _STORE_SOCKET.getsockname()[1]
+
+    def _hf_node_ip(self) -> str:
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+    def _hf_set_env(self, env: dict[str, str]) -> None:
+        os.environ.update(env)
+
+    def _hf_pid(self) -> int:
+        return os.getpid()
+
+    def init_process_group(self, device: str) -> None:
+        """Join the group's process group once (colocated roles share it)."""
+        if dist.is_initialized():
+            return
+        backend = "nccl" if device == "cuda" else "gloo"
+        if device == "cuda":
+            torch.cuda.set_device(self.local_rank)
+        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        if host.startswith("127."):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's pairs on loopback too
+        # A collective that never completes fails loudly instead of hanging the run.
+        timeout = timedelta(seconds=int(os.environ.get("HYBRIDFLOW_PG_TIMEOUT", "600")))
+        if self.rank == 0:
+            store = dist.TCPStore(host, port, self.world_size, True, timeout, master_listen_fd=_STORE_SOCKET.fileno())
+        else:
+            store = dist.TCPStore(host, port, self.world_size, False, timeout)
+        dist.init_process_group(backend=backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timeout)
+
+
+def registered_methods(cls: type) -> dict[str, object]:
+    """name -> Dispatch for every public method marked with @register."""
+    out = {}
+    for name in dir(cls):
+        if name.startswith("_"):
+            continue
+        mode = getattr(getattr(cls, name, None), DISPATCH_ATTR, None)
+        if mode is not None:
+            out[name] = mode
+    return out
+
+
+def colocated_worker_cls(roles: dict[str, type]) -> type:
+    """One process class holding several roles (e.g. actor_rollout_ref + critic).
+
+    Role `r`'s registered method `m` becomes `r__m` on the fused class, keeping its dispatch
+    mode; `ColocatedWorkerGroup.role(r)` exposes it again as plain `m`. The roles share the
+    process, its memory and its process group — no extra processes on a small machine.
+    """
+
+    def __init__(self, role_kwargs: dict[str, dict]) -> None:
+        Worker.__init__(self)
+        self._roles = {name: cls(**role_kwargs.get(name, {})) for name, cls in roles.items()}
+
+    namespace: dict[str, object] = {"__init__": __init__}
+    for role, cls in roles.items():
+        for method, mode in registered_methods(cls).items():
+
+            def call(self, *args, _role=role, _method=method, **kwargs):
+                return getattr(self._roles[_role], _method)(*args, **kwargs)
+
+            setattr(call, DISPATCH_ATTR, mode)
+            namespace[f"{role}__{method}"] = call
+    return type("Colocated_" + "_".join(roles), (Worker,), namespace)

@@ -1,0 +1,143 @@
+"""The single controller's handle on a group of SPMD workers running as Ray actors.
+
+    pool = ResourcePool(nnodes=1, procs_per_node=2, cpus_per_worker=0.5)
+    wg = RayWorkerGroup(pool, ActorRolloutRefWorker, config=cfg)
+    wg.init_model()                  # ONE_TO_ALL: every rank runs it
+    out = wg.generate_sequences(b)   # DP_COMPUTE: b split by rank, results concatenated
+
+Every method a worker class marks with `@register(...)` becomes a method of the group. Workers
+of one group join one torch.distributed process group; rank 0 proposes the rendezvous address.
+Fractional CPU requests let N workers plus the driver share a small machine without deadlock.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+# Read by Ray at import time: without it Ray swaps a 127.0.0.1 node address for the machine's
+# routable IP and its servers listen on every interface. With it, a local cluster stays on loopback.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+import ray  # noqa: E402
+from ray.util.placement_group import placement_group, remove_placement_group  # noqa: E402
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: E402
+
+from hybridflow.controller.decorator import Dispatch, collect_results, dispatch_args
+from hybridflow.controller.worker import colocated_worker_cls, registered_methods
+
+# Environment every worker process gets: one BLAS thread per worker (N workers share few
+# cores), gloo over loopback on a single node, no hub access, quiet tokenizers.
+WORKER_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "HF_HUB_OFFLINE": "1",
+    "RAY_USAGE_STATS_ENABLED": "0",
+}
+
+
+def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
+    """Start an embedded local cluster bound to 127.0.0.1, or join `address` ("auto", host:port)."""
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        return
+    from ray._private import ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False  # in case ray was imported before hybridflow
+    ray.init(
+        num_cpus=num_cpus or os.cpu_count(),
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=True,
+    )
+
+
+class ResourcePool:
+    """Placement groups reserving `procs_per_node` worker slots on each of `nnodes` nodes."""
+
+    def __init__(self, nnodes: int = 1, procs_per_node: int = 2, cpus_per_worker: float = 0.5, gpus_per_worker: float = 0.0):
+        self.nnodes = nnodes
+        self.procs_per_node = procs_per_node
+        self.world_size = nnodes * procs_per_node
+        bundle = {"CPU": cpus_per_worker}
+        if gpus_per_worker:
+            bundle["GPU"] = gpus_per_worker
+        self.bundle = bundle
+        # One placement group per node, packed: ranks of a node are consecutive.
+        self.groups = [placement_group([dict(bundle)] * procs_per_node, strategy="STRICT_PACK") for _ in range(nnodes)]
+        ray.get([pg.ready() for pg in self.groups], timeout=120)
+
+    def slots(self) -> list[tuple[Any, int, int]]:
+        """(placement group, bundle index, local rank) for every global rank, in rank order."""
+        return [(pg, i, i) for pg in self.groups for i in range(self.procs_per_node)]
+
+    def release(self) -> None:
+        for pg in self.groups:
+            remove_placement_group(pg)
+
+
+class RayWorkerGroup:
+    """N Ray actors of one worker class, called by the driver like one object."""
+
+    def __init__(self, pool: ResourcePool, worker_cls: type, *, name: str = "wg", device: str = "cpu", env: dict[str, str] | None = None, **init_kwargs):
+        self.pool = pool
+        self.world_size = pool.world_size
+        self.worker_cls = worker_cls
+        remote_cls = ray.remote(worker_cls)
+        self.workers = []
+        for rank, (pg, bundle_index, local_rank) in enumerate(pool.slots()):
+            worker_env = {**WORKER_ENV, **(env or {}), "RANK": str(rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(local_rank)}
+            options = {
+                "num_cpus": pool.bundle["CPU"],
+                "num_gpus": pool.bundle.get("GPU", 0),
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle_index),
+                "runtime_env": {"env_vars": worker_env},
+                "name": f"{name}_{rank}",
+            }
+            self.workers.append(remote_cls.options(**options).remote(**init_kwargs))
+        # Rendezvous: rank 0 names an address and a free port; everyone gets it before init.
+        node_ip = ray.get(self.workers[0]._hf_node_ip.remote())
+        master_addr, master_port = ray.get(self.workers[0]._hf_master_endpoint.remote(node_ip))
+        ray.get([w._hf_set_env.remote({"MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}) for w in self.workers])
+        for method, mode in registered_methods(worker_cls).items():
+            setattr(self, method, functools.partial(self._call, method, mode))
+
+    def _call(self, method: str, mode: Dispatch, *args, **kwargs) -> Any:
+        rank_args, rank_kwargs, pad = dispatch_args(mode, self.world_size, args, kwargs)
+        refs = [getattr(w, method).remote(*a, **k) for w, a, k in zip(self.workers, rank_args, rank_kwargs)]
+        return collect_results(mode, ray.get(refs), pad)
+
+    def pids(self) -> list[int]:
+        return ray.get([w._hf_pid.remote() for w in self.workers])
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            ray.kill(w)
+        self.workers = []
+
+
+class RoleView:
+    """One role of a colocated group, with its methods under their own names."""
+
+    def __init__(self, group: RayWorkerGroup, role: str, role_cls: type):
+        self.world_size = group.world_size
+        for method in registered_methods(role_cls):
+            setattr(self, method, getattr(group, f"{role}__{method}"))
+
+
+class ColocatedWorkerGroup(RayWorkerGroup):
+    """Several roles (e.g. actor_rollout_ref and critic) in the same N processes."""
+
+    def __init__(self, pool: ResourcePool, roles: dict[str, tuple[type, dict]], **kwargs):
+        self.role_classes = {role: cls for role, (cls, _) in roles.items()}
+        fused = colocated_worker_cls(self.role_classes)
+        super().__init__(pool, fused, role_kwargs={role: kw for role, (_, kw) in roles.items()}, **kwargs)
+
+    def role(self, name: str) -> RoleView:
+        return RoleView(self, name, self.role_classes[name])

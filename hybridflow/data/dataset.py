@@ -1,0 +1,290 @@
+"""Parquet datasets for RL (prompts) and SFT (prompt + response), verl schema.
+
+Every row is validated up front, so a bad file fails at start-up with the file path and row number
+(0-based, as pandas / pyarrow number rows) instead of deep inside a training step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+from hybridflow.protocol import Batch
+
+logger = logging.getLogger(__name__)
+
+RL_REQUIRED = "each row needs data_source, prompt, reward_model.ground_truth"
+SFT_REQUIRED = "each row needs prompt, response"
+TRUNCATION_MODES = ("left", "right", "error")
+
+
+class DataError(ValueError):
+    """A data file is missing, unreadable, or holds a malformed row."""
+
+
+# --------------------------------------------------------------------------------------------- io
+def load_rows(files) -> list[tuple[str, int, dict]]:
+    """Read parquet files -> ``[(file, row_number, row_dict), ...]`` with plain Python values."""
+    import pyarrow.parquet as pq
+
+    if isinstance(files, (str, os.PathLike)):
+        files = [files]
+    files = [str(f) for f in files]
+    if not files:
+        raise DataError("no data files given")
+    rows: list[tuple[str, int, dict]] = []
+    for f in files:
+        if not os.path.isfile(f):
+            raise DataError(f"data file not found: {f}")
+        try:
+            table = pq.read_table(f)
+        except Exception as e:  # noqa: BLE001 - re-raised with the file name
+            raise DataError(f"cannot read parquet file {f}: {e}") from e
+        for i, row in enumerate(table.to_pylist()):
+            rows.append((f, i, row))
+    return rows
+
+
+def chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    """``apply_chat_template(..., tokenize=True)`` as a plain list of ids (transformers v4 and v5)."""
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+    if isinstance(out, dict) or hasattr(out, "keys"):
+        out = out["input_ids"]
+    if isinstance(out, torch.Tensor):
+        out = out.tolist()
+    out = list(out)
+    if out and isinstance(out[0], (list, tuple)):  # batched form
+        out = list(out[0])
+    return [int(x) for x in out]
+
+
+def text_ids(tokenizer, text: str) -> list[int]:
+    out = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return [int(x) for x in out]
+
+
+# ------------------------------------------------------------------------------------ validation
+def _check_chat(file: str, row_no: int, row: dict, key: str, required: str) -> list[dict]:
+    value = row.get(key)
+    if value is None:
+        raise DataError(f"{file} row {row_no}: column {key!r} is missing or null ({required})")
+    if isinstance(value, tuple):
+        value = list(value)
+    if not isinstance(value, list) or not value:
+        raise DataError(
+            f"{file} row {row_no}: column {key!r} must be a non-empty chat list of "
+            f"{{role, content}} messages, got {type(value).__name__} {value!r:.80}"
+        )
+    for j, msg in enumerate(value):
+        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str) or not isinstance(msg.get("content"), str):
+            raise DataError(
+                f"{file} row {row_no}: column {key!r} message {j} must be a dict with string 'role' and "
+                f"'content', got {msg!r:.80}"
+            )
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def _validate_rl_row(file: str, row_no: int, row: dict, prompt_key: str) -> dict:
+    for col in ("data_source", prompt_key, "reward_model"):
+        if row.get(col) is None:
+            raise DataError(f"{file} row {row_no}: column {col!r} is missing or null ({RL_REQUIRED})")
+    prompt = _check_chat(file, row_no, row, prompt_key, RL_REQUIRED)
+    rm = row["reward_model"]
+    if not isinstance(rm, dict):
+        raise DataError(
+            f"{file} row {row_no}: column 'reward_model' must be a dict with 'ground_truth', "
+            f"got {type(rm).__name__} ({RL_REQUIRED})"
+        )
+    if rm.get("ground_truth") is None:
+        raise DataError(f"{file} row {row_no}: 'reward_model.ground_truth' is missing or null ({RL_REQUIRED})")
+    extra = row.get("extra_info")
+    if extra is not None and not isinstance(extra, dict):
+        raise DataError(f"{file} row {row_no}: column 'extra_info' must be a dict or null, got {type(extra).__name__}")
+    return {
+        "data_source": str(row["data_source"]),
+        "prompt": prompt,
+        "reward_model": dict(rm),
+        "extra_info": dict(extra) if extra else {},
+    }
+
+
+# ------------------------------------------------------------------------------------------- RL
+class RLDataset(Dataset):
+    """Prompt dataset for rollouts.
+
+    Over-long prompts (> ``max_prompt_length`` tokens after the chat template): with
+    ``filter_overlong_prompts`` they are dropped (count in ``num_filtered``); otherwise
+    ``truncation`` decides: "left" keeps the last tokens, "right" the first, "error" raises.
+    """
+
+    def __init__(
+        self,
+        files,
+        tokenizer,
+        max_prompt_length: int,
+        prompt_key: str = "prompt",
+        filter_overlong_prompts: bool = True,
+        truncation: str = "error",
+    ):
+        if truncation not in TRUNCATION_MODES:
+            raise DataError(f"data.truncation must be one of {TRUNCATION_MODES}, got {truncation!r}")
+        if max_prompt_length <= 0:
+            raise DataError(f"data.max_prompt_length must be > 0, got {max_prompt_length}")
+        self.tokenizer = tokenizer
+        self.max_prompt_length = int(max_prompt_length)
+        self.prompt_key = prompt_key
+        self.num_filtered = 0
+        self.num_truncated = 0
+        self.items: list[dict[str, Any]] = []
+        rows = load_rows(files)
+        for file, row_no, row in rows:
+            rec = _validate_rl_row(file, row_no, row, prompt_key)
+            ids = chat_ids(tokenizer, rec["prompt"], add_generation_prompt=True)
+            if len(ids) > self.max_prompt_length:
+                if filter_overlong_prompts:
+                    self.num_filtered += 1
+                    continue
+                if truncation == "error":
+                    raise DataError(
+                        f"{file} row {row_no}: prompt is {len(ids)} tokens, longer than "
+                        f"data.max_prompt_length={self.max_prompt_length}; raise data.max_prompt_length, "
+                        f"set data.filter_overlong_prompts=true, or data.truncation=left|right"
+                    )
+                ids = ids[-self.max_prompt_length :] if truncation == "left" else ids[: self.max_prompt_length]
+                self.num_truncated += 1
+            self.items.append(
+                {
+                    "input_ids": ids,
+                    "data_source": rec["data_source"],
+                    "reward_model": rec["reward_model"],
+                    "extra_info": rec["extra_info"],
+                    "raw_prompt": rec["prompt"],
+                    "index": len(self.items),
+                }
+            )
+        if self.num_filtered:
+            logger.warning(
+                "RLDataset: dropped %d of %d prompts longer than data.max_prompt_length=%d",
+                self.num_filtered,
+                len(rows),
+                self.max_prompt_length,
+            )
+        if not self.items:
+            raise DataError(
+                f"RLDataset: no usable prompts in {sorted({f for f, _, _ in rows})}"
+                f" ({self.num_filtered} filtered as longer than data.max_prompt_length={self.max_prompt_length})"
+            )
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        item = self.items[i]
+        return {**item, "input_ids": list(item["input_ids"])}
+
+
+def collate_rl(items: list[dict], pad_token_id: int, max_prompt_length: int) -> Batch:
+    """Left-pad prompts to ``max_prompt_length`` -> Batch(input_ids, attention_mask, position_ids, ...)."""
+    bsz = len(items)
+    input_ids = torch.full((bsz, max_prompt_length), int(pad_token_id), dtype=torch.long)
+    attention_mask = torch.zeros((bsz, max_prompt_length), dtype=torch.long)
+    for r, item in enumerate(items):
+        ids = item["input_ids"]
+        n = len(ids)
+        if n > max_prompt_length:
+            raise DataError(f"prompt of {n} tokens exceeds data.max_prompt_length={max_prompt_length}")
+        if n:
+            input_ids[r, max_prompt_length - n :] = torch.as_tensor(ids, dtype=torch.long)
+            attention_mask[r, max_prompt_length - n :] = 1
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    return Batch.from_dict(
+        tensors={"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids},
+        non_tensors={
+            "data_source": [it["data_source"] for it in items],
+            "reward_model": [it["reward_model"] for it in items],
+            "extra_info": [it.get("extra_info") or {} for it in items],
+            "raw_prompt": [it["raw_prompt"] for it in items],
+            "index": [int(it["index"]) for it in items],
+        },
+    )
+
+
+# ------------------------------------------------------------------------------------------ SFT
+class SFTDataset(Dataset):
+    """Prompt/response pairs for SFT.
+
+    ids = chat_template(prompt, add_generation_prompt=True) + response tokens + [eos]. Sequences
+    longer than ``max_length`` are truncated on the RIGHT (the end of the response, and possibly
+    its eos, is cut; counted in ``num_truncated``). A prompt that leaves no room for any response
+    token raises DataError. Items are right-padded to ``max_length``; ``loss_mask`` is 1 exactly on
+    the response tokens (eos included) that survive truncation.
+    """
+
+    def __init__(self, files, tokenizer, max_length: int, prompt_key: str = "prompt", response_key: str = "response"):
+        if max_length <= 1:
+            raise DataError(f"data.max_length must be > 1, got {max_length}")
+        self.tokenizer = tokenizer
+        self.max_length = int(max_length)
+        eos = tokenizer.eos_token_id
+        if eos is None:
+            raise DataError("tokenizer has no eos_token_id; SFT needs one to end responses")
+        pad = tokenizer.pad_token_id
+        self.pad_token_id = int(pad if pad is not None else eos)
+        self.num_truncated = 0
+        self.samples: list[tuple[list[int], int]] = []  # (ids, prompt_len)
+        for file, row_no, row in load_rows(files):
+            prompt = _check_chat(file, row_no, row, prompt_key, SFT_REQUIRED)
+            response = row.get(response_key)
+            if response is None:
+                raise DataError(f"{file} row {row_no}: column {response_key!r} is missing or null ({SFT_REQUIRED})")
+            if not isinstance(response, str):
+                raise DataError(
+                    f"{file} row {row_no}: column {response_key!r} must be a string, got {type(response).__name__}"
+                )
+            p_ids = chat_ids(tokenizer, prompt, add_generation_prompt=True)
+            if len(p_ids) >= self.max_length:
+                raise DataError(
+                    f"{file} row {row_no}: prompt is {len(p_ids)} tokens, leaving no room for the response "
+                    f"within data.max_length={self.max_length}; raise data.max_length"
+                )
+            ids = p_ids + text_ids(tokenizer, response) + [int(eos)]
+            if len(ids) > self.max_length:
+                ids = ids[: self.max_length]
+                self.num_truncated += 1
+            self.samples.append((ids, len(p_ids)))
+        if self.num_truncated:
+            logger.warning(
+                "SFTDataset: truncated %d sequences on the right to data.max_length=%d",
+                self.num_truncated,
+                self.max_length,
+            )
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids, p_len = self.samples[i]
+        n = len(ids)
+        L = self.max_length
+        input_ids = torch.full((L,), self.pad_token_id, dtype=torch.long)
+        input_ids[:n] = torch.as_tensor(ids, dtype=torch.long)
+        attention_mask = torch.zeros(L, dtype=torch.long)
+        attention_mask[:n] = 1
+        loss_mask = torch.zeros(L, dtype=torch.long)
+        loss_mask[p_len:n] = 1
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        return {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "position_ids": position_ids,
+            "loss_mask": loss_mask,
+        }
+
+
+def collate_sft(items: list[dict]) -> Batch:
+    keys = items[0].keys()
+    return Batch.from_dict(tensors={k: torch.stack([it[k] for it in items]) for k in keys})

@@ -1,0 +1,192 @@
+"""Tiny HF checkpoints built fully offline (character tokenizer + random Qwen2/Llama).
+
+The tokenizer is character level: every printable ASCII character (space included) and
+"\\n" is exactly one token, so ``decode(encode(text)) == text`` for any such text.
+
+Token ids (stable, independent of arguments):
+    0 ``<|endoftext|>`` (pad; model bos_token_id)   1 ``<|im_start|>``   2 ``<|im_end|>`` (eos)
+    3 ``"\\n"``   4..98 printable ASCII 32..126 (id = ord(c) - 28)   99..258 other bytes
+Vocabulary size: 259 (byte-level BPE without merges; see ``build_char_tokenizer``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+
+PAD_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = [PAD_TOKEN, IM_START, IM_END]
+
+# Same pre-tokenizer regex as Qwen2Tokenizer (transformers rebuilds this pipeline when a
+# qwen2 checkpoint is loaded with AutoTokenizer, so we build the identical one up front).
+PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2 / ByteLevel byte -> printable unicode char mapping."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) + list(
+        range(ord("\xae"), ord("\xff") + 1)
+    )
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def _char_vocab() -> dict[str, int]:
+    b2u = _bytes_to_unicode()
+    vocab: dict[str, int] = {}
+    for tok in SPECIAL_TOKENS:
+        vocab[tok] = len(vocab)
+    order = [10] + list(range(32, 127)) + [b for b in range(256) if b != 10 and not 32 <= b < 127]
+    for b in order:
+        vocab[b2u[b]] = len(vocab)
+    return vocab
+
+
+def build_char_tokenizer():
+    """Character-level ``PreTrainedTokenizerFast`` with a Qwen-style chat template.
+
+    Implemented as a byte-level BPE with *no merges*: every printable ASCII char and "\n" is
+    one token; any other character falls back to its UTF-8 byte tokens (so there are no unknown
+    tokens and decode(encode(text)) == text for all text). This is exactly the pipeline that
+    ``Qwen2Tokenizer`` rebuilds on load, so the saved checkpoint tokenizes identically whether it
+    is loaded as Qwen2Tokenizer (arch qwen2) or TokenizersBackend (arch llama).
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = _char_vocab()
+    tok = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=[],
+            dropout=None,
+            unk_token=None,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+            byte_fallback=False,
+        )
+    )
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=None,
+        eos_token=IM_END,
+        pad_token=PAD_TOKEN,
+        unk_token=PAD_TOKEN,
+        additional_special_tokens=[IM_START],
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+        model_max_length=4096,
+    )
+    hf_tok.chat_template = CHAT_TEMPLATE
+    return hf_tok
+
+
+def make_tiny_model(
+    out_dir,
+    arch: str = "qwen2",
+    hidden_size: int = 64,
+    num_hidden_layers: int = 2,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    intermediate_size: int = 128,
+    max_position_embeddings: int = 256,
+    tie_word_embeddings: bool = False,
+    seed: int = 0,
+) -> pathlib.Path:
+    """Build a randomly initialised fp32 causal LM + char tokenizer and save both to ``out_dir``."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen2Config
+
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_char_tokenizer()
+    pad_id = tok.convert_tokens_to_ids(PAD_TOKEN)
+    eos_id = tok.convert_tokens_to_ids(IM_END)
+    common = dict(
+        vocab_size=len(tok),
+        hidden_size=hidden_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=pad_id,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+    )
+    arch_l = arch.lower()
+    if arch_l == "qwen2":
+        config = Qwen2Config(**common)
+    elif arch_l == "llama":
+        config = LlamaConfig(**common)
+    else:
+        raise ValueError(f"unknown arch {arch!r}: expected 'qwen2' or 'llama'")
+    config.dtype = torch.float32
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config = GenerationConfig(
+        bos_token_id=pad_id, eos_token_id=eos_id, pad_token_id=pad_id
+    )
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def main_make_model(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="hybridflow make-model", description="Build a tiny offline HF checkpoint")
+    p.add_argument("out_dir")
+    p.add_argument("--arch", default="qwen2", choices=["qwen2", "llama"])
+    p.add_argument("--hidden-size", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--intermediate-size", type=int, default=None, help="default: 2 x hidden size")
+    p.add_argument("--max-position-embeddings", type=int, default=256)
+    p.add_argument("--tie-word-embeddings", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    out = make_tiny_model(
+        a.out_dir,
+        arch=a.arch,
+        hidden_size=a.hidden_size,
+        num_hidden_layers=a.layers,
+        num_attention_heads=a.heads,
+        num_key_value_heads=a.kv_heads,
+        intermediate_size=a.intermediate_size or 2 * a.hidden_size,
+        max_position_embeddings=a.max_position_embeddings,
+        tie_word_embeddings=a.tie_word_embeddings,
+        seed=a.seed,
+    )
+    print(json.dumps({"model_dir": str(out)}))
+    return 0

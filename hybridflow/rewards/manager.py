@@ -1,0 +1,102 @@
+"""RewardManager: decode responses, score them, place the score on the last valid token."""
+
+from __future__ import annotations
+
+import logging
+import numbers
+from typing import Callable
+
+import torch
+
+from hybridflow.protocol import Batch
+from hybridflow.rewards.scorers import compute_score as default_compute_score
+
+logger = logging.getLogger(__name__)
+
+
+class RewardManager:
+    """``__call__(batch) -> (token_level_scores [B, T] float32, metrics)``.
+
+    The batch needs tensors ``responses`` [B, T] and ``response_mask`` [B, T], and non-tensors
+    ``data_source``, ``reward_model`` (dict with ``ground_truth``) and optionally ``extra_info``.
+    ``compute_score(data_source=, solution_str=, ground_truth=, extra_info=)`` may return a number
+    or a dict with key ``"score"`` (other numeric keys become ``reward/<key>/mean`` metrics). A
+    sample whose scoring raises (or returns something else) scores 0.0 and is counted in
+    ``reward/errors``; one warning per call is logged. ``NotImplementedError`` (no scorer for a
+    data_source: a configuration error) propagates. The score sits at the last valid response
+    token (``response_mask.sum(-1) - 1``; index 0 for an empty response). The decoded strings of
+    the last call are kept in ``last_decoded``.
+    """
+
+    def __init__(self, tokenizer, compute_score: Callable | None = None):
+        self.tokenizer = tokenizer
+        self.compute_score = compute_score or default_compute_score
+        self.last_decoded: list[str] = []
+        self.last_scores: list[float] = []
+
+    def __call__(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+        responses = batch["responses"]
+        mask = batch["response_mask"].bool()
+        bsz, T = responses.shape
+        data_sources = batch["data_source"]
+        reward_models = batch["reward_model"]
+        extra_infos = batch.non_tensors.get("extra_info") if "extra_info" in batch.non_tensors else None
+
+        scores = torch.zeros((bsz, T), dtype=torch.float32)
+        lengths = mask.sum(-1)
+        decoded: list[str] = []
+        values: list[float] = []
+        extras: dict[str, list[float]] = {}
+        errors = 0
+        first_error = None
+        resp_cpu, mask_cpu = responses.cpu(), mask.cpu()
+        for i in range(bsz):
+            ids = resp_cpu[i][mask_cpu[i]].tolist()
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            decoded.append(text)
+            rm = reward_models[i]
+            extra = extra_infos[i] if extra_infos is not None else None
+            try:
+                gt = rm["ground_truth"] if isinstance(rm, dict) else rm
+                out = self.compute_score(
+                    data_source=data_sources[i], solution_str=text, ground_truth=gt, extra_info=extra
+                )
+                if isinstance(out, dict):
+                    if "score" not in out:
+                        raise ValueError(f"reward function returned a dict without 'score': {out!r:.200}")
+                    for k, v in out.items():
+                        if k != "score" and isinstance(v, numbers.Number) and not isinstance(v, bool):
+                            extras.setdefault(k, []).append(float(v))
+                    out = out["score"]
+                if isinstance(out, torch.Tensor):
+                    out = out.item()
+                if not isinstance(out, numbers.Number):
+                    raise TypeError(f"reward function returned {type(out).__name__}, expected a float or a dict with 'score'")
+                value = float(out)
+            except NotImplementedError:
+                # no scorer for this data_source: a configuration error, not a bad sample
+                raise
+            except Exception as e:  # noqa: BLE001 - a bad sample must not stop the batch
+                errors += 1
+                if first_error is None:
+                    first_error = (i, data_sources[i], f"{type(e).__name__}: {e}")
+                value = 0.0
+            values.append(value)
+            pos = max(int(lengths[i]) - 1, 0)
+            if T > 0:
+                scores[i, pos] = value
+        if errors:
+            idx, ds, msg = first_error
+            logger.warning(
+                "reward function raised for %d of %d samples (scored 0.0); first: sample %d data_source=%r: %s",
+                errors, bsz, idx, ds, msg,
+            )
+        self.last_decoded = decoded
+        self.last_scores = values
+        metrics: dict[str, float] = {"reward/errors": float(errors)}
+        if values:
+            t = torch.tensor(values)
+            metrics.update({"reward/mean": t.mean().item(), "reward/max": t.max().item(), "reward/min": t.min().item()})
+        for k, v in extras.items():
+            metrics[f"reward/{k}/mean"] = sum(v) / len(v)
+        return scores.to(responses.device), metrics

@@ -1,0 +1,70 @@
+"""Rule-based scorers and the default ``compute_score`` dispatcher (verl-compatible signature)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+_INT_RE = re.compile(r"-?\d+")
+_GSM8K_RE = re.compile(r"#### *\$?\s*(-?[0-9][0-9.,$]*)")
+
+
+def _to_number(text: Any):
+    s = str(text).strip().replace(",", "").replace("$", "").rstrip(".")
+    try:
+        return int(s)
+    except ValueError:
+        try:
+            return float(s)
+        except ValueError:
+            return None
+
+
+def _same_answer(pred: str, ground_truth: Any) -> bool:
+    a, b = _to_number(pred), _to_number(ground_truth)
+    if a is not None and b is not None:
+        return a == b
+    return str(pred).strip() == str(ground_truth).strip()
+
+
+def exact_answer_score(solution_str: str, ground_truth: Any) -> float:
+    """1.0 if the LAST integer in ``solution_str`` equals ``ground_truth``, else 0.0."""
+    found = _INT_RE.findall(solution_str or "")
+    if not found:
+        return 0.0
+    return 1.0 if _same_answer(found[-1], ground_truth) else 0.0
+
+
+def extract_gsm8k_answer(solution_str: str):
+    """The number after the LAST ``####`` marker (commas and ``$`` stripped), or None."""
+    found = _GSM8K_RE.findall(solution_str or "")
+    if not found:
+        return None
+    ans = found[-1].replace(",", "").replace("$", "").rstrip(".")
+    return ans or None
+
+
+def gsm8k_score(solution_str: str, ground_truth: Any, format_score: float = 0.0, score: float = 1.0) -> float:
+    """GSM8K strict format: ``#### <number>``; ``score`` if it equals the ground truth, else ``format_score``
+    when a number was found, 0.0 when none was."""
+    ans = extract_gsm8k_answer(solution_str)
+    if ans is None:
+        return 0.0
+    return score if _same_answer(ans, ground_truth) else format_score
+
+
+_ARITH = ("arith_add", "arithmetic")
+_GSM8K = ("openai/gsm8k", "gsm8k")
+
+
+def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
+    """Default reward dispatcher by ``data_source``."""
+    if data_source in _ARITH:
+        return exact_answer_score(solution_str, ground_truth)
+    if data_source in _GSM8K:
+        return gsm8k_score(solution_str, ground_truth)
+    raise NotImplementedError(
+        f"no built-in reward for data_source {data_source!r} (built-in: {', '.join(_ARITH + _GSM8K)}); "
+        f"set custom_reward_function.path (and custom_reward_function.name) to a file defining "
+        f"compute_score(data_source, solution_str, ground_truth, extra_info)"
+    )

@@ -1,0 +1,40 @@
+"""Per-step data metrics with verl's names (scores, rewards, advantages, lengths, throughput)."""
+
+from __future__ import annotations
+
+import torch
+
+from hybridflow.algorithms import masked_mean
+from hybridflow.protocol import Batch
+
+
+def _stats(prefix: str, x: torch.Tensor) -> dict[str, float]:
+    x = x.float()
+    return {f"{prefix}/mean": float(x.mean()), f"{prefix}/max": float(x.max()), f"{prefix}/min": float(x.min())}
+
+
+def compute_data_metrics(batch: Batch, world_size: int, step_seconds: float) -> dict[str, float]:
+    mask = batch["response_mask"].float()  # [B, R]
+    valid = mask.bool()
+    resp_len = mask.sum(-1)  # [B]
+    prompt_len = batch["attention_mask"][:, : batch["prompts"].shape[1]].sum(-1).float()
+    max_resp = batch["responses"].shape[1]
+    m: dict[str, float] = {}
+    m.update(_stats("critic/score", batch["token_level_scores"].sum(-1)))
+    m.update(_stats("critic/rewards", batch["token_level_rewards"].sum(-1)))
+    m.update(_stats("critic/advantages", batch["advantages"][valid]))
+    m.update(_stats("critic/returns", batch["returns"][valid]))
+    if "values" in batch:
+        m.update(_stats("critic/values", batch["values"][valid]))
+    m.update(_stats("response_length", resp_len))
+    m["response_length/clip_ratio"] = float((resp_len >= max_resp).float().mean())
+    m.update(_stats("prompt_length", prompt_len))
+    if "rollout_log_probs" in batch and "old_log_probs" in batch and batch.meta.get("temperature", 1.0) > 0:
+        # Rollout engine vs training engine log-probs of the sampled tokens (same weights).
+        diff = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs() * mask
+        m["rollout/logprob_diff_max"] = float(diff.max())
+        m["rollout/logprob_diff_mean"] = float(masked_mean(diff, mask))
+    tokens = float(batch["attention_mask"].sum())
+    m["perf/total_num_tokens"] = tokens
+    m["perf/throughput"] = tokens / max(step_seconds, 1e-9) / world_size  # tokens/s per worker
+    return m

@@ -1,0 +1,280 @@
+"""The RL trainer (PPO, GRPO, RLOO, REINFORCE++, ReMax): a driver that runs a DataFlow.
+
+    trainer = RLTrainer(cfg)        # validates the config and loads data before any worker starts
+    trainer.init_workers()          # Ray cluster, resource pool, colocated actor/rollout/ref (+critic)
+    summary = trainer.fit()
+
+One step (see `build_dataflow`):
+    gen -> reward -> old_log_prob -> ref -> values -> adv -> update_critic -> update_actor -> reshard
+Stages that the algorithm does not need are disabled (no critic for GRPO, no ref without KL).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections import defaultdict
+
+import numpy as np
+import torch
+from transformers import AutoTokenizer
+
+from hybridflow.algorithms import get_adv_estimator, make_kl_controller, apply_kl_penalty, masked_mean
+from hybridflow.config import HybridFlowConfig, save_config, validate_config
+from hybridflow.controller.worker_group import ColocatedWorkerGroup, ResourcePool, init_ray
+from hybridflow.data.dataset import RLDataset, collate_rl
+from hybridflow.protocol import Batch
+from hybridflow.rewards.loader import load_custom_reward_fn
+from hybridflow.rewards.manager import RewardManager
+from hybridflow.trainer.dataflow import DataFlow, Stage
+from hybridflow.trainer.loader import PromptLoader
+from hybridflow.trainer.metrics import compute_data_metrics
+from hybridflow.utils.tracking import Tracker
+
+logger = logging.getLogger("hybridflow")
+
+PROMPT_KEYS = ["input_ids", "attention_mask", "position_ids"]
+SAMPLE_INFO_KEYS = ["data_source", "reward_model", "extra_info"]
+REWARD_KEYS = ["responses", "response_mask"] + SAMPLE_INFO_KEYS
+TRAIN_KEYS = ["input_ids", "attention_mask", "position_ids", "responses", "response_mask"]
+LATEST = "latest_checkpointed_iteration.txt"
+
+
+class RLTrainer:
+    def __init__(self, cfg: HybridFlowConfig):
+        validate_config(cfg)  # before any worker (or Ray) starts
+        self.cfg = cfg
+        mcfg = cfg.actor_rollout_ref.model
+        self.tokenizer = AutoTokenizer.from_pretrained(mcfg.tokenizer_path or mcfg.path)
+        d = cfg.data
+        self.train_ds = RLDataset(d.train_files, self.tokenizer, d.max_prompt_length, d.prompt_key, d.filter_overlong_prompts, d.truncation)
+        self.val_ds = RLDataset(d.val_files, self.tokenizer, d.max_prompt_length, d.prompt_key, d.filter_overlong_prompts, d.truncation) if d.val_files else None
+        self.collate = lambda items: collate_rl(items, self.tokenizer.pad_token_id, d.max_prompt_length)
+        self.loader = PromptLoader(self.train_ds, d.train_batch_size, self.collate, d.shuffle, d.seed)
+        self.total_steps = cfg.trainer.total_training_steps or self.loader.batches_per_epoch * cfg.trainer.total_epochs
+        self.reward_fn = RewardManager(self.tokenizer, load_custom_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name))
+        a = cfg.algorithm
+        self.use_critic = a.adv_estimator == "gae"
+        self.use_ref = cfg.actor_rollout_ref.actor.use_kl_loss or a.use_kl_in_reward
+        self.kl_ctrl = make_kl_controller(a.kl_ctrl.type, a.kl_ctrl.kl_coef, a.kl_ctrl.target_kl, a.kl_ctrl.horizon)
+        self.global_step = 0
+        self.log_dir = cfg.trainer.log_dir or cfg.trainer.default_local_dir
+        self.wg = None
+
+    # ------------------------------------------------------------------ workers
+    def init_workers(self) -> None:
+        from hybridflow.workers.actor_rollout_ref import ActorRolloutRefWorker
+        from hybridflow.workers.critic import CriticWorker
+
+        t = self.cfg.trainer
+        init_ray(self.cfg.ray_init.address, self.cfg.ray_init.num_cpus)
+        device = "cuda" if t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available()) else "cpu"
+        self.pool = ResourcePool(t.nnodes, t.n_gpus_per_node, self.cfg.ray_init.cpus_per_worker, 1.0 if device == "cuda" else 0.0)
+        role = "actor_rollout_ref" if self.use_ref else "actor_rollout"
+        roles = {"actor": (ActorRolloutRefWorker, {"config": self.cfg, "role": role, "total_training_steps": self.total_steps})}
+        if self.use_critic:
+            roles["critic"] = (CriticWorker, {"config": self.cfg, "total_training_steps": self.total_steps})
+        self.wg = ColocatedWorkerGroup(self.pool, roles, name=f"{t.experiment_name}_{os.getpid()}", device=device)
+        self.actor = self.wg.role("actor")
+        self.actor.init_model()
+        self.critic = self.wg.role("critic") if self.use_critic else None
+        if self.critic:
+            self.critic.init_model()
+
+    def shutdown(self) -> None:
+        if self.wg is not None:
+            self.wg.shutdown()
+            self.pool.release()
+            self.wg = None
+
+    # ------------------------------------------------------------------ stages
+    def _reward(self, batch: Batch) -> Batch:
+        scores, metrics = self.reward_fn(batch)
+        return Batch.from_dict(tensors={"token_level_scores": scores}, meta={"metrics": metrics})
+
+    def _reward_baseline(self, batch: Batch) -> Batch:
+        """ReMax: the reward of the greedy response to the same prompt, one scalar per sample."""
+        greedy = self.actor.generate_sequences(Batch(batch.tensors, {}, {**batch.meta, "do_sample": False}))
+        scores, _ = self.reward_fn(_with_sample_info(greedy, batch))
+        return Batch.from_dict(tensors={"reward_baselines": scores.sum(-1)})
+
+    def _advantage(self, batch: Batch) -> Batch:
+        a = self.cfg.algorithm
+        metrics: dict[str, float] = {}
+        rewards = batch["token_level_scores"]
+        if a.use_kl_in_reward:
+            rewards, metrics = apply_kl_penalty(rewards, batch["old_log_probs"], batch["ref_log_prob"], batch["response_mask"], self.kl_ctrl, a.kl_penalty)
+        adv, returns = get_adv_estimator(a.adv_estimator)(
+            rewards,
+            batch["response_mask"],
+            index=batch["uid"] if "uid" in batch else None,
+            values=batch["values"] if "values" in batch else None,
+            reward_baselines=batch["reward_baselines"] if "reward_baselines" in batch else None,
+            gamma=a.gamma,
+            lam=a.lam,
+            norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo,
+        )
+        return Batch.from_dict(tensors={"token_level_rewards": rewards, "advantages": adv, "returns": returns}, meta={"metrics": metrics})
+
+    def _reshard(self, batch: Batch) -> dict[str, float]:
+        seconds = max(self.actor.sync_rollout_weights())
+        metrics = {"reshard/seconds": seconds}
+        if self.cfg.trainer.check_weight_sync:
+            diff = max(self.actor.rollout_weight_max_diff())
+            if diff != 0.0:
+                raise RuntimeError(f"weight sync check failed: rollout weights differ from the trained ones by {diff}")
+            metrics["reshard/weight_max_diff"] = diff
+        return metrics
+
+    def build_dataflow(self) -> DataFlow:
+        a = self.cfg.algorithm
+        actor, critic = self.actor, self.critic
+        return DataFlow([
+            Stage("reward_baseline", self._reward_baseline, PROMPT_KEYS + SAMPLE_INFO_KEYS, ["reward_baselines"], enabled=a.adv_estimator == "remax"),
+            Stage("gen", actor.generate_sequences, PROMPT_KEYS, ["prompts", "responses", "response_mask", "input_ids", "attention_mask", "position_ids", "rollout_log_probs"]),
+            Stage("reward", self._reward, REWARD_KEYS, ["token_level_scores"]),
+            Stage("old_log_prob", actor.compute_log_prob, TRAIN_KEYS, ["old_log_probs"]),
+            Stage("ref", actor.compute_ref_log_prob if self.use_ref else None, TRAIN_KEYS, ["ref_log_prob"], enabled=self.use_ref),
+            Stage("values", critic.compute_values if critic else None, TRAIN_KEYS, ["values"], enabled=self.use_critic),
+            Stage("adv", self._advantage, [], ["token_level_rewards", "advantages", "returns"]),
+            Stage("update_critic", critic.update_critic if critic else None, TRAIN_KEYS + ["values", "returns"], [], enabled=self.use_critic),
+            Stage("update_actor", actor.update_actor, TRAIN_KEYS + ["old_log_probs", "advantages"] + (["ref_log_prob"] if self.use_ref else []), []),
+            Stage("reshard", self._reshard, [], []),
+        ])
+
+    # ------------------------------------------------------------------ loop
+    def _sampling_meta(self, greedy: bool = False) -> dict:
+        r = self.cfg.actor_rollout_ref.rollout
+        s = r.val_kwargs if greedy else r
+        return {
+            "max_response_length": self.cfg.data.max_response_length,
+            "do_sample": s.do_sample,
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "top_k": s.top_k,
+            "seed": self.cfg.trainer.seed * 100_003 + self.global_step,
+        }
+
+    def train_step(self, flow: DataFlow) -> dict[str, float]:
+        n = self.cfg.actor_rollout_ref.rollout.n
+        batch = self.loader.next_batch()
+        # Group id per prompt, then n interleaved samples per prompt: [p0, p0, ..., p1, p1, ...].
+        batch["uid"] = [f"{self.global_step}-{i}" for i in range(len(batch))]
+        batch = batch.repeat(n, interleave=True)
+        batch.meta.update(self._sampling_meta())
+        start = time.perf_counter()
+        batch, metrics = flow.run(batch)
+        metrics["timing_s/step"] = time.perf_counter() - start
+        metrics.update(compute_data_metrics(batch, self.pool.world_size, metrics["timing_s/step"]))
+        return metrics
+
+    def validate(self) -> dict[str, float]:
+        """Greedy (val_kwargs) generation on the validation set; accuracy per data source."""
+        if self.val_ds is None:
+            return {}
+        vk = self.cfg.actor_rollout_ref.rollout.val_kwargs
+        size = self.cfg.data.val_batch_size or len(self.val_ds)
+        scores: dict[str, list[float]] = defaultdict(list)
+        for start in range(0, len(self.val_ds), size):
+            batch = self.collate([self.val_ds[i] for i in range(start, min(start + size, len(self.val_ds)))])
+            batch = batch.repeat(vk.n, interleave=True)
+            batch.meta.update(self._sampling_meta(greedy=True))
+            out = self.actor.generate_sequences(batch.select(PROMPT_KEYS))
+            seq_scores = self.reward_fn(_with_sample_info(out, batch))[0].sum(-1).tolist()
+            for ds, s in zip(batch["data_source"], seq_scores):
+                scores[ds].append(s)
+        return {f"val-core/{ds}/acc/mean@{vk.n}": float(np.mean(v)) for ds, v in scores.items()}
+
+    def fit(self) -> dict:
+        t = self.cfg.trainer
+        os.makedirs(t.default_local_dir, exist_ok=True)
+        save_config(self.cfg, os.path.join(t.default_local_dir, "config.yaml"))
+        if self.wg is None:
+            self.init_workers()
+        self._maybe_resume()
+        tracker = Tracker(t.logger, self.log_dir)
+        flow = self.build_dataflow()
+        history: list[dict] = []
+        val_metrics: dict[str, float] = {}
+        if t.val_before_train and self.global_step == 0:
+            val_metrics = self.validate()
+            if val_metrics:
+                tracker.log(val_metrics, step=0)
+                history.append({"step": 0, **val_metrics})
+        if self.train_ds.num_filtered:
+            logger.info("filtered %d over-long prompts (data.max_prompt_length=%d)", self.train_ds.num_filtered, self.cfg.data.max_prompt_length)
+        progress = _progress(t.progress_bar, self.total_steps, self.global_step)
+        while self.global_step < self.total_steps:
+            self.global_step += 1
+            metrics = self.train_step(flow)
+            metrics["data/num_filtered_prompts"] = float(self.train_ds.num_filtered)
+            last = self.global_step == self.total_steps
+            if t.test_freq > 0 and (self.global_step % t.test_freq == 0 or last):
+                val_metrics = self.validate()
+                metrics.update(val_metrics)
+            if t.save_freq > 0 and (self.global_step % t.save_freq == 0 or last):
+                self.save_checkpoint()
+            tracker.log(metrics, step=self.global_step)
+            history.append({"step": self.global_step, **metrics})
+            if progress:
+                progress.update(1)
+        if progress:
+            progress.close()
+        tracker.close()
+        return {"steps": self.global_step, "final_val": val_metrics, "history": history}
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self) -> str:
+        t = self.cfg.trainer
+        path = os.path.abspath(os.path.join(t.default_local_dir, f"global_step_{self.global_step}"))
+        self.actor.save_checkpoint(path)
+        if self.critic:
+            self.critic.save_checkpoint(path)
+        state = {"global_step": self.global_step, "loader": self.loader.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict()}
+        torch.save(state, os.path.join(path, "trainer_state.pt"))
+        with open(os.path.join(t.default_local_dir, LATEST), "w") as f:
+            f.write(str(self.global_step))
+        return path
+
+    def _maybe_resume(self) -> None:
+        t = self.cfg.trainer
+        if t.resume_mode == "disable":
+            return
+        if t.resume_mode == "resume_path":
+            path = t.resume_from_path
+        else:
+            latest = os.path.join(t.default_local_dir, LATEST)
+            if not os.path.exists(latest):
+                return
+            path = os.path.join(t.default_local_dir, f"global_step_{open(latest).read().strip()}")
+        path = os.path.abspath(path)
+        state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
+        self.actor.load_checkpoint(path)
+        if self.critic:
+            self.critic.load_checkpoint(path)
+        self.global_step = int(state["global_step"])
+        self.loader.load_state_dict(state["loader"])
+        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        logger.info("resumed from %s at step %d", path, self.global_step)
+
+
+def _with_sample_info(generated: Batch, prompts: Batch) -> Batch:
+    """Attach the prompts' per-sample reward inputs to a generation result (same rows)."""
+    for key in SAMPLE_INFO_KEYS:
+        generated[key] = prompts[key]
+    return generated
+
+
+def _progress(enabled: bool, total: int, initial: int):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc="rl steps", unit="step", dynamic_ncols=True, leave=False)
+
+
+def write_json(path: str, obj: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2)

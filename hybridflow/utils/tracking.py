@@ -1,0 +1,67 @@
+"""Metric logging: a compact console line per step and a JSONL file (one object per step)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Iterable
+
+# The columns of the console table, in order (short header, metric key, format).
+CONSOLE_COLUMNS = [
+    ("step", "step", "{:>5d}"),
+    ("score", "critic/score/mean", "{:>6.3f}"),
+    ("val_acc", "val-core/*", "{:>7.3f}"),
+    ("pg_loss", "actor/pg_loss", "{:>8.4f}"),
+    ("ppo_kl", "actor/ppo_kl", "{:>9.2e}"),
+    ("entropy", "actor/entropy", "{:>7.3f}"),
+    ("grad", "actor/grad_norm", "{:>6.3f}"),
+    ("vf_loss", "critic/vf_loss", "{:>7.4f}"),
+    ("resp_len", "response_length/mean", "{:>8.2f}"),
+    ("step_s", "timing_s/step", "{:>6.2f}"),
+]
+
+
+def _lookup(metrics: dict, key: str):
+    if key.endswith("*"):
+        hits = [v for k, v in metrics.items() if k.startswith(key[:-1])]
+        return hits[0] if hits else None
+    return metrics.get(key)
+
+
+def _width(fmt: str) -> int:
+    return len(fmt.format(0 if "d" in fmt else 0.0))
+
+
+class Tracker:
+    def __init__(self, loggers: Iterable[str], log_dir: str | None, stream=None):
+        self.loggers = set(loggers)
+        self.stream = stream or sys.stdout
+        self.jsonl = None
+        self._header_done = False
+        if "jsonl" in self.loggers and log_dir:
+            os.makedirs(log_dir, exist_ok=True)
+            self.jsonl_path = os.path.join(log_dir, "metrics.jsonl")
+            self.jsonl = open(self.jsonl_path, "a", encoding="utf-8")
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        if self.jsonl is not None:
+            self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+            self.jsonl.flush()
+        if "console" in self.loggers:
+            self._console(dict(metrics, step=step))
+
+    def _console(self, metrics: dict) -> None:
+        if not self._header_done:
+            self.stream.write(" | ".join(f"{h:>{_width(f)}}" for h, _, f in CONSOLE_COLUMNS) + "\n")
+            self._header_done = True
+        cells = []
+        for h, k, f in CONSOLE_COLUMNS:
+            v = _lookup(metrics, k)
+            cells.append(f.format(v) if v is not None else "-".rjust(_width(f)))
+        self.stream.write(" | ".join(cells) + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.jsonl is not None:
+            self.jsonl.close()

@@ -1,0 +1,280 @@
+"""The actor, its rollout and the frozen reference policy, colocated in one process per rank.
+
+- actor: the HF model sharded with FSDP2 over the group (each rank stores ~1/N of it), AdamW,
+  warm-up schedule, gradient clipping, micro-batch gradient accumulation; PPO update and SFT step.
+- rollout: an unsharded HF model that generates with `generate` (temperature/top-p/top-k/n).
+  After every actor update `sync_rollout_weights` gathers the trained parameters one at a time
+  and copies them into the rollout model (the plain gather-then-copy path; the 3D-HybridEngine
+  replaces it with layout-aware resharding).
+- ref: a frozen FSDP2 copy of the initial policy, for the KL term.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import torch.distributed as dist
+from transformers import AutoTokenizer, GenerationConfig
+
+from hybridflow.algorithms import agg_loss, compute_policy_loss, entropy_from_logits, kl_loss, logprobs_from_logits, masked_mean
+from hybridflow.config.schema import HybridFlowConfig
+from hybridflow.controller.decorator import Dispatch, register
+from hybridflow.controller.worker import Worker, pick_device
+from hybridflow.parallel.fsdp import apply_fsdp2, iter_full_params, make_mesh, shard_numel
+from hybridflow.protocol import Batch
+from hybridflow.utils.checkpoint import load_sharded, save_sharded
+from hybridflow.workers.fsdp_model import load_hf_model, micro_batches, response_logits
+from hybridflow.workers.optim import build_optimizer, build_scheduler
+
+
+def response_mask_from(responses: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """1 up to and including the first EOS, 0 after it. [b, R] -> [b, R] long."""
+    is_eos = (responses == eos_id).long()
+    before_or_at_first_eos = (torch.cumsum(is_eos, dim=1) - is_eos) == 0
+    return before_or_at_first_eos.long()
+
+
+def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
+    return torch.clamp(torch.cumsum(attention_mask, dim=1) - 1, min=0)
+
+
+class ActorRolloutRefWorker(Worker):
+    """role: "actor_rollout_ref" (RL), "actor_rollout" (RL without reference), "actor" (SFT)."""
+
+    def __init__(self, config: HybridFlowConfig, role: str = "actor_rollout_ref", total_training_steps: int = 1):
+        super().__init__()
+        self.cfg = config
+        self.role = role
+        self.total_training_steps = total_training_steps
+        self.device = pick_device(config.trainer.device)
+        self.has_rollout = "rollout" in role
+        self.has_ref = role.endswith("ref")
+
+    @register(Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        self.init_process_group(self.device)
+        torch.manual_seed(self.cfg.trainer.seed)
+        mcfg = self.cfg.actor_rollout_ref.model
+        acfg = self.cfg.actor_rollout_ref.actor
+        self.tokenizer = AutoTokenizer.from_pretrained(mcfg.tokenizer_path or mcfg.path)
+        mesh = make_mesh(self.device, self.world_size)
+
+        self.actor = apply_fsdp2(load_hf_model(mcfg, self.device), mesh, acfg.fsdp_config.reshard_after_forward, acfg.fsdp_config.param_offload)
+        self.optimizer = build_optimizer(self.actor.parameters(), acfg.optim)
+        self.scheduler = build_scheduler(self.optimizer, acfg.optim, self.total_training_steps)
+        if self.has_rollout:
+            self.rollout = load_hf_model(mcfg, self.device).eval().requires_grad_(False)
+        if self.has_ref:
+            rcfg = self.cfg.actor_rollout_ref.ref
+            self.ref = apply_fsdp2(load_hf_model(mcfg, self.device), mesh, rcfg.fsdp_config.reshard_after_forward, rcfg.fsdp_config.param_offload)
+            self.ref.eval().requires_grad_(False)
+
+    # ------------------------------------------------------------------ rollout
+    @register(Dispatch.DP_COMPUTE)
+    @torch.no_grad()
+    def generate_sequences(self, prompts: Batch) -> Batch:
+        """prompts: input_ids/attention_mask [b, P] left-padded; meta: sampling settings.
+
+        Returns responses [b, R], response_mask [b, R], the full input_ids / attention_mask /
+        position_ids [b, P+R] and rollout_log_probs [b, R] (log-probs under the sampling
+        temperature, for the rollout-vs-trainer consistency check).
+        """
+        meta = prompts.meta
+        resp_len = int(meta["max_response_length"])
+        do_sample = bool(meta.get("do_sample", True)) and float(meta.get("temperature", 1.0)) > 0
+        temperature = float(meta.get("temperature", 1.0)) if do_sample else 1.0
+        torch.manual_seed(int(meta.get("seed", 0)) * 1000 + self.rank)
+        tok = self.tokenizer
+        gen_cfg = GenerationConfig(
+            max_new_tokens=resp_len,
+            do_sample=do_sample,
+            temperature=temperature if do_sample else None,
+            top_p=float(meta.get("top_p", 1.0)) if do_sample else None,
+            top_k=(int(meta.get("top_k", -1)) if int(meta.get("top_k", -1)) > 0 else 0) if do_sample else None,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        input_ids = prompts["input_ids"].to(self.device)
+        attention_mask = prompts["attention_mask"].to(self.device)
+        out = self.rollout.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=gen_cfg)
+        prompt_len = input_ids.shape[1]
+        gen = out.sequences[:, prompt_len:]  # [b, R'] with R' <= R
+        logits = torch.stack(out.logits, dim=1).float() / temperature  # [b, R', V]
+        logp = logprobs_from_logits(logits, gen)
+        pad = resp_len - gen.shape[1]
+        responses = torch.nn.functional.pad(gen, (0, pad), value=tok.pad_token_id)
+        rollout_log_probs = torch.nn.functional.pad(logp, (0, pad), value=0.0)
+        response_mask = response_mask_from(responses, tok.eos_token_id)
+        full_mask = torch.cat([attention_mask, response_mask], dim=1)
+        return Batch.from_dict(
+            tensors={
+                "prompts": input_ids.cpu(),
+                "responses": responses.cpu(),
+                "response_mask": response_mask.cpu(),
+                "input_ids": torch.cat([input_ids, responses], dim=1).cpu(),
+                "attention_mask": full_mask.cpu(),
+                "position_ids": position_ids_from(full_mask).cpu(),
+                "rollout_log_probs": (rollout_log_probs * response_mask).cpu(),
+            },
+            meta={"temperature": temperature},
+        )
+
+    @register(Dispatch.ONE_TO_ALL)
+    @torch.no_grad()
+    def sync_rollout_weights(self) -> float:
+        """Copy the trained weights into the rollout model; returns seconds spent."""
+        import time
+
+        start = time.perf_counter()
+        rollout_params = dict(self.rollout.named_parameters())
+        for name, full in iter_full_params(self.actor):
+            rollout_params[name].copy_(full)
+        return time.perf_counter() - start
+
+    @register(Dispatch.ONE_TO_ALL)
+    @torch.no_grad()
+    def rollout_weight_max_diff(self) -> float:
+        """max |rollout - trained| over all parameters (0.0 after a correct sync)."""
+        rollout_params = dict(self.rollout.named_parameters())
+        return max(float((rollout_params[n] - full).abs().max()) for n, full in iter_full_params(self.actor))
+
+    @register(Dispatch.ONE_TO_ALL)
+    def shard_stats(self) -> dict[str, int]:
+        local, total = shard_numel(self.actor)
+        return {"local_numel": local, "total_numel": total}
+
+    # ------------------------------------------------------------------ log-probs
+    def _log_probs(self, model, data: Batch, micro_bs: int, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        temperature = float(data.meta.get("temperature", 1.0))
+        logps, ents = [], []
+        for mb in micro_batches(data.to(self.device), micro_bs):
+            logits = response_logits(model, mb, temperature)
+            logps.append(logprobs_from_logits(logits, mb["responses"]))
+            if with_entropy:
+                ents.append(entropy_from_logits(logits))
+        return torch.cat(logps), (torch.cat(ents) if with_entropy else None)
+
+    @register(Dispatch.DP_COMPUTE)
+    @torch.no_grad()
+    def compute_log_prob(self, data: Batch) -> Batch:
+        """old_log_probs [b, R] under the current policy (before this step's update)."""
+        logp, ent = self._log_probs(self.actor, data, self.cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu, with_entropy=True)
+        mask = data["response_mask"].to(logp.device)
+        return Batch.from_dict(tensors={"old_log_probs": logp.cpu()}, meta={"metrics": {"actor/entropy": float(masked_mean(ent, mask))}})
+
+    @register(Dispatch.DP_COMPUTE)
+    @torch.no_grad()
+    def compute_ref_log_prob(self, data: Batch) -> Batch:
+        logp, _ = self._log_probs(self.ref, data, self.cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu)
+        return Batch.from_dict(tensors={"ref_log_prob": logp.cpu()})
+
+    # ------------------------------------------------------------------ training
+    def _optimizer_step(self, grad_clip: float) -> float:
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.actor.parameters(), grad_clip)
+        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    @register(Dispatch.DP_COMPUTE)
+    def update_actor(self, data: Batch) -> dict[str, float]:
+        """PPO-style update on this rank's share of the step's sequences.
+
+        data: input_ids/attention_mask/position_ids [b, P+R], responses/response_mask/
+        old_log_probs/advantages [b, R] (+ ref_log_prob when use_kl_loss). Mini-batches of
+        ppo_mini_batch_size * n / world sequences per rank, each one optimizer step.
+        """
+        acfg = self.cfg.actor_rollout_ref.actor
+        n = self.cfg.actor_rollout_ref.rollout.n
+        mini_size = acfg.ppo_mini_batch_size * n // self.world_size
+        temperature = float(data.meta.get("temperature", 1.0))
+        low = acfg.clip_ratio_low if acfg.clip_ratio_low is not None else acfg.clip_ratio
+        high = acfg.clip_ratio_high if acfg.clip_ratio_high is not None else acfg.clip_ratio
+        self.actor.train()
+        sums: dict[str, float] = {}
+        counts: dict[str, int] = {}
+
+        def add(k: str, v: float) -> None:
+            sums[k] = sums.get(k, 0.0) + float(v)
+            counts[k] = counts.get(k, 0) + 1
+
+        data = data.to(self.device)
+        for _ in range(acfg.ppo_epochs):
+            for mini in data.split(mini_size):
+                for mb in micro_batches(mini, acfg.ppo_micro_batch_size_per_gpu):
+                    mask = mb["response_mask"]
+                    logits = response_logits(self.actor, mb, temperature)
+                    log_prob = logprobs_from_logits(logits, mb["responses"])
+                    entropy = agg_loss(entropy_from_logits(logits), mask, acfg.loss_agg_mode)
+                    pg_loss, clipfrac, ppo_kl, clipfrac_lower = compute_policy_loss(
+                        mb["old_log_probs"], log_prob, mb["advantages"], mask, low, high, acfg.clip_ratio_c, acfg.loss_agg_mode
+                    )
+                    loss = pg_loss - acfg.entropy_coeff * entropy
+                    if acfg.use_kl_loss:
+                        kl = kl_loss(log_prob, mb["ref_log_prob"], mask, acfg.kl_loss_type, acfg.loss_agg_mode)
+                        loss = loss + acfg.kl_loss_coef * kl
+                        add("actor/kl_loss", kl.item())
+                    # Scale so the accumulated gradient is the mini-batch mean.
+                    (loss * len(mb) / len(mini)).backward()
+                    add("actor/pg_loss", pg_loss.item())
+                    add("actor/pg_clipfrac", clipfrac.item())
+                    add("actor/pg_clipfrac_lower", clipfrac_lower.item())
+                    add("actor/ppo_kl", ppo_kl.item())
+                    add("actor/entropy", entropy.item())
+                add("actor/grad_norm", self._optimizer_step(acfg.grad_clip))
+        metrics = {k: sums[k] / counts[k] for k in sums}
+        metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        return metrics
+
+    @register(Dispatch.DP_COMPUTE)
+    def sft_step(self, data: Batch) -> dict[str, float]:
+        """One SFT optimizer step: mean token NLL over response tokens (loss_mask [b, L])."""
+        acfg = self.cfg.actor_rollout_ref.actor
+        self.actor.train()
+        data = data.to(self.device)
+        # Normalise by the GLOBAL number of loss tokens so every token weighs the same.
+        local_tokens = data["loss_mask"][:, 1:].sum().float()
+        global_tokens = local_tokens.clone()
+        dist.all_reduce(global_tokens)
+        total_loss = 0.0
+        for mb in micro_batches(data, acfg.ppo_micro_batch_size_per_gpu):
+            out = self.actor(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], position_ids=mb["position_ids"], use_cache=False)
+            # logits at t predict token t+1: [b, L-1, V] vs labels [b, L-1]
+            nll = -logprobs_from_logits(out.logits[:, :-1], mb["input_ids"][:, 1:])
+            loss_sum = (nll * mb["loss_mask"][:, 1:]).sum()
+            # FSDP2 averages gradients over ranks; scale by world so the result is sum / global_tokens.
+            (loss_sum * self.world_size / global_tokens).backward()
+            total_loss += loss_sum.item()
+        lr = self.scheduler.get_last_lr()[0]
+        grad_norm = self._optimizer_step(acfg.grad_clip)
+        self.scheduler.step()
+        return {"train/loss": total_loss / max(float(local_tokens), 1.0), "train/grad_norm": grad_norm, "train/lr": lr}
+
+    # ------------------------------------------------------------------ checkpoints
+    @register(Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, path: str) -> None:
+        save_sharded(os.path.join(path, "actor"), self.actor, self.optimizer, self.scheduler)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, path: str) -> None:
+        load_sharded(os.path.join(path, "actor"), self.actor, self.optimizer, self.scheduler)
+        if self.has_rollout:
+            self.sync_rollout_weights()
+
+    @register(Dispatch.RANK_ZERO)
+    def save_hf_model(self, out_dir: str) -> str:
+        """Gather the full weights and write an HF checkpoint (+ tokenizer) from rank 0."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(self.actor, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank == 0:
+            self.actor.save_pretrained(out_dir, state_dict=full)
+            self.tokenizer.save_pretrained(out_dir)
+        dist.barrier()
+        return out_dir

@@ -1,0 +1,92 @@
+"""The critic: the policy's backbone class with a 1-output token head (V(s) per position), FSDP2.
+
+Values follow verl's convention: the value of response token j is read at the position that
+predicts it (P-1+j), i.e. the state before token j is generated.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from hybridflow.algorithms import compute_value_loss
+from hybridflow.config.schema import HybridFlowConfig
+from hybridflow.controller.decorator import Dispatch, register
+from hybridflow.controller.worker import Worker, pick_device
+from hybridflow.parallel.fsdp import apply_fsdp2, make_mesh
+from hybridflow.protocol import Batch
+from hybridflow.utils.checkpoint import load_sharded, save_sharded
+from hybridflow.workers.fsdp_model import load_hf_model, micro_batches, response_logits
+from hybridflow.workers.optim import build_optimizer, build_scheduler
+
+
+class CriticWorker(Worker):
+    def __init__(self, config: HybridFlowConfig, total_training_steps: int = 1):
+        super().__init__()
+        self.cfg = config
+        self.total_training_steps = total_training_steps
+        self.device = pick_device(config.trainer.device)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        self.init_process_group(self.device)
+        ccfg = self.cfg.critic
+        mcfg = ccfg.model if ccfg.model.path else self.cfg.actor_rollout_ref.model
+        torch.manual_seed(self.cfg.trainer.seed)
+        model = load_hf_model(mcfg, self.device, kind="value")
+        self.critic = apply_fsdp2(model, make_mesh(self.device, self.world_size), ccfg.fsdp_config.reshard_after_forward, ccfg.fsdp_config.param_offload)
+        self.optimizer = build_optimizer(self.critic.parameters(), ccfg.optim)
+        self.scheduler = build_scheduler(self.optimizer, ccfg.optim, self.total_training_steps)
+
+    def _values(self, mb: Batch) -> torch.Tensor:
+        return response_logits(self.critic, mb).squeeze(-1) * mb["response_mask"]  # [b, R]
+
+    @register(Dispatch.DP_COMPUTE)
+    @torch.no_grad()
+    def compute_values(self, data: Batch) -> Batch:
+        data = data.to(self.device)
+        values = torch.cat([self._values(mb) for mb in micro_batches(data, self.cfg.critic.ppo_micro_batch_size_per_gpu)])
+        return Batch.from_dict(tensors={"values": values.cpu()})
+
+    @register(Dispatch.DP_COMPUTE)
+    def update_critic(self, data: Batch) -> dict[str, float]:
+        """Clipped value regression towards `returns` [b, R]; mini/micro batching as the actor."""
+        ccfg = self.cfg.critic
+        n = self.cfg.actor_rollout_ref.rollout.n
+        mini_prompts = ccfg.ppo_mini_batch_size or self.cfg.actor_rollout_ref.actor.ppo_mini_batch_size
+        mini_size = mini_prompts * n // self.world_size
+        self.critic.train()
+        data = data.to(self.device)
+        losses, clipfracs, norms = [], [], []
+        for _ in range(ccfg.ppo_epochs):
+            for mini in data.split(mini_size):
+                for mb in micro_batches(mini, ccfg.ppo_micro_batch_size_per_gpu):
+                    vpreds = self._values(mb)
+                    vf_loss, clipfrac = compute_value_loss(vpreds, mb["returns"], mb["values"], mb["response_mask"], ccfg.cliprange_value, ccfg.loss_agg_mode)
+                    (vf_loss * len(mb) / len(mini)).backward()
+                    losses.append(vf_loss.item())
+                    clipfracs.append(clipfrac.item())
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.critic.parameters(), ccfg.grad_clip)
+                grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+                if math.isfinite(grad_norm):
+                    self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                norms.append(grad_norm)
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        return {
+            "critic/vf_loss": sum(losses) / len(losses),
+            "critic/vf_clipfrac": sum(clipfracs) / len(clipfracs),
+            "critic/grad_norm": sum(norms) / len(norms),
+            "critic/lr": lr,
+        }
+
+    @register(Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, path: str) -> None:
+        save_sharded(os.path.join(path, "critic"), self.critic, self.optimizer, self.scheduler)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, path: str) -> None:
+        load_sharded(os.path.join(path, "critic"), self.critic, self.optimizer, self.scheduler)

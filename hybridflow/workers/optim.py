@@ -1,0 +1,20 @@
+"""AdamW plus a warm-up schedule (transformers' schedulers; constant or cosine with a floor)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import get_scheduler
+
+from hybridflow.config.schema import OptimConfig
+
+
+def build_optimizer(params, cfg: OptimConfig) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int):
+    total = cfg.total_training_steps if cfg.total_training_steps > 0 else total_steps
+    warmup = cfg.lr_warmup_steps if cfg.lr_warmup_steps >= 0 else int(cfg.lr_warmup_steps_ratio * total)
+    if cfg.lr_scheduler_type == "cosine":
+        return get_scheduler("cosine_with_min_lr", optimizer, num_warmup_steps=warmup, num_training_steps=max(total, 1), scheduler_specific_kwargs={"min_lr_rate": cfg.min_lr_ratio})
+    return get_scheduler("constant_with_warmup", optimizer, num_warmup_steps=warmup)

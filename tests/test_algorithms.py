@@ -1,0 +1,323 @@
+"""Hand-computed checks of hybridflow.algorithms: advantages, PPO losses, KL estimators/controllers."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import numpy as np
+import pytest
+import torch
+
+from hybridflow.algorithms import (
+    ADV_ESTIMATORS,
+    KL_ESTIMATORS,
+    AdaptiveKLController,
+    FixedKLController,
+    agg_loss,
+    apply_kl_penalty,
+    compute_policy_loss,
+    compute_value_loss,
+    entropy_from_logits,
+    get_adv_estimator,
+    kl_loss,
+    kl_penalty,
+    logprobs_from_logits,
+    make_kl_controller,
+    masked_mean,
+    masked_var,
+    masked_whiten,
+)
+
+T = torch.tensor
+
+
+def close(actual: torch.Tensor, expected: object, atol: float = 1e-5) -> None:
+    torch.testing.assert_close(actual.float(), torch.as_tensor(expected, dtype=torch.float32), atol=atol, rtol=1e-5)
+
+
+def whiten_by_hand(xs: list[float]) -> list[float]:
+    """Reference whitening with the unbiased sample std (statistics.variance divides by n-1)."""
+    mean, var = statistics.mean(xs), statistics.variance(xs)
+    return [(x - mean) / math.sqrt(var + 1e-8) for x in xs]
+
+
+# ------------------------------------------------------------------ masked statistics
+def test_masked_stats() -> None:
+    x, mask = T([1.0, 2.0, 3.0, 100.0]), T([1.0, 1.0, 1.0, 0.0])
+    close(masked_mean(x, mask), 2.0)
+    close(masked_var(x, mask), 1.0)  # ((-1)^2 + 0 + 1^2) / (3 - 1)
+    close(masked_var(x, mask, unbiased=False), 2.0 / 3.0)
+    close(masked_whiten(x, mask)[:3], [-1.0, 0.0, 1.0])
+    close(masked_whiten(x, mask, shift_mean=False)[:3], [1.0, 2.0, 3.0])
+    m2 = T([[1.0, 2.0], [3.0, 4.0]])
+    close(masked_mean(m2, T([[1.0, 0.0], [1.0, 1.0]]), dim=-1), [1.0, 3.5])
+    close(masked_mean(x, torch.zeros(4)), 0.0)  # empty mask -> 0, not nan
+    with pytest.raises(ValueError, match="at least 2"):
+        masked_var(x, T([0.0, 1.0, 0.0, 0.0]))
+
+
+@pytest.mark.parametrize(
+    "mode, expected",
+    [("token-mean", 7.0 / 3.0), ("seq-mean-token-sum", (3.0 + 4.0) / 2), ("seq-mean-token-mean", (1.5 + 4.0) / 2)],
+)
+def test_agg_loss_modes(mode: str, expected: float) -> None:
+    loss_mat = T([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    mask = T([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    close(agg_loss(loss_mat, mask, mode), expected)
+
+
+def test_agg_loss_unknown_mode() -> None:
+    with pytest.raises(ValueError, match="token-mean"):
+        agg_loss(torch.zeros(1, 1), torch.ones(1, 1), "sum")
+
+
+# ------------------------------------------------------------------ advantage estimators
+def test_registry() -> None:
+    assert set(ADV_ESTIMATORS) >= {"gae", "grpo", "rloo", "reinforce_plus_plus", "remax"}
+    with pytest.raises(KeyError, match="grpo"):
+        get_adv_estimator("nope")
+
+
+def test_gae_1x3_by_hand() -> None:
+    # gamma=0.9, lam=0.8 (gamma*lam=0.72), V=[1,2,3], r=[0,0,1]; V after the end = 0.
+    # t=2: delta = 1 + 0 - 3 = -2                    A2 = -2
+    # t=1: delta = 0 + 0.9*3 - 2 = 0.7               A1 = 0.7 + 0.72*(-2) = -0.74
+    # t=0: delta = 0 + 0.9*2 - 1 = 0.8               A0 = 0.8 + 0.72*(-0.74) = 0.2672
+    adv, ret = get_adv_estimator("gae")(
+        T([[0.0, 0.0, 1.0]]), torch.ones(1, 3), values=T([[1.0, 2.0, 3.0]]), gamma=0.9, lam=0.8
+    )
+    close(ret, [[0.2672 + 1.0, -0.74 + 2.0, -2.0 + 3.0]])
+    close(adv, [whiten_by_hand([0.2672, -0.74, -2.0])])
+
+
+def test_gae_trailing_padding() -> None:
+    # mask [1,1,0]; the padded value 99 must not leak in. gamma=lam=1.
+    # t=1: delta = 1 + 0 - 2 = -1 -> A1 = -1;  t=0: delta = 0 + 2 - 1 = 1 -> A0 = 1 + (-1) = 0
+    adv, ret = get_adv_estimator("gae")(
+        T([[0.0, 1.0, 0.0]]), T([[1.0, 1.0, 0.0]]), values=T([[1.0, 2.0, 99.0]])
+    )
+    close(ret, [[1.0, 1.0, 0.0]])
+    close(adv, [[*whiten_by_hand([0.0, -1.0]), 0.0]])  # = [0.7071, -0.7071, 0]
+
+
+def test_gae_skips_inner_masked_token() -> None:
+    # mask [1,0,1], gamma=0.5, lam=1: the masked middle token (value 50) is skipped, so V_next of
+    # token 0 is V of token 2.  t=2: A2 = 1 - 2 = -1;  t=0: delta = 0 + 0.5*2 - 1 = 0,
+    # A0 = 0 + 0.5*(-1) = -0.5.  returns = A + V = [0.5, (masked) 0, 1].
+    _, ret = get_adv_estimator("gae")(
+        T([[0.0, 0.0, 1.0]]), T([[1.0, 0.0, 1.0]]), values=T([[1.0, 50.0, 2.0]]), gamma=0.5
+    )
+    close(ret, [[0.5, 0.0, 1.0]])
+
+
+GROUP_REWARDS = T([[0.0, 1.0], [0.0, 0.0], [1.0, 1.0], [0.0, 5.0]])  # scores 1, 0, 2 | 5
+GROUP_MASK = T([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0], [1.0, 1.0]])
+GROUP_INDEX = np.array(["a", "a", "a", "b"], dtype=object)
+
+
+def test_grpo_by_hand() -> None:
+    # group a: mean 1, unbiased std sqrt((0 + 1 + 1)/2) = 1; group b has size 1 -> mean 0, std 1.
+    adv, ret = get_adv_estimator("grpo")(GROUP_REWARDS, GROUP_MASK, index=GROUP_INDEX, epsilon=1e-6)
+    s = 1.0 / (1.0 + 1e-6)
+    close(adv, [[0.0, 0.0], [-s, 0.0], [s, s], [5 * s, 5 * s]])
+    assert torch.equal(adv, ret)
+    adv_nostd, _ = get_adv_estimator("grpo")(
+        GROUP_REWARDS * 2, GROUP_MASK, index=GROUP_INDEX, norm_adv_by_std_in_grpo=False
+    )
+    close(adv_nostd, [[0.0, 0.0], [-2.0, 0.0], [2.0, 2.0], [10.0, 10.0]])  # scores 2,0,4 | 10
+
+
+def test_rloo_by_hand() -> None:
+    # leave-one-out: 1 - (0+2)/2 = 0;  0 - (1+2)/2 = -1.5;  2 - (1+0)/2 = 1.5;  lone b keeps 5.
+    adv, ret = get_adv_estimator("rloo")(GROUP_REWARDS, GROUP_MASK, index=GROUP_INDEX)
+    close(adv, [[0.0, 0.0], [-1.5, 0.0], [1.5, 1.5], [5.0, 5.0]])
+    assert torch.equal(adv, ret)
+
+
+def test_group_ids_can_be_ints_and_interleaved() -> None:
+    adv, _ = get_adv_estimator("rloo")(T([[1.0], [3.0], [2.0], [6.0]]), torch.ones(4, 1), index=[7, 9, 7, 9])
+    close(adv, [[-1.0], [-3.0], [1.0], [3.0]])
+
+
+def test_reinforce_plus_plus_by_hand() -> None:
+    # gamma=0.5. seq0: returns [0.25, 0.5, 1]. seq1: the reward 7 sits on a masked token and the
+    # running return is reset there, so returns [0.5, 1, 0].
+    rewards = T([[0.0, 0.0, 1.0], [0.0, 1.0, 7.0]])
+    mask = T([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    adv, ret = get_adv_estimator("reinforce_plus_plus")(rewards, mask, gamma=0.5)
+    close(ret, [[0.25, 0.5, 1.0], [0.5, 1.0, 0.0]])
+    w = whiten_by_hand([0.25, 0.5, 1.0, 0.5, 1.0])
+    close(adv, [[w[0], w[1], w[2]], [w[3], w[4], 0.0]])
+
+
+def test_remax_by_hand() -> None:
+    rewards = T([[0.0, 0.0, 1.0], [0.0, 2.0, 0.0]])
+    mask = T([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    adv, ret = get_adv_estimator("remax")(rewards, mask, reward_baselines=T([0.5, 1.0]))
+    close(ret, [[1.0, 1.0, 1.0], [2.0, 2.0, 0.0]])
+    close(adv, [[0.5, 0.5, 0.5], [1.0, 1.0, 0.0]])
+
+
+@pytest.mark.parametrize(
+    "name, missing",
+    [("gae", "values"), ("grpo", "index"), ("rloo", "index"), ("remax", "reward_baselines")],
+)
+def test_missing_inputs(name: str, missing: str) -> None:
+    with pytest.raises(ValueError, match=missing):
+        get_adv_estimator(name)(torch.zeros(2, 2), torch.ones(2, 2))
+
+
+def test_uniform_signature() -> None:
+    # The trainer passes every keyword to every estimator; all must accept them.
+    kwargs = dict(
+        index=np.array(["a", "a", "b", "b"], dtype=object),
+        values=torch.rand(4, 3),
+        reward_baselines=torch.zeros(4),
+        gamma=1.0,
+        lam=0.95,
+        norm_adv_by_std_in_grpo=True,
+        epsilon=1e-6,
+        extra_future_arg=1,
+    )
+    mask = T([[1.0, 1.0, 0.0]] * 4)
+    for name, fn in ADV_ESTIMATORS.items():
+        adv, ret = fn(torch.rand(4, 3), mask, **kwargs)
+        assert adv.shape == ret.shape == (4, 3), name
+        assert torch.all(adv[:, 2] == 0), name  # masked positions are zero
+
+
+# ------------------------------------------------------------------ policy / value losses
+def test_policy_loss_by_hand() -> None:
+    # ratios [1.5, 0.5, 1.1, 5.0], advantages [1, 1, -1, -1], clip 0.2, dual clip c=3:
+    # tok0 A>0 r=1.5: max(-1.5, -1.2) = -1.2 (clipped)     tok1 A>0 r=0.5: max(-0.5, -0.8) = -0.5
+    # tok2 A<0 r=1.1: max(1.1, 1.1) = 1.1, min(3, 1.1)    tok3 A<0 r=5: max(5, 1.2) = 5 -> min(3, 5) = 3
+    ratios = T([[1.5, 0.5, 1.1, 5.0]])
+    loss, clipfrac, ppo_kl, clipfrac_lower = compute_policy_loss(
+        old_log_prob=torch.zeros(1, 4),
+        log_prob=ratios.log(),
+        advantages=T([[1.0, 1.0, -1.0, -1.0]]),
+        response_mask=torch.ones(1, 4),
+    )
+    close(loss, (-1.2 - 0.5 + 1.1 + 3.0) / 4)
+    close(clipfrac, 0.25)
+    close(clipfrac_lower, 0.25)
+    close(ppo_kl, -math.log(1.5 * 0.5 * 1.1 * 5.0) / 4)
+
+
+def test_policy_loss_clip_higher_asymmetry() -> None:
+    # A=+1, r=1.25: clip_high=0.2 caps at 1.2 (loss -1.2); clip_high=0.28 leaves it (-1.25).
+    # A=-1, r=0.7: lower bound 0.8 applies either way (loss max(0.7, 0.8) = 0.8).
+    args = dict(old_log_prob=torch.zeros(1, 2), log_prob=T([[1.25, 0.7]]).log(), advantages=T([[1.0, -1.0]]),
+                response_mask=torch.ones(1, 2), loss_agg_mode="seq-mean-token-sum")
+    sym, sym_cf, _, _ = compute_policy_loss(**args, clip_ratio_low=0.2, clip_ratio_high=0.2)
+    hi, hi_cf, _, _ = compute_policy_loss(**args, clip_ratio_low=0.2, clip_ratio_high=0.28)
+    close(sym, -1.2 + 0.8)
+    close(hi, -1.25 + 0.8)
+    close(sym_cf, 1.0)
+    close(hi_cf, 0.5)
+
+
+def test_policy_loss_masked_and_zero_kl() -> None:
+    lp = T([[-1.0, -2.0, -3.0]])
+    loss, clipfrac, ppo_kl, lower = compute_policy_loss(lp, lp.clone(), T([[2.0, -1.0, 100.0]]), T([[1.0, 1.0, 0.0]]))
+    close(ppo_kl, 0.0)
+    close(loss, (-2.0 + 1.0) / 2)  # ratio 1: loss = -A on the two valid tokens; the masked 100 is ignored
+    close(clipfrac, 0.0)
+    close(lower, 0.0)
+    with pytest.raises(AssertionError):
+        compute_policy_loss(lp, lp, lp, lp, clip_ratio_c=1.0)
+
+
+def test_value_loss_by_hand() -> None:
+    # old values 0, cliprange 0.5:
+    # tok0 v=1, R=2:    unclipped (1-2)^2 = 1,     clipped (0.5-2)^2 = 2.25 -> 2.25 (clipped)
+    # tok1 v=-0.3, R=0: inside the range, both 0.09                         -> 0.09
+    # tok2 v=1, R=-1:   unclipped 4,               clipped (0.5+1)^2 = 2.25 -> 4
+    vf_loss, clipfrac = compute_value_loss(
+        vpreds=T([[1.0, -0.3, 1.0]]), returns=T([[2.0, 0.0, -1.0]]), values=torch.zeros(1, 3),
+        response_mask=torch.ones(1, 3), cliprange_value=0.5,
+    )
+    close(vf_loss, 0.5 * (2.25 + 0.09 + 4.0) / 3)
+    close(clipfrac, 1.0 / 3.0)
+
+
+def test_entropy_and_logprobs() -> None:
+    close(entropy_from_logits(torch.zeros(2, 3, 5)), torch.full((2, 3), math.log(5)))
+    logits = T([[[0.0, math.log(3.0)]]])  # p = [0.25, 0.75]
+    close(entropy_from_logits(logits), [[-(0.25 * math.log(0.25) + 0.75 * math.log(0.75))]])
+    close(logprobs_from_logits(logits, T([[1]])), [[math.log(0.75)]])
+    g = torch.Generator().manual_seed(0)
+    big = torch.randn(2, 3, 7, generator=g)
+    labels = torch.randint(0, 7, (2, 3), generator=g)
+    manual = torch.stack([torch.stack([big[b, t].softmax(-1)[labels[b, t]].log() for t in range(3)]) for b in range(2)])
+    close(logprobs_from_logits(big, labels), manual)
+    out = logprobs_from_logits(big.bfloat16(), labels)
+    assert out.dtype == torch.float32
+
+
+# ------------------------------------------------------------------ KL
+LP, REF = T([[0.0, -1.0]]), T([[-1.0, 0.0]])  # lp - ref = [1, -1]
+
+
+@pytest.mark.parametrize(
+    "kinds, expected",
+    [
+        (("k1", "kl"), [[1.0, -1.0]]),
+        (("k2", "mse"), [[0.5, 0.5]]),
+        (("k3", "low_var_kl"), [[math.exp(-1.0), math.e - 2.0]]),  # exp(r) - r - 1 with r = ref - lp
+        (("abs",), [[1.0, 1.0]]),
+    ],
+)
+def test_kl_kinds(kinds: tuple[str, ...], expected: list[list[float]]) -> None:
+    for kind in kinds:
+        close(kl_penalty(LP, REF, kind), expected)
+
+
+def test_kl_k3_clamped_and_unknown() -> None:
+    close(kl_penalty(T([[0.0, 30.0]]), T([[20.0, 0.0]]), "low_var_kl"), [[10.0, 10.0]])
+    with pytest.raises(ValueError, match="low_var_kl"):
+        kl_penalty(LP, REF, "k4")
+    assert set(KL_ESTIMATORS) == {"k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs"}
+
+
+def test_kl_loss() -> None:
+    mask = torch.ones(1, 2)
+    close(kl_loss(LP, REF, mask, "k1", "token-mean"), 0.0)
+    close(kl_loss(LP, REF, mask, "abs", "seq-mean-token-sum"), 2.0)
+    close(kl_loss(LP, REF, mask, "low_var_kl", "token-mean"), (math.exp(-1.0) + math.e - 2.0) / 2)
+
+
+def test_kl_controllers() -> None:
+    fixed = FixedKLController(0.3)
+    fixed.update(current_kl=5.0, n_steps=100)
+    assert fixed.value == 0.3
+    ada = AdaptiveKLController(init_kl_coef=0.1, target_kl=0.05, horizon=100)
+    ada.update(current_kl=0.1, n_steps=10)  # error clip(2 - 1) = 0.2 -> x(1 + 0.2*10/100) = 1.02
+    assert ada.value == pytest.approx(0.102)
+    ada.update(current_kl=0.045, n_steps=50)  # error 0.9 - 1 = -0.1 -> x(1 - 0.1*50/100) = 0.95
+    assert ada.value == pytest.approx(0.102 * 0.95)
+    restored = AdaptiveKLController(1.0, 1.0, 1)
+    restored.load_state_dict(ada.state_dict())
+    assert restored.state_dict() == ada.state_dict()
+    f2 = FixedKLController(0.0)
+    f2.load_state_dict(fixed.state_dict())
+    assert f2.value == 0.3
+    assert isinstance(make_kl_controller("fixed", 0.1, 0.1, 10), FixedKLController)
+    made = make_kl_controller("adaptive", 0.2, target_kl=0.1, horizon=10)
+    assert isinstance(made, AdaptiveKLController) and made.value == 0.2
+    with pytest.raises(ValueError, match="adaptive"):
+        make_kl_controller("pid", 0.1, 0.1, 10)
+
+
+def test_apply_kl_penalty_by_hand() -> None:
+    scores = T([[0.0, 0.0, 1.0], [0.0, 2.0, 0.0]])
+    log_prob = T([[0.1, 0.2, 0.3], [0.4, 0.5, 0.6]])
+    mask = T([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    # k1 kl masked = [[.1,.2,.3],[.4,0,0]]; beta 0.5; per-seq mean kl = 0.2, 0.4 -> batch 0.3
+    ctrl = AdaptiveKLController(init_kl_coef=0.5, target_kl=0.1, horizon=10)
+    rewards, metrics = apply_kl_penalty(scores, log_prob, torch.zeros(2, 3), mask, ctrl, kind="kl")
+    close(rewards, [[-0.05, -0.1, 0.85], [-0.2, 2.0, 0.0]])
+    assert metrics["actor/reward_kl_penalty"] == pytest.approx(0.3)
+    assert metrics["actor/reward_kl_penalty_coeff"] == 0.5  # the beta that was applied
+    assert ctrl.value == pytest.approx(0.5 * (1 + 0.2 * 2 / 10))  # updated with n_steps = B = 2

@@ -1,0 +1,219 @@
+"""Config loading (YAML + dotlist, typed) and driver-side validation."""
+
+import glob
+import json
+import os
+
+import pytest
+
+from hybridflow.config import (ConfigError, HybridFlowConfig, SFTConfig, load_config, save_config, to_dict,
+                               validate_config, validate_sft_config)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ---------------------------------------------------------------- loader
+def test_defaults():
+    cfg = load_config(None)
+    assert cfg == HybridFlowConfig()
+    assert cfg.actor_rollout_ref.rollout.name == "hf"
+    assert isinstance(load_config(None, schema=SFTConfig), SFTConfig)
+
+
+def test_yaml_then_dotlist_precedence(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("data:\n  train_batch_size: 4\n  max_prompt_length: 10\nactor_rollout_ref:\n  rollout:\n    n: 2\n")
+    cfg = load_config(str(f), ["actor_rollout_ref.rollout.n=8", "actor_rollout_ref.actor.optim.lr=5e-4",
+                               "actor_rollout_ref.model.tokenizer_path=null", "trainer.logger=[console]"])
+    assert cfg.data.train_batch_size == 4 and cfg.data.max_prompt_length == 10  # from YAML
+    assert cfg.actor_rollout_ref.rollout.n == 8  # override wins
+    assert cfg.actor_rollout_ref.actor.optim.lr == 5e-4
+    assert cfg.actor_rollout_ref.model.tokenizer_path is None
+    assert cfg.trainer.logger == ["console"]
+    assert cfg.data.shuffle is True  # untouched default
+
+
+def test_empty_yaml(tmp_path):
+    f = tmp_path / "e.yaml"
+    f.write_text("")
+    assert load_config(str(f)) == HybridFlowConfig()
+
+
+def test_unknown_key_dotlist():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["actor_rollout_ref.rollout.nn=8"])
+    assert "actor_rollout_ref.rollout.nn" in str(e.value)
+    assert "did you mean 'actor_rollout_ref.rollout.n'" in str(e.value)
+
+
+def test_unknown_key_yaml(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("data:\n  train_batch_sise: 4\n")
+    with pytest.raises(ConfigError, match=r"data\.train_batch_sise.*did you mean 'data\.train_batch_size'"):
+        load_config(str(f))
+
+
+def test_unknown_key_lists_valid_keys():
+    with pytest.raises(ConfigError, match=r"unknown config key 'zzz'.*valid keys.*actor_rollout_ref"):
+        load_config(None, ["zzz=1"])
+
+
+@pytest.mark.parametrize("item, pattern", [
+    ("data.train_batch_size=abc", r"data\.train_batch_size must be int, got 'abc' \(str\)"),
+    ("data.shuffle=1", r"data\.shuffle must be bool"),
+    ("data.max_prompt_length=1.5", r"data\.max_prompt_length must be int"),
+    ("actor_rollout_ref.actor.optim.lr=fast", r"actor_rollout_ref\.actor\.optim\.lr must be float"),
+    ("data.val_batch_size=x", r"data\.val_batch_size must be Optional\[int\]"),
+    ("data=5", r"data is a section"),
+    ("critic.model.path=null", r"critic\.model\.path must be str, got None"),
+    ("data.train_files=[1,2]", r"data\.train_files\[0\] must be str"),
+])
+def test_type_errors(item, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        load_config(None, [item])
+
+
+def test_coercions():
+    cfg = load_config(None, ["data.train_files=a.parquet", "actor_rollout_ref.actor.optim.lr=1",
+                             "data.val_batch_size=null", "data.val_files=[a.parquet,b.parquet]"])
+    assert cfg.data.train_files == ["a.parquet"]
+    assert cfg.data.val_files == ["a.parquet", "b.parquet"]
+    assert cfg.actor_rollout_ref.actor.optim.lr == 1.0 and isinstance(cfg.actor_rollout_ref.actor.optim.lr, float)
+    assert cfg.data.val_batch_size is None
+
+
+def test_override_without_equals():
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config(None, ["actor_rollout_ref.rollout.n"])
+
+
+def test_round_trip(tmp_path):
+    cfg = load_config(None, ["actor_rollout_ref.rollout.n=4", "data.train_files=[x.parquet]",
+                             "actor_rollout_ref.actor.clip_ratio_high=0.28", "actor_rollout_ref.actor.optim.lr=3e-6"])
+    save_config(cfg, str(tmp_path / "out" / "config.yaml"))
+    assert load_config(str(tmp_path / "out" / "config.yaml")) == cfg
+    sft = SFTConfig(max_length=17)
+    save_config(sft, str(tmp_path / "sft.yaml"))
+    assert load_config(str(tmp_path / "sft.yaml"), schema=SFTConfig) == sft
+    assert to_dict(cfg)["actor_rollout_ref"]["rollout"]["n"] == 4
+
+
+@pytest.mark.parametrize("name, schema", [("grpo_tiny.yaml", HybridFlowConfig), ("ppo_tiny.yaml", HybridFlowConfig),
+                                          ("sft_tiny.yaml", SFTConfig)])
+def test_shipped_configs_parse(name, schema):
+    cfg = load_config(os.path.join(ROOT, "configs", name), schema=schema)
+    assert isinstance(cfg, schema)
+    assert len(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))) >= 3
+
+
+# ---------------------------------------------------------------- validation
+@pytest.fixture
+def world(tmp_path):
+    """A fake model dir and data files; returns a valid GRPO config over them."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"max_position_embeddings": 64}))
+    for name in ("train.parquet", "val.parquet", "reward.py"):
+        (tmp_path / name).write_text("")
+    return load_config(os.path.join(ROOT, "configs", "grpo_tiny.yaml"), [
+        f"actor_rollout_ref.model.path={model}", f"data.train_files=[{tmp_path / 'train.parquet'}]",
+        f"data.val_files=[{tmp_path / 'val.parquet'}]"])
+
+
+def _problems(cfg):
+    with pytest.raises(ConfigError) as e:
+        validate_config(cfg)
+    return str(e.value)
+
+
+def test_valid_configs_pass(world):
+    validate_config(world)
+    a = world.actor_rollout_ref
+    a.rollout.n, a.actor.ppo_micro_batch_size_per_gpu, world.critic.ppo_micro_batch_size_per_gpu = 4, 16, 16
+    world.algorithm.adv_estimator = "gae"
+    validate_config(world)  # the ppo_tiny shape
+
+
+def _set(cfg, dotted, value):
+    *parents, leaf = dotted.split(".")
+    obj = cfg
+    for p in parents:
+        obj = getattr(obj, p)
+    setattr(obj, leaf, value)
+
+
+@pytest.mark.parametrize("changes, expected", [
+    ({"trainer.n_gpus_per_node": 0}, "trainer.nnodes * trainer.n_gpus_per_node must be >= 1"),
+    ({"data.train_batch_size": 3, "actor_rollout_ref.rollout.n": 3, "actor_rollout_ref.actor.ppo_mini_batch_size": 3},
+     "set data.train_batch_size to a multiple of 2"),
+    ({"actor_rollout_ref.actor.ppo_mini_batch_size": 16}, "actor_rollout_ref.actor.ppo_mini_batch_size (16) must be <="),
+    ({"actor_rollout_ref.actor.ppo_mini_batch_size": 3}, "must be a multiple of actor_rollout_ref.actor.ppo_mini_batch_size"),
+    ({"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 64}, "lower actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"),
+    ({"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 5}, "divisible by actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"),
+    ({"algorithm.adv_estimator": "gae", "critic.ppo_micro_batch_size_per_gpu": 64}, "lower critic.ppo_micro_batch_size_per_gpu"),
+    ({"algorithm.adv_estimator": "gae", "critic.ppo_mini_batch_size": 16}, "critic.ppo_mini_batch_size (16) must be <="),
+    ({"data.max_prompt_length": 0}, "data.max_prompt_length must be a positive integer"),
+    ({"data.max_response_length": -1}, "data.max_response_length must be a positive integer"),
+    ({"actor_rollout_ref.actor.ppo_epochs": 0}, "actor_rollout_ref.actor.ppo_epochs must be a positive"),
+    ({"actor_rollout_ref.rollout.n": 0}, "actor_rollout_ref.rollout.n must be a positive"),
+    ({"actor_rollout_ref.actor.clip_ratio": 0.0}, "actor_rollout_ref.actor.clip_ratio must be > 0"),
+    ({"actor_rollout_ref.actor.clip_ratio_c": 1.0}, "actor_rollout_ref.actor.clip_ratio_c must be > 1"),
+    ({"actor_rollout_ref.rollout.temperature": -0.1}, "actor_rollout_ref.rollout.temperature must be >= 0"),
+    ({"actor_rollout_ref.rollout.top_p": 0.0}, "actor_rollout_ref.rollout.top_p must be in (0, 1]"),
+    ({"actor_rollout_ref.rollout.name": "vllm"}, "rollout.name must be one of ['hf']"),
+    ({"actor_rollout_ref.actor.strategy": "ddp"}, "actor_rollout_ref.actor.strategy must be one of"),
+    ({"actor_rollout_ref.actor.loss_agg_mode": "sum"}, "actor_rollout_ref.actor.loss_agg_mode must be one of"),
+    ({"actor_rollout_ref.actor.kl_loss_type": "k9"}, "actor_rollout_ref.actor.kl_loss_type must be one of"),
+    ({"algorithm.kl_penalty": "k9"}, "algorithm.kl_penalty must be one of"),
+    ({"algorithm.kl_ctrl.type": "pid"}, "algorithm.kl_ctrl.type must be one of"),
+    ({"algorithm.adv_estimator": "dpo"}, "algorithm.adv_estimator must be one of"),
+    ({"actor_rollout_ref.actor.optim.lr_scheduler_type": "linear"}, "actor_rollout_ref.actor.optim.lr_scheduler_type"),
+    ({"trainer.device": "tpu"}, "trainer.device must be one of"),
+    ({"trainer.resume_mode": "always"}, "trainer.resume_mode must be one of"),
+    ({"data.truncation": "middle"}, "data.truncation must be one of"),
+    ({"trainer.logger": ["console", "wandb"]}, "trainer.logger must be one of ['console', 'jsonl'], got 'wandb'"),
+    ({"actor_rollout_ref.rollout.n": 1, "data.train_batch_size": 2, "actor_rollout_ref.actor.ppo_mini_batch_size": 2,
+      "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 1}, "must be >= 2 for algorithm.adv_estimator=grpo"),
+    ({"actor_rollout_ref.rollout.tensor_model_parallel_size": 2}, "tensor-parallel generation arrives with the hybrid engine"),
+    ({"reward_model.enable": True}, "reward_model.enable: model-based rewards are not implemented yet"),
+    ({"actor_rollout_ref.model.path": "/nonexistent/m"}, "hybridflow make-model /nonexistent/m"),
+    ({"data.max_prompt_length": 61}, "data.max_prompt_length + data.max_response_length (61+4) exceeds the model's max_position_embeddings (64)"),
+    ({"critic.model.path": "/nonexistent/c"}, "critic.model.path: '/nonexistent/c'"),
+    ({"data.train_files": []}, "data.train_files is empty"),
+    ({"data.train_files": ["/nonexistent/t.parquet"]}, "data.train_files: file '/nonexistent/t.parquet' does not exist"),
+    ({"data.val_files": ["/nonexistent/v.parquet"]}, "data.val_files: file '/nonexistent/v.parquet'"),
+    ({"custom_reward_function.path": "/nonexistent/r.py"}, "custom_reward_function.path: file '/nonexistent/r.py'"),
+    ({"data.val_batch_size": 0}, "data.val_batch_size must be a positive integer"),
+])
+def test_validator_rules(world, changes, expected):
+    for k, v in changes.items():
+        _set(world, k, v)
+    assert expected in _problems(world)
+
+
+def test_vllm_message_and_all_problems_collected(world):
+    world.actor_rollout_ref.rollout.name = "vllm"
+    world.trainer.device = "tpu"
+    world.reward_model.enable = True
+    msg = _problems(world)
+    assert "vLLM backend is not available yet" in msg
+    assert "3 problems" in msg and "trainer.device" in msg and "reward_model.enable" in msg
+
+
+def test_sft_validation(tmp_path, world):
+    model = world.actor_rollout_ref.model.path
+    (tmp_path / "sft.parquet").write_text("")
+    cfg = load_config(os.path.join(ROOT, "configs", "sft_tiny.yaml"),
+                      [f"model.path={model}", f"train_files=[{tmp_path / 'sft.parquet'}]"], schema=SFTConfig)
+    validate_sft_config(cfg)
+    cfg.train_batch_size, cfg.max_length, cfg.val_files = 63, 100, ["/nonexistent/v.parquet"]
+    cfg.model.path = str(tmp_path / "nomodel")
+    with pytest.raises(ConfigError) as e:
+        validate_sft_config(cfg)
+    msg = str(e.value)
+    assert "train_batch_size (63) must be divisible by n_workers" in msg
+    assert "model.path" in msg and "hybridflow make-model" in msg
+    assert "val_files: file '/nonexistent/v.parquet'" in msg
+    cfg.train_batch_size, cfg.model.path, cfg.val_files = 32, model, []
+    with pytest.raises(ConfigError, match=r"(?s)micro_batch_size_per_gpu \* n_workers.*max_length \(100\) exceeds"):
+        validate_sft_config(cfg)
