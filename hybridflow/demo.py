@@ -1,11 +1,12 @@
 """The demo (main job): RL fixing what SFT taught wrong, end to end on 2 FSDP2 workers.
 
-1. Write the `arith_add` task: single-digit sums; RL train/val prompts split (val held out from
-   RL); SFT demonstrations that are wrong (answer + 1) 75% of the time.
+1. Write the `digit_max` task ("max 3 8 1" -> "8"); val triples are held out from SFT and RL;
+   SFT demonstrations follow the wrong rule (the minimum) 75% of the time.
 2. Build a tiny Qwen2 checkpoint and char tokenizer offline.
-3. SFT warm start: the model learns the answer format, and the systematic error.
+3. SFT warm start: the model learns the answer format and both rules, preferring the wrong one,
+   so its greedy accuracy is near 0.
 4. GRPO with the exact-answer reward on 2 workers: the verifiable reward is the only source of
-   the right answer's preference, so held-out accuracy climbs.
+   the right rule's preference; held-out accuracy climbs because the rule, not a fact, changed.
 5. Write `summary.json`: val_acc_after_sft, val_acc_final, steps, wall_seconds (and more).
 """
 
@@ -17,14 +18,14 @@ import time
 
 from hybridflow.config import HybridFlowConfig, SFTConfig, load_config
 
-DATA_SOURCE = "arith_add"
+DATA_SOURCE = "digit_max"
 VAL_KEY = f"val-core/{DATA_SOURCE}/acc/mean@1"
-SFT_STEPS = 150
+SFT_STEPS = 300
 RL_STEPS = 60
 
 
 def main(args) -> int:
-    from hybridflow.data.tasks import make_addition_task
+    from hybridflow.data.tasks import make_max_task
     from hybridflow.models.tiny import make_tiny_model
     from hybridflow.trainer.rl import RLTrainer
     from hybridflow.trainer.sft import run_sft
@@ -32,7 +33,7 @@ def main(args) -> int:
     start = time.time()
     out = os.path.abspath(args.output_dir)
     os.makedirs(out, exist_ok=True)
-    files = make_addition_task(os.path.join(out, "data"))
+    files = make_max_task(os.path.join(out, "data"))
     base = make_tiny_model(os.path.join(out, "tiny_model"), hidden_size=128, intermediate_size=256, num_hidden_layers=2)
     print(f"[demo] task data in {out}/data, tiny model in {base}", flush=True)
 

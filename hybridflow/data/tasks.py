@@ -1,5 +1,12 @@
 """Built-in offline task generators (verl parquet schema).
 
+``digit_max`` (the demo's task): "max 3 8 1" -> "8", over ordered triples of distinct digits. The
+triples are split into RL train and val (val is held out from BOTH SFT and RL: answering it needs
+the rule, not a memorised fact). SFT demonstrations follow the wrong rule (the MINIMUM) with
+probability ``bias_prob``: the SFT model learns both rules and prefers the wrong one, so its
+greedy accuracy is near 0; GRPO with the exact-answer reward switches it to the right rule, and
+the switch carries over to the held-out triples.
+
 ``arith_add``: single-digit addition ``a+b`` (a, b in 0..9). The RL files hold the 100 pairs split
 into train / val (val is held out from RL training); the SFT file holds biased demonstrations over
 all 100 pairs: with probability ``bias_prob`` the demonstrated answer is ``a+b+bias_offset``. An SFT
@@ -9,11 +16,13 @@ model absorbs that systematic error; RL with the exact-answer reward removes it.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import pathlib
 import random
 
 ARITH_DATA_SOURCE = "arith_add"
+MAX_DATA_SOURCE = "digit_max"
 
 
 def write_parquet(rows: list[dict], path) -> pathlib.Path:
@@ -86,23 +95,70 @@ def make_addition_task(
     }
 
 
+def max_prompt(digits: tuple[int, ...]) -> list[dict]:
+    return [{"role": "user", "content": "max " + " ".join(map(str, digits))}]
+
+
+def make_max_task(out_dir, num_digits: int = 3, val_fraction: float = 0.2, sft_copies: int = 2, bias_prob: float = 0.75, seed: int = 0) -> dict[str, pathlib.Path]:
+    """Write ``train.parquet``, ``val.parquet`` (RL) and ``sft.parquet`` for ``digit_max``."""
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    if not 0.0 <= bias_prob <= 1.0:
+        raise ValueError(f"bias_prob must be in [0, 1], got {bias_prob}")
+    if not 2 <= num_digits <= 10:
+        raise ValueError(f"num_digits must be in [2, 10], got {num_digits}")
+    out = pathlib.Path(out_dir)
+    rng = random.Random(seed)
+    combos = list(itertools.permutations(range(10), num_digits))
+    rng.shuffle(combos)
+    n_val = max(1, round(len(combos) * val_fraction))
+    val, train = combos[:n_val], combos[n_val:]
+
+    def rl_rows(split: str, split_combos):
+        return [
+            {
+                "data_source": MAX_DATA_SOURCE,
+                "prompt": max_prompt(c),
+                "ability": "math",
+                "reward_model": {"style": "rule", "ground_truth": str(max(c))},
+                "extra_info": {"split": split, "index": i, "digits": list(c)},
+            }
+            for i, c in enumerate(split_combos)
+        ]
+
+    # Demonstrations only over the RL train triples: val stays unseen by SFT too.
+    sft_rows = [
+        {"prompt": max_prompt(c), "response": str(min(c) if rng.random() < bias_prob else max(c))}
+        for c in train
+        for _ in range(sft_copies)
+    ]
+    rng.shuffle(sft_rows)
+    return {
+        "train": write_parquet(rl_rows("train", train), out / "train.parquet"),
+        "val": write_parquet(rl_rows("val", val), out / "val.parquet"),
+        "sft": write_parquet(sft_rows, out / "sft.parquet"),
+    }
+
+
 def main_make_data(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="hybridflow make-data", description="Write the built-in arith_add task files")
+    p = argparse.ArgumentParser(prog="hybridflow make-data", description="Write a built-in task's train/val/sft parquet files")
     p.add_argument("out_dir")
-    p.add_argument("--task", default="arith_add", choices=["arith_add"])
-    p.add_argument("--val-fraction", type=float, default=0.25)
-    p.add_argument("--sft-copies", type=int, default=8)
+    p.add_argument("--task", default="digit_max", choices=["digit_max", "arith_add"])
+    p.add_argument("--val-fraction", type=float, default=None)
+    p.add_argument("--sft-copies", type=int, default=None)
     p.add_argument("--bias-prob", type=float, default=0.75)
-    p.add_argument("--bias-offset", type=int, default=1)
+    p.add_argument("--bias-offset", type=int, default=1, help="arith_add only")
+    p.add_argument("--num-digits", type=int, default=3, help="digit_max only")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
-    files = make_addition_task(
-        a.out_dir,
-        val_fraction=a.val_fraction,
-        sft_copies=a.sft_copies,
-        bias_prob=a.bias_prob,
-        bias_offset=a.bias_offset,
-        seed=a.seed,
-    )
+    common = {"bias_prob": a.bias_prob, "seed": a.seed}
+    if a.val_fraction is not None:
+        common["val_fraction"] = a.val_fraction
+    if a.sft_copies is not None:
+        common["sft_copies"] = a.sft_copies
+    if a.task == "digit_max":
+        files = make_max_task(a.out_dir, num_digits=a.num_digits, **common)
+    else:
+        files = make_addition_task(a.out_dir, bias_offset=a.bias_offset, **common)
     print(json.dumps({k: str(v) for k, v in files.items()}))
     return 0

@@ -53,18 +53,18 @@ def gsm8k_score(solution_str: str, ground_truth: Any, format_score: float = 0.0,
     return score if _same_answer(ans, ground_truth) else format_score
 
 
-_ARITH = ("arith_add", "arithmetic")
+_EXACT_ANSWER = ("arith_add", "arithmetic", "digit_max")
 _GSM8K = ("openai/gsm8k", "gsm8k")
 
 
 def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
     """Default reward dispatcher by ``data_source``."""
-    if data_source in _ARITH:
+    if data_source in _EXACT_ANSWER:
         return exact_answer_score(solution_str, ground_truth)
     if data_source in _GSM8K:
         return gsm8k_score(solution_str, ground_truth)
     raise NotImplementedError(
-        f"no built-in reward for data_source {data_source!r} (built-in: {', '.join(_ARITH + _GSM8K)}); "
+        f"no built-in reward for data_source {data_source!r} (built-in: {', '.join(_EXACT_ANSWER + _GSM8K)}); "
         f"set custom_reward_function.path (and custom_reward_function.name) to a file defining "
         f"compute_score(data_source, solution_str, ground_truth, extra_info)"
     )

@@ -53,13 +53,19 @@ class Tracker:
 
     def _console(self, metrics: dict) -> None:
         if not self._header_done:
-            self.stream.write(" | ".join(f"{h:>{_width(f)}}" for h, _, f in CONSOLE_COLUMNS) + "\n")
+            self._write(" | ".join(f"{h:>{_width(f)}}" for h, _, f in CONSOLE_COLUMNS))
             self._header_done = True
         cells = []
         for h, k, f in CONSOLE_COLUMNS:
             v = _lookup(metrics, k)
             cells.append(f.format(v) if v is not None else "-".rjust(_width(f)))
-        self.stream.write(" | ".join(cells) + "\n")
+        self._write(" | ".join(cells))
+
+    def _write(self, line: str) -> None:
+        # tqdm.write keeps the table above a live progress bar instead of interleaving with it.
+        from tqdm import tqdm
+
+        tqdm.write(line, file=self.stream)
         self.stream.flush()
 
     def close(self) -> None:
