@@ -77,7 +77,7 @@ def test_task_seeded_and_cli(tmp_path, task):
     assert len(sft) == 100
     assert all(int(r["response"]) == eval(r["prompt"][0]["content"][:-1]) for _, r in sft.iterrows())
     assert len(pd.read_parquet(other["val"])) == 50
-    assert main_make_data([str(tmp_path / "b"), "--seed", "0"]) == 0
+    assert main_make_data([str(tmp_path / "b"), "--task", "arith_add", "--seed", "0"]) == 0
     assert pd.read_parquet(tmp_path / "b" / "val.parquet").equals(pd.read_parquet(task["val"]))
 
 
@@ -211,3 +211,90 @@ def test_sft_task_file(task, tok):
     b = collate_sft([ds[i] for i in range(8)])
     lens = b["loss_mask"].sum(-1)
     assert ((lens >= 2) & (lens <= 3)).all()  # 1-2 digit answer + eos
+
+
+# ------------------------------------------------------------------------------ digit_max task
+from itertools import permutations  # noqa: E402
+
+import pyarrow.parquet as pq  # noqa: E402
+
+from hybridflow.data.tasks import MAX_DATA_SOURCE, make_max_task  # noqa: E402
+from hybridflow.rewards.scorers import compute_score  # noqa: E402
+
+
+def _digits(prompt) -> tuple:
+    content = prompt[0]["content"]
+    assert content.startswith("max ")
+    return tuple(int(d) for d in content[4:].split(" "))
+
+
+@pytest.fixture(scope="module")
+def max_task(tmp_path_factory):
+    return make_max_task(tmp_path_factory.mktemp("max_task"), num_digits=3, seed=0)
+
+
+def test_max_task_files_and_split(max_task):
+    assert set(max_task) == {"train", "val", "sft"}
+    assert all(p.exists() and p.suffix == ".parquet" for p in max_task.values())
+    train = pd.read_parquet(max_task["train"])
+    val = pd.read_parquet(max_task["val"])
+    assert len(val) == 144 and len(train) == 576  # round(720 * 0.2)
+    triples = {}
+    for df, split in ((train, "train"), (val, "val")):
+        assert (df["data_source"] == MAX_DATA_SOURCE).all() and (df["ability"] == "math").all()
+        got = []
+        for _, r in df.iterrows():
+            d = _digits(r["prompt"])
+            assert list(r["extra_info"]["digits"]) == list(d) and r["extra_info"]["split"] == split
+            assert r["reward_model"] == {"style": "rule", "ground_truth": str(max(d))}
+            got.append(d)
+        assert sorted(df["extra_info"].map(lambda e: e["index"])) == list(range(len(df)))
+        assert len(set(got)) == len(got)
+        triples[split] = set(got)
+    assert not triples["train"] & triples["val"]
+    assert triples["train"] | triples["val"] == set(permutations(range(10), 3))
+
+
+def test_max_task_sft_bias_and_holdout(max_task):
+    sft = pd.read_parquet(max_task["sft"])
+    val_triples = {_digits(p) for p in pd.read_parquet(max_task["val"])["prompt"]}
+    train_triples = {_digits(p) for p in pd.read_parquet(max_task["train"])["prompt"]}
+    assert len(sft) == 576 * 2 and set(sft.columns) == {"prompt", "response"}
+    wrong = 0
+    seen = set()
+    for _, r in sft.iterrows():
+        d = _digits(r["prompt"])
+        seen.add(d)
+        assert d not in val_triples
+        ans = int(r["response"])
+        assert ans in (min(d), max(d))
+        wrong += ans == min(d)
+    assert seen == train_triples
+    assert abs(wrong / len(sft) - 0.75) < 0.05
+
+
+def test_max_task_bias_prob_respected(tmp_path):
+    files = make_max_task(tmp_path, bias_prob=0.3, sft_copies=1, seed=1)
+    sft = pd.read_parquet(files["sft"])
+    frac = sum(int(r["response"]) == min(_digits(r["prompt"])) for _, r in sft.iterrows()) / len(sft)
+    assert abs(frac - 0.3) < 0.05
+    with pytest.raises(ValueError, match="num_digits"):
+        make_max_task(tmp_path / "bad", num_digits=11)
+
+
+def test_max_task_rl_dataset_and_reward(max_task, tok):
+    for split, n in (("train", 576), ("val", 144)):
+        ds = RLDataset([str(max_task[split])], tok, max_prompt_length=32)
+        assert len(ds) == n and ds.num_filtered == 0 and ds.num_truncated == 0
+        it = ds[0]
+        assert it["data_source"] == "digit_max"
+        assert tok.decode(it["input_ids"]).endswith("<|im_start|>assistant\n")
+    assert compute_score("digit_max", "8", "8") == 1.0
+    assert compute_score("digit_max", "3", "8") == 0.0
+
+
+def test_max_task_is_cli_default(tmp_path, max_task):
+    assert main_make_data([str(tmp_path), "--seed", "0"]) == 0
+    for split in ("train", "val", "sft"):
+        # arrow tables: DataFrame.equals cannot compare the nested digit arrays in extra_info
+        assert pq.read_table(tmp_path / f"{split}.parquet").equals(pq.read_table(max_task[split]))

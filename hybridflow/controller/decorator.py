@@ -40,6 +40,9 @@ def dispatch_args(mode: Dispatch, world_size: int, args: tuple, kwargs: dict) ->
     if mode is not Dispatch.DP_COMPUTE:
         return [args] * world_size, [kwargs] * world_size, 0
 
+    lengths = {len(v) for v in (*args, *kwargs.values()) if isinstance(v, Batch)}
+    if len(lengths) > 1:
+        raise ValueError(f"DP_COMPUTE: every Batch argument must have the same number of rows, got {sorted(lengths)}")
     pad = 0
 
     def split(value: Any) -> list:

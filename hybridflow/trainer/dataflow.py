@@ -78,6 +78,8 @@ class DataFlow:
             start = time.perf_counter()
             result = stage.fn(batch.select(stage.inputs) if stage.inputs else batch)
             metrics[f"timing_s/{stage.name}"] = time.perf_counter() - start
+            if stage.outputs and not isinstance(result, Batch):
+                raise TypeError(f"stage {stage.name!r} declares outputs {stage.outputs} but returned {type(result).__name__}, not a Batch")
             if isinstance(result, Batch):
                 absent = [k for k in stage.outputs if k not in result]
                 if absent:

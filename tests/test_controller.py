@@ -1,0 +1,76 @@
+"""The single controller on Ray: worker groups, dispatch modes, colocation, the process group."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from hybridflow.controller.decorator import Dispatch, register
+from hybridflow.controller.worker import Worker
+from hybridflow.controller.worker_group import ColocatedWorkerGroup, RayWorkerGroup, ResourcePool
+from hybridflow.protocol import Batch
+
+pytestmark = pytest.mark.slow
+
+
+class EchoWorker(Worker):
+    def __init__(self, tag: str = "echo"):
+        super().__init__()
+        self.tag = tag
+
+    @register(Dispatch.ONE_TO_ALL)
+    def whoami(self) -> tuple[str, int, int, int]:
+        return self.tag, self.rank, self.world_size, os.getpid()
+
+    @register(Dispatch.DP_COMPUTE)
+    def double(self, data: Batch) -> Batch:
+        return Batch.from_dict(tensors={"y": data["x"] * 2, "rank": torch.full((len(data),), self.rank)})
+
+    @register(Dispatch.RANK_ZERO)
+    def all_reduce_ranks(self) -> float:
+        import torch.distributed as dist
+
+        self.init_process_group("cpu")
+        t = torch.tensor([float(self.rank + 1)])
+        dist.all_reduce(t)
+        return float(t)
+
+
+class OtherRole(Worker):
+    @register(Dispatch.ONE_TO_ALL)
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def test_worker_group_dispatch_modes(ray_cluster):
+    pool = ResourcePool(nnodes=1, procs_per_node=2, cpus_per_worker=0.25)
+    wg = RayWorkerGroup(pool, EchoWorker, name="echo_test", tag="hi")
+    try:
+        infos = wg.whoami()
+        assert [(t, r, w) for t, r, w, _ in infos] == [("hi", 0, 2), ("hi", 1, 2)]
+        assert infos[0][3] != infos[1][3]  # two processes
+
+        # 5 rows over 2 ranks: padded to 6, ranks get 3 each, padding dropped on the way back.
+        out = wg.double(Batch.from_dict(tensors={"x": torch.arange(5)}))
+        assert out["y"].tolist() == [0, 2, 4, 6, 8]
+        assert out["rank"].tolist() == [0, 0, 0, 1, 1]
+
+        assert wg.all_reduce_ranks() == 3.0  # 1 + 2 over a real gloo group
+    finally:
+        wg.shutdown()
+        pool.release()
+
+
+def test_colocated_roles_share_one_process(ray_cluster):
+    pool = ResourcePool(nnodes=1, procs_per_node=2, cpus_per_worker=0.25)
+    wg = ColocatedWorkerGroup(pool, {"echo": (EchoWorker, {"tag": "a"}), "other": (OtherRole, {})}, name="coloc_test")
+    try:
+        echo, other = wg.role("echo"), wg.role("other")
+        echo_pids = [p for *_, p in echo.whoami()]
+        assert echo_pids == other.pid() == wg.pids()
+        assert echo.double(Batch.from_dict(tensors={"x": torch.arange(4)}))["y"].tolist() == [0, 2, 4, 6]
+    finally:
+        wg.shutdown()
+        pool.release()
