@@ -31,6 +31,13 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    from hybridflow.models.tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("model") / "llama", arch="llama", hidden_size=64, intermediate_size=128)
+
+
+@pytest.fixture(scope="session")
 def ray_cluster():
     from hybridflow.controller.worker_group import init_ray
 

@@ -45,3 +45,12 @@ def test_validation_names_keys_before_ray_starts(tmp_path):
     assert "actor_rollout_ref.model.path" in proc.stderr
     assert "data.train_batch_size" in proc.stderr
     assert "Started a local Ray instance" not in proc.stderr + proc.stdout
+
+
+def test_make_model_and_make_data_commands(tmp_path):
+    proc = run_cli("make-model", str(tmp_path / "m"), "--arch", "llama", "--hidden-size", "32", "--heads", "2", "--kv-heads", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["model_type"] == "llama"
+    proc = run_cli("make-data", str(tmp_path / "d"), "--task", "digit_max")
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["sft.parquet", "train.parquet", "val.parquet"]

@@ -39,7 +39,8 @@ def steps(result: dict) -> list[dict]:
 def test_grpo_fsdp2_sharding_weight_sync_and_invariants(ray_cluster, tiny_model_dir, task_dir, varied_reward, tmp_path):
     trainer = make_trainer(
         tiny_model_dir, task_dir, tmp_path, "algorithm.adv_estimator=grpo", "trainer.check_weight_sync=true",
-        f"custom_reward_function.path={varied_reward}",
+        f"custom_reward_function.path={varied_reward}", "actor_rollout_ref.actor.use_kl_loss=true",
+        "actor_rollout_ref.actor.kl_loss_type=k3",
     )
     try:
         trainer.init_workers()
@@ -64,6 +65,9 @@ def test_grpo_fsdp2_sharding_weight_sync_and_invariants(ray_cluster, tiny_model_
                 assert key in h, key
         # After the last sync the rollout weights equal the trained weights exactly, on every rank.
         assert trainer.actor.rollout_weight_max_diff() == [0.0, 0.0]
+        # The frozen reference is the initial policy: KL is exactly 0 before the first update, then not.
+        hist = steps(result)
+        assert abs(hist[0]["actor/kl_loss"]) < 1e-7 and hist[-1]["actor/kl_loss"] > 0
         val = trainer.validate()
         assert set(val) == {"val-core/digit_max/acc/mean@1"}
     finally:
@@ -72,9 +76,10 @@ def test_grpo_fsdp2_sharding_weight_sync_and_invariants(ray_cluster, tiny_model_
     assert [json.loads(line)["step"] for line in lines] == [1, 2, 3]
 
 
-def test_ppo_gae_with_critic(ray_cluster, tiny_model_dir, task_dir, varied_reward, tmp_path):
+def test_ppo_gae_with_critic_on_llama(ray_cluster, tiny_llama_dir, task_dir, varied_reward, tmp_path):
     trainer = make_trainer(
-        tiny_model_dir, task_dir, tmp_path, f"custom_reward_function.path={varied_reward}",
+        tiny_llama_dir, task_dir, tmp_path, f"custom_reward_function.path={varied_reward}",
+        "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.05",
         "algorithm.adv_estimator=gae", "algorithm.lam=0.95", "critic.optim.lr=1e-3",
         "critic.ppo_micro_batch_size_per_gpu=4", "trainer.total_training_steps=4",
     )
@@ -88,23 +93,29 @@ def test_ppo_gae_with_critic(ray_cluster, tiny_model_dir, task_dir, varied_rewar
         assert abs(h["actor/ppo_kl"]) < 1e-6
         assert math.isfinite(h["critic/vf_loss"]) and h["critic/grad_norm"] > 0
         assert "critic/values/mean" in h and "timing_s/update_critic" in h
+    assert hist[0]["actor/reward_kl_penalty"] == pytest.approx(0.0, abs=1e-7)  # ref == policy at step 1
+    assert hist[-1]["actor/reward_kl_penalty"] > 0
     # The critic learns: value loss on the step's data falls as it fits the returns.
     assert hist[-1]["critic/vf_loss"] < hist[0]["critic/vf_loss"]
 
 
-def test_resume_reproduces_next_step(ray_cluster, tiny_model_dir, task_dir, varied_reward, tmp_path):
+def test_resume_from_latest_checkpoint_reproduces_next_step(ray_cluster, tiny_model_dir, task_dir, varied_reward, tmp_path):
     reward = f"custom_reward_function.path={varied_reward}"
-    straight = make_trainer(tiny_model_dir, task_dir, tmp_path / "a", reward, "trainer.total_training_steps=2", "trainer.save_freq=1")
+    straight = make_trainer(tiny_model_dir, task_dir, tmp_path / "straight", reward, "trainer.total_training_steps=2")
     try:
         uninterrupted = steps(straight.fit())
     finally:
         straight.shutdown()
-    assert (tmp_path / "a" / "global_step_1" / "trainer_state.pt").exists()
 
-    resumed = make_trainer(
-        tiny_model_dir, task_dir, tmp_path / "b", reward, "trainer.total_training_steps=2",
-        "trainer.resume_mode=resume_path", f"trainer.resume_from_path={tmp_path}/a/global_step_1",
-    )
+    # A run that stops after step 1 (its checkpoint is the latest), then a new run in the same
+    # directory: resume_mode=auto picks up model, optimizer, scheduler, RNG and data position.
+    first = make_trainer(tiny_model_dir, task_dir, tmp_path / "stopped", reward, "trainer.total_training_steps=1", "trainer.save_freq=1")
+    try:
+        first.fit()
+    finally:
+        first.shutdown()
+    assert (tmp_path / "stopped" / "latest_checkpointed_iteration.txt").read_text() == "1"
+    resumed = make_trainer(tiny_model_dir, task_dir, tmp_path / "stopped", reward, "trainer.total_training_steps=2")
     try:
         after = steps(resumed.fit())
     finally:
