@@ -60,7 +60,12 @@ class OptimConfig:
 @dataclass
 class FSDPConfig:
     param_offload: bool = False
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool = True  # FULL_SHARD; False = SHARD_GRAD_OP
+    # PyTorch's meaning: FULL_SHARD (params, grads, optimizer state sharded; params re-gathered
+    # per forward/backward), SHARD_GRAD_OP (params kept gathered between forward and backward),
+    # NO_SHARD (replicated, gradients all-reduced). None = from reshard_after_forward.
+    sharding_strategy: Optional[str] = None
+    mixed_precision: Optional[str] = None  # None = fp32; "bf16" / "fp16": param dtype, fp32 reduce
 
 
 @dataclass
@@ -113,11 +118,23 @@ class RefConfig:
 
 
 @dataclass
+class HybridEngineConfig:
+    """The 3D-HybridEngine: training (FSDP2) -> generation (TP x DP) resharding every step."""
+
+    enable_resharding_opt: bool = True  # False = the naive baseline (gather full params, slice)
+    resharding_overlap_with_compute: bool = False  # reshard while the driver prepares the next batch
+    resharding_buffer_percent: float = 0.1  # reusable staging buffer, as a fraction of model bytes; in (0, 1)
+    granularity: str = "layer"  # layer (one decoder layer at a time) | full (the whole model at once)
+    measure_baseline: bool = True  # time the naive path once per run, for the comparison log line
+
+
+@dataclass
 class ActorRolloutRefConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     ref: RefConfig = field(default_factory=RefConfig)
+    hybrid_engine: HybridEngineConfig = field(default_factory=HybridEngineConfig)
 
 
 @dataclass
