@@ -29,7 +29,7 @@ def cmd_train(args) -> int:
 
     cfg = _load(HybridFlowConfig, args.config, args.overrides)
     try:
-        trainer = RLTrainer(cfg)  # validates before Ray or any worker starts
+        trainer = RLTrainer(cfg, parallel_config=args.parallel_config)  # validates before Ray or any worker starts
     except ConfigError as e:
         sys.exit(f"config error: {e}")
     try:
@@ -62,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name, help=f"{name} from a YAML config plus key=value overrides")
         p.add_argument("config", nargs="?", help="YAML config file")
         p.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. data.train_batch_size=16")
+        if name == "train":
+            p.add_argument("--parallel-config", metavar="FILE", default=None,
+                           help="parallel config YAML (model/data parallel sizes, FSDP, resharding), e.g. configs/parallel_dp2_tp2.yaml; put it before CONFIG or after the overrides")
         p.set_defaults(fn=fn)
     p = sub.add_parser("demo", help="the main job: data, tiny model, SFT warm start, GRPO on 2 workers")
     p.add_argument("--output-dir", default="runs/demo")

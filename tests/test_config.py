@@ -112,7 +112,8 @@ def world(tmp_path):
     """A fake model dir and data files; returns a valid GRPO config over them."""
     model = tmp_path / "model"
     model.mkdir()
-    (model / "config.json").write_text(json.dumps({"max_position_embeddings": 64}))
+    (model / "config.json").write_text(json.dumps({"max_position_embeddings": 64, "num_attention_heads": 4,
+                                                   "num_key_value_heads": 2}))
     for name in ("train.parquet", "val.parquet", "reward.py"):
         (tmp_path / name).write_text("")
     return load_config(os.path.join(ROOT, "configs", "grpo_tiny.yaml"), [
@@ -174,7 +175,10 @@ def _set(cfg, dotted, value):
     ({"trainer.logger": ["console", "wandb"]}, "trainer.logger must be one of ['console', 'jsonl'], got 'wandb'"),
     ({"actor_rollout_ref.rollout.n": 1, "data.train_batch_size": 2, "actor_rollout_ref.actor.ppo_mini_batch_size": 2,
       "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 1}, "must be >= 2 for algorithm.adv_estimator=grpo"),
-    ({"actor_rollout_ref.rollout.tensor_model_parallel_size": 2}, "tensor-parallel generation arrives with the hybrid engine"),
+    ({"actor_rollout_ref.rollout.tensor_model_parallel_size": 3},
+     "actor_rollout_ref.rollout.tensor_model_parallel_size (3) must divide the number of actor workers (2 = "),
+    ({"actor_rollout_ref.rollout.tensor_model_parallel_size": 0},
+     "actor_rollout_ref.rollout.tensor_model_parallel_size must be an integer >= 1, got 0"),
     ({"reward_model.enable": True}, "reward_model.enable: model-based rewards are not implemented yet"),
     ({"actor_rollout_ref.model.path": "/nonexistent/m"}, "hybridflow make-model /nonexistent/m"),
     ({"data.max_prompt_length": 61}, "data.max_prompt_length + data.max_response_length (61+4) exceeds the model's max_position_embeddings (64)"),
@@ -189,6 +193,22 @@ def test_validator_rules(world, changes, expected):
     for k, v in changes.items():
         _set(world, k, v)
     assert expected in _problems(world)
+
+
+def test_gen_tp_valid(world):
+    world.actor_rollout_ref.rollout.tensor_model_parallel_size = 2  # 2 workers, 4 heads, 2 KV heads
+    validate_config(world)
+
+
+def test_gen_tp_must_divide_kv_heads(world):
+    model = world.actor_rollout_ref.model.path
+    with open(os.path.join(model, "config.json"), "w") as f:
+        json.dump({"max_position_embeddings": 64, "num_attention_heads": 4, "num_key_value_heads": 1}, f)
+    world.actor_rollout_ref.rollout.tensor_model_parallel_size = 2
+    msg = _problems(world)
+    assert ("actor_rollout_ref.rollout.tensor_model_parallel_size (2) must divide the model's num_key_value_heads (1)"
+            in msg and "set it to one of [1]" in msg)
+    assert "num_attention_heads" not in msg and "1 problem" in msg
 
 
 def test_vllm_message_and_all_problems_collected(world):

@@ -11,6 +11,7 @@ import os
 
 from hybridflow.config.loader import ConfigError
 from hybridflow.config.schema import HybridFlowConfig, ModelConfig, OptimConfig, SFTConfig, TrainerConfig
+from hybridflow.parallel.tensor_parallel import validate_gen_tp  # pure Python (no torch import)
 
 A, R = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
 _ADV_FALLBACK = {"gae", "grpo", "rloo", "reinforce_plus_plus", "remax"}
@@ -84,6 +85,17 @@ class _Problems(list):
         if self:
             lines = "\n".join(f"  - {p}" for p in self)
             raise ConfigError(f"invalid {what} config ({len(self)} problem{'s' * (len(self) > 1)}):\n{lines}")
+
+
+def _model_json(path: str) -> dict:
+    """The model's config.json as a dict ({} when missing or unreadable: `_Problems.model` reports that)."""
+    if not path:
+        return {}
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
 
 
 def _batch_checks(p: _Problems, who: str, mini: int, micro: int, train_bs: int, n: int, n_workers: int):
@@ -162,9 +174,20 @@ def validate_config(cfg: HybridFlowConfig) -> None:
     if alg.adv_estimator in ("grpo", "rloo") and isinstance(roll.n, int) and 0 < roll.n < 2:
         p.append(f"{R}.n must be >= 2 for algorithm.adv_estimator={alg.adv_estimator} (the group baseline "
                  f"needs several samples per prompt), got {roll.n}")
-    if roll.tensor_model_parallel_size != 1:
-        p.append(f"{R}.tensor_model_parallel_size must be 1 for now (tensor-parallel generation arrives "
-                 f"with the hybrid engine), got {roll.tensor_model_parallel_size}")
+    he = arr.hybrid_engine
+    if not 0 < he.resharding_buffer_percent < 1:
+        p.append(f"actor_rollout_ref.hybrid_engine.resharding_buffer_percent must be in (0, 1) (exclusive), got "
+                 f"{he.resharding_buffer_percent}; e.g. 0.1 reserves 10% of the model's bytes for reusable staging buffers")
+    p.enum("actor_rollout_ref.hybrid_engine.granularity", he.granularity, ["layer", "full"])
+    for key, fc in [(f"{A}.fsdp_config", actor.fsdp_config), ("actor_rollout_ref.ref.fsdp_config", arr.ref.fsdp_config),
+                    ("critic.fsdp_config", critic.fsdp_config)]:
+        p.enum(f"{key}.sharding_strategy", fc.sharding_strategy, [None, "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+        p.enum(f"{key}.mixed_precision", fc.mixed_precision, [None, "bf16", "fp16"])
+    # generation TP: divides the workers and the (KV) heads; heads read from config.json when it exists
+    model_json = _model_json(arr.model.path)
+    heads = model_json.get("num_attention_heads") or 0
+    kv_heads = model_json.get("num_key_value_heads") or heads
+    p.extend(validate_gen_tp(roll.tensor_model_parallel_size, n_workers if n_workers >= 1 else 1, heads, kv_heads))
     if cfg.reward_model.enable:
         p.append("reward_model.enable: model-based rewards are not implemented yet; set it to false and use "
                  "rule rewards / custom_reward_function")

@@ -43,7 +43,17 @@ LATEST = "latest_checkpointed_iteration.txt"
 
 
 class RLTrainer:
-    def __init__(self, cfg: HybridFlowConfig):
+    def __init__(self, cfg: HybridFlowConfig, parallel_config: str | ParallelConfig | None = None, **engine_kwargs):
+        """parallel_config: a parallel config file (or a loaded ParallelConfig) mapped onto `cfg`;
+        engine_kwargs: hybrid-engine switches (enable_resharding_opt, resharding_overlap_with_compute,
+        resharding_buffer_percent, granularity). Both are applied before validation."""
+        from hybridflow.config.parallel import ParallelConfig, apply_engine_kwargs, apply_parallel_config, load_parallel_config
+
+        if parallel_config is not None:
+            pcfg = parallel_config if isinstance(parallel_config, ParallelConfig) else load_parallel_config(str(parallel_config))
+            cfg = apply_parallel_config(cfg, pcfg)
+        if engine_kwargs:
+            cfg = apply_engine_kwargs(cfg, **engine_kwargs)
         validate_config(cfg)  # before any worker (or Ray) starts
         self.cfg = cfg
         mcfg = cfg.actor_rollout_ref.model

@@ -61,14 +61,16 @@ class ActorRolloutRefWorker(Worker):
         self.tokenizer = AutoTokenizer.from_pretrained(mcfg.tokenizer_path or mcfg.path)
         mesh = make_mesh(self.device, self.world_size)
 
-        self.actor = apply_fsdp2(load_hf_model(mcfg, self.device), mesh, acfg.fsdp_config.reshard_after_forward, acfg.fsdp_config.param_offload)
+        self.actor = apply_fsdp2(load_hf_model(mcfg, self.device), mesh, acfg.fsdp_config.reshard_after_forward, acfg.fsdp_config.param_offload,
+                                 sharding_strategy=acfg.fsdp_config.sharding_strategy, mixed_precision=acfg.fsdp_config.mixed_precision)
         self.optimizer = build_optimizer(self.actor.parameters(), acfg.optim)
         self.scheduler = build_scheduler(self.optimizer, acfg.optim, self.total_training_steps)
         if self.has_rollout:
             self.rollout = load_hf_model(mcfg, self.device).eval().requires_grad_(False)
         if self.has_ref:
             rcfg = self.cfg.actor_rollout_ref.ref
-            self.ref = apply_fsdp2(load_hf_model(mcfg, self.device), mesh, rcfg.fsdp_config.reshard_after_forward, rcfg.fsdp_config.param_offload)
+            self.ref = apply_fsdp2(load_hf_model(mcfg, self.device), mesh, rcfg.fsdp_config.reshard_after_forward, rcfg.fsdp_config.param_offload,
+                                   sharding_strategy=rcfg.fsdp_config.sharding_strategy, mixed_precision=rcfg.fsdp_config.mixed_precision)
             self.ref.eval().requires_grad_(False)
 
     # ------------------------------------------------------------------ rollout

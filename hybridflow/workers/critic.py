@@ -36,7 +36,8 @@ class CriticWorker(Worker):
         mcfg = ccfg.model if ccfg.model.path else self.cfg.actor_rollout_ref.model
         torch.manual_seed(self.cfg.trainer.seed)
         model = load_hf_model(mcfg, self.device, kind="value")
-        self.critic = apply_fsdp2(model, make_mesh(self.device, self.world_size), ccfg.fsdp_config.reshard_after_forward, ccfg.fsdp_config.param_offload)
+        self.critic = apply_fsdp2(model, make_mesh(self.device, self.world_size), ccfg.fsdp_config.reshard_after_forward, ccfg.fsdp_config.param_offload,
+                                  sharding_strategy=ccfg.fsdp_config.sharding_strategy, mixed_precision=ccfg.fsdp_config.mixed_precision)
         self.optimizer = build_optimizer(self.critic.parameters(), ccfg.optim)
         self.scheduler = build_scheduler(self.optimizer, ccfg.optim, self.total_training_steps)
 

@@ -1,0 +1,151 @@
+"""The user-facing *parallel config file* and its mapping onto the run config.
+
+A parallel config describes how HybridFlow lays the models out on the workers::
+
+    model_parallel_size: 2        # generation tensor-parallel size
+    pipeline_parallel_size: 1     # must be 1 (FSDP2 training, no pipeline stages)
+    data_parallel_size: 4         # FSDP ranks of the actor (= trainer.nnodes * trainer.n_gpus_per_node)
+    fsdp_enabled: true            # false = the actor is replicated (NO_SHARD)
+    fsdp_config:
+      mixed_precision: false      # or bf16 / fp16 / true (= bf16)
+      offload_params: false
+      sharding_strategy: FULL_SHARD   # FULL_SHARD | SHARD_GRAD_OP | NO_SHARD
+    enable_resharding_opt: true
+    resharding_overlap_with_compute: false
+    resharding_buffer_percent: 0.1
+
+    cfg = load_config("configs/grpo_tiny.yaml")
+    cfg = apply_parallel_config(cfg, load_parallel_config("configs/parallel_dp2_tp2.yaml"))
+
+It is loaded with the same loader as the run config (typed, unknown keys get a "did you mean").
+:func:`apply_parallel_config` writes it into ``HybridFlowConfig``; ``validate_config`` then checks
+the result as usual. :func:`apply_engine_kwargs` is the Python-API equivalent for the hybrid-engine
+switches (``RLTrainer(cfg, enable_resharding_opt=False)``).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional
+
+from hybridflow.config.loader import ConfigError, load_config
+from hybridflow.config.schema import FSDPConfig, HybridFlowConfig
+
+SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
+MIXED_PRECISIONS = ("bf16", "fp16")
+_MP_ALIASES = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16"}
+ENGINE_KWARGS = ("enable_resharding_opt", "resharding_overlap_with_compute", "resharding_buffer_percent", "granularity")
+
+
+@dataclass
+class ParallelFSDPConfig:
+    mixed_precision: Any = False  # false | true (= bf16) | bf16 | fp16
+    offload_params: bool = False
+    sharding_strategy: str = "FULL_SHARD"  # FULL_SHARD | SHARD_GRAD_OP | NO_SHARD
+
+
+@dataclass
+class ParallelConfig:
+    model_parallel_size: int = 1  # generation tensor-parallel size
+    pipeline_parallel_size: int = 1  # only 1 is supported
+    data_parallel_size: Optional[int] = None  # None = the number of workers
+    fsdp_enabled: bool = True  # False = replicated actor (NO_SHARD)
+    fsdp_config: ParallelFSDPConfig = field(default_factory=ParallelFSDPConfig)
+    enable_resharding_opt: bool = True
+    resharding_overlap_with_compute: bool = False
+    resharding_buffer_percent: float = 0.1
+
+
+def load_parallel_config(path: str, overrides: Iterable[str] = ()) -> ParallelConfig:
+    """Read a parallel config file (+ dotlist overrides); errors name the file and the key."""
+    try:
+        return load_config(path, overrides, schema=ParallelConfig)
+    except ConfigError as e:
+        raise ConfigError(f"parallel config {path}: {e}") from None
+
+
+def _mixed_precision(value: Any) -> Optional[str]:
+    if value is None or value is False:
+        return None
+    if value is True:
+        return "bf16"
+    if isinstance(value, str) and value.lower() in _MP_ALIASES:
+        return _MP_ALIASES[value.lower()]
+    raise ConfigError(f"fsdp_config.mixed_precision must be false, true (= bf16), bf16 or fp16, got {value!r}")
+
+
+def _fsdp_configs(cfg: HybridFlowConfig) -> list[FSDPConfig]:
+    arr = cfg.actor_rollout_ref
+    return [arr.actor.fsdp_config, arr.ref.fsdp_config, cfg.critic.fsdp_config]
+
+
+def apply_parallel_config(cfg: HybridFlowConfig, pcfg: ParallelConfig) -> HybridFlowConfig:
+    """Return a copy of ``cfg`` with ``pcfg`` applied (``cfg`` itself is not modified).
+
+    - ``model_parallel_size`` -> ``actor_rollout_ref.rollout.tensor_model_parallel_size``.
+    - ``pipeline_parallel_size`` must be 1 (ConfigError otherwise; never silently ignored).
+    - ``data_parallel_size`` must equal ``trainer.nnodes * trainer.n_gpus_per_node`` (the actor's
+      world size: every worker is one FSDP rank); None = that number.
+    - ``fsdp_enabled: false`` means the actor (and ref / critic) are *replicated*: sharding strategy
+      NO_SHARD (every rank holds the whole model, gradients are all-reduced), whatever
+      ``fsdp_config.sharding_strategy`` says.
+    - ``fsdp_config.{sharding_strategy, mixed_precision, offload_params}`` ->
+      ``{actor_rollout_ref.actor, actor_rollout_ref.ref, critic}.fsdp_config.{sharding_strategy,
+      mixed_precision, param_offload}``; mixed_precision true -> "bf16", false -> None.
+    - ``enable_resharding_opt``, ``resharding_overlap_with_compute``, ``resharding_buffer_percent``
+      -> ``actor_rollout_ref.hybrid_engine.*``.
+    """
+    if pcfg.pipeline_parallel_size != 1:
+        raise ConfigError(f"pipeline_parallel_size={pcfg.pipeline_parallel_size} is not supported: hybridflow trains "
+                          f"with FSDP2 (+ tensor-parallel generation); set pipeline_parallel_size: 1")
+    if not (isinstance(pcfg.model_parallel_size, int) and pcfg.model_parallel_size >= 1):
+        raise ConfigError(f"model_parallel_size must be a positive integer, got {pcfg.model_parallel_size!r}")
+    t = cfg.trainer
+    world = t.nnodes * t.n_gpus_per_node
+    if pcfg.data_parallel_size is not None and pcfg.data_parallel_size != world:
+        raise ConfigError(
+            f"data_parallel_size={pcfg.data_parallel_size} does not match the actor's world size trainer.nnodes * "
+            f"trainer.n_gpus_per_node = {t.nnodes} * {t.n_gpus_per_node} = {world} (every worker is one FSDP rank); "
+            f"set trainer.n_gpus_per_node so that trainer.nnodes * trainer.n_gpus_per_node = {pcfg.data_parallel_size} "
+            f"(or set data_parallel_size: {world}) accordingly")
+    strategy = pcfg.fsdp_config.sharding_strategy if pcfg.fsdp_enabled else "NO_SHARD"
+    if strategy not in SHARDING_STRATEGIES:
+        raise ConfigError(f"fsdp_config.sharding_strategy must be one of {list(SHARDING_STRATEGIES)}, got {strategy!r}")
+    mp = _mixed_precision(pcfg.fsdp_config.mixed_precision)
+
+    cfg = copy.deepcopy(cfg)
+    cfg.actor_rollout_ref.rollout.tensor_model_parallel_size = pcfg.model_parallel_size
+    for fc in _fsdp_configs(cfg):
+        fc.sharding_strategy = strategy
+        fc.reshard_after_forward = strategy == "FULL_SHARD"  # kept consistent for readers of the old field
+        fc.mixed_precision = mp
+        fc.param_offload = pcfg.fsdp_config.offload_params
+    he = cfg.actor_rollout_ref.hybrid_engine
+    he.enable_resharding_opt = pcfg.enable_resharding_opt
+    he.resharding_overlap_with_compute = pcfg.resharding_overlap_with_compute
+    he.resharding_buffer_percent = pcfg.resharding_buffer_percent
+    return cfg
+
+
+def apply_engine_kwargs(cfg: HybridFlowConfig, **kwargs: Any) -> HybridFlowConfig:
+    """Return a copy of ``cfg`` with hybrid-engine switches set from keyword arguments.
+
+    Accepted: ``enable_resharding_opt`` (bool), ``resharding_overlap_with_compute`` (bool),
+    ``resharding_buffer_percent`` (float in (0, 1)), ``granularity`` ("layer" | "full"); they go to
+    ``actor_rollout_ref.hybrid_engine.*``. Values are range-checked by ``validate_config``.
+    """
+    unknown = sorted(set(kwargs) - set(ENGINE_KWARGS))
+    if unknown:
+        raise TypeError(f"unexpected keyword argument(s) {unknown}; valid hybrid-engine keyword arguments: "
+                        f"{list(ENGINE_KWARGS)}")
+    types = {"enable_resharding_opt": bool, "resharding_overlap_with_compute": bool,
+             "resharding_buffer_percent": (int, float), "granularity": str}
+    for k, v in kwargs.items():
+        if not isinstance(v, types[k]) or (k == "resharding_buffer_percent" and isinstance(v, bool)):
+            raise ConfigError(f"actor_rollout_ref.hybrid_engine.{k}: bad value {v!r} ({type(v).__name__})")
+    cfg = copy.deepcopy(cfg)
+    he = cfg.actor_rollout_ref.hybrid_engine
+    for k, v in kwargs.items():
+        setattr(he, k, float(v) if k == "resharding_buffer_percent" else v)
+    return cfg

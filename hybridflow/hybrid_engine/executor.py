@@ -1,0 +1,221 @@
+"""The executor: training layout (FSDP2 shards) -> generation layout (TP slices), every step.
+
+Per parameter (see plan.py for the layouts):
+- aligned, shard dim 0: ONE all-gather inside the micro-DP group, straight into the generation
+  buffer. The rank's own shard lands in its place inside that buffer; nothing else is allocated.
+- aligned, shard dim 1 (row-parallel o_proj / down_proj): the same all-gather into a reusable
+  staging buffer ([k, out, c]), then one strided copy into the buffer ([out, k*c]).
+- not aligned (sizes that do not divide evenly): one all_to_all over the world in which every
+  rank sends exactly the pieces of its shard that others need and receives exactly what it lacks.
+The naive baseline (`optimized=False`) gathers every full parameter over all ranks, then slices.
+
+Generation buffers are the generation model's parameter storages: `release()` frees them after
+rollout and `acquire()` re-allocates them before the next reshard. The training shards are never
+touched, so the reverse switch (generation -> training) moves nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from hybridflow.config.schema import HybridEngineConfig
+from hybridflow.hybrid_engine.memory import PeakMemory
+from hybridflow.hybrid_engine.plan import Box, ParamPlan, ReshardPlan, intersect, volume
+from hybridflow.hybrid_engine.trace import TraceRecorder
+
+logger = logging.getLogger("hybridflow")
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def crop(t: torch.Tensor, box: Box, origin: Box) -> torch.Tensor:
+    """The view of `t` (which covers `origin`) over `box`."""
+    for d, ((lo, hi), (o, _)) in enumerate(zip(box, origin)):
+        t = t.narrow(d, lo - o, hi - lo)
+    return t
+
+
+class HybridEngine:
+    def __init__(self, train_model: nn.Module, gen_model: nn.Module, gen_shard_dims: dict[str, int | None], gen_tp: int, cfg: HybridEngineConfig, device: str, procs_per_node: int | None = None):
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.cfg = cfg
+        self.device = device
+        self.train = dict(train_model.named_parameters())
+        self.gen = dict(gen_model.named_parameters())
+        # The training shard dim as FSDP2 actually placed it (it may differ from the generation dim).
+        shapes = {n: (tuple(p.shape), p.element_size(), p.placements[0].dim if isinstance(p, DTensor) else 0, gen_shard_dims[n]) for n, p in self.train.items()}
+        self.plan = ReshardPlan.build(shapes, self.world, gen_tp, procs_per_node)
+        dtypes = {p.dtype for p in self.train.values()}
+        if len(dtypes) != 1:
+            raise ValueError(f"the hybrid engine expects one parameter dtype, found {dtypes}")
+        self.dtype = dtypes.pop()
+        k = self.plan.k
+        # Every rank creates every micro-DP group, in the same order (a torch.distributed rule).
+        self.micro_group = None
+        for t in range(gen_tp):
+            ranks = list(range(t * k, t * k + k))
+            group = dist.new_group(ranks)
+            if self.rank in ranks:
+                self.micro_group = group
+        self.trace = TraceRecorder(self.rank)
+        self.acquired = True
+        # The reusable staging buffer: resharding_buffer_percent of the model, and at least the
+        # largest layer's staging need so layer granularity never allocates.
+        itemsize = torch.empty(0, dtype=self.dtype).element_size()
+        per_layer = {}
+        for p in self.plan.params:
+            per_layer[p.layer] = per_layer.get(p.layer, 0) + self._staging_numel(p)
+        want = int(cfg.resharding_buffer_percent * self.plan.model_bytes() / itemsize)
+        self.staging = torch.empty(max([want, 1, *per_layer.values()]), dtype=self.dtype, device=device)
+
+    # ------------------------------------------------------------------ buffers
+    def gen_buffers(self) -> list[torch.Tensor]:
+        return [local(p.data) for p in self.gen.values()]
+
+    def release(self) -> int:
+        """Free the generation buffers (after rollout). Moves nothing: returns bytes moved (0)."""
+        for t in self.gen_buffers():
+            t.untyped_storage().resize_(0)
+        self.acquired = False
+        return 0
+
+    def acquire(self) -> None:
+        if self.acquired:
+            return
+        for t in self.gen_buffers():
+            t.untyped_storage().resize_(t.numel() * t.element_size())
+        self.acquired = True
+
+    # ------------------------------------------------------------------ staging
+    def _staging_numel(self, p: ParamPlan) -> int:
+        r = self.rank
+        if p.aligned:
+            return 0 if p.train_dim == 0 or len(p.group[r]) == 1 else volume(p.need[r])
+        send = sum(volume(intersect(p.own[r], p.need[d])) for d in range(self.world) if d != r)
+        recv = sum(volume(intersect(p.own[s], p.need[r])) for s in range(self.world) if s != r)
+        return send + recv
+
+    def _take(self, numel: int, pool: list[int]) -> torch.Tensor:
+        """A staging slice: from the reusable buffer (layer mode) or a fresh tensor (full mode)."""
+        if self.cfg.granularity == "layer":
+            start = pool[0]
+            pool[0] += numel
+            return self.staging[start : start + numel]
+        return torch.empty(numel, dtype=self.dtype, device=self.device)
+
+    # ------------------------------------------------------------------ one parameter
+    def _aligned(self, p: ParamPlan, train: torch.Tensor, gen: torch.Tensor, pool: list[int], copies: list) -> int:
+        group = self.micro_group if p.tp_sharded else None
+        size = len(p.group[self.rank])
+        if size == 1:
+            copies.append((gen, train))
+            return 0
+        if p.train_dim == 0:
+            dist.all_gather_into_tensor(gen, train.contiguous(), group=group)  # straight into the buffer
+        else:  # row-parallel weight [out, c] per rank -> gen [out, size*c]
+            out_rows, c = train.shape
+            stage = self._take(size * train.numel(), pool)
+            dist.all_gather_into_tensor(stage.view(size * out_rows, c), train.contiguous(), group=group)
+            copies.append((gen.view(out_rows, size, c), stage.view(size, out_rows, c).transpose(0, 1)))
+        return (size - 1) * train.numel() * train.element_size()
+
+    def _exchange(self, p: ParamPlan, train: torch.Tensor, gen: torch.Tensor, pool: list[int], copies: list) -> int:
+        """General case: every rank sends exactly what others lack and receives what it lacks."""
+        r = self.rank
+        own, need = p.own[r], p.need[r]
+        send_pieces, send_sizes = [], []
+        for dst in range(self.world):
+            box = intersect(own, p.need[dst]) if dst != r else None
+            send_sizes.append(volume(box))
+            if box:
+                send_pieces.append(crop(train, box, own).reshape(-1))
+        recv_boxes = [intersect(p.own[src], need) if src != r else None for src in range(self.world)]
+        recv_sizes = [volume(b) for b in recv_boxes]
+        send = self._take(sum(send_sizes), pool)
+        if send_pieces:
+            torch.cat(send_pieces, out=send)
+        recv = self._take(sum(recv_sizes), pool)
+        dist.all_to_all_single(recv, send, output_split_sizes=recv_sizes, input_split_sizes=send_sizes)
+        offset = 0
+        for box, size in zip(recv_boxes, recv_sizes):
+            if box:
+                copies.append((crop(gen, box, need), recv[offset : offset + size].view([hi - lo for lo, hi in box])))
+            offset += size
+        mine = intersect(own, need)
+        if mine:
+            copies.append((crop(gen, mine, need), crop(train, mine, own)))
+        return sum(recv_sizes) * train.element_size()
+
+    def _naive(self, p: ParamPlan, train_param: torch.Tensor, gen: torch.Tensor, copies: list, keep: list) -> int:
+        full = train_param.full_tensor() if isinstance(train_param, DTensor) else train_param
+        keep.append(full)  # full granularity holds every gathered tensor until the copies
+        copies.append((gen, crop(full, p.need[self.rank], tuple((0, n) for n in full.shape))))
+        return (full.numel() - local(train_param).numel()) * full.element_size()
+
+    # ------------------------------------------------------------------ the switch
+    @torch.no_grad()
+    def reshard(self, optimized: bool = True) -> dict:
+        """Training -> generation layout. Returns measured seconds, bytes received, peak extra memory."""
+        self.acquire()
+        start = time.perf_counter()
+        received = 0
+        by_layer: dict[str, list[ParamPlan]] = {}
+        for p in self.plan.params:
+            by_layer.setdefault(p.layer, []).append(p)
+        with PeakMemory(self.device) as mem:
+            copies: list = []
+            keep: list = []
+            for layer, params in by_layer.items():
+                pool = [0]  # staging offset, reset per layer
+                with self.trace.span(f"gather {layer}", "gather", optimized=optimized):
+                    for p in params:
+                        train_param, gen = self.train[p.name], local(self.gen[p.name].data)
+                        if not optimized:
+                            received += self._naive(p, train_param, gen, copies, keep)
+                        elif p.aligned:
+                            received += self._aligned(p, local(train_param.data), gen, pool, copies)
+                        else:
+                            received += self._exchange(p, local(train_param.data), gen, pool, copies)
+                if self.cfg.granularity == "layer":
+                    with self.trace.span(f"copy {layer}", "copy"):
+                        for dst, src in copies:
+                            dst.copy_(src)
+                    copies.clear()
+                    keep.clear()
+            if copies:  # full granularity: every copy after every collective
+                with self.trace.span("copy all", "copy"):
+                    for dst, src in copies:
+                        dst.copy_(src)
+            copies.clear()
+            keep.clear()
+        return {
+            "seconds": time.perf_counter() - start,
+            "bytes_received": received,
+            "peak_extra_bytes": mem.extra_bytes,
+            "layers": list(by_layer),
+            "optimized": optimized,
+        }
+
+    @torch.no_grad()
+    def max_abs_diff(self) -> float:
+        """Debug check: max |generation buffer - matching slice of the trained weights| (0.0 = bit-exact)."""
+        worst = 0.0
+        for p in self.plan.params:
+            train = self.train[p.name]
+            full = train.full_tensor() if isinstance(train, DTensor) else train
+            expect = crop(full, p.need[self.rank], tuple((0, n) for n in full.shape))
+            gen = local(self.gen[p.name].data)
+            if gen.shape != expect.shape:
+                return math.inf
+            if not torch.equal(gen, expect):
+                worst = max(worst, float((gen - expect).abs().max()))
+        return worst

@@ -1,0 +1,53 @@
+"""Peak-memory measurement around one operation, per process.
+
+CUDA: the caching allocator's peak. CPU: the kernel's resident-set high-water mark (VmHWM), reset
+through /proc/self/clear_refs before the operation. Workers set MALLOC_MMAP_THRESHOLD_ so every
+large tensor is its own mmap and is returned to the OS when freed; otherwise glibc would keep freed
+memory and the RSS would under-report what an operation needs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class PeakMemory:
+    """with PeakMemory(device) as m: ...; m.extra_bytes = peak during the block - usage before it."""
+
+    def __init__(self, device: str = "cpu"):
+        self.device = device
+        self.extra_bytes = 0
+
+    def __enter__(self) -> "PeakMemory":
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.before = torch.cuda.memory_allocated()
+        else:
+            try:
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")  # reset VmHWM to the current RSS
+            except OSError:
+                pass
+            self.before = _status("VmRSS")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated()
+        else:
+            peak = _status("VmHWM")
+        self.extra_bytes = max(0, peak - self.before)
+
+
+def rss_bytes() -> int:
+    return _status("VmRSS")

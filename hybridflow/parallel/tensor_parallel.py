@@ -1,0 +1,176 @@
+"""Tensor-parallel GENERATION layout for HF causal LMs (Qwen2 / Llama), and the shard-dim table.
+
+With N actor ranks and ``gen_tp`` dividing N, k = N // gen_tp:
+    rank r -> generation TP index r // k, generation DP index r % k;
+    TP groups are the strided rank sets {j, j+k, j+2k, ...} (j < k).
+The (tp, dp) DeviceMesh ``arange(N).reshape(gen_tp, k)`` has exactly these groups as ``mesh["tp"]``.
+Training (FSDP2) shards each parameter over all N ranks along the SAME dim that generation TP
+shards it (``fsdp_shard_placement_fn``), so TP rank t needs FSDP slices t*k .. t*k+k-1: the k
+consecutive ranks of its micro-DP group (see design.md, "The resharding, precisely").
+
+One explicit table (nano-vllm style) decides every parameter's generation shard dim; the TP plan,
+the FSDP2 placement and the resharding planner all read it through :func:`gen_shard_dim`.
+
+Simplifications: no sequence parallel, no fused qkv / gate_up (HF keeps them separate; a vLLM
+backend concatenates per TP rank on top of this table), tied embeddings stay replicated.
+torch is imported inside the functions that need it: the table and :func:`validate_gen_tp` are
+pure Python so the driver-side config validator can use them without importing torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    import torch.nn as nn
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard
+
+COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # weight [out, in]: dim 0; bias dim 0
+ROWWISE = ("o_proj", "down_proj")  # weight [out, in]: dim 1; bias replicated (added after the all-reduce)
+EMBED, LM_HEAD = "embed_tokens", "lm_head"  # vocab-parallel: weight dim 0, unless tied (then replicated)
+
+TP_KEY = "actor_rollout_ref.rollout.tensor_model_parallel_size"
+
+
+def gen_shard_dim(param_name: str, tied: bool) -> int | None:
+    """Dim along which generation TP shards the parameter ``param_name`` (an FQN), None = replicated.
+
+    Only the last two FQN components matter, so wrapper prefixes (``_orig_mod.``, ``module.``) are fine:
+    "model.layers.0.self_attn.q_proj.weight" -> 0, "model.layers.0.mlp.down_proj.weight" -> 1,
+    "model.norm.weight" -> None, "lm_head.weight" -> 0 (None when ``tied``).
+    """
+    parts = param_name.split(".")
+    if len(parts) < 2:
+        return None
+    module, leaf = parts[-2], parts[-1]
+    if module in COLWISE and leaf in ("weight", "bias"):
+        return 0
+    if module in ROWWISE and leaf == "weight":
+        return 1
+    if module in (EMBED, LM_HEAD) and leaf == "weight" and not tied:
+        return 0
+    return None
+
+
+def is_tied(model: nn.Module) -> bool:
+    cfg = getattr(model, "config", None)
+    return bool(getattr(cfg, "tie_word_embeddings", False))
+
+
+def gen_shard_dims(model: nn.Module) -> dict[str, int | None]:
+    """{parameter FQN: generation shard dim} for every (deduplicated) parameter of ``model``."""
+    tied = is_tied(model)
+    return {name: gen_shard_dim(name, tied) for name, _ in model.named_parameters()}
+
+
+def validate_gen_tp(gen_tp: int, world_size: int, num_attention_heads: int, num_key_value_heads: int) -> list[str]:
+    """Problems with a generation TP size (empty when it is fine), each naming the key and the fix."""
+    if not (isinstance(gen_tp, int) and gen_tp >= 1):
+        return [f"{TP_KEY} must be an integer >= 1, got {gen_tp!r}"]
+    out = []
+    if world_size % gen_tp:
+        ok = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        out.append(f"{TP_KEY} ({gen_tp}) must divide the number of actor workers ({world_size} = trainer.nnodes * "
+                   f"trainer.n_gpus_per_node); set it to one of {ok}")
+    for what, heads in (("num_attention_heads", num_attention_heads), ("num_key_value_heads", num_key_value_heads)):
+        if heads and heads % gen_tp:
+            ok = [d for d in range(1, heads + 1) if heads % d == 0]
+            out.append(f"{TP_KEY} ({gen_tp}) must divide the model's {what} ({heads}): each TP rank holds whole "
+                       f"heads; set it to one of {ok} (that also divides {world_size} workers)")
+    return out
+
+
+def gen_ranks(rank: int, world_size: int, gen_tp: int) -> tuple[int, int]:
+    """(generation TP index, generation DP index) of ``rank``."""
+    k = world_size // gen_tp
+    return rank // k, rank % k
+
+
+def gen_mesh(device: str, world_size: int, gen_tp: int) -> DeviceMesh:
+    """The 2-D (tp, dp) mesh ``arange(N).reshape(gen_tp, k)``: ``mesh["tp"]`` = strided TP groups.
+
+    Collective over the default process group (every rank must call it; slicing creates sub-groups).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    problems = validate_gen_tp(gen_tp, world_size, 0, 0)
+    if problems:
+        raise ValueError("; ".join(problems))
+    return init_device_mesh(device, (gen_tp, world_size // gen_tp), mesh_dim_names=("tp", "dp"))
+
+
+def _check_heads(model: nn.Module, tp: int) -> None:
+    cfg = model.config
+    heads = cfg.num_attention_heads
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    problems = validate_gen_tp(tp, tp, heads, kv)
+    if problems:
+        raise ValueError(f"{type(model).__name__}: " + "; ".join(problems))
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
+    """Shard ``model`` in place for generation over the 1-D ``tp_mesh`` (no-op when its size is 1).
+
+    Per decoder layer: q/k/v/gate/up ColwiseParallel (output = local heads / local FFN columns),
+    o/down RowwiseParallel (partial sums all-reduced to a whole hidden state). Untied embedding:
+    vocab-parallel (RowwiseParallel(input_layouts=Replicate()): masked lookup + all-reduce); untied
+    lm_head: ColwiseParallel(output_layouts=Replicate()) so logits come out whole (all-gather).
+
+    HF attention needs NO per-rank patch (transformers v5 Qwen2/Llama): q/k/v are reshaped with
+    ``(*input_shape, -1, head_dim)`` so the head count follows the local width (heads/tp, kv/tp);
+    the output is reshaped with ``(*input_shape, -1)``; ``num_key_value_groups`` = heads // kv_heads
+    is a ratio that tp divides out of both, and ``head_dim`` / ``scaling`` do not change. Layer
+    outputs are plain (replicated) tensors, so norms, rotary embeddings, the KV cache and
+    ``generate`` see ordinary torch tensors; only the sharded Linear/Embedding weights are DTensors.
+    """
+    import torch.nn as nn
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from hybridflow.parallel.fsdp import decoder_layers
+
+    tp = tp_mesh.size()
+    if tp == 1:
+        return model
+    _check_heads(model, tp)
+    for layer in decoder_layers(model):
+        plan = {}
+        for name, mod in layer.named_modules():
+            leaf = name.rsplit(".", 1)[-1]
+            if isinstance(mod, nn.Linear) and leaf in COLWISE:
+                plan[name] = ColwiseParallel()
+            elif isinstance(mod, nn.Linear) and leaf in ROWWISE:
+                plan[name] = RowwiseParallel()
+        # src_data_rank=None: every rank already holds the full weights; each keeps its own slice
+        # (no broadcast from TP rank 0).
+        parallelize_module(layer, tp_mesh, plan, src_data_rank=None)
+    if not is_tied(model):
+        names = {id(m): n for n, m in model.named_modules()}
+        plan = {}
+        emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+        if emb is not None:
+            plan[names[id(emb)]] = RowwiseParallel(input_layouts=Replicate())
+        if head is not None:
+            plan[names[id(head)]] = ColwiseParallel(output_layouts=Replicate())
+        parallelize_module(model, tp_mesh, plan, src_data_rank=None)
+    return model
+
+
+def fsdp_shard_placement_fn(model: nn.Module) -> Callable[[nn.Parameter], Shard | None]:
+    """For ``fully_shard(..., shard_placement_fn=...)``: shard each parameter for TRAINING along its
+    generation TP dim (``gen_shard_dim``); replicated-in-generation parameters get Shard(0).
+
+    FSDP2 calls the fn with the Parameter object, so the dims are keyed by ``id(param)``: build this
+    BEFORE ``fully_shard`` replaces the parameters (i.e. before ``apply_fsdp2``).
+    """
+    from torch.distributed.tensor import Shard
+
+    tied = is_tied(model)
+    dims = {id(p): gen_shard_dim(name, tied) for name, p in model.named_parameters()}
+
+    def placement(param: nn.Parameter) -> Shard:
+        dim = dims.get(id(param))
+        return Shard(0 if dim is None else dim)
+
+    return placement

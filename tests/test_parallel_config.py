@@ -1,0 +1,206 @@
+"""The parallel config file (ParallelConfig -> HybridFlowConfig), engine kwargs, their validation,
+and what the FSDP2 sharding strategies really do (one 2-process gloo run)."""
+
+import json
+import os
+import tempfile
+
+import pytest
+import torch
+
+from hybridflow.config import ConfigError, HybridFlowConfig, load_config, validate_config
+from hybridflow.config.parallel import (ParallelConfig, ParallelFSDPConfig, apply_engine_kwargs, apply_parallel_config,
+                                        load_parallel_config)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _write(tmp_path, text, name="parallel.yaml"):
+    f = tmp_path / name
+    f.write_text(text)
+    return str(f)
+
+
+def _fsdp_cfgs(cfg):
+    return [cfg.actor_rollout_ref.actor.fsdp_config, cfg.actor_rollout_ref.ref.fsdp_config, cfg.critic.fsdp_config]
+
+
+def _problems(cfg) -> str:
+    with pytest.raises(ConfigError) as e:
+        validate_config(cfg)
+    return str(e.value)
+
+
+# ---------------------------------------------------------------- loading + mapping
+def test_defaults_and_example_files():
+    p = ParallelConfig()
+    assert (p.model_parallel_size, p.pipeline_parallel_size, p.data_parallel_size, p.fsdp_enabled) == (1, 1, None, True)
+    assert p.fsdp_config == ParallelFSDPConfig(False, False, "FULL_SHARD")
+    assert (p.enable_resharding_opt, p.resharding_overlap_with_compute, p.resharding_buffer_percent) == (True, False, 0.1)
+    # applying the defaults changes nothing but making the strategy explicit
+    cfg = apply_parallel_config(HybridFlowConfig(), p)
+    assert all(fc.sharding_strategy == "FULL_SHARD" and fc.mixed_precision is None for fc in _fsdp_cfgs(cfg))
+
+    for name, tp, dp, mp in [("parallel_dp2_tp2.yaml", 2, 2, None), ("parallel_dp4_tp2.yaml", 2, 4, "bf16")]:
+        p = load_parallel_config(os.path.join(ROOT, "configs", name))
+        assert (p.model_parallel_size, p.data_parallel_size) == (tp, dp)
+        cfg = apply_parallel_config(load_config(None, [f"trainer.n_gpus_per_node={dp}"]), p)
+        assert cfg.actor_rollout_ref.rollout.tensor_model_parallel_size == tp
+        assert cfg.actor_rollout_ref.actor.fsdp_config.mixed_precision == mp
+
+
+def test_every_key_is_mapped(tmp_path):
+    f = _write(tmp_path, """
+model_parallel_size: 2
+pipeline_parallel_size: 1
+data_parallel_size: 4
+fsdp_enabled: true
+fsdp_config:
+  mixed_precision: true
+  offload_params: true
+  sharding_strategy: SHARD_GRAD_OP
+enable_resharding_opt: false
+resharding_overlap_with_compute: true
+resharding_buffer_percent: 0.25
+""")
+    base = load_config(None, ["trainer.nnodes=2", "trainer.n_gpus_per_node=2"])
+    cfg = apply_parallel_config(base, load_parallel_config(f))
+    assert base == load_config(None, ["trainer.nnodes=2", "trainer.n_gpus_per_node=2"])  # input not modified
+    assert cfg.actor_rollout_ref.rollout.tensor_model_parallel_size == 2
+    for fc in _fsdp_cfgs(cfg):  # actor, ref and critic
+        assert (fc.sharding_strategy, fc.mixed_precision, fc.param_offload, fc.reshard_after_forward) == (
+            "SHARD_GRAD_OP", "bf16", True, False)
+    he = cfg.actor_rollout_ref.hybrid_engine
+    assert (he.enable_resharding_opt, he.resharding_overlap_with_compute, he.resharding_buffer_percent) == (False, True, 0.25)
+
+    # fsdp_enabled: false = replicated, whatever sharding_strategy says; mixed precision spellings
+    for mp, want in [(False, None), ("fp16", "fp16"), ("bf16", "bf16")]:
+        p = ParallelConfig(fsdp_enabled=False, fsdp_config=ParallelFSDPConfig(mixed_precision=mp))
+        cfg = apply_parallel_config(HybridFlowConfig(), p)
+        assert all(fc.sharding_strategy == "NO_SHARD" and fc.mixed_precision == want for fc in _fsdp_cfgs(cfg))
+    with pytest.raises(ConfigError, match="mixed_precision"):
+        apply_parallel_config(HybridFlowConfig(), ParallelConfig(fsdp_config=ParallelFSDPConfig(mixed_precision="fp8")))
+    with pytest.raises(ConfigError, match="sharding_strategy"):
+        apply_parallel_config(HybridFlowConfig(), ParallelConfig(fsdp_config=ParallelFSDPConfig(sharding_strategy="HYBRID")))
+
+
+def test_pipeline_parallel_is_rejected():
+    with pytest.raises(ConfigError, match=r"pipeline_parallel_size=2 is not supported.*FSDP2.*set pipeline_parallel_size: 1"):
+        apply_parallel_config(HybridFlowConfig(), ParallelConfig(pipeline_parallel_size=2))
+
+
+def test_data_parallel_size_must_match_world_size():
+    with pytest.raises(ConfigError, match=r"data_parallel_size=4 .*= 2.*trainer\.n_gpus_per_node"):
+        apply_parallel_config(HybridFlowConfig(), ParallelConfig(data_parallel_size=4))  # default 1 node x 2
+    cfg = apply_parallel_config(load_config(None, ["trainer.n_gpus_per_node=4"]), ParallelConfig(data_parallel_size=4))
+    assert cfg.trainer.n_gpus_per_node == 4
+
+
+def test_unknown_key_suggests_closest(tmp_path):
+    f = _write(tmp_path, "model_paralel_size: 2\n")
+    with pytest.raises(ConfigError, match=r"parallel\.yaml.*unknown config key 'model_paralel_size'; did you mean 'model_parallel_size'"):
+        load_parallel_config(f)
+    f = _write(tmp_path, "fsdp_config:\n  sharding_strategie: NO_SHARD\n")
+    with pytest.raises(ConfigError, match=r"did you mean 'fsdp_config\.sharding_strategy'"):
+        load_parallel_config(f)
+
+
+# ---------------------------------------------------------------- validation, kwargs, wiring
+@pytest.mark.parametrize("bad", [0.0, 1.0, 1.5, -0.1])
+def test_buffer_percent_outside_open_interval(bad):
+    cfg = apply_parallel_config(HybridFlowConfig(), ParallelConfig(resharding_buffer_percent=bad))
+    msg = _problems(cfg)
+    assert "actor_rollout_ref.hybrid_engine.resharding_buffer_percent must be in (0, 1)" in msg
+    assert f"got {bad}" in msg and "10% of the model's bytes" in msg
+
+
+def test_engine_and_fsdp_enums_are_validated():
+    cfg = HybridFlowConfig()
+    cfg.actor_rollout_ref.hybrid_engine.granularity = "block"
+    cfg.actor_rollout_ref.ref.fsdp_config.sharding_strategy = "HYBRID_SHARD"
+    cfg.critic.fsdp_config.mixed_precision = "fp8"
+    msg = _problems(cfg)
+    assert "actor_rollout_ref.hybrid_engine.granularity must be one of ['layer', 'full'], got 'block'" in msg
+    assert "actor_rollout_ref.ref.fsdp_config.sharding_strategy must be one of" in msg
+    assert "critic.fsdp_config.mixed_precision must be one of [None, 'bf16', 'fp16'], got 'fp8'" in msg
+    assert "hybrid_engine.resharding_buffer_percent" not in _problems(HybridFlowConfig())  # defaults are fine
+
+
+def test_engine_kwargs():
+    cfg = apply_engine_kwargs(HybridFlowConfig(), enable_resharding_opt=False, resharding_overlap_with_compute=True,
+                              resharding_buffer_percent=0.5, granularity="full")
+    he = cfg.actor_rollout_ref.hybrid_engine
+    assert (he.enable_resharding_opt, he.resharding_overlap_with_compute, he.resharding_buffer_percent, he.granularity) == (
+        False, True, 0.5, "full")
+    with pytest.raises(TypeError, match=r"resharding_bufer.*enable_resharding_opt.*granularity"):
+        apply_engine_kwargs(HybridFlowConfig(), resharding_bufer=0.2)
+
+
+def test_trainer_applies_before_validation(tmp_path):
+    from hybridflow.cli import main
+    from hybridflow.trainer.rl import RLTrainer
+
+    with pytest.raises(ConfigError, match="resharding_buffer_percent must be in"):
+        RLTrainer(HybridFlowConfig(), resharding_buffer_percent=1.5)
+    with pytest.raises(TypeError, match="valid hybrid-engine keyword arguments"):
+        RLTrainer(HybridFlowConfig(), granularty="full")
+    f = _write(tmp_path, "pipeline_parallel_size: 2\n")
+    with pytest.raises(ConfigError, match="pipeline_parallel_size=2 is not supported"):
+        RLTrainer(HybridFlowConfig(), parallel_config=f)
+    with pytest.raises(SystemExit, match="config error: .*pipeline_parallel_size=2"):
+        main(["train", "--parallel-config", f])
+
+
+# ---------------------------------------------------------------- FSDP2 strategies, for real
+def _strategies_worker(rank: int, world: int, init_file: str, model_dir: str, out_dir: str):
+    import torch.distributed as dist
+
+    from hybridflow.config.schema import ModelConfig
+    from hybridflow.parallel.fsdp import apply_fsdp2, make_mesh, shard_numel
+    from hybridflow.workers.fsdp_model import load_hf_model
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        mesh = make_mesh("cpu", world)
+        res = {}
+        for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
+            model = apply_fsdp2(load_hf_model(ModelConfig(path=model_dir), "cpu"), mesh, sharding_strategy=strategy)
+            res[strategy] = shard_numel(model)
+        # NO_SHARD trains: different data per rank, gradients all-reduced -> identical weights after a step
+        torch.manual_seed(rank)
+        model = apply_fsdp2(load_hf_model(ModelConfig(path=model_dir), "cpu"), mesh, sharding_strategy="NO_SHARD")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        before = torch.cat([p.to_local().detach().flatten().clone() for p in model.parameters()])
+        ids = torch.randint(4, 99, (2, 8))
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        after = torch.cat([p.to_local().detach().flatten() for p in model.parameters()])
+        gathered = [torch.empty_like(after) for _ in range(world)]
+        dist.all_gather(gathered, after)
+        res["no_shard_changed"] = bool((after - before).abs().max() > 0)
+        res["no_shard_ranks_equal"] = bool(all(torch.equal(g, gathered[0]) for g in gathered))
+        # bf16 mixed precision: compute in bf16, parameters stay fp32
+        model = apply_fsdp2(load_hf_model(ModelConfig(path=model_dir), "cpu"), mesh, mixed_precision="bf16")
+        res["bf16_logits"] = str(model(input_ids=ids).logits.dtype)
+        res["bf16_param"] = str(next(model.parameters()).dtype)
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(res, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sharding_strategies_two_ranks(tiny_model_dir, tmp_path):
+    import torch.multiprocessing as mp
+
+    init_file = os.path.join(tempfile.mkdtemp(dir=tmp_path), "pg")
+    mp.spawn(_strategies_worker, args=(2, init_file, str(tiny_model_dir), str(tmp_path)), nprocs=2, join=True)
+    res = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
+    for r in res:
+        local, total = r["NO_SHARD"]
+        assert local == total  # replicated: every rank holds the whole model
+        for strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
+            local, total = r[strategy]
+            assert abs(local - total / 2) < 0.02 * total  # ~half (dim-0 chunks of ceil(n/2))
+        assert r["no_shard_changed"] and r["no_shard_ranks_equal"]
+        assert (r["bf16_logits"], r["bf16_param"]) == ("torch.bfloat16", "torch.float32")
+    assert sum(r["FULL_SHARD"][0] for r in res) == res[0]["FULL_SHARD"][1]  # the shards add up to the model
