@@ -9,6 +9,10 @@ the mark and turns one driver call into N per-rank calls (dispatch) and N result
   to a multiple of N first, un-padded after); Batch results are concatenated back in rank order,
   dict results (metrics) are averaged over ranks.
 - RANK_ZERO: every rank runs (SPMD methods use collectives), only rank 0's result is returned.
+
+`register(Dispatch.DP_COMPUTE, layout="rollout")` splits by a data-parallel layout the worker
+declares (`Worker.dispatch_layout`) instead of by rank: e.g. tensor-parallel generation, where
+the gen_tp ranks of one replica get the same chunk and only one of them returns it.
 """
 
 from __future__ import annotations
@@ -19,6 +23,11 @@ from typing import Any, Callable
 from hybridflow.protocol import Batch
 
 DISPATCH_ATTR = "_hybridflow_dispatch"
+LAYOUT_ATTR = "_hybridflow_layout"
+ROLE_ATTR = "_hybridflow_role"
+
+# Per rank: (data-parallel index, data-parallel size, whether its result is collected).
+Layout = list[tuple[int, int, bool]]
 
 
 class Dispatch(enum.Enum):
@@ -27,18 +36,21 @@ class Dispatch(enum.Enum):
     RANK_ZERO = "rank_zero"
 
 
-def register(dispatch_mode: Dispatch = Dispatch.ONE_TO_ALL) -> Callable:
+def register(dispatch_mode: Dispatch = Dispatch.ONE_TO_ALL, layout: str | None = None) -> Callable:
     def mark(fn: Callable) -> Callable:
         setattr(fn, DISPATCH_ATTR, dispatch_mode)
+        setattr(fn, LAYOUT_ATTR, layout)
         return fn
 
     return mark
 
 
-def dispatch_args(mode: Dispatch, world_size: int, args: tuple, kwargs: dict) -> tuple[list, list, int]:
+def dispatch_args(mode: Dispatch, world_size: int, args: tuple, kwargs: dict, layout: Layout | None = None) -> tuple[list, list, int]:
     """Per-rank (args, kwargs) lists, and the number of padding rows added (DP_COMPUTE)."""
     if mode is not Dispatch.DP_COMPUTE:
         return [args] * world_size, [kwargs] * world_size, 0
+    layout = layout or [(r, world_size, True) for r in range(world_size)]
+    dp_size = layout[0][1]
 
     lengths = {len(v) for v in (*args, *kwargs.values()) if isinstance(v, Batch)}
     if len(lengths) > 1:
@@ -48,22 +60,24 @@ def dispatch_args(mode: Dispatch, world_size: int, args: tuple, kwargs: dict) ->
     def split(value: Any) -> list:
         nonlocal pad
         if isinstance(value, Batch):
-            padded, pad = value.pad_to_multiple(world_size)
-            return padded.chunk(world_size)
-        return [value] * world_size
+            padded, pad = value.pad_to_multiple(dp_size)
+            return padded.chunk(dp_size)
+        return [value] * dp_size
 
     split_args = [split(a) for a in args]
     split_kwargs = {k: split(v) for k, v in kwargs.items()}
-    rank_args = [tuple(a[r] for a in split_args) for r in range(world_size)]
-    rank_kwargs = [{k: v[r] for k, v in split_kwargs.items()} for r in range(world_size)]
+    rank_args = [tuple(a[dp] for a in split_args) for dp, _, _ in layout]
+    rank_kwargs = [{k: v[dp] for k, v in split_kwargs.items()} for dp, _, _ in layout]
     return rank_args, rank_kwargs, pad
 
 
-def collect_results(mode: Dispatch, results: list, pad: int) -> Any:
+def collect_results(mode: Dispatch, results: list, pad: int, layout: Layout | None = None) -> Any:
     if mode is Dispatch.ONE_TO_ALL:
         return results
     if mode is Dispatch.RANK_ZERO:
         return results[0]
+    if layout is not None:  # one result per data-parallel index, in order
+        results = [res for _, res in sorted(((dp, res) for (dp, _, keep), res in zip(layout, results) if keep), key=lambda x: x[0])]
     first = results[0]
     if isinstance(first, Batch):
         out = Batch.concat(results)

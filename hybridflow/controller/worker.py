@@ -14,7 +14,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from hybridflow.controller.decorator import DISPATCH_ATTR
+from hybridflow.controller.decorator import DISPATCH_ATTR, LAYOUT_ATTR, ROLE_ATTR
 
 # Rank 0's rendezvous socket; one per process, shared by every role colocated in it.
 _STORE_SOCKET: socket.socket | None = None
@@ -58,6 +58,17 @@ class Worker:
 
     def _hf_pid(self) -> int:
         return os.getpid()
+
+    def _hf_layout(self, method: str) -> tuple[int, int, bool]:
+        """This rank's data-parallel layout for `method` (see `register(..., layout=...)`)."""
+        fn = getattr(type(self), method)
+        role = getattr(fn, ROLE_ATTR, None)
+        owner = self._roles[role] if role else self
+        return owner.dispatch_layout(getattr(fn, LAYOUT_ATTR, None))
+
+    def dispatch_layout(self, layout: str | None) -> tuple[int, int, bool]:
+        """(dp index, dp size, collect?) for a named layout; by default every rank is its own replica."""
+        return self.rank, self.world_size, True
 
     def init_process_group(self, device: str) -> None:
         """Join the group's process group once (colocated roles share it)."""
@@ -110,5 +121,7 @@ def colocated_worker_cls(roles: dict[str, type]) -> type:
                 return getattr(self._roles[_role], _method)(*args, **kwargs)
 
             setattr(call, DISPATCH_ATTR, mode)
+            setattr(call, LAYOUT_ATTR, getattr(getattr(cls, method), LAYOUT_ATTR, None))
+            setattr(call, ROLE_ATTR, role)
             namespace[f"{role}__{method}"] = call
     return type("Colocated_" + "_".join(roles), (Worker,), namespace)

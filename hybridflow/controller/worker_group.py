@@ -24,7 +24,7 @@ import ray  # noqa: E402
 from ray.util.placement_group import placement_group, remove_placement_group  # noqa: E402
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: E402
 
-from hybridflow.controller.decorator import Dispatch, collect_results, dispatch_args
+from hybridflow.controller.decorator import LAYOUT_ATTR, Dispatch, collect_results, dispatch_args
 from hybridflow.controller.worker import colocated_worker_cls, registered_methods
 
 # Environment every worker process gets: one BLAS thread per worker (N workers share few
@@ -105,13 +105,27 @@ class RayWorkerGroup:
         node_ip = ray.get(self.workers[0]._hf_node_ip.remote())
         master_addr, master_port = ray.get(self.workers[0]._hf_master_endpoint.remote(node_ip))
         ray.get([w._hf_set_env.remote({"MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}) for w in self.workers])
+        self._layouts: dict[str, list] = {}
         for method, mode in registered_methods(worker_cls).items():
             setattr(self, method, functools.partial(self._call, method, mode))
 
-    def _call(self, method: str, mode: Dispatch, *args, **kwargs) -> Any:
-        rank_args, rank_kwargs, pad = dispatch_args(mode, self.world_size, args, kwargs)
+    def _layout(self, method: str) -> list | None:
+        if getattr(getattr(self.worker_cls, method), LAYOUT_ATTR, None) is None:
+            return None
+        if method not in self._layouts:
+            self._layouts[method] = ray.get([w._hf_layout.remote(method) for w in self.workers])
+        return self._layouts[method]
+
+    def submit(self, method: str, *args, **kwargs) -> "Pending":
+        """Start `method` on every worker without waiting; `.result()` collects it."""
+        mode = registered_methods(self.worker_cls)[method]
+        layout = self._layout(method)
+        rank_args, rank_kwargs, pad = dispatch_args(mode, self.world_size, args, kwargs, layout)
         refs = [getattr(w, method).remote(*a, **k) for w, a, k in zip(self.workers, rank_args, rank_kwargs)]
-        return collect_results(mode, ray.get(refs), pad)
+        return Pending(refs, lambda results: collect_results(mode, results, pad, layout))
+
+    def _call(self, method: str, mode: Dispatch, *args, **kwargs) -> Any:
+        return self.submit(method, *args, **kwargs).result()
 
     def pids(self) -> list[int]:
         return ray.get([w._hf_pid.remote() for w in self.workers])
@@ -122,13 +136,32 @@ class RayWorkerGroup:
         self.workers = []
 
 
+class Pending:
+    """A worker-group call in flight (Ray object refs) and how to collect its results."""
+
+    def __init__(self, refs: list, collect):
+        self.refs = refs
+        self.collect = collect
+
+    def done(self) -> bool:
+        ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
+        return len(ready) == len(self.refs)
+
+    def result(self) -> Any:
+        return self.collect(ray.get(self.refs))
+
+
 class RoleView:
     """One role of a colocated group, with its methods under their own names."""
 
     def __init__(self, group: RayWorkerGroup, role: str, role_cls: type):
         self.world_size = group.world_size
+        self._group, self._role = group, role
         for method in registered_methods(role_cls):
             setattr(self, method, getattr(group, f"{role}__{method}"))
+
+    def submit(self, method: str, *args, **kwargs) -> Pending:
+        return self._group.submit(f"{self._role}__{method}", *args, **kwargs)
 
 
 class ColocatedWorkerGroup(RayWorkerGroup):

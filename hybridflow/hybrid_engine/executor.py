@@ -37,6 +37,16 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _own_storage(p: nn.Parameter) -> None:
+    """Give a generation parameter a private, resizable storage (HF may load it as a view of a
+    memory-mapped file), so release()/acquire() can free and re-allocate it."""
+    if isinstance(p.data, DTensor):
+        d = p.data
+        p.data = DTensor.from_local(d.to_local().clone(), d.device_mesh, d.placements, run_check=False, shape=d.shape, stride=d.stride())
+    else:
+        p.data = p.data.clone()
+
+
 def crop(t: torch.Tensor, box: Box, origin: Box) -> torch.Tensor:
     """The view of `t` (which covers `origin`) over `box`."""
     for d, ((lo, hi), (o, _)) in enumerate(zip(box, origin)):
@@ -51,6 +61,8 @@ class HybridEngine:
         self.device = device
         self.train = dict(train_model.named_parameters())
         self.gen = dict(gen_model.named_parameters())
+        for p in self.gen.values():
+            _own_storage(p)
         # The training shard dim as FSDP2 actually placed it (it may differ from the generation dim).
         shapes = {n: (tuple(p.shape), p.element_size(), p.placements[0].dim if isinstance(p, DTensor) else 0, gen_shard_dims[n]) for n, p in self.train.items()}
         self.plan = ReshardPlan.build(shapes, self.world, gen_tp, procs_per_node)

@@ -121,8 +121,13 @@ def make_tiny_model(
     max_position_embeddings: int = 256,
     tie_word_embeddings: bool = False,
     seed: int = 0,
+    head_dim: int | None = None,
 ) -> pathlib.Path:
-    """Build a randomly initialised fp32 causal LM + char tokenizer and save both to ``out_dir``."""
+    """Build a randomly initialised fp32 causal LM + char tokenizer and save both to ``out_dir``.
+
+    head_dim (default hidden_size // num_attention_heads) lets the hidden size be any number, e.g.
+    one that does not divide by the number of workers.
+    """
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen2Config
 
@@ -144,6 +149,8 @@ def make_tiny_model(
         eos_token_id=eos_id,
         pad_token_id=pad_id,
     )
+    if head_dim is not None:
+        common["head_dim"] = head_dim
     arch_l = arch.lower()
     if arch_l == "qwen2":
         config = Qwen2Config(**common)

@@ -157,12 +157,14 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     return model
 
 
-def fsdp_shard_placement_fn(model: nn.Module) -> Callable[[nn.Parameter], Shard | None]:
+def fsdp_shard_placement_fn(model: nn.Module, world_size: int | None = None) -> Callable[[nn.Parameter], Shard | None]:
     """For ``fully_shard(..., shard_placement_fn=...)``: shard each parameter for TRAINING along its
     generation TP dim (``gen_shard_dim``); replicated-in-generation parameters get Shard(0).
 
-    FSDP2 calls the fn with the Parameter object, so the dims are keyed by ``id(param)``: build this
-    BEFORE ``fully_shard`` replaces the parameters (i.e. before ``apply_fsdp2``).
+    FSDP2 cannot shard unevenly along a dim other than 0: a row-parallel weight whose dim 1 does not
+    divide by ``world_size`` falls back to Shard(0) (the resharding planner then moves boxes
+    between the two layouts). FSDP2 calls the fn with the Parameter object, so the dims are keyed
+    by ``id(param)``: build this BEFORE ``fully_shard`` replaces the parameters.
     """
     from torch.distributed.tensor import Shard
 
@@ -170,7 +172,9 @@ def fsdp_shard_placement_fn(model: nn.Module) -> Callable[[nn.Parameter], Shard 
     dims = {id(p): gen_shard_dim(name, tied) for name, p in model.named_parameters()}
 
     def placement(param: nn.Parameter) -> Shard:
-        dim = dims.get(id(param))
-        return Shard(0 if dim is None else dim)
+        dim = dims.get(id(param)) or 0
+        if dim and world_size and param.shape[dim] % world_size:
+            dim = 0
+        return Shard(dim)
 
     return placement

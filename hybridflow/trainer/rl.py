@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer
 
+from hybridflow import profiler
 from hybridflow.algorithms import get_adv_estimator, make_kl_controller, apply_kl_penalty, masked_mean
 from hybridflow.config import HybridFlowConfig, save_config, validate_config
 from hybridflow.controller.worker_group import ColocatedWorkerGroup, ResourcePool, init_ray
@@ -72,6 +73,10 @@ class RLTrainer:
         self.global_step = 0
         self.log_dir = cfg.trainer.log_dir or cfg.trainer.default_local_dir
         self.wg = None
+        self._reshard_logged = False
+        self._pending_reshard = None
+        self._next_batch: Batch | None = None  # prepared while the workers reshard (overlap mode)
+        self._loader_state_at_prefetch: dict | None = None
 
     # ------------------------------------------------------------------ workers
     def init_workers(self) -> None:
@@ -89,6 +94,7 @@ class RLTrainer:
         self.wg = ColocatedWorkerGroup(self.pool, roles, name=f"{t.experiment_name}_{os.getpid()}", device=device)
         self.actor = self.wg.role("actor")
         self.actor.init_model()
+        self.plan_summary = self.actor.reshard_plan()
         self.critic = self.wg.role("critic") if self.use_critic else None
         if self.critic:
             self.critic.init_model()
@@ -129,14 +135,59 @@ class RLTrainer:
         return Batch.from_dict(tensors={"token_level_rewards": rewards, "advantages": adv, "returns": returns}, meta={"metrics": metrics})
 
     def _reshard(self, batch: Batch) -> dict[str, float]:
-        seconds = max(self.actor.sync_rollout_weights())
-        metrics = {"reshard/seconds": seconds}
-        if self.cfg.trainer.check_weight_sync:
-            diff = max(self.actor.rollout_weight_max_diff())
+        """Training -> generation layout. With overlap on, only start it: `train_step` prepares the
+        next batch while the workers reshard, then collects the result."""
+        he = self.cfg.actor_rollout_ref.hybrid_engine
+        first = not self._reshard_logged
+        if first:
+            r = self.cfg.actor_rollout_ref.rollout
+            logger.info("Starting resharding from FSDP(dp=%d) to TP=%d x DP=%d...", self.pool.world_size, r.tensor_model_parallel_size, self.pool.world_size // r.tensor_model_parallel_size)
+        kwargs = {"measure_baseline": first and he.measure_baseline, "check": self.cfg.trainer.check_weight_sync, "trace": profiler.active_session() is not None}
+        self._pending_reshard = (self.actor.submit("reshard", **kwargs), time.perf_counter())
+        if he.resharding_overlap_with_compute:
+            return {}
+        return self._finish_reshard()
+
+    def _finish_reshard(self, prep_seconds: float | None = None) -> dict[str, float]:
+        pending, _ = self._pending_reshard
+        wait_start = time.perf_counter()
+        per_rank = pending.result()
+        waited = time.perf_counter() - wait_start
+        self._pending_reshard = None
+        seconds = max(r["seconds"] for r in per_rank)
+        m = {
+            "timing_s/reshard": seconds,
+            "reshard/bytes_per_rank": float(max(r["bytes_received"] for r in per_rank)),
+            "reshard/min_bytes_per_rank": float(max(self.plan_summary["min_bytes_per_rank"])),
+            "reshard/naive_bytes_per_rank": float(max(self.plan_summary["naive_bytes_per_rank"])),
+            "reshard/peak_extra_gb": max(r["peak_extra_bytes"] for r in per_rank) / 2**30,
+            "perf/max_memory_rss_gb": max(r["rss_bytes"] for r in per_rank) / 2**30,
+        }
+        if "max_diff" in per_rank[0]:
+            diff = max(r["max_diff"] for r in per_rank)
             if diff != 0.0:
-                raise RuntimeError(f"weight sync check failed: rollout weights differ from the trained ones by {diff}")
-            metrics["reshard/weight_max_diff"] = diff
-        return metrics
+                raise RuntimeError(f"weight sync check failed: generation weights differ from the trained ones by {diff}")
+            m["reshard/weight_max_diff"] = diff
+        if prep_seconds is not None:
+            # The part of the workers' resharding time the driver spent preparing the next batch.
+            m["reshard/overlap_ratio"] = max(0.0, min(1.0, (seconds - waited) / seconds)) if seconds > 0 else 1.0
+        session = profiler.active_session()
+        if session is not None:
+            for r in per_rank:
+                session.events.extend(r.get("trace", []))
+        if not self._reshard_logged:
+            logger.debug("Layer-wise migration: %s", " -> ".join(per_rank[0]["layers"]))
+            if "baseline" in per_rank[0]:
+                base = max(r["baseline"]["seconds"] for r in per_rank)
+                m["reshard/baseline_seconds"] = base
+                logger.info("Resharding completed in %.3fs (vs %.3fs baseline), %.2f MB received per rank (naive: %.2f MB)",
+                            seconds, base, m["reshard/bytes_per_rank"] / 1e6, m["reshard/naive_bytes_per_rank"] / 1e6)
+            else:
+                logger.info("Resharding completed in %.3fs, %.2f MB received per rank", seconds, m["reshard/bytes_per_rank"] / 1e6)
+            if prep_seconds is not None:
+                logger.info("Overlapped %d%% of resharding time with data loading", round(100 * m["reshard/overlap_ratio"]))
+            self._reshard_logged = True
+        return m
 
     def build_dataflow(self) -> DataFlow:
         a = self.cfg.algorithm
@@ -167,16 +218,27 @@ class RLTrainer:
             "seed": self.cfg.trainer.seed * 100_003 + self.global_step,
         }
 
-    def train_step(self, flow: DataFlow) -> dict[str, float]:
+    def _prepare_batch(self) -> Batch:
         n = self.cfg.actor_rollout_ref.rollout.n
         batch = self.loader.next_batch()
         # Group id per prompt, then n interleaved samples per prompt: [p0, p0, ..., p1, p1, ...].
-        batch["uid"] = [f"{self.global_step}-{i}" for i in range(len(batch))]
-        batch = batch.repeat(n, interleave=True)
-        batch.meta.update(self._sampling_meta())
+        batch["uid"] = [f"{self.loader.epoch}-{self.loader.position}-{i}" for i in range(len(batch))]
+        return batch.repeat(n, interleave=True)
+
+    def train_step(self, flow: DataFlow) -> dict[str, float]:
+        batch = self._next_batch if self._next_batch is not None else self._prepare_batch()
+        self._next_batch = None
+        batch.meta.update(self._sampling_meta(), release_after=True)
         start = time.perf_counter()
         batch, metrics = flow.run(batch)
+        if self._pending_reshard is not None:  # overlapped: prepare the next batch, then collect
+            prep_start = time.perf_counter()
+            if self.global_step < self.total_steps:
+                self._loader_state_at_prefetch = self.loader.state_dict()  # a checkpoint must not skip it
+                self._next_batch = self._prepare_batch()
+            metrics.update(self._finish_reshard(prep_seconds=time.perf_counter() - prep_start))
         metrics["timing_s/step"] = time.perf_counter() - start
+        metrics["reshard/comm_fraction"] = metrics["timing_s/reshard"] / metrics["timing_s/step"]
         metrics.update(compute_data_metrics(batch, self.pool.world_size, metrics["timing_s/step"]))
         return metrics
 
@@ -242,7 +304,8 @@ class RLTrainer:
         self.actor.save_checkpoint(path)
         if self.critic:
             self.critic.save_checkpoint(path)
-        state = {"global_step": self.global_step, "loader": self.loader.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict()}
+        loader_state = self._loader_state_at_prefetch if self._next_batch is not None else self.loader.state_dict()
+        state = {"global_step": self.global_step, "loader": loader_state, "kl_ctrl": self.kl_ctrl.state_dict()}
         torch.save(state, os.path.join(path, "trainer_state.pt"))
         with open(os.path.join(t.default_local_dir, LATEST), "w") as f:
             f.write(str(self.global_step))

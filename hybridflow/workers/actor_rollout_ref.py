@@ -2,10 +2,12 @@
 
 - actor: the HF model sharded with FSDP2 over the group (each rank stores ~1/N of it), AdamW,
   warm-up schedule, gradient clipping, micro-batch gradient accumulation; PPO update and SFT step.
-- rollout: an unsharded HF model that generates with `generate` (temperature/top-p/top-k/n).
-  After every actor update `sync_rollout_weights` gathers the trained parameters one at a time
-  and copies them into the rollout model (the plain gather-then-copy path; the 3D-HybridEngine
-  replaces it with layout-aware resharding).
+- rollout: the same HF model in the generation layout: tensor-parallel over gen_tp ranks
+  (DTensor, `parallel/tensor_parallel.py`), gen_dp = N / gen_tp replicas generating different
+  prompts with `generate` (temperature/top-p/top-k/n). After every actor update the
+  3D-HybridEngine (`hybrid_engine/`) moves only what each rank lacks of its generation slices
+  into the rollout's buffers; FSDP2 shards each parameter along its generation TP dim so that a
+  micro-DP all-gather suffices. The buffers are released after rollout.
 - ref: a frozen FSDP2 copy of the initial policy, for the KL term.
 """
 
@@ -22,7 +24,10 @@ from hybridflow.algorithms import agg_loss, compute_policy_loss, entropy_from_lo
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.controller.decorator import Dispatch, register
 from hybridflow.controller.worker import Worker, pick_device
-from hybridflow.parallel.fsdp import apply_fsdp2, iter_full_params, make_mesh, shard_numel
+from hybridflow.hybrid_engine.executor import HybridEngine
+from hybridflow.hybrid_engine.memory import rss_bytes
+from hybridflow.parallel.fsdp import apply_fsdp2, make_mesh, shard_numel
+from hybridflow.parallel.tensor_parallel import apply_tensor_parallel, fsdp_shard_placement_fn, gen_mesh, gen_ranks, gen_shard_dims
 from hybridflow.protocol import Batch
 from hybridflow.utils.checkpoint import load_sharded, save_sharded
 from hybridflow.workers.fsdp_model import load_hf_model, micro_batches, response_logits
@@ -61,33 +66,54 @@ class ActorRolloutRefWorker(Worker):
         self.tokenizer = AutoTokenizer.from_pretrained(mcfg.tokenizer_path or mcfg.path)
         mesh = make_mesh(self.device, self.world_size)
 
-        self.actor = apply_fsdp2(load_hf_model(mcfg, self.device), mesh, acfg.fsdp_config.reshard_after_forward, acfg.fsdp_config.param_offload,
-                                 sharding_strategy=acfg.fsdp_config.sharding_strategy, mixed_precision=acfg.fsdp_config.mixed_precision)
+        model = load_hf_model(mcfg, self.device)
+        self.gen_dims = gen_shard_dims(model)
+        # Training shards follow the generation TP dims, so resharding is a micro-DP all-gather.
+        placement = fsdp_shard_placement_fn(model, self.world_size)
+        fcfg = acfg.fsdp_config
+        self.actor = apply_fsdp2(model, mesh, fcfg.reshard_after_forward, fcfg.param_offload, shard_placement_fn=placement, sharding_strategy=fcfg.sharding_strategy, mixed_precision=fcfg.mixed_precision)
         self.optimizer = build_optimizer(self.actor.parameters(), acfg.optim)
         self.scheduler = build_scheduler(self.optimizer, acfg.optim, self.total_training_steps)
         if self.has_rollout:
+            gen_tp = self.cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
+            self.gen_dp_size = self.world_size // gen_tp
+            self.tp_index, self.dp_index = gen_ranks(self.rank, self.world_size, gen_tp)
             self.rollout = load_hf_model(mcfg, self.device).eval().requires_grad_(False)
+            if gen_tp > 1:
+                apply_tensor_parallel(self.rollout, gen_mesh(self.device, self.world_size, gen_tp)["tp"])
+            procs_per_node = int(os.environ.get("HYBRIDFLOW_PROCS_PER_NODE", self.world_size))
+            self.engine = HybridEngine(self.actor, self.rollout, self.gen_dims, gen_tp, self.cfg.actor_rollout_ref.hybrid_engine, self.device, procs_per_node)
         if self.has_ref:
             rcfg = self.cfg.actor_rollout_ref.ref
             self.ref = apply_fsdp2(load_hf_model(mcfg, self.device), mesh, rcfg.fsdp_config.reshard_after_forward, rcfg.fsdp_config.param_offload,
                                    sharding_strategy=rcfg.fsdp_config.sharding_strategy, mixed_precision=rcfg.fsdp_config.mixed_precision)
             self.ref.eval().requires_grad_(False)
 
+    def dispatch_layout(self, layout: str | None) -> tuple[int, int, bool]:
+        """Generation splits prompts over gen_dp replicas; the gen_tp ranks of one replica share them."""
+        if layout == "rollout":
+            return self.dp_index, self.gen_dp_size, self.tp_index == 0
+        return super().dispatch_layout(layout)
+
     # ------------------------------------------------------------------ rollout
-    @register(Dispatch.DP_COMPUTE)
+    @register(Dispatch.DP_COMPUTE, layout="rollout")
     @torch.no_grad()
     def generate_sequences(self, prompts: Batch) -> Batch:
         """prompts: input_ids/attention_mask [b, P] left-padded; meta: sampling settings.
 
         Returns responses [b, R], response_mask [b, R], the full input_ids / attention_mask /
         position_ids [b, P+R] and rollout_log_probs [b, R] (log-probs under the sampling
-        temperature, for the rollout-vs-trainer consistency check).
+        temperature, for the rollout-vs-trainer consistency check). meta["release_after"]
+        frees the generation buffers once done (the next reshard re-acquires them).
         """
         meta = prompts.meta
         resp_len = int(meta["max_response_length"])
         do_sample = bool(meta.get("do_sample", True)) and float(meta.get("temperature", 1.0)) > 0
         temperature = float(meta.get("temperature", 1.0)) if do_sample else 1.0
-        torch.manual_seed(int(meta.get("seed", 0)) * 1000 + self.rank)
+        # The TP ranks of one replica must draw the same samples: seed by the replica index.
+        torch.manual_seed(int(meta.get("seed", 0)) * 1000 + self.dp_index)
+        if not self.engine.acquired:
+            raise RuntimeError("generation buffers are released: call reshard() before generate_sequences()")
         tok = self.tokenizer
         gen_cfg = GenerationConfig(
             max_new_tokens=resp_len,
@@ -112,6 +138,8 @@ class ActorRolloutRefWorker(Worker):
         rollout_log_probs = torch.nn.functional.pad(logp, (0, pad), value=0.0)
         response_mask = response_mask_from(responses, tok.eos_token_id)
         full_mask = torch.cat([attention_mask, response_mask], dim=1)
+        if meta.get("release_after"):
+            self.engine.release()  # generation -> training: frees buffers, moves nothing
         return Batch.from_dict(
             tensors={
                 "prompts": input_ids.cpu(),
@@ -126,23 +154,42 @@ class ActorRolloutRefWorker(Worker):
         )
 
     @register(Dispatch.ONE_TO_ALL)
-    @torch.no_grad()
-    def sync_rollout_weights(self) -> float:
-        """Copy the trained weights into the rollout model; returns seconds spent."""
-        import time
+    def reshard(self, measure_baseline: bool = False, check: bool = False, trace: bool = False) -> dict:
+        """Training -> generation layout through the hybrid engine; measured stats of this rank.
 
-        start = time.perf_counter()
-        rollout_params = dict(self.rollout.named_parameters())
-        for name, full in iter_full_params(self.actor):
-            rollout_params[name].copy_(full)
-        return time.perf_counter() - start
+        measure_baseline also runs (and times) the naive path first; check compares the generation
+        buffers with the trained weights bit for bit; trace returns Chrome-trace events.
+        """
+        engine = self.engine
+        engine.trace.enabled = trace
+        out: dict = {}
+        if measure_baseline:
+            out["baseline"] = engine.reshard(optimized=False)
+        out.update(engine.reshard(optimized=self.cfg.actor_rollout_ref.hybrid_engine.enable_resharding_opt))
+        if check:
+            out["max_diff"] = engine.max_abs_diff()
+        out["rss_bytes"] = rss_bytes()
+        if trace:
+            out["trace"] = engine.trace.drain()
+        return out
 
     @register(Dispatch.ONE_TO_ALL)
-    @torch.no_grad()
+    def release_rollout(self) -> int:
+        return self.engine.release()
+
+    @register(Dispatch.RANK_ZERO)
+    def reshard_plan(self) -> dict:
+        return self.engine.plan.summary()
+
+    @register(Dispatch.ONE_TO_ALL)
     def rollout_weight_max_diff(self) -> float:
-        """max |rollout - trained| over all parameters (0.0 after a correct sync)."""
-        rollout_params = dict(self.rollout.named_parameters())
-        return max(float((rollout_params[n] - full).abs().max()) for n, full in iter_full_params(self.actor))
+        """max |generation buffer - matching slice of the trained weights| (0.0 after a correct reshard)."""
+        return self.engine.max_abs_diff()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def train_shard_checksum(self) -> float:
+        """Sum of this rank's training shards (to show a switch back to training moved nothing)."""
+        return float(sum(p.to_local().double().sum() for p in self.actor.parameters()))
 
     @register(Dispatch.ONE_TO_ALL)
     def shard_stats(self) -> dict[str, int]:
@@ -267,7 +314,7 @@ class ActorRolloutRefWorker(Worker):
     def load_checkpoint(self, path: str) -> None:
         load_sharded(os.path.join(path, "actor"), self.actor, self.optimizer, self.scheduler)
         if self.has_rollout:
-            self.sync_rollout_weights()
+            self.engine.reshard()
 
     @register(Dispatch.RANK_ZERO)
     def save_hf_model(self, out_dir: str) -> str:
