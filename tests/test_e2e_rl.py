@@ -140,3 +140,38 @@ def test_raising_reward_fn_scores_zero_and_run_goes_on(ray_cluster, tiny_model_d
         trainer.shutdown()
     assert len(hist) == 2
     assert sum(h["reward/errors"] for h in hist) > 0  # most digit_max answers are 8 or 9
+
+
+def test_grpo_tp2_generation_hybrid_engine_overlap_and_trace(ray_cluster, tiny_model_dir, task_dir, varied_reward, tmp_path, caplog):
+    from hybridflow.profiler import trace_resharding
+
+    trainer = make_trainer(
+        tiny_model_dir, task_dir, tmp_path, f"custom_reward_function.path={varied_reward}",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "trainer.check_weight_sync=true",
+        "actor_rollout_ref.hybrid_engine.resharding_overlap_with_compute=true",
+    )
+    trace_path = tmp_path / "trace.json"
+    try:
+        with caplog.at_level("DEBUG", logger="hybridflow"), trace_resharding(str(trace_path)):
+            result = trainer.fit()
+        plan = trainer.actor.reshard_plan()
+        assert trainer.actor.rollout_weight_max_diff() == [0.0, 0.0]
+    finally:
+        trainer.shutdown()
+    # N=2, gen_tp=2: every sharded weight is already in place; only replicated norms move.
+    assert plan["gen_tp"] == 2 and plan["gen_dp"] == 1
+    assert max(plan["min_bytes_per_rank"]) < 0.05 * max(plan["naive_bytes_per_rank"])
+    for h in steps(result):
+        assert h["reshard/weight_max_diff"] == 0.0
+        assert h["reshard/bytes_per_rank"] == h["reshard/min_bytes_per_rank"]
+        assert h["rollout/logprob_diff_max"] < 1e-4  # TP rollout vs FSDP2 trainer, fp32
+        assert 0.0 <= h["reshard/overlap_ratio"] <= 1.0
+        assert abs(h["actor/ppo_kl"]) < 1e-6
+    text = caplog.text
+    assert "Starting resharding from FSDP(dp=2) to TP=2 x DP=1..." in text
+    assert "Layer-wise migration: embed_tokens -> layers.0 -> layers.1" in text
+    assert "baseline" in text and "Overlapped" in text
+    events = json.loads(trace_path.read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == {0, 1}
+    assert {"gather layers.0", "copy layers.0"} <= {e["name"] for e in spans}
