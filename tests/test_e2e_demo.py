@@ -12,7 +12,7 @@ from hybridflow.cli import main as cli_main
 
 
 @pytest.mark.slow
-def test_demo_sft_then_grpo_learns_on_held_out_prompts(ray_cluster, tmp_path):
+def test_demo_learns_on_held_out_prompts_with_gen_tp_1_and_2(ray_cluster, tmp_path):
     out = tmp_path / "demo"
     assert cli_main(["demo", "--output-dir", str(out), "--rl-steps", "40", "trainer.progress_bar=false"]) == 0
     summary = json.loads((out / "summary.json").read_text())
@@ -25,6 +25,14 @@ def test_demo_sft_then_grpo_learns_on_held_out_prompts(ray_cluster, tmp_path):
     assert summary["val_acc_final"] >= 0.6
     assert summary["val_acc_final"] >= 2 * summary["val_acc_after_sft"]
     assert (out / "sft_model" / "config.json").exists()
+
+    # Same seed with tensor-parallel generation (gen_tp=2, the hybrid engine on): learns as well.
+    tp2 = tmp_path / "demo_tp2"
+    assert cli_main(["demo", "--output-dir", str(tp2), "--rl-steps", "40", "trainer.progress_bar=false",
+                     "actor_rollout_ref.rollout.tensor_model_parallel_size=2"]) == 0
+    summary_tp2 = json.loads((tp2 / "summary.json").read_text())
+    assert summary_tp2["val_acc_after_sft"] == pytest.approx(summary["val_acc_after_sft"])
+    assert abs(summary_tp2["val_acc_final"] - summary["val_acc_final"]) <= 0.05
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

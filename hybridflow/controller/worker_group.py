@@ -34,6 +34,11 @@ WORKER_ENV = {
     "MKL_NUM_THREADS": "1",
     "TOKENIZERS_PARALLELISM": "false",
     "HF_HUB_OFFLINE": "1",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "TRANSFORMERS_VERBOSITY": "error",
+    # Every large tensor its own mmap, returned to the OS when freed: RSS then measures what the
+    # hybrid engine really holds (see hybrid_engine/memory.py).
+    "MALLOC_MMAP_THRESHOLD_": "65536",
     "RAY_USAGE_STATS_ENABLED": "0",
 }
 

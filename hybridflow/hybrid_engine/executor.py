@@ -26,11 +26,14 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from hybridflow.config.schema import HybridEngineConfig
-from hybridflow.hybrid_engine.memory import PeakMemory
+from hybridflow.hybrid_engine.memory import PeakMemory, allocation_bytes
 from hybridflow.hybrid_engine.plan import Box, ParamPlan, ReshardPlan, intersect, volume
 from hybridflow.hybrid_engine.trace import TraceRecorder
 
 logger = logging.getLogger("hybridflow")
+
+# torch 2.13 renamed all_gather_into_tensor (same semantics); keep older releases working.
+_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -86,6 +89,8 @@ class HybridEngine:
         per_layer = {}
         for p in self.plan.params:
             per_layer[p.layer] = per_layer.get(p.layer, 0) + self._staging_numel(p)
+        self.layer_staging_bytes = max(per_layer.values()) * itemsize
+        self.gen_allocation_bytes = sum(allocation_bytes(p.gen_bytes(self.rank), device) for p in self.plan.params)
         want = int(cfg.resharding_buffer_percent * self.plan.model_bytes() / itemsize)
         self.staging = torch.empty(max([want, 1, *per_layer.values()]), dtype=self.dtype, device=device)
 
@@ -132,11 +137,11 @@ class HybridEngine:
             copies.append((gen, train))
             return 0
         if p.train_dim == 0:
-            dist.all_gather_into_tensor(gen, train.contiguous(), group=group)  # straight into the buffer
+            _all_gather(gen, train.contiguous(), group=group)  # straight into the buffer
         else:  # row-parallel weight [out, c] per rank -> gen [out, size*c]
             out_rows, c = train.shape
             stage = self._take(size * train.numel(), pool)
-            dist.all_gather_into_tensor(stage.view(size * out_rows, c), train.contiguous(), group=group)
+            _all_gather(stage.view(size * out_rows, c), train.contiguous(), group=group)
             copies.append((gen.view(out_rows, size, c), stage.view(size, out_rows, c).transpose(0, 1)))
         return (size - 1) * train.numel() * train.element_size()
 
@@ -177,13 +182,13 @@ class HybridEngine:
     @torch.no_grad()
     def reshard(self, optimized: bool = True) -> dict:
         """Training -> generation layout. Returns measured seconds, bytes received, peak extra memory."""
-        self.acquire()
         start = time.perf_counter()
         received = 0
         by_layer: dict[str, list[ParamPlan]] = {}
         for p in self.plan.params:
             by_layer.setdefault(p.layer, []).append(p)
-        with PeakMemory(self.device) as mem:
+        with PeakMemory(self.device) as mem:  # includes (re-)allocating the generation buffers
+            self.acquire()
             copies: list = []
             keep: list = []
             for layer, params in by_layer.items():
@@ -213,9 +218,18 @@ class HybridEngine:
             "seconds": time.perf_counter() - start,
             "bytes_received": received,
             "peak_extra_bytes": mem.extra_bytes,
+            # Theory: the generation slices themselves, plus (optimized) at most one layer's staging
+            # or (naive) the full tensors gathered at once: one layer's, or the whole model's.
+            "theory_extra_bytes": self.gen_allocation_bytes + (self.layer_staging_bytes if optimized else self._naive_transient_bytes()),
             "layers": list(by_layer),
             "optimized": optimized,
         }
+
+    def _naive_transient_bytes(self) -> int:
+        full = {}
+        for p in self.plan.params:
+            full[p.layer] = full.get(p.layer, 0) + math.prod(p.shape) * p.itemsize
+        return max(full.values()) if self.cfg.granularity == "layer" else sum(full.values())
 
     @torch.no_grad()
     def max_abs_diff(self) -> float:

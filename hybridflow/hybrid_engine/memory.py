@@ -49,5 +49,16 @@ class PeakMemory:
         self.extra_bytes = max(0, peak - self.before)
 
 
+def allocation_bytes(nbytes: int, device: str = "cpu") -> int:
+    """What the allocator really takes for one tensor of `nbytes`: CUDA rounds blocks to 512 B;
+    on CPU (with MALLOC_MMAP_THRESHOLD_=65536) a large tensor is its own mmap, a 16 B header plus
+    whole 4 KiB pages."""
+    if device == "cuda":
+        return -(-nbytes // 512) * 512
+    if nbytes >= 65536:
+        return -(-(nbytes + 16) // 4096) * 4096
+    return nbytes
+
+
 def rss_bytes() -> int:
     return _status("VmRSS")

@@ -180,10 +180,10 @@ class RLTrainer:
             if "baseline" in per_rank[0]:
                 base = max(r["baseline"]["seconds"] for r in per_rank)
                 m["reshard/baseline_seconds"] = base
-                logger.info("Resharding completed in %.3fs (vs %.3fs baseline), %.2f MB received per rank (naive: %.2f MB)",
-                            seconds, base, m["reshard/bytes_per_rank"] / 1e6, m["reshard/naive_bytes_per_rank"] / 1e6)
+                logger.info("Resharding completed in %.3fs (vs %.3fs baseline), %s received per rank (naive: %s)",
+                            seconds, base, _human_bytes(m["reshard/bytes_per_rank"]), _human_bytes(m["reshard/naive_bytes_per_rank"]))
             else:
-                logger.info("Resharding completed in %.3fs, %.2f MB received per rank", seconds, m["reshard/bytes_per_rank"] / 1e6)
+                logger.info("Resharding completed in %.3fs, %s received per rank", seconds, _human_bytes(m["reshard/bytes_per_rank"]))
             if prep_seconds is not None:
                 logger.info("Overlapped %d%% of resharding time with data loading", round(100 * m["reshard/overlap_ratio"]))
             self._reshard_logged = True
@@ -331,6 +331,14 @@ class RLTrainer:
         self.loader.load_state_dict(state["loader"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         logger.info("resumed from %s at step %d", path, self.global_step)
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} GB"
 
 
 def _with_sample_info(generated: Batch, prompts: Batch) -> Batch:
