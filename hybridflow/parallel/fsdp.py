@@ -6,7 +6,7 @@ must not be split across devices), so any HF causal LM works without a per-archi
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -72,17 +72,6 @@ def apply_fsdp2(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool 
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     return model
-
-
-def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor on every rank (an all-gather for a sharded DTensor)."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def iter_full_params(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full tensor) one parameter at a time: peak extra memory is one parameter."""
-    for name, p in model.named_parameters():
-        yield name, full_tensor(p.detach())
 
 
 def shard_numel(model: nn.Module) -> tuple[int, int]:
