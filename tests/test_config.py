@@ -2,6 +2,7 @@
 
 import glob
 import json
+import importlib.util
 import os
 
 import pytest
@@ -161,7 +162,7 @@ def _set(cfg, dotted, value):
     ({"actor_rollout_ref.actor.clip_ratio_c": 1.0}, "actor_rollout_ref.actor.clip_ratio_c must be > 1"),
     ({"actor_rollout_ref.rollout.temperature": -0.1}, "actor_rollout_ref.rollout.temperature must be >= 0"),
     ({"actor_rollout_ref.rollout.top_p": 0.0}, "actor_rollout_ref.rollout.top_p must be in (0, 1]"),
-    ({"actor_rollout_ref.rollout.name": "vllm"}, "rollout.name must be one of ['hf']"),
+    ({"actor_rollout_ref.rollout.name": "sglang"}, "rollout.name must be one of ['hf', 'vllm']"),
     ({"actor_rollout_ref.actor.strategy": "ddp"}, "actor_rollout_ref.actor.strategy must be one of"),
     ({"actor_rollout_ref.actor.loss_agg_mode": "sum"}, "actor_rollout_ref.actor.loss_agg_mode must be one of"),
     ({"actor_rollout_ref.actor.kl_loss_type": "k9"}, "actor_rollout_ref.actor.kl_loss_type must be one of"),
@@ -211,12 +212,13 @@ def test_gen_tp_must_divide_kv_heads(world):
     assert "num_attention_heads" not in msg and "1 problem" in msg
 
 
-def test_vllm_message_and_all_problems_collected(world):
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_vllm_missing_message_and_all_problems_collected(world):
     world.actor_rollout_ref.rollout.name = "vllm"
     world.trainer.device = "tpu"
     world.reward_model.enable = True
     msg = _problems(world)
-    assert "vLLM backend is not available yet" in msg
+    assert "vLLM is not installed" in msg and "scripts/bootstrap_vllm.sh" in msg and "hybridflow[vllm]" in msg
     assert "3 problems" in msg and "trainer.device" in msg and "reward_model.enable" in msg
 
 

