@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
@@ -32,7 +31,7 @@ from hybridflow.parallel.tensor_parallel import apply_tensor_parallel, fsdp_shar
 from hybridflow.protocol import Batch
 from hybridflow.utils.checkpoint import load_sharded, save_sharded
 from hybridflow.workers.fsdp_model import load_hf_model, micro_batches, response_logits
-from hybridflow.workers.optim import build_optimizer, build_scheduler
+from hybridflow.workers.optim import build_optimizer, build_scheduler, clip_and_step
 
 
 def response_mask_from(responses: torch.Tensor, eos_id: int) -> torch.Tensor:
@@ -267,14 +266,6 @@ class ActorRolloutRefWorker(Worker):
         return Batch.from_dict(tensors={"ref_log_prob": logp.cpu()})
 
     # ------------------------------------------------------------------ training
-    def _optimizer_step(self, grad_clip: float) -> float:
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.actor.parameters(), grad_clip)
-        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-        if math.isfinite(grad_norm):
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm
-
     @register(Dispatch.DP_COMPUTE)
     def update_actor(self, data: Batch) -> dict[str, float]:
         """PPO-style update on this rank's share of the step's sequences.
@@ -320,7 +311,7 @@ class ActorRolloutRefWorker(Worker):
                     add("actor/pg_clipfrac_lower", clipfrac_lower.item())
                     add("actor/ppo_kl", ppo_kl.item())
                     add("actor/entropy", entropy.item())
-                add("actor/grad_norm", self._optimizer_step(acfg.grad_clip))
+                add("actor/grad_norm", clip_and_step(self.actor, self.optimizer, acfg.grad_clip))
         metrics = {k: sums[k] / counts[k] for k in sums}
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
@@ -346,7 +337,7 @@ class ActorRolloutRefWorker(Worker):
             (loss_sum * self.world_size / global_tokens).backward()
             total_loss += loss_sum.item()
         lr = self.scheduler.get_last_lr()[0]
-        grad_norm = self._optimizer_step(acfg.grad_clip)
+        grad_norm = clip_and_step(self.actor, self.optimizer, acfg.grad_clip)
         self.scheduler.step()
         return {"train/loss": total_loss / max(float(local_tokens), 1.0), "train/grad_norm": grad_norm, "train/lr": lr}
 

@@ -6,7 +6,6 @@ predicts it (P-1+j), i.e. the state before token j is generated.
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
@@ -19,7 +18,7 @@ from hybridflow.parallel.fsdp import apply_fsdp2, make_mesh
 from hybridflow.protocol import Batch
 from hybridflow.utils.checkpoint import load_sharded, save_sharded
 from hybridflow.workers.fsdp_model import load_hf_model, micro_batches, response_logits
-from hybridflow.workers.optim import build_optimizer, build_scheduler
+from hybridflow.workers.optim import build_optimizer, build_scheduler, clip_and_step
 
 
 class CriticWorker(Worker):
@@ -69,12 +68,7 @@ class CriticWorker(Worker):
                     (vf_loss * len(mb) / len(mini)).backward()
                     losses.append(vf_loss.item())
                     clipfracs.append(clipfrac.item())
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.critic.parameters(), ccfg.grad_clip)
-                grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-                if math.isfinite(grad_norm):
-                    self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
-                norms.append(grad_norm)
+                norms.append(clip_and_step(self.critic, self.optimizer, ccfg.grad_clip))
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         return {

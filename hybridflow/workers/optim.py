@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from transformers import get_scheduler
 
@@ -18,3 +20,13 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_st
     if cfg.lr_scheduler_type == "cosine":
         return get_scheduler("cosine_with_min_lr", optimizer, num_warmup_steps=warmup, num_training_steps=max(total, 1), scheduler_specific_kwargs={"min_lr_rate": cfg.min_lr_ratio})
     return get_scheduler("constant_with_warmup", optimizer, num_warmup_steps=warmup)
+
+
+def clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float) -> float:
+    """Clip the global gradient norm (DTensor-aware), step unless it is inf/nan, zero the grads."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+    if math.isfinite(grad_norm):
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
