@@ -97,7 +97,8 @@ class RayWorkerGroup:
         remote_cls = ray.remote(worker_cls)
         self.workers = []
         for rank, (pg, bundle_index, local_rank) in enumerate(pool.slots()):
-            worker_env = {**WORKER_ENV, **(env or {}), "RANK": str(rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(local_rank)}
+            worker_env = {**WORKER_ENV, **(env or {}), "RANK": str(rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(local_rank),
+                          "HYBRIDFLOW_PROCS_PER_NODE": str(pool.procs_per_node)}  # ranks of a node are consecutive
             options = {
                 "num_cpus": pool.bundle["CPU"],
                 "num_gpus": pool.bundle.get("GPU", 0),
