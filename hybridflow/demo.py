@@ -79,6 +79,7 @@ def main(args) -> int:
         json.dump(summary, f, indent=2)
     print("\n[demo] summary")
     for k in ("val_acc_after_sft", "val_acc_final", "steps", "wall_seconds", "train_score_first", "train_score_last"):
-        print(f"  {k:<20} {summary[k]}")
+        v = summary[k]
+        print(f"  {k:<20} {v:.3f}" if isinstance(v, float) else f"  {k:<20} {v}")
     print(f"  written to {out}/summary.json")
     return 0
