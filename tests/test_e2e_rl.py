@@ -7,6 +7,7 @@ import math
 import os
 
 import psutil
+import torch
 import pytest
 
 from conftest import rl_overrides
@@ -70,6 +71,15 @@ def test_grpo_fsdp2_sharding_weight_sync_and_invariants(ray_cluster, tiny_model_
         assert abs(hist[0]["actor/kl_loss"]) < 1e-7 and hist[-1]["actor/kl_loss"] > 0
         val = trainer.validate()
         assert set(val) == {"val-core/digit_max/acc/mean@1"}
+
+        # Stop token ids end a response right after the stop token (every printable char here).
+        from hybridflow.trainer.rl import PROMPT_KEYS
+
+        prompts = trainer.collate([trainer.val_ds[i] for i in range(8)])
+        prompts.meta.update(trainer._sampling_meta(), stop_token_ids=list(range(3, 259)))
+        trainer.actor.reshard()
+        out = trainer.actor.generate_sequences(prompts.select(PROMPT_KEYS))
+        assert out["response_mask"].sum(-1).tolist() == [1] * 8
     finally:
         trainer.shutdown()
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
@@ -175,3 +185,16 @@ def test_grpo_tp2_generation_hybrid_engine_overlap_and_trace(ray_cluster, tiny_m
     spans = [e for e in events if e["ph"] == "X"]
     assert {e["pid"] for e in spans} == {0, 1}
     assert {"gather layers.0", "copy layers.0"} <= {e["name"] for e in spans}
+
+
+def test_response_lengths():
+    from hybridflow.workers.actor_rollout_ref import response_lengths
+
+    pad, eos = 0, 2
+    responses = torch.tensor([
+        [5, 6, eos, pad],  # stops at EOS: 3 tokens
+        [5, 7, 7, 8],      # hit the length limit: 4
+        [5, 6, pad, pad],  # stopped by a stop string: up to the padding
+        [9, 5, 5, 5],      # stop id 9 first: 1
+    ])
+    assert response_lengths(responses, [eos, 9], pad).tolist() == [3, 4, 2, 1]

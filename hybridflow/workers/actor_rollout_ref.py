@@ -34,11 +34,15 @@ from hybridflow.workers.fsdp_model import load_hf_model, micro_batches, response
 from hybridflow.workers.optim import build_optimizer, build_scheduler, clip_and_step
 
 
-def response_mask_from(responses: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """1 up to and including the first EOS, 0 after it. [b, R] -> [b, R] long."""
-    is_eos = (responses == eos_id).long()
-    before_or_at_first_eos = (torch.cumsum(is_eos, dim=1) - is_eos) == 0
-    return before_or_at_first_eos.long()
+def response_lengths(responses: torch.Tensor, stop_ids: list[int], pad_id: int) -> torch.Tensor:
+    """Generated tokens per row [b]: up to and including the first stop id; a row that stopped
+    otherwise (a stop string, or the length limit) ends before its trailing padding."""
+    R = responses.shape[1]
+    pos = torch.arange(R, device=responses.device)
+    is_stop = torch.isin(responses, torch.tensor(stop_ids, device=responses.device))
+    first_stop = torch.where(is_stop, pos, R).min(dim=1).values  # [b], R = none
+    not_pad = torch.where(responses != pad_id, pos + 1, 0).max(dim=1).values  # [b] end of non-pad
+    return torch.where(first_stop < R, first_stop + 1, not_pad)
 
 
 def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -106,7 +110,7 @@ class ActorRolloutRefWorker(Worker):
         return super().dispatch_layout(layout)
 
     # ------------------------------------------------------------------ rollout
-    def _hf_generate(self, input_ids, attention_mask, meta: dict, resp_len: int, do_sample: bool, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def _hf_generate(self, input_ids, attention_mask, meta: dict, resp_len: int, do_sample: bool, temperature: float, stop_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """HF `generate` on the (tensor-parallel) rollout model: responses and log-probs [b, R]."""
         # The TP ranks of one replica must draw the same samples: seed by the replica index.
         torch.manual_seed(int(meta.get("seed", 0)) * 1000 + self.dp_index)
@@ -120,12 +124,13 @@ class ActorRolloutRefWorker(Worker):
             temperature=temperature if do_sample else None,
             top_p=float(meta.get("top_p", 1.0)) if do_sample else None,
             top_k=(top_k if top_k > 0 else 0) if do_sample else None,
-            eos_token_id=tok.eos_token_id,
+            eos_token_id=stop_ids,
             pad_token_id=tok.pad_token_id,
+            stop_strings=list(meta.get("stop", [])) or None,
             output_logits=True,
             return_dict_in_generate=True,
         )
-        out = self.rollout.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=gen_cfg)
+        out = self.rollout.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=gen_cfg, tokenizer=tok)
         gen = out.sequences[:, input_ids.shape[1] :]  # [b, R'] with R' <= R
         logits = torch.stack(out.logits, dim=1).float() / temperature  # [b, R', V]
         logp = logprobs_from_logits(logits, gen)
@@ -149,13 +154,15 @@ class ActorRolloutRefWorker(Worker):
         tok = self.tokenizer
         input_ids = prompts["input_ids"].to(self.device)
         attention_mask = prompts["attention_mask"].to(self.device)
+        stop_ids = [tok.eos_token_id, *meta.get("stop_token_ids", [])]
         if self.vllm is not None:
             self.vllm.wake_up()
-            responses, rollout_log_probs = self.vllm.generate(input_ids, attention_mask, meta, resp_len, tok.eos_token_id, tok.pad_token_id)
-            responses, rollout_log_probs = responses.to(self.device), rollout_log_probs.to(self.device)
+            responses, rollout_log_probs, lengths = self.vllm.generate(input_ids, attention_mask, meta, resp_len, stop_ids, tok.pad_token_id)
+            responses, rollout_log_probs, lengths = responses.to(self.device), rollout_log_probs.to(self.device), lengths.to(self.device)
         else:
-            responses, rollout_log_probs = self._hf_generate(input_ids, attention_mask, meta, resp_len, do_sample, temperature)
-        response_mask = response_mask_from(responses, tok.eos_token_id)
+            responses, rollout_log_probs = self._hf_generate(input_ids, attention_mask, meta, resp_len, do_sample, temperature, stop_ids)
+            lengths = response_lengths(responses, stop_ids, tok.pad_token_id)
+        response_mask = (torch.arange(resp_len, device=responses.device) < lengths[:, None]).long()  # [b, R]
         full_mask = torch.cat([attention_mask, response_mask], dim=1)
         if meta.get("release_after"):  # generation -> training: frees buffers, moves nothing
             self.vllm.sleep() if self.vllm is not None else self.engine.release()
