@@ -198,3 +198,17 @@ def test_response_lengths():
         [9, 5, 5, 5],      # stop id 9 first: 1
     ])
     assert response_lengths(responses, [eos, 9], pad).tolist() == [3, 4, 2, 1]
+
+
+@pytest.mark.parametrize("estimator", ["remax", "rloo", "reinforce_plus_plus"])
+def test_other_estimators_run_end_to_end(ray_cluster, tiny_model_dir, task_dir, varied_reward, tmp_path, estimator):
+    trainer = make_trainer(tiny_model_dir, task_dir, tmp_path, f"algorithm.adv_estimator={estimator}", f"custom_reward_function.path={varied_reward}", "trainer.total_training_steps=2")
+    try:
+        hist = steps(trainer.fit())
+    finally:
+        trainer.shutdown()
+    assert len(hist) == 2
+    for h in hist:
+        assert abs(h["actor/ppo_kl"]) < 1e-6 and math.isfinite(h["actor/pg_loss"])
+        if estimator == "remax":
+            assert "timing_s/reward_baseline" in h

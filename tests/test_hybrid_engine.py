@@ -75,16 +75,16 @@ def _layouts_worker(rank: int, world: int, port: int, models: dict) -> None:
     from transformers import AutoModelForCausalLM
 
     from hybridflow.config.schema import HybridEngineConfig
-    from hybridflow.hybrid_engine.executor import HybridEngine
+    from hybridflow.hybrid_engine.executor import HybridEngine, local
     from hybridflow.parallel.fsdp import apply_fsdp2, make_mesh
     from hybridflow.parallel.tensor_parallel import apply_tensor_parallel, fsdp_shard_placement_fn, gen_mesh, gen_shard_dims
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
-    for label, (path, tps) in models.items():
+    for label, (path, tps, strategy) in models.items():
         actor = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         dims = gen_shard_dims(actor)
-        apply_fsdp2(actor, make_mesh("cpu", world), shard_placement_fn=fsdp_shard_placement_fn(actor, world))
+        apply_fsdp2(actor, make_mesh("cpu", world), shard_placement_fn=fsdp_shard_placement_fn(actor, world), sharding_strategy=strategy)
         opt = torch.optim.SGD(actor.parameters(), lr=0.1)
         ids = torch.randint(3, 200, (2, 7))
         for tp in tps:
@@ -110,9 +110,9 @@ def _layouts_worker(rank: int, world: int, port: int, models: dict) -> None:
                     got = rollout(input_ids=ids).logits
                 assert (ref - got).abs().max() < 1e-4, f"{label} tp={tp}"
                 # generation -> training moves nothing and leaves the training shards as they were.
-                before = [p.to_local().clone() for p in actor.parameters()]
+                before = [local(p.data).clone() for p in actor.parameters()]
                 assert engine.release() == 0
-                assert all(torch.equal(a, p.to_local()) for a, p in zip(before, actor.parameters()))
+                assert all(torch.equal(a, local(p.data)) for a, p in zip(before, actor.parameters()))
                 assert not engine.acquired and all(t.untyped_storage().nbytes() == 0 for t in engine.gen_buffers())
     dist.destroy_process_group()
 
@@ -136,8 +136,10 @@ def test_every_layout_is_bit_exact_and_minimal(world, engine_models):
 
     tps = [t for t in (1, 2, 4) if world % t == 0]
     models = {
-        "even": (str(engine_models["even"]), tps),
-        "uneven": (str(engine_models["uneven"]), [t for t in tps if 2 % t == 0]),  # 2 KV heads
-        "tied": (str(engine_models["tied"]), [t for t in tps if 2 % t == 0]),
+        "even": (str(engine_models["even"]), tps, "FULL_SHARD"),
+        "uneven": (str(engine_models["uneven"]), [t for t in tps if 2 % t == 0], "FULL_SHARD"),  # 2 KV heads
+        "tied": (str(engine_models["tied"]), [t for t in tps if 2 % t == 0], "FULL_SHARD"),
+        # NO_SHARD: every rank holds the whole weights, so the switch copies locally and moves nothing
+        "replicated": (str(engine_models["even"]), [2], "NO_SHARD"),
     }
     mp.spawn(_layouts_worker, args=(world, _free_port(), models), nprocs=world)

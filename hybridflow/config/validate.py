@@ -236,6 +236,9 @@ def validate_config(cfg: HybridFlowConfig) -> None:
     p.enum(f"{R}.name", roll.name, ["hf", "vllm"])
     if roll.name == "vllm":
         p.extend(_vllm_problems(cfg, n_workers))
+    if actor.fsdp_config.param_offload and (cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and _cuda_available())):
+        p.append(f"{A}.fsdp_config.param_offload is not supported with CUDA yet: the weight sync gathers the "
+                 f"shards with NCCL on the GPU; set it to false")
     p.enum(f"{A}.strategy", actor.strategy, ["fsdp2", "fsdp"])
     p.enum(f"{A}.loss_agg_mode", actor.loss_agg_mode, _LOSS_AGG)
     p.enum("critic.loss_agg_mode", critic.loss_agg_mode, _LOSS_AGG)

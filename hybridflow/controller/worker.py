@@ -76,7 +76,8 @@ class Worker:
             return
         backend = "nccl" if device == "cuda" else "gloo"
         if device == "cuda":
-            torch.cuda.set_device(self.local_rank)
+            # Ray gives each GPU worker its own CUDA_VISIBLE_DEVICES: then its GPU is device 0.
+            torch.cuda.set_device(0 if torch.cuda.device_count() == 1 else self.local_rank)
         host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         if host.startswith("127."):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's pairs on loopback too

@@ -23,6 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from hybridflow.config.schema import HybridEngineConfig
@@ -61,8 +62,9 @@ def build_plan(train_model: nn.Module, gen_shard_dims: dict[str, int | None], ge
     """The plan for this FSDP2 model, with each parameter's training shard dim as FSDP2 placed it."""
     shapes = {}
     for n, p in train_model.named_parameters():
-        shard = [pl.dim for pl in p.placements if pl.is_shard()] if isinstance(p, DTensor) else []
-        shapes[n] = (tuple(p.shape), p.element_size(), shard[0] if shard else 0, gen_shard_dims[n])
+        # Shard over a mesh dim of size > 1; NO_SHARD (HSDP with shard size 1) holds it whole.
+        shard = [pl.dim for i, pl in enumerate(p.placements) if pl.is_shard() and p.device_mesh.size(i) > 1] if isinstance(p, DTensor) else []
+        shapes[n] = (tuple(p.shape), p.element_size(), shard[0] if shard else None, gen_shard_dims[n])
     return ReshardPlan.build(shapes, dist.get_world_size(), gen_tp, procs_per_node)
 
 
@@ -71,7 +73,8 @@ class HybridEngine:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.cfg = cfg
         self.device = device
-        self.train = dict(train_model.named_parameters())
+        self.train_model = train_model
+        self.train = self._sharded_params()
         self.gen = dict(gen_model.named_parameters())
         for p in self.gen.values():
             _own_storage(p)
@@ -99,7 +102,18 @@ class HybridEngine:
         self.layer_staging_bytes = max(per_layer.values()) * itemsize
         self.gen_allocation_bytes = sum(allocation_bytes(p.gen_bytes(self.rank), device) for p in self.plan.params)
         want = int(cfg.resharding_buffer_percent * self.plan.model_bytes() / itemsize)
-        self.staging = torch.empty(max([want, 1, *per_layer.values()]), dtype=self.dtype, device=device)
+        # Only layer granularity uses it; full granularity allocates its temporaries per switch.
+        size = max([want, 1, *per_layer.values()]) if cfg.granularity == "layer" else 1
+        self.staging = torch.empty(size, dtype=self.dtype, device=device)
+
+    def _sharded_params(self) -> dict[str, nn.Parameter]:
+        """The training parameters in their sharded form. FSDP2 leaves the unsharded ones registered
+        after a forward without backward when it does not reshard after forward (SHARD_GRAD_OP,
+        NO_SHARD): reshard every FSDP module first."""
+        for m in self.train_model.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+        return dict(self.train_model.named_parameters())
 
     # ------------------------------------------------------------------ buffers
     def gen_buffers(self) -> list[torch.Tensor]:
@@ -122,6 +136,8 @@ class HybridEngine:
     # ------------------------------------------------------------------ staging
     def _staging_numel(self, p: ParamPlan) -> int:
         r = self.rank
+        if not p.moves:
+            return 0
         if p.aligned:
             return 0 if p.train_dim == 0 or len(p.group[r]) == 1 else volume(p.need[r])
         send = sum(volume(intersect(p.own[r], p.need[d])) for d in range(self.world) if d != r)
@@ -190,6 +206,7 @@ class HybridEngine:
     def reshard(self, optimized: bool = True) -> dict:
         """Training -> generation layout. Returns measured seconds, bytes received, peak extra memory."""
         start = time.perf_counter()
+        self.train = self._sharded_params()
         received = 0
         by_layer: dict[str, list[ParamPlan]] = {}
         for p in self.plan.params:
@@ -205,6 +222,8 @@ class HybridEngine:
                         train_param, gen = self.train[p.name], local(self.gen[p.name].data)
                         if not optimized:
                             received += self._naive(p, train_param, gen, copies, keep)
+                        elif not p.moves:  # e.g. gen_tp = N, or replicated training weights
+                            copies.append((gen, crop(local(train_param.data), p.need[self.rank], p.own[self.rank])))
                         elif p.aligned:
                             received += self._aligned(p, local(train_param.data), gen, pool, copies)
                         else:
@@ -242,13 +261,14 @@ class HybridEngine:
     def max_abs_diff(self) -> float:
         """Debug check: max |generation buffer - matching slice of the trained weights| (0.0 = bit-exact)."""
         worst = 0.0
+        self.train = self._sharded_params()
         for p in self.plan.params:
             train = self.train[p.name]
             full = train.full_tensor() if isinstance(train, DTensor) else train
             expect = crop(full, p.need[self.rank], tuple((0, n) for n in full.shape))
             gen = local(self.gen[p.name].data)
-            if gen.shape != expect.shape:
-                return math.inf
-            if not torch.equal(gen, expect):
+            if gen.shape != expect.shape:  # keep going: every rank must run every full_tensor()
+                worst = math.inf
+            elif not torch.equal(gen, expect):
                 worst = max(worst, float((gen - expect).abs().max()))
         return worst

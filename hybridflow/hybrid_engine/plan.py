@@ -64,7 +64,7 @@ class ParamPlan:
     name: str
     shape: tuple[int, ...]
     itemsize: int
-    train_dim: int  # FSDP2's shard dim
+    train_dim: int | None  # FSDP2's shard dim; None = every rank holds all of it (NO_SHARD)
     gen_dim: int | None  # generation TP shard dim; None = replicated
     layer: str
     own: list[Box]  # per rank, training
@@ -84,6 +84,11 @@ class ParamPlan:
 
     def gen_bytes(self, r: int) -> int:
         return volume(self.need[r]) * self.itemsize
+
+    @property
+    def moves(self) -> bool:
+        """Whether any rank needs anything from another (False: local copies only)."""
+        return any(self.recv_bytes(r) for r in range(len(self.need)))
 
     def transfers(self) -> list[tuple[int, int, Box]]:
         """(src, dst, box) for every piece that crosses ranks."""
@@ -108,8 +113,9 @@ class ReshardPlan:
         return self.world_size // self.gen_tp
 
     @classmethod
-    def build(cls, shapes: dict[str, tuple[tuple[int, ...], int, int, int | None]], world_size: int, gen_tp: int, procs_per_node: int | None = None) -> "ReshardPlan":
-        """shapes: name -> (shape, itemsize, training shard dim, generation shard dim or None), in module order."""
+    def build(cls, shapes: dict[str, tuple[tuple[int, ...], int, int | None, int | None]], world_size: int, gen_tp: int, procs_per_node: int | None = None) -> "ReshardPlan":
+        """shapes: name -> (shape, itemsize, training shard dim or None (replicated), generation
+        shard dim or None (replicated)), in module order."""
         if gen_tp < 1 or world_size % gen_tp:
             raise ValueError(f"gen_tp={gen_tp} must divide the world size {world_size}")
         plan = cls(world_size, gen_tp, procs_per_node or world_size)
@@ -124,7 +130,7 @@ class ReshardPlan:
                 need = [shard_box(shape, gen_dim, gen_tp, r // k) for r in range(world_size)]
                 group = [list(range((r // k) * k, (r // k) * k + k)) for r in range(world_size)]
             dim = train_dim
-            aligned = (gen_dim is None or gen_dim == train_dim) and all(
+            aligned = train_dim is not None and (gen_dim is None or gen_dim == train_dim) and all(
                 need[r][dim] == (own[group[r][0]][dim][0], own[group[r][-1]][dim][1])
                 and all(own[a][dim][1] == own[b][dim][0] for a, b in zip(group[r], group[r][1:]))
                 and len({own[s][dim][1] - own[s][dim][0] for s in group[r]}) == 1  # equal pieces: one all-gather

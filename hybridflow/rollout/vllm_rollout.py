@@ -66,7 +66,9 @@ class VLLMRollout:
 
         do_sample = bool(meta.get("do_sample", True)) and float(meta.get("temperature", 1.0)) > 0
         top_k = int(meta.get("top_k", -1))
-        base_seed = int(meta.get("seed", 0)) * 100_003
+        # Distinct per step, replica and row: samples of one prompt may sit at the same row of
+        # different replicas' chunks.
+        base_seed = int(meta.get("seed", 0)) * 100_003 + int(meta.get("replica", 0)) * 10_007
         prompts, params = [], []
         for i, (ids, mask) in enumerate(zip(input_ids.tolist(), attention_mask.tolist())):
             prompts.append(TokensPrompt(prompt_token_ids=[t for t, m in zip(ids, mask) if m]))

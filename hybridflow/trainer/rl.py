@@ -80,6 +80,9 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ workers
     def init_workers(self) -> None:
+        if self.cfg.trainer.check_weight_sync and self.cfg.actor_rollout_ref.rollout.name == "vllm":
+            logger.warning("trainer.check_weight_sync compares generation buffers with the trained weights on the hf "
+                           "backend; vLLM repacks its weights, so with vllm the check is rollout/logprob_diff_max")
         from hybridflow.workers.actor_rollout_ref import ActorRolloutRefWorker
         from hybridflow.workers.critic import CriticWorker
 
@@ -112,7 +115,7 @@ class RLTrainer:
 
     def _reward_baseline(self, batch: Batch) -> Batch:
         """ReMax: the reward of the greedy response to the same prompt, one scalar per sample."""
-        greedy = self.actor.generate_sequences(Batch(batch.tensors, {}, {**batch.meta, "do_sample": False}))
+        greedy = self.actor.generate_sequences(Batch(batch.tensors, {}, {**batch.meta, "do_sample": False, "release_after": False}))
         scores, _ = self.reward_fn(_with_sample_info(greedy, batch))
         return Batch.from_dict(tensors={"reward_baselines": scores.sum(-1)})
 
@@ -240,7 +243,8 @@ class RLTrainer:
                 self._next_batch = self._prepare_batch()
             metrics.update(self._finish_reshard(prep_seconds=time.perf_counter() - prep_start))
         metrics["timing_s/step"] = time.perf_counter() - start
-        metrics["reshard/comm_fraction"] = metrics["timing_s/reshard"] / metrics["timing_s/step"]
+        if "timing_s/reshard" in metrics:
+            metrics["reshard/comm_fraction"] = metrics["timing_s/reshard"] / metrics["timing_s/step"]
         metrics.update(compute_data_metrics(batch, self.pool.world_size, metrics["timing_s/step"]))
         return metrics
 

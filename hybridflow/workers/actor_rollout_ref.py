@@ -23,7 +23,7 @@ from hybridflow.algorithms import agg_loss, compute_policy_loss, entropy_from_lo
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.controller.decorator import Dispatch, register
 from hybridflow.controller.worker import Worker, pick_device
-from hybridflow.hybrid_engine.executor import HybridEngine, build_plan
+from hybridflow.hybrid_engine.executor import HybridEngine, build_plan, local
 from hybridflow.hybrid_engine.memory import PeakMemory, rss_bytes
 from hybridflow.hybrid_engine.plan import layer_of
 from hybridflow.parallel.fsdp import apply_fsdp2, make_mesh, shard_numel
@@ -157,7 +157,7 @@ class ActorRolloutRefWorker(Worker):
         stop_ids = [tok.eos_token_id, *meta.get("stop_token_ids", [])]
         if self.vllm is not None:
             self.vllm.wake_up()
-            responses, rollout_log_probs, lengths = self.vllm.generate(input_ids, attention_mask, meta, resp_len, stop_ids, tok.pad_token_id)
+            responses, rollout_log_probs, lengths = self.vllm.generate(input_ids, attention_mask, {**meta, "replica": self.dp_index}, resp_len, stop_ids, tok.pad_token_id)
             responses, rollout_log_probs, lengths = responses.to(self.device), rollout_log_probs.to(self.device), lengths.to(self.device)
         else:
             responses, rollout_log_probs = self._hf_generate(input_ids, attention_mask, meta, resp_len, do_sample, temperature, stop_ids)
@@ -212,7 +212,7 @@ class ActorRolloutRefWorker(Worker):
             nonlocal received
             for name, p in self.actor.named_parameters():
                 full = p.full_tensor()
-                received += (full.numel() - p.to_local().numel()) * full.element_size()
+                received += (full.numel() - local(p.data).numel()) * full.element_size()
                 layers.setdefault(layer_of(name), None)
                 yield name, full
 
@@ -240,7 +240,7 @@ class ActorRolloutRefWorker(Worker):
     @register(Dispatch.ONE_TO_ALL)
     def train_shard_checksum(self) -> float:
         """Sum of this rank's training shards (to show a switch back to training moved nothing)."""
-        return float(sum(p.to_local().double().sum() for p in self.actor.parameters()))
+        return float(sum(local(p.data).double().sum() for p in self.actor.parameters()))
 
     @register(Dispatch.ONE_TO_ALL)
     def shard_stats(self) -> dict[str, int]:
@@ -249,6 +249,7 @@ class ActorRolloutRefWorker(Worker):
 
     # ------------------------------------------------------------------ log-probs
     def _log_probs(self, model, data: Batch, micro_bs: int, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        model.eval()
         temperature = float(data.meta.get("temperature", 1.0))
         logps, ents = [], []
         for mb in micro_batches(data.to(self.device), micro_bs):

@@ -46,6 +46,7 @@ class CriticWorker(Worker):
     @register(Dispatch.DP_COMPUTE)
     @torch.no_grad()
     def compute_values(self, data: Batch) -> Batch:
+        self.critic.eval()
         data = data.to(self.device)
         values = torch.cat([self._values(mb) for mb in micro_batches(data, self.cfg.critic.ppo_micro_batch_size_per_gpu)])
         return Batch.from_dict(tensors={"values": values.cpu()})
