@@ -145,6 +145,9 @@ class RLTrainer:
         if first:
             r = self.cfg.actor_rollout_ref.rollout
             logger.info("Starting resharding from FSDP(dp=%d) to TP=%d x DP=%d...", self.pool.world_size, r.tensor_model_parallel_size, self.pool.world_size // r.tensor_model_parallel_size)
+            logger.info("Resharding plan: %s per rank at minimum (naive: %s), %s crossing nodes (%d node(s) x %d workers)",
+                        _human_bytes(max(self.plan_summary["min_bytes_per_rank"])), _human_bytes(max(self.plan_summary["naive_bytes_per_rank"])),
+                        _human_bytes(self.plan_summary["cross_node_bytes"]), self.cfg.trainer.nnodes, self.cfg.trainer.n_gpus_per_node)
         kwargs = {"measure_baseline": first and he.measure_baseline, "check": self.cfg.trainer.check_weight_sync, "trace": profiler.active_session() is not None}
         self._pending_reshard = (self.actor.submit("reshard", **kwargs), time.perf_counter())
         if he.resharding_overlap_with_compute:
@@ -163,6 +166,7 @@ class RLTrainer:
             "reshard/bytes_per_rank": float(max(r["bytes_received"] for r in per_rank)),
             "reshard/min_bytes_per_rank": float(max(self.plan_summary["min_bytes_per_rank"])),
             "reshard/naive_bytes_per_rank": float(max(self.plan_summary["naive_bytes_per_rank"])),
+            "reshard/cross_node_bytes": float(self.plan_summary["cross_node_bytes"]),
             "reshard/peak_extra_gb": max(r["peak_extra_bytes"] for r in per_rank) / 2**30,
             "perf/max_memory_rss_gb": max(r["rss_bytes"] for r in per_rank) / 2**30,
         }

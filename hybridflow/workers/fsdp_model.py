@@ -22,8 +22,12 @@ def load_hf_model(cfg: ModelConfig, device: str, kind: str = "causal_lm") -> nn.
 
     dtype = DTYPES[cfg.dtype]
     if kind == "value":
-        # No dropout on the value head (HF defaults classifier_dropout to 0.1): values feed GAE.
-        model = AutoModelForTokenClassification.from_pretrained(cfg.path, num_labels=1, dtype=dtype, classifier_dropout=0.0)
+        from transformers import AutoConfig
+
+        # No dropout on the value head (HF's token-classification heads default to 0.1): values feed GAE.
+        config = AutoConfig.from_pretrained(cfg.path, num_labels=1)
+        config.classifier_dropout = 0.0
+        model = AutoModelForTokenClassification.from_pretrained(cfg.path, config=config, dtype=dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=dtype)
     if cfg.enable_gradient_checkpointing:
