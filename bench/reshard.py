@@ -13,7 +13,6 @@ Run:  .venv/bin/python bench/reshard.py --json runs/bench_reshard.json
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pickle
 import socket
@@ -23,6 +22,7 @@ import tempfile
 import time
 
 import torch
+from common import write_rows
 
 MB = 1e6
 MODEL = dict(hidden_size=512, num_hidden_layers=17, num_attention_heads=8, num_key_value_heads=4, intermediate_size=1408)
@@ -168,10 +168,7 @@ def main() -> None:
     rows = rows_from(per_rank)
     print_table(rows)
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
-        print(f"rows written to {args.json}")
+        write_rows(args.json, rows)
 
 
 if __name__ == "__main__":

@@ -14,10 +14,11 @@ Run (vLLM on CPU lives in its own venv):
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 import time
+
+from common import write_rows
 
 
 
@@ -80,10 +81,7 @@ def main() -> None:
     for r in rows:
         print(f"{r['backend']:<8} {r['tokens_per_second']:>10.1f} {r['sync_seconds']:>8.3f} {r['mean_response_tokens']:>14.1f}")
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
-        print(f"rows written to {args.json}")
+        write_rows(args.json, rows)
 
 
 if __name__ == "__main__":

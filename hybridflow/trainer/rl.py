@@ -364,8 +364,3 @@ def _progress(enabled: bool, total: int, initial: int):
     from tqdm import tqdm
 
     return tqdm(total=total, initial=initial, desc="rl steps", unit="step", dynamic_ncols=True, leave=False)
-
-
-def write_json(path: str, obj: dict) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=2)
