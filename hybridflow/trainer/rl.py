@@ -149,15 +149,14 @@ class RLTrainer:
                         _human_bytes(max(self.plan_summary["min_bytes_per_rank"])), _human_bytes(max(self.plan_summary["naive_bytes_per_rank"])),
                         _human_bytes(self.plan_summary["cross_node_bytes"]), self.cfg.trainer.nnodes, self.cfg.trainer.n_gpus_per_node)
         kwargs = {"measure_baseline": first and he.measure_baseline, "check": self.cfg.trainer.check_weight_sync, "trace": profiler.active_session() is not None}
-        self._pending_reshard = (self.actor.submit("reshard", **kwargs), time.perf_counter())
+        self._pending_reshard = self.actor.submit("reshard", **kwargs)
         if he.resharding_overlap_with_compute:
             return {}
         return self._finish_reshard()
 
     def _finish_reshard(self, prep_seconds: float | None = None) -> dict[str, float]:
-        pending, _ = self._pending_reshard
         wait_start = time.perf_counter()
-        per_rank = pending.result()
+        per_rank = self._pending_reshard.result()
         waited = time.perf_counter() - wait_start
         self._pending_reshard = None
         seconds = max(r["seconds"] for r in per_rank)
