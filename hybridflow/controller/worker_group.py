@@ -149,10 +149,6 @@ class Pending:
         self.refs = refs
         self.collect = collect
 
-    def done(self) -> bool:
-        ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
-        return len(ready) == len(self.refs)
-
     def result(self) -> Any:
         return self.collect(ray.get(self.refs))
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 
 Interval = tuple[int, int]  # [start, stop) along one dim
 Box = tuple[Interval, ...]  # one interval per dim
@@ -85,7 +86,7 @@ class ParamPlan:
     def gen_bytes(self, r: int) -> int:
         return volume(self.need[r]) * self.itemsize
 
-    @property
+    @cached_property
     def moves(self) -> bool:
         """Whether any rank needs anything from another (False: local copies only)."""
         return any(self.recv_bytes(r) for r in range(len(self.need)))
@@ -157,12 +158,6 @@ class ReshardPlan:
 
     def cross_node_bytes(self) -> int:
         return sum(volume(box) * p.itemsize for p in self.params for s, d, box in p.transfers() if self.node(s) != self.node(d))
-
-    def layers(self) -> list[str]:
-        seen: dict[str, None] = {}
-        for p in self.params:
-            seen.setdefault(p.layer, None)
-        return list(seen)
 
     def summary(self) -> dict:
         n = self.world_size

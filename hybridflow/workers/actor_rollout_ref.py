@@ -221,13 +221,6 @@ class ActorRolloutRefWorker(Worker):
             seconds = self.vllm.load_weights(full_weights())
         return {"seconds": seconds, "bytes_received": received, "peak_extra_bytes": mem.extra_bytes, "layers": list(layers), "rss_bytes": rss_bytes()}
 
-    @register(Dispatch.ONE_TO_ALL)
-    def release_rollout(self) -> int:
-        if self.vllm is not None:
-            self.vllm.sleep()
-            return 0
-        return self.engine.release()
-
     @register(Dispatch.RANK_ZERO)
     def reshard_plan(self) -> dict:
         return self.plan.summary()
@@ -236,11 +229,6 @@ class ActorRolloutRefWorker(Worker):
     def rollout_weight_max_diff(self) -> float:
         """max |generation buffer - matching slice of the trained weights| (0.0 after a correct reshard)."""
         return self.engine.max_abs_diff()
-
-    @register(Dispatch.ONE_TO_ALL)
-    def train_shard_checksum(self) -> float:
-        """Sum of this rank's training shards (to show a switch back to training moved nothing)."""
-        return float(sum(local(p.data).double().sum() for p in self.actor.parameters()))
 
     @register(Dispatch.ONE_TO_ALL)
     def shard_stats(self) -> dict[str, int]:

@@ -1,0 +1,12 @@
+# Sourced by the bootstrap scripts: one venv, created on first use and re-installed only when
+# pyproject.toml or the calling script changed (a hash of both is stamped into the venv).
+#   venv_up_to_date VENV SCRIPT   -> exit status 0 when nothing changed
+#   venv_create VENV              -> the venv with a current pip
+#   venv_stamp VENV SCRIPT        -> record the installed state
+_venv_hash() { cat pyproject.toml "$1" | sha256sum | cut -c1-16; }
+venv_up_to_date() { [ -f "$1/.hybridflow-installed" ] && [ "$(cat "$1/.hybridflow-installed")" = "$(_venv_hash "$2")" ]; }
+venv_create() {
+  [ -x "$1/bin/python" ] || python3 -m venv "$1"
+  "$1/bin/pip" install -q --upgrade pip
+}
+venv_stamp() { _venv_hash "$2" > "$1/.hybridflow-installed"; }
