@@ -42,12 +42,12 @@ def run_backend(name: str, model_dir, data_dir, out_dir, prompts: int, max_token
         trainer.init_workers()
         sync = max(r["seconds"] for r in trainer.actor.reshard())
         batch = trainer.collate([trainer.train_ds[i % len(trainer.train_ds)] for i in range(prompts)])
-        batch.meta.update(trainer._sampling_meta())  # temperature 1.0 sampling
-        trainer.actor.generate_sequences(batch.select(PROMPT_KEYS))  # warm-up
+        params = trainer._sampling()  # temperature 1.0 sampling
+        trainer.actor.generate_sequences(batch.select(PROMPT_KEYS), params)  # warm-up
         rates = []
         for _ in range(repeats):
             start = time.perf_counter()
-            out = trainer.actor.generate_sequences(batch.select(PROMPT_KEYS))
+            out = trainer.actor.generate_sequences(batch.select(PROMPT_KEYS), params)
             seconds = time.perf_counter() - start
             rates.append(float(out["response_mask"].sum()) / seconds)
         return {"backend": name, "tokens_per_second": sorted(rates)[len(rates) // 2], "sync_seconds": sync,

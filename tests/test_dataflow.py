@@ -1,5 +1,7 @@
 """DataFlow of plain driver functions: key plumbing, metrics, timing, and editing the flow."""
 
+import time
+
 import pytest
 import torch
 
@@ -27,7 +29,7 @@ def adv(batch):
     return Batch.from_dict(tensors={"adv": batch["score"] - batch["score"].mean()})
 
 
-def stats(batch):  # whole batch (inputs=[]), returns a metrics dict
+def stats(batch):  # returns a metrics dict
     return {"stats/n": float(len(batch)), "stats/adv_sum": batch["adv"].sum().item()}
 
 
@@ -36,7 +38,7 @@ def make_flow():
         Stage("gen", gen, ["x"], ["y"]),
         Stage("reward", reward, ["y", "gt"], ["score"]),
         Stage("adv", adv, ["score"], ["adv"]),
-        Stage("stats", stats),
+        Stage("stats", stats, ["adv"]),
     ])
 
 
@@ -54,7 +56,7 @@ def test_run_copies_outputs_and_merges_metrics():
     assert metrics["stats/n"] == 3.0 and metrics["stats/adv_sum"] == pytest.approx(0.0, abs=1e-6)
     for name in flow.names():
         assert metrics[f"timing_s/{name}"] >= 0.0
-    assert set(metrics) == {"gen/len", "reward/mean", "stats/n", "stats/adv_sum"} | {f"timing_s/{n}" for n in flow.names()}
+    assert set(metrics) == {"gen/len", "reward/mean", "stats/n", "stats/adv_sum"} | {f"timing_s/{n}" for n in flow.names()} | {"timing_s/dataflow", "perf/pool_busy/driver"}
 
 
 def test_disabled_stage_skipped():
@@ -136,3 +138,128 @@ def test_stage_with_outputs_must_return_a_batch():
     flow = DataFlow([Stage("bad", lambda b: {"m": 1.0}, outputs=["y"])])
     with pytest.raises(TypeError, match="'bad' declares outputs"):
         flow.run(Batch.from_dict(tensors={"x": torch.arange(2)}))
+
+
+# ---------------------------------------------------------------- the scheduler
+def sleeper(name, seconds, calls, outputs=()):
+    def fn(batch):
+        calls.append(name)
+        time.sleep(seconds)
+        return Batch.from_dict(tensors={k: torch.zeros(len(batch) or 2) for k in outputs}) if outputs else None
+
+    return fn
+
+
+def overlaps(a, b) -> bool:
+    return a.start < b.end and b.start < a.end
+
+
+def test_stages_on_disjoint_pools_overlap_same_pool_serialises():
+    calls = []
+    x = Batch.from_dict(tensors={"x": torch.zeros(2)})
+    flow = DataFlow([
+        Stage("old_log_prob", sleeper("old_log_prob", 0.3, calls, ["old"]), ["x"], ["old"], pool="actor"),
+        Stage("values", sleeper("values", 0.3, calls, ["values"]), ["x"], ["values"], pool="critic"),
+        Stage("ref", sleeper("ref", 0.3, calls, ["ref"]), ["x"], ["ref"], pool="actor"),
+        Stage("adv", sleeper("adv", 0.05, calls, ["adv"]), ["old", "values", "ref"], ["adv"]),  # driver
+        Stage("update_critic", sleeper("update_critic", 0.3, calls), ["adv", "values"], [], pool="critic"),
+        Stage("update_actor", sleeper("update_actor", 0.3, calls), ["adv", "old"], [], pool="actor"),
+        Stage("reshard", sleeper("reshard", 0.05, calls), [], [], pool="actor"),  # no data edge: pool order
+    ])
+    start = time.perf_counter()
+    batch, metrics = flow.run(x)
+    wall = time.perf_counter() - start
+    t = {r.name: r for r in flow.timeline}
+    assert {r.pool for r in flow.timeline} == {"actor", "critic", "driver"}
+    assert overlaps(t["values"], t["old_log_prob"])
+    assert overlaps(t["update_critic"], t["update_actor"])
+    # the actor pool runs one stage at a time, in declaration order
+    actor = sorted((r for r in flow.timeline if r.pool == "actor"), key=lambda r: r.start)
+    assert [r.name for r in actor] == ["old_log_prob", "ref", "update_actor", "reshard"]
+    assert all(a.end <= b.start for a, b in zip(actor, actor[1:]))
+    assert t["adv"].start >= max(t["old_log_prob"].end, t["values"].end, t["ref"].end)
+    assert wall < 1.2 * (0.3 * 3 + 0.05 * 2) + 0.3  # sequential would be 1.6 s
+    assert metrics["perf/pool_busy/actor"] > metrics["perf/pool_busy/critic"] > 0
+    assert metrics["timing_s/dataflow"] == pytest.approx(wall, abs=0.1)
+
+
+def test_driver_stage_runs_while_worker_stage_in_flight():
+    calls = []
+    flow = DataFlow([
+        Stage("gen", sleeper("gen", 0.1, calls, ["resp"]), ["x"], ["resp"], pool="actor"),
+        Stage("reward", sleeper("reward", 0.3, calls, ["score"]), ["resp"], ["score"]),
+        Stage("old_log_prob", sleeper("old_log_prob", 0.3, calls, ["old"]), ["resp"], ["old"], pool="actor"),
+    ])
+    flow.run(Batch.from_dict(tensors={"x": torch.zeros(2)}))
+    t = {r.name: r for r in flow.timeline}
+    assert overlaps(t["reward"], t["old_log_prob"])
+
+
+def test_missing_producer_and_cycle_fail_before_the_first_stage_runs():
+    calls = []
+    flow = DataFlow([
+        Stage("gen", sleeper("gen", 0, calls, ["y"]), ["x"], ["y"]),
+        Stage("adv", sleeper("adv", 0, calls, ["adv"]), ["y", "values"], ["adv"]),
+    ])
+    with pytest.raises(KeyError) as e:
+        flow.check(["x"])
+    assert "'adv'" in str(e.value) and "'values'" in str(e.value)
+    with pytest.raises(KeyError):
+        flow.run(Batch.from_dict(tensors={"x": torch.zeros(2)}))
+    assert calls == []
+
+    cyclic = DataFlow([
+        Stage("a", sleeper("a", 0, calls, ["p"]), ["q"], ["p"]),
+        Stage("b", sleeper("b", 0, calls, ["q"]), ["p"], ["q"]),
+    ])
+    with pytest.raises(ValueError, match="cycle: .*a.*b|cycle: .*b.*a"):
+        cyclic.run(Batch.from_dict(tensors={"x": torch.zeros(2)}))
+    assert calls == []
+
+
+def test_stages_added_out_of_order_wait_for_their_producer():
+    seen = []
+    flow = DataFlow()
+    flow.add_stage("adv", lambda b: (seen.append("adv"), Batch.from_dict(tensors={"adv": b["score"] * 2}))[1], ["score"], ["adv"])
+    flow.add_stage("reward", lambda b: (seen.append("reward"), Batch.from_dict(tensors={"score": b["x"] + 1}))[1], ["x"], ["score"])
+    out = flow.run(Batch.from_dict(tensors={"x": torch.tensor([1.0, 2.0])}))
+    assert seen == ["reward", "adv"] and out["adv"].tolist() == [4.0, 6.0]
+
+
+def test_sync_stage_is_a_barrier():
+    calls = []
+    flow = DataFlow([
+        Stage("slow", sleeper("slow", 0.2, calls, ["a"]), ["x"], ["a"], pool="p1"),
+        Stage("barrier", sleeper("barrier", 0.0, calls, ["b"]), ["x"], ["b"], sync=True),
+        Stage("after", sleeper("after", 0.0, calls, ["c"]), ["x"], ["c"], pool="p2"),
+    ])
+    flow.run(Batch.from_dict(tensors={"x": torch.zeros(2)}))
+    t = {r.name: r for r in flow.timeline}
+    assert t["barrier"].start >= t["slow"].end and t["after"].start >= t["barrier"].end
+
+
+def test_add_stage_batch_size_and_grad_accum_steps():
+    class Update:  # an object with an update method: records chunk sizes and optimizer steps
+        def __init__(self):
+            self.calls = []
+
+        def update(self, batch, optimizer_step=True):
+            self.calls.append((len(batch), optimizer_step))
+            return Batch.from_dict(tensors={"loss": batch["x"] * 0 + float(len(self.calls))}, meta={"metrics": {"update/n": float(len(batch))}})
+
+    upd = Update()
+    flow = DataFlow(config=None)
+    flow.add_stage("double", lambda b: Batch.from_dict(tensors={"y": b["x"] * 2}), ["x"], ["y"], batch_size=4)
+    flow.add_stage("update", upd, ["y", "x"], ["loss"], batch_size=2, grad_accum_steps=2)
+    results = flow.run(Batch.from_dict(tensors={"x": torch.arange(10.0)}))
+    assert results["y"].tolist() == [2.0 * i for i in range(10)]
+    # 5 chunks of 2 rows; an optimizer step after every 2nd chunk and after the last
+    assert upd.calls == [(2, False), (2, True), (2, False), (2, True), (2, True)]
+    assert results["loss"].tolist() == [1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
+    assert results["update/n"] == 2.0 and "timing_s/update" in results.metrics
+    batch, metrics = results  # the list form's unpacking works on the same result
+    assert batch is results and metrics is results.metrics
+    with pytest.raises(ValueError, match="already exists"):
+        flow.add_stage("update", upd, ["y"], ["loss"])
+    with pytest.raises(TypeError, match="module must be"):
+        flow.add_stage("bad", 3, ["y"], [])

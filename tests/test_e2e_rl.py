@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -76,9 +77,9 @@ def test_grpo_fsdp2_sharding_weight_sync_and_invariants(ray_cluster, tiny_model_
         from hybridflow.trainer.rl import PROMPT_KEYS
 
         prompts = trainer.collate([trainer.val_ds[i] for i in range(8)])
-        prompts.meta.update(trainer._sampling_meta(), stop_token_ids=list(range(3, 259)))
+        params = dataclasses.replace(trainer._sampling(), stop_token_ids=tuple(range(3, 259)))
         trainer.actor.reshard()
-        out = trainer.actor.generate_sequences(prompts.select(PROMPT_KEYS))
+        out = trainer.actor.generate_sequences(prompts.select(PROMPT_KEYS), params)
         assert out["response_mask"].sum(-1).tolist() == [1] * 8
     finally:
         trainer.shutdown()
@@ -188,7 +189,7 @@ def test_grpo_tp2_generation_hybrid_engine_overlap_and_trace(ray_cluster, tiny_m
 
 
 def test_response_lengths():
-    from hybridflow.workers.actor_rollout_ref import response_lengths
+    from hybridflow.rollout.base import response_lengths
 
     pad, eos = 0, 2
     responses = torch.tensor([

@@ -60,8 +60,8 @@ def test_vllm_generation_reflects_synced_weights(ray_cluster, vllm_model_dir, ta
     try:
         trainer.init_workers()
         prompts = trainer.collate([trainer.val_ds[i] for i in range(8)])
-        prompts.meta.update(trainer._sampling_meta(greedy=True))
-        before = trainer.actor.generate_sequences(prompts.select(PROMPT_KEYS))["responses"]
+        greedy = trainer._sampling(greedy=True)
+        before = trainer.actor.generate_sequences(prompts.select(PROMPT_KEYS), greedy)["responses"]
 
         # Teach the trained weights a constant answer "7" (real SFT steps on the FSDP2 actor).
         rows = [{"prompt": trainer.val_ds[i]["raw_prompt"], "response": "7"} for i in range(16)]
@@ -71,10 +71,10 @@ def test_vllm_generation_reflects_synced_weights(ray_cluster, vllm_model_dir, ta
         for _ in range(30):
             trainer.actor.sft_step(batch)
 
-        stale = trainer.actor.generate_sequences(prompts.select(PROMPT_KEYS))["responses"]
+        stale = trainer.actor.generate_sequences(prompts.select(PROMPT_KEYS), greedy)["responses"]
         assert torch.equal(stale, before)  # vLLM still generates with the old weights
         trainer.actor.reshard()
-        after = trainer.actor.generate_sequences(prompts.select(PROMPT_KEYS))
+        after = trainer.actor.generate_sequences(prompts.select(PROMPT_KEYS), greedy)
         seven = trainer.tokenizer.encode("7", add_special_tokens=False)[0]
         assert (after["responses"][:, 0] == seven).all()  # the first generation after the sync uses the new weights
         assert not torch.equal(after["responses"], before)

@@ -52,6 +52,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(f"{key} is a section and must be a mapping of keys, got {value!r} "
                               f"({type(value).__name__})")
         return from_dict(tp, value, key)
+    if origin is dict:
+        key_tp, val_tp = args or (str, Any)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a mapping ({_type_name(tp)}), got {value!r} ({type(value).__name__})")
+        return {_coerce(k, key_tp, f"{key} (a key)"): _coerce(v, val_tp, f"{key}.{k}") for k, v in value.items()}
     if origin is list:
         (item_tp,) = args or (Any,)
         if isinstance(value, str) and item_tp is str:

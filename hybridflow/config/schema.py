@@ -206,6 +206,9 @@ class TrainerConfig:
     seed: int = 1
     # Debug switch: after every weight sync, check rollout weights == trained weights exactly.
     check_weight_sync: bool = False
+    # One-step off-policy: the rollout role on its own pool generates batch k+1 while the trainer
+    # updates on batch k (needs resource_pool.mapping.rollout on a pool of its own).
+    async_rollout: bool = False
 
 
 @dataclass
@@ -213,6 +216,38 @@ class RayInitConfig:
     address: Optional[str] = None  # None = start a local cluster on 127.0.0.1; "auto" or host:port joins one
     num_cpus: Optional[int] = None
     cpus_per_worker: float = 0.5  # fractional, so N workers + the driver never deadlock on few cores
+    resources: dict[str, float] = field(default_factory=dict)  # custom resources of the embedded local cluster, e.g. {H100: 2}
+
+
+ROLES = ("actor_rollout", "rollout", "ref", "critic")
+DEFAULT_POOL = "global_pool"
+
+
+@dataclass
+class PoolSpec:
+    """One named resource pool: `nnodes` x `workers_per_node` worker processes (ranks of a node
+    consecutive), each reserving these Ray resources."""
+
+    workers_per_node: int = 2
+    nnodes: int = 1
+    cpus_per_worker: Optional[float] = None  # None = ray_init.cpus_per_worker
+    gpus_per_worker: Optional[float] = None  # None = 1 on CUDA, 0 on CPU
+    resources: dict[str, float] = field(default_factory=dict)  # custom Ray resources per worker, e.g. {H100: 1}
+    accelerator_type: Optional[str] = None  # Ray accelerator type, e.g. A100 (resource accelerator_type:A100)
+
+
+@dataclass
+class ResourcePoolConfig:
+    """Roles placed on pools (verl's ResourcePoolManager): roles mapped to the same pool share its
+    processes (colocated, one torch.distributed group); roles on different pools get their own.
+
+    pools {} = one pool `global_pool` of trainer.nnodes x trainer.n_gpus_per_node workers; a role
+    missing from `mapping` goes to `global_pool`. Roles: actor_rollout (the trained policy and its
+    colocated rollout), rollout (a separate generation pool: trainer.async_rollout), ref, critic.
+    """
+
+    pools: dict[str, PoolSpec] = field(default_factory=dict)
+    mapping: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -225,6 +260,7 @@ class HybridFlowConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     ray_init: RayInitConfig = field(default_factory=RayInitConfig)
+    resource_pool: ResourcePoolConfig = field(default_factory=ResourcePoolConfig)
 
 
 @dataclass

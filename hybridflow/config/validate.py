@@ -11,6 +11,7 @@ import os
 
 from hybridflow.config.loader import ConfigError
 from hybridflow.config.schema import HybridFlowConfig, ModelConfig, OptimConfig, SFTConfig, TrainerConfig
+from hybridflow.controller.resource_pool import Role, pool_problems, role_world_size
 from hybridflow.parallel.tensor_parallel import validate_gen_tp  # pure Python (no torch import)
 
 A, R = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
@@ -199,7 +200,15 @@ def validate_config(cfg: HybridFlowConfig) -> None:
     p = _Problems()
     d, arr, alg = cfg.data, cfg.actor_rollout_ref, cfg.algorithm
     actor, roll, critic = arr.actor, arr.rollout, cfg.critic
-    n_workers = p.trainer(cfg.trainer)
+    p.trainer(cfg.trainer)
+    pool_errors = pool_problems(cfg)
+    p.extend(pool_errors)
+    if pool_errors:
+        p.raise_if_any("RL")
+    # Each role's checks use its own pool's size (the default pool: trainer.nnodes x n_gpus_per_node).
+    n_workers = role_world_size(cfg, Role.ACTOR_ROLLOUT)
+    gen_workers = role_world_size(cfg, Role.ROLLOUT if cfg.trainer.async_rollout else Role.ACTOR_ROLLOUT)
+    critic_workers = role_world_size(cfg, Role.CRITIC)
 
     ok = p.positive("data.train_batch_size", d.train_batch_size) & p.positive(f"{R}.n", roll.n)
     if ok and n_workers >= 1:
@@ -212,7 +221,7 @@ def validate_config(cfg: HybridFlowConfig) -> None:
         if alg.adv_estimator == "gae":
             mini = actor.ppo_mini_batch_size if critic.ppo_mini_batch_size is None else critic.ppo_mini_batch_size
             _batch_checks(p, "critic", mini, critic.ppo_micro_batch_size_per_gpu,
-                          d.train_batch_size, roll.n, n_workers)
+                          d.train_batch_size, roll.n, critic_workers)
 
     for key, v in [("data.max_prompt_length", d.max_prompt_length), ("data.max_response_length", d.max_response_length),
                    (f"{A}.ppo_epochs", actor.ppo_epochs), ("critic.ppo_epochs", critic.ppo_epochs),
@@ -235,7 +244,7 @@ def validate_config(cfg: HybridFlowConfig) -> None:
 
     p.enum(f"{R}.name", roll.name, ["hf", "vllm"])
     if roll.name == "vllm":
-        p.extend(_vllm_problems(cfg, n_workers))
+        p.extend(_vllm_problems(cfg, gen_workers))
     if actor.fsdp_config.param_offload and (cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and _cuda_available())):
         p.append(f"{A}.fsdp_config.param_offload is not supported with CUDA yet: the weight sync gathers the "
                  f"shards with NCCL on the GPU; set it to false")
@@ -265,7 +274,7 @@ def validate_config(cfg: HybridFlowConfig) -> None:
     model_json = _model_json(arr.model.path)
     heads = model_json.get("num_attention_heads") or 0
     kv_heads = model_json.get("num_key_value_heads") or heads
-    p.extend(validate_gen_tp(roll.tensor_model_parallel_size, n_workers if n_workers >= 1 else 1, heads, kv_heads))
+    p.extend(validate_gen_tp(roll.tensor_model_parallel_size, gen_workers if gen_workers >= 1 else 1, heads, kv_heads))
     if cfg.reward_model.enable:
         p.append("reward_model.enable: model-based rewards are not implemented yet; set it to false and use "
                  "rule rewards / custom_reward_function")

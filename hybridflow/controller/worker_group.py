@@ -43,8 +43,9 @@ WORKER_ENV = {
 }
 
 
-def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
-    """Start an embedded local cluster bound to 127.0.0.1, or join `address` ("auto", host:port)."""
+def init_ray(address: str | None = None, num_cpus: int | None = None, resources: dict[str, float] | None = None) -> None:
+    """Start an embedded local cluster bound to 127.0.0.1 (with custom `resources`, e.g. a label
+    {"H100": 2}), or join `address` ("auto", host:port)."""
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -57,6 +58,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     ray_constants.ENABLE_RAY_CLUSTER = False  # in case ray was imported before hybridflow
     ray.init(
         num_cpus=num_cpus or os.cpu_count(),
+        resources=resources,
         include_dashboard=False,
         _node_ip_address="127.0.0.1",
         log_to_driver=True,
@@ -64,19 +66,32 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
 
 
 class ResourcePool:
-    """Placement groups reserving `procs_per_node` worker slots on each of `nnodes` nodes."""
+    """Placement groups reserving `procs_per_node` worker slots on each of `nnodes` nodes.
 
-    def __init__(self, nnodes: int = 1, procs_per_node: int = 2, cpus_per_worker: float = 0.5, gpus_per_worker: float = 0.0):
+    `resources` adds per-worker Ray resources (custom labels such as {"H100": 1}, an accelerator
+    type). Check the cluster first (`resource_pool.missing_resources`): a placement group that
+    cannot be placed waits forever; here it fails after `ready_timeout` seconds naming the pool.
+    """
+
+    def __init__(self, nnodes: int = 1, procs_per_node: int = 2, cpus_per_worker: float = 0.5, gpus_per_worker: float = 0.0,
+                 resources: dict[str, float] | None = None, name: str = "global_pool", ready_timeout: float = 120):
+        self.name = name
         self.nnodes = nnodes
         self.procs_per_node = procs_per_node
         self.world_size = nnodes * procs_per_node
         bundle = {"CPU": cpus_per_worker}
         if gpus_per_worker:
             bundle["GPU"] = gpus_per_worker
+        bundle.update(resources or {})
         self.bundle = bundle
         # One placement group per node, packed: ranks of a node are consecutive.
         self.groups = [placement_group([dict(bundle)] * procs_per_node, strategy="STRICT_PACK") for _ in range(nnodes)]
-        ray.get([pg.ready() for pg in self.groups], timeout=120)
+        try:
+            ray.get([pg.ready() for pg in self.groups], timeout=ready_timeout)
+        except ray.exceptions.GetTimeoutError:
+            self.release()
+            raise RuntimeError(f"resource pool {name!r}: {nnodes} node(s) x {procs_per_node} workers of {bundle} could not be "
+                               f"placed within {ready_timeout:.0f}s (cluster resources: {ray.available_resources()})") from None
 
     def slots(self) -> list[tuple[Any, int, int]]:
         """(placement group, bundle index, local rank) for every global rank, in rank order."""
@@ -113,7 +128,9 @@ class RayWorkerGroup:
         ray.get([w._hf_set_env.remote({"MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}) for w in self.workers])
         self._layouts: dict[str, list] = {}
         for method, mode in registered_methods(worker_cls).items():
-            setattr(self, method, functools.partial(self._call, method, mode))
+            call = functools.partial(self._call, method, mode)
+            call.hf_pool = getattr(pool, "name", "global_pool")  # the DataFlow scheduler reads it
+            setattr(self, method, call)
 
     def _layout(self, method: str) -> list | None:
         if getattr(getattr(self.worker_cls, method), LAYOUT_ATTR, None) is None:
@@ -158,6 +175,7 @@ class RoleView:
 
     def __init__(self, group: RayWorkerGroup, role: str, role_cls: type):
         self.world_size = group.world_size
+        self.pool = group.pool
         self._group, self._role = group, role
         for method in registered_methods(role_cls):
             setattr(self, method, getattr(group, f"{role}__{method}"))

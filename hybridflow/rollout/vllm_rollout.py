@@ -23,6 +23,11 @@ from typing import Iterable
 
 import torch
 
+from hybridflow.hybrid_engine.memory import PeakMemory, rss_bytes
+from hybridflow.hybrid_engine.plan import layer_of
+from hybridflow.protocol import Batch
+from hybridflow.rollout.base import SamplingParams, rollout_batch
+
 VLLM_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core in this process
     "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # collective_rpc with a local function
@@ -37,7 +42,10 @@ def vllm_available() -> bool:
 
 
 class VLLMRollout:
-    def __init__(self, model_path: str, dtype: str, max_model_len: int, seed: int, device: str, gpu_memory_utilization: float, cpu_kv_cache_gb: float):
+    """`RolloutBackend` on vLLM; `train_model` is the FSDP2 actor whose weights `sync_weights` streams in."""
+
+    def __init__(self, model_path: str, dtype: str, max_model_len: int, seed: int, device: str, gpu_memory_utilization: float, cpu_kv_cache_gb: float,
+                 tokenizer=None, train_model: torch.nn.Module | None = None, dp_index: int = 0):
         for k, v in VLLM_ENV.items():
             os.environ.setdefault(k, v)
         if device == "cpu":
@@ -46,6 +54,7 @@ class VLLMRollout:
         from vllm import LLM
 
         self.device = device
+        self.tokenizer, self.train_model, self.dp_index = tokenizer, train_model, dp_index
         self.llm = LLM(
             model=model_path,
             dtype=dtype,
@@ -58,28 +67,36 @@ class VLLMRollout:
             enable_prefix_caching=True,
         )
 
-    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, meta: dict, max_new_tokens: int, stop_ids: list[int], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
+        self.wake_up()
+        tok = self.tokenizer
+        input_ids, attention_mask = prompts["input_ids"], prompts["attention_mask"]
+        stop_ids = [tok.eos_token_id, *params.stop_token_ids]
+        responses, logps, lengths = self.generate_tokens(input_ids, attention_mask, params, stop_ids, tok.pad_token_id)
+        return rollout_batch(input_ids, attention_mask, responses, logps, lengths, params)
+
+    def generate_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, sp: SamplingParams, stop_ids: list[int], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Left-padded prompts [b, P] -> responses [b, R] (padded), their log-probs [b, R] and the
         number of generated tokens per row [b] (a stop token or stop string included)."""
-        from vllm import SamplingParams
+        from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
 
-        do_sample = bool(meta.get("do_sample", True)) and float(meta.get("temperature", 1.0)) > 0
-        top_k = int(meta.get("top_k", -1))
+        do_sample = sp.sampling
+        max_new_tokens = sp.max_new_tokens
         # Distinct per step, replica and row: samples of one prompt may sit at the same row of
         # different replicas' chunks.
-        base_seed = int(meta.get("seed", 0)) * 100_003 + int(meta.get("replica", 0)) * 10_007
+        base_seed = sp.seed * 100_003 + self.dp_index * 10_007
         prompts, params = [], []
         for i, (ids, mask) in enumerate(zip(input_ids.tolist(), attention_mask.tolist())):
             prompts.append(TokensPrompt(prompt_token_ids=[t for t, m in zip(ids, mask) if m]))
-            params.append(SamplingParams(
+            params.append(VSamplingParams(
                 n=1,
-                temperature=float(meta.get("temperature", 1.0)) if do_sample else 0.0,
-                top_p=float(meta.get("top_p", 1.0)) if do_sample else 1.0,
-                top_k=top_k if (do_sample and top_k > 0) else -1,
+                temperature=sp.temperature if do_sample else 0.0,
+                top_p=sp.top_p if do_sample else 1.0,
+                top_k=sp.top_k if (do_sample and sp.top_k > 0) else -1,
                 max_tokens=max_new_tokens,
                 stop_token_ids=list(stop_ids),
-                stop=list(meta.get("stop", [])) or None,
+                stop=list(sp.stop) or None,
                 include_stop_str_in_output=True,  # train on the stop string, as the HF backend does
                 seed=base_seed + i if do_sample else None,
                 logprobs=0,
@@ -97,6 +114,32 @@ class VLLMRollout:
             for j, (tok, lp) in enumerate(zip(toks, completion.logprobs or [])):
                 logps[i, j] = lp[tok].logprob
         return responses, logps, lengths
+
+    @torch.no_grad()
+    def sync_weights(self, measure_baseline: bool = False, check: bool = False, trace: bool = False) -> dict:
+        """Stream whole tensors from the FSDP2 shards into vLLM: each is gathered, loaded in place
+        and dropped, so the extra memory is one parameter (vLLM holds the only full copy). vLLM
+        repacks its weights, so `check` is the log-prob agreement the trainer logs instead."""
+        from hybridflow.hybrid_engine.executor import local
+
+        received = 0
+        layers: dict[str, None] = {}
+
+        def full_weights():
+            nonlocal received
+            for name, p in self.train_model.named_parameters():
+                full = p.full_tensor()
+                received += (full.numel() - local(p.data).numel()) * full.element_size()
+                layers.setdefault(layer_of(name), None)
+                yield name, full
+
+        self.wake_up()
+        with PeakMemory(self.device) as mem:
+            seconds = self.load_weights(full_weights())
+        return {"seconds": seconds, "bytes_received": received, "peak_extra_bytes": mem.extra_bytes, "layers": list(layers), "rss_bytes": rss_bytes()}
+
+    def release(self) -> None:
+        self.sleep()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> float:
         """Stream (HF name, full tensor) pairs into vLLM's weights in place; reset the prefix cache

@@ -1,17 +1,25 @@
 """The RL trainer (PPO, GRPO, RLOO, REINFORCE++, ReMax): a driver that runs a DataFlow.
 
     trainer = RLTrainer(cfg)        # validates the config and loads data before any worker starts
-    trainer.init_workers()          # Ray cluster, resource pool, colocated actor/rollout/ref (+critic)
+    trainer.init_workers()          # Ray cluster, one worker group per resource pool, roles placed by the mapping
     summary = trainer.fit()
 
 One step (see `build_dataflow`):
     gen -> reward -> old_log_prob -> ref -> values -> adv -> update_critic -> update_actor -> reshard
-Stages that the algorithm does not need are disabled (no critic for GRPO, no ref without KL).
+Stages that the algorithm does not need are disabled (no critic for GRPO, no ref without KL). The
+DataFlow scheduler runs stages of disjoint pools concurrently (values on the critic pool while the
+actor pool computes log-probs; both updates together) and driver stages alongside worker stages.
+
+Async rollout (trainer.async_rollout, the rollout on its own pool): generation of batch k+1 runs on
+the rollout pool while the trainer updates on batch k; after the update the actor's pool publishes
+exactly the pieces each generation rank needs (`hybrid_engine/cross_pool.py`). One-step off-policy:
+the PPO ratio's old log-probs are the rollout policy's (`rollout_log_probs`), and
+`rollout/staleness` = policy versions between generation and update (0 on the first step, then 1).
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import logging
 import os
 import time
@@ -23,12 +31,14 @@ from transformers import AutoTokenizer
 
 from hybridflow import profiler
 from hybridflow.algorithms import get_adv_estimator, make_kl_controller, apply_kl_penalty, masked_mean
-from hybridflow.config import HybridFlowConfig, save_config, validate_config
+from hybridflow.config import ConfigError, HybridFlowConfig, save_config, validate_config
+from hybridflow.controller.resource_pool import Role, bundle, missing_resources, pool_specs, role_pools
 from hybridflow.controller.worker_group import ColocatedWorkerGroup, ResourcePool, init_ray
 from hybridflow.data.dataset import RLDataset, collate_rl
 from hybridflow.protocol import Batch
 from hybridflow.rewards.loader import load_custom_reward_fn
 from hybridflow.rewards.manager import RewardManager
+from hybridflow.rollout.base import SamplingParams
 from hybridflow.trainer.dataflow import DataFlow, Stage
 from hybridflow.trainer.loader import PromptLoader
 from hybridflow.trainer.metrics import compute_data_metrics
@@ -39,6 +49,7 @@ logger = logging.getLogger("hybridflow")
 PROMPT_KEYS = ["input_ids", "attention_mask", "position_ids"]
 SAMPLE_INFO_KEYS = ["data_source", "reward_model", "extra_info"]
 REWARD_KEYS = ["responses", "response_mask"] + SAMPLE_INFO_KEYS
+GEN_OUTPUTS = ["prompts", "responses", "response_mask", "input_ids", "attention_mask", "position_ids", "rollout_log_probs"]
 TRAIN_KEYS = ["input_ids", "attention_mask", "position_ids", "responses", "response_mask"]
 LATEST = "latest_checkpointed_iteration.txt"
 
@@ -72,7 +83,13 @@ class RLTrainer:
         self.kl_ctrl = make_kl_controller(a.kl_ctrl.type, a.kl_ctrl.kl_coef, a.kl_ctrl.target_kl, a.kl_ctrl.horizon)
         self.global_step = 0
         self.log_dir = cfg.trainer.log_dir or cfg.trainer.default_local_dir
+        self.async_rollout = cfg.trainer.async_rollout
+        self.role_pool = role_pools(cfg)
+        self.groups: dict[str, ColocatedWorkerGroup] = {}
+        self.pools: dict[str, ResourcePool] = {}
         self.wg = None
+        self._gen_pending = None  # async rollout: the next batch's generation, in flight
+        self._gen_version = 0  # async rollout: policy version of the weights the rollout pool holds
         self._reshard_logged = False
         self._pending_reshard = None
         self._next_batch: Batch | None = None  # prepared while the workers reshard (overlap mode)
@@ -80,44 +97,80 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ workers
     def init_workers(self) -> None:
+        """Start Ray, check the pools against the cluster, then one worker group per pool holding
+        the roles mapped to it (colocated in one process per rank)."""
         if self.cfg.trainer.check_weight_sync and self.cfg.actor_rollout_ref.rollout.name == "vllm":
             logger.warning("trainer.check_weight_sync compares generation buffers with the trained weights on the hf "
                            "backend; vLLM repacks its weights, so with vllm the check is rollout/logprob_diff_max")
         from hybridflow.workers.actor_rollout_ref import ActorRolloutRefWorker
         from hybridflow.workers.critic import CriticWorker
+        from hybridflow.workers.rollout import RolloutWorker
 
-        t = self.cfg.trainer
-        init_ray(self.cfg.ray_init.address, self.cfg.ray_init.num_cpus)
+        import ray
+
+        t, ri = self.cfg.trainer, self.cfg.ray_init
+        init_ray(ri.address, ri.num_cpus, ri.resources or None)
         device = "cuda" if t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available()) else "cpu"
-        self.pool = ResourcePool(t.nnodes, t.n_gpus_per_node, self.cfg.ray_init.cpus_per_worker, 1.0 if device == "cuda" else 0.0)
-        role = "actor_rollout_ref" if self.use_ref else "actor_rollout"
-        roles = {"actor": (ActorRolloutRefWorker, {"config": self.cfg, "role": role, "total_training_steps": self.total_steps})}
-        if self.use_critic:
-            roles["critic"] = (CriticWorker, {"config": self.cfg, "total_training_steps": self.total_steps})
-        self.wg = ColocatedWorkerGroup(self.pool, roles, name=f"{t.experiment_name}_{os.getpid()}", device=device)
-        self.actor = self.wg.role("actor")
-        self.actor.init_model()
-        self.plan_summary = self.actor.reshard_plan()
-        self.critic = self.wg.role("critic") if self.use_critic else None
-        if self.critic:
-            self.critic.init_model()
+        specs = pool_specs(self.cfg)
+        used = {name: (specs[name], bundle(specs[name], ri.cpus_per_worker, device)) for name in dict.fromkeys(self.role_pool.values())}
+        problems = missing_resources(used, ray.nodes())
+        if problems:  # before any placement group or worker: never a hang
+            raise ConfigError("the resource pools do not fit the Ray cluster:\n" + "\n".join(f"  - {p}" for p in problems))
+        steps = self.total_steps
+        for name, (spec, res) in used.items():
+            roles = [r for r, p in self.role_pool.items() if p == name]
+            classes: dict[str, tuple[type, dict]] = {}
+            if Role.ACTOR_ROLLOUT in roles:
+                role = "actor" + ("" if self.async_rollout else "_rollout") + ("_ref" if Role.REF in roles else "")
+                classes["actor"] = (ActorRolloutRefWorker, {"config": self.cfg, "role": role, "total_training_steps": steps})
+            elif Role.REF in roles:
+                classes["ref"] = (ActorRolloutRefWorker, {"config": self.cfg, "role": "ref"})
+            if Role.ROLLOUT in roles:
+                classes["rollout"] = (RolloutWorker, {"config": self.cfg})
+            if Role.CRITIC in roles:
+                classes["critic"] = (CriticWorker, {"config": self.cfg, "total_training_steps": steps})
+            extra = {k: v for k, v in res.items() if k not in ("CPU", "GPU")}
+            self.pools[name] = pool = ResourcePool(spec.nnodes, spec.workers_per_node, res["CPU"], res.get("GPU", 0.0), extra, name=name)
+            self.groups[name] = ColocatedWorkerGroup(pool, classes, name=f"{t.experiment_name}_{name}_{os.getpid()}", device=device)
+        self.wg = self.groups[self.role_pool[Role.ACTOR_ROLLOUT]]
+        views = {role: g.role(role) for g in self.groups.values() for role in g.role_classes}
+        self.actor = views["actor"]
+        self.ref = views.get("ref", self.actor) if Role.REF in self.role_pool else None
+        self.rollout = views["rollout"] if self.async_rollout else self.actor
+        self.critic = views.get("critic")
+        # Pools start their models at the same time.
+        pending = [v.submit("init_model") for v in views.values()]
+        for p in pending:
+            p.result()
+        self.plan_summary = None if self.async_rollout else self.actor.reshard_plan()
 
     def shutdown(self) -> None:
-        if self.wg is not None:
-            self.wg.shutdown()
-            self.pool.release()
-            self.wg = None
+        for name in list(self.groups):
+            self.groups.pop(name).shutdown()
+            self.pools.pop(name).release()
+        self.wg = None
+
+    def pool_of(self, role: Role) -> str:
+        return self.role_pool[role]
 
     # ------------------------------------------------------------------ stages
+    def _generate(self, batch: Batch) -> Batch:
+        """Sample the step's responses; the generation buffers are freed afterwards (colocated)."""
+        return self.actor.generate_sequences(batch, self._sampling(), release_after=True)
+
     def _reward(self, batch: Batch) -> Batch:
         scores, metrics = self.reward_fn(batch)
         return Batch.from_dict(tensors={"token_level_scores": scores}, meta={"metrics": metrics})
 
     def _reward_baseline(self, batch: Batch) -> Batch:
         """ReMax: the reward of the greedy response to the same prompt, one scalar per sample."""
-        greedy = self.actor.generate_sequences(Batch(batch.tensors, {}, {**batch.meta, "do_sample": False, "release_after": False}))
+        greedy = self.actor.generate_sequences(batch.select(PROMPT_KEYS), dataclasses.replace(self._sampling(), do_sample=False))
         scores, _ = self.reward_fn(_with_sample_info(greedy, batch))
         return Batch.from_dict(tensors={"reward_baselines": scores.sum(-1)})
+
+    def _behaviour_log_probs(self, batch: Batch) -> Batch:
+        """Async rollout: the PPO ratio is against the policy that sampled (one version behind)."""
+        return Batch.from_dict(tensors={"old_log_probs": batch["rollout_log_probs"]})
 
     def _advantage(self, batch: Batch) -> Batch:
         a = self.cfg.algorithm
@@ -128,7 +181,7 @@ class RLTrainer:
         adv, returns = get_adv_estimator(a.adv_estimator)(
             rewards,
             batch["response_mask"],
-            index=batch["uid"] if "uid" in batch else None,
+            index=batch["uid"],
             values=batch["values"] if "values" in batch else None,
             reward_baselines=batch["reward_baselines"] if "reward_baselines" in batch else None,
             gamma=a.gamma,
@@ -137,6 +190,11 @@ class RLTrainer:
         )
         return Batch.from_dict(tensors={"token_level_rewards": rewards, "advantages": adv, "returns": returns}, meta={"metrics": metrics})
 
+    def _adv_inputs(self) -> list[str]:
+        a = self.cfg.algorithm
+        return (["token_level_scores", "response_mask", "uid"] + (["old_log_probs", "ref_log_prob"] if a.use_kl_in_reward else [])
+                + (["values"] if self.use_critic else []) + (["reward_baselines"] if a.adv_estimator == "remax" else []))
+
     def _reshard(self, batch: Batch) -> dict[str, float]:
         """Training -> generation layout. With overlap on, only start it: `train_step` prepares the
         next batch while the workers reshard, then collects the result."""
@@ -144,7 +202,7 @@ class RLTrainer:
         first = not self._reshard_logged
         if first:
             r = self.cfg.actor_rollout_ref.rollout
-            logger.info("Starting resharding from FSDP(dp=%d) to TP=%d x DP=%d...", self.pool.world_size, r.tensor_model_parallel_size, self.pool.world_size // r.tensor_model_parallel_size)
+            logger.info("Starting resharding from FSDP(dp=%d) to TP=%d x DP=%d...", self.actor.world_size, r.tensor_model_parallel_size, self.actor.world_size // r.tensor_model_parallel_size)
             logger.info("Resharding plan: %s per rank at minimum (naive: %s), %s crossing nodes (%d node(s) x %d workers)",
                         _human_bytes(max(self.plan_summary["min_bytes_per_rank"])), _human_bytes(max(self.plan_summary["naive_bytes_per_rank"])),
                         _human_bytes(self.plan_summary["cross_node_bytes"]), self.cfg.trainer.nnodes, self.cfg.trainer.n_gpus_per_node)
@@ -195,36 +253,65 @@ class RLTrainer:
             self._reshard_logged = True
         return m
 
+    def _sync_rollout(self, batch: Batch | None = None) -> dict[str, float]:
+        """Async rollout: trained weights -> the rollout pool, once it has finished the batch it is
+        generating with the previous weights. Each generation rank fetches only its own pieces."""
+        if self._gen_pending is not None:
+            self._gen_pending.result()
+        r, check = self.cfg.actor_rollout_ref.rollout, self.cfg.trainer.check_weight_sync
+        start = time.perf_counter()
+        refs = self.actor.publish_weights(r.tensor_model_parallel_size, self.rollout.world_size)
+        per_rank = self.rollout.receive_weights(refs, check=check)
+        m = {"timing_s/sync_weights": time.perf_counter() - start,
+             "reshard/bytes_per_rank": float(max(x["bytes_received"] for x in per_rank))}
+        if check:
+            trained = self.actor.weight_fingerprints(r.tensor_model_parallel_size, self.rollout.world_size)
+            mismatched = [k for fp in self.rollout.weight_fingerprints() for k, v in fp.items() if trained.get(k) != v]
+            diff = max(x["max_diff"] for x in per_rank)
+            if mismatched or diff != 0.0:
+                raise RuntimeError(f"weight sync check failed: rollout weights differ from the trained ones ({mismatched[:3]}, max diff {diff})")
+            m["reshard/weight_max_diff"] = 0.0
+        self._gen_version = self.global_step  # the rollout now holds the policy after this many updates
+        return m
+
     def build_dataflow(self) -> DataFlow:
         a = self.cfg.algorithm
-        actor, critic = self.actor, self.critic
+        actor, ref, critic = self.actor, self.ref, self.critic
+        actor_pool = self.pool_of(Role.ACTOR_ROLLOUT)
+        gen_stages = [Stage("gen", self._generate, PROMPT_KEYS, GEN_OUTPUTS, pool=actor_pool)]
+        old_log_prob = Stage("old_log_prob", actor.compute_log_prob, TRAIN_KEYS, ["old_log_probs"])
+        sync = Stage("reshard", self._reshard, [], [], pool=actor_pool)
+        if self.async_rollout:  # generation happens outside the flow, one batch ahead (train_step)
+            gen_stages = []
+            old_log_prob = Stage("old_log_prob", self._behaviour_log_probs, ["rollout_log_probs"], ["old_log_probs"])
+            sync = Stage("sync_weights", self._sync_rollout, [], [], pool=actor_pool)
         return DataFlow([
-            Stage("reward_baseline", self._reward_baseline, PROMPT_KEYS + SAMPLE_INFO_KEYS, ["reward_baselines"], enabled=a.adv_estimator == "remax"),
-            Stage("gen", actor.generate_sequences, PROMPT_KEYS, ["prompts", "responses", "response_mask", "input_ids", "attention_mask", "position_ids", "rollout_log_probs"]),
+            Stage("reward_baseline", self._reward_baseline, PROMPT_KEYS + SAMPLE_INFO_KEYS, ["reward_baselines"], enabled=a.adv_estimator == "remax", pool=actor_pool),
+            *gen_stages,
             Stage("reward", self._reward, REWARD_KEYS, ["token_level_scores"]),
-            Stage("old_log_prob", actor.compute_log_prob, TRAIN_KEYS, ["old_log_probs"]),
-            Stage("ref", actor.compute_ref_log_prob if self.use_ref else None, TRAIN_KEYS, ["ref_log_prob"], enabled=self.use_ref),
+            old_log_prob,
+            Stage("ref", ref.compute_ref_log_prob if ref else None, TRAIN_KEYS, ["ref_log_prob"], enabled=self.use_ref),
             Stage("values", critic.compute_values if critic else None, TRAIN_KEYS, ["values"], enabled=self.use_critic),
-            Stage("adv", self._advantage, [], ["token_level_rewards", "advantages", "returns"]),
+            Stage("adv", self._advantage, self._adv_inputs(), ["token_level_rewards", "advantages", "returns"]),
             Stage("update_critic", critic.update_critic if critic else None, TRAIN_KEYS + ["values", "returns"], [], enabled=self.use_critic),
             Stage("update_actor", actor.update_actor, TRAIN_KEYS + ["old_log_probs", "advantages"] + (["ref_log_prob"] if self.use_ref else []), []),
-            Stage("reshard", self._reshard, [], []),
+            sync,
         ])
 
     # ------------------------------------------------------------------ loop
-    def _sampling_meta(self, greedy: bool = False) -> dict:
+    def _sampling(self, greedy: bool = False, step: int | None = None) -> SamplingParams:
         r = self.cfg.actor_rollout_ref.rollout
         s = r.val_kwargs if greedy else r
-        return {
-            "max_response_length": self.cfg.data.max_response_length,
-            "do_sample": s.do_sample,
-            "temperature": s.temperature,
-            "top_p": s.top_p,
-            "top_k": s.top_k,
-            "stop": list(r.stop),
-            "stop_token_ids": list(r.stop_token_ids),
-            "seed": self.cfg.trainer.seed * 100_003 + self.global_step,
-        }
+        return SamplingParams(
+            max_new_tokens=self.cfg.data.max_response_length,
+            do_sample=s.do_sample,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            stop=tuple(r.stop),
+            stop_token_ids=tuple(r.stop_token_ids),
+            seed=self.cfg.trainer.seed * 100_003 + (self.global_step if step is None else step),
+        )
 
     def _prepare_batch(self) -> Batch:
         n = self.cfg.actor_rollout_ref.rollout.n
@@ -233,12 +320,20 @@ class RLTrainer:
         batch["uid"] = [f"{self.loader.epoch}-{self.loader.position}-{i}" for i in range(len(batch))]
         return batch.repeat(n, interleave=True)
 
+    def _submit_generation(self, step: int) -> "_InFlight":
+        """Async rollout: start generating the prompts of `step` on the rollout pool."""
+        prompts = self._prepare_batch()
+        pending = self.rollout.submit("generate_sequences", prompts.select(PROMPT_KEYS), self._sampling(step=step))
+        return _InFlight(prompts, pending, self._gen_version)
+
     def train_step(self, flow: DataFlow) -> dict[str, float]:
-        batch = self._next_batch if self._next_batch is not None else self._prepare_batch()
-        self._next_batch = None
-        batch.meta.update(self._sampling_meta(), release_after=True)
         start = time.perf_counter()
-        batch, metrics = flow.run(batch)
+        if self.async_rollout:
+            batch, metrics = self._async_step(flow)
+        else:
+            batch = self._next_batch if self._next_batch is not None else self._prepare_batch()
+            self._next_batch = None
+            batch, metrics = flow.run(batch)
         if self._pending_reshard is not None:  # overlapped: prepare the next batch, then collect
             prep_start = time.perf_counter()
             if self.global_step < self.total_steps:
@@ -248,8 +343,25 @@ class RLTrainer:
         metrics["timing_s/step"] = time.perf_counter() - start
         if "timing_s/reshard" in metrics:
             metrics["reshard/comm_fraction"] = metrics["timing_s/reshard"] / metrics["timing_s/step"]
-        metrics.update(compute_data_metrics(batch, self.pool.world_size, metrics["timing_s/step"]))
+        metrics.update(compute_data_metrics(batch, self.actor.world_size, metrics["timing_s/step"]))
         return metrics
+
+    def _async_step(self, flow: DataFlow) -> tuple[Batch, dict[str, float]]:
+        """Train on the batch generated during the previous step while the rollout pool generates
+        the next one with the weights it holds (one update behind)."""
+        if self._gen_pending is None:  # the first step (or after a resume): nothing in flight yet
+            self._gen_pending = self._submit_generation(self.global_step)
+        wait_start = time.perf_counter()
+        batch, version = self._gen_pending.result()
+        gen_wait = time.perf_counter() - wait_start
+        self._gen_pending = None
+        if self.global_step < self.total_steps:
+            self._loader_state_at_prefetch = self.loader.state_dict()  # a checkpoint must not skip it
+            self._gen_pending = self._submit_generation(self.global_step + 1)
+        batch, metrics = flow.run(batch)
+        metrics["timing_s/gen_wait"] = gen_wait
+        metrics["rollout/staleness"] = float(self.global_step - 1 - version)  # updates since the sampling policy
+        return batch, metrics
 
     def validate(self) -> dict[str, float]:
         """Greedy (val_kwargs) generation on the validation set; accuracy per data source."""
@@ -261,8 +373,7 @@ class RLTrainer:
         for start in range(0, len(self.val_ds), size):
             batch = self.collate([self.val_ds[i] for i in range(start, min(start + size, len(self.val_ds)))])
             batch = batch.repeat(vk.n, interleave=True)
-            batch.meta.update(self._sampling_meta(greedy=True))
-            out = self.actor.generate_sequences(batch.select(PROMPT_KEYS))
+            out = self.rollout.generate_sequences(batch.select(PROMPT_KEYS), self._sampling(greedy=True))
             seq_scores = self.reward_fn(_with_sample_info(out, batch))[0].sum(-1).tolist()
             for ds, s in zip(batch["data_source"], seq_scores):
                 scores[ds].append(s)
@@ -313,7 +424,8 @@ class RLTrainer:
         self.actor.save_checkpoint(path)
         if self.critic:
             self.critic.save_checkpoint(path)
-        loader_state = self._loader_state_at_prefetch if self._next_batch is not None else self.loader.state_dict()
+        prefetched = self._next_batch is not None or self._gen_pending is not None
+        loader_state = self._loader_state_at_prefetch if prefetched else self.loader.state_dict()
         state = {"global_step": self.global_step, "loader": loader_state, "kl_ctrl": self.kl_ctrl.state_dict()}
         torch.save(state, os.path.join(path, "trainer_state.pt"))
         with open(os.path.join(t.default_local_dir, LATEST), "w") as f:
@@ -339,6 +451,8 @@ class RLTrainer:
         self.global_step = int(state["global_step"])
         self.loader.load_state_dict(state["loader"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        if self.async_rollout:  # the rollout pool starts from the restored policy
+            self._sync_rollout()
         logger.info("resumed from %s at step %d", path, self.global_step)
 
 
@@ -363,3 +477,21 @@ def _progress(enabled: bool, total: int, initial: int):
     from tqdm import tqdm
 
     return tqdm(total=total, initial=initial, desc="rl steps", unit="step", dynamic_ncols=True, leave=False)
+
+
+class _InFlight:
+    """Async rollout: one batch's generation in flight on the rollout pool, and the policy version
+    of the weights it samples with. `result()` waits once and merges the responses into the prompts."""
+
+    def __init__(self, prompts: Batch, pending, version: int):
+        self.prompts, self.pending, self.version = prompts, pending, version
+        self._done: Batch | None = None
+
+    def result(self) -> tuple[Batch, int]:
+        if self._done is None:
+            out = self.pending.result()
+            for key in GEN_OUTPUTS:
+                self.prompts[key] = out[key]
+            self.prompts.meta.update(out.meta, policy_version=self.version)
+            self._done = self.prompts
+        return self._done, self.version

@@ -17,40 +17,27 @@ import os
 
 import torch
 import torch.distributed as dist
-from transformers import AutoTokenizer, GenerationConfig
+from transformers import AutoTokenizer
 
 from hybridflow.algorithms import agg_loss, compute_policy_loss, entropy_from_logits, kl_loss, logprobs_from_logits, masked_mean
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.controller.decorator import Dispatch, register
 from hybridflow.controller.worker import Worker, pick_device
-from hybridflow.hybrid_engine.executor import HybridEngine, build_plan, local
-from hybridflow.hybrid_engine.memory import PeakMemory, rss_bytes
-from hybridflow.hybrid_engine.plan import layer_of
+from hybridflow.hybrid_engine import cross_pool
+from hybridflow.hybrid_engine.executor import HybridEngine, build_plan
 from hybridflow.parallel.fsdp import apply_fsdp2, make_mesh, shard_numel
-from hybridflow.parallel.tensor_parallel import apply_tensor_parallel, fsdp_shard_placement_fn, gen_mesh, gen_ranks, gen_shard_dims
+from hybridflow.parallel.tensor_parallel import fsdp_shard_placement_fn, gen_shard_dims
 from hybridflow.protocol import Batch
+from hybridflow.rollout.base import position_ids_from, response_lengths  # noqa: F401  (re-exported)
 from hybridflow.utils.checkpoint import load_sharded, save_sharded
 from hybridflow.workers.fsdp_model import load_hf_model, micro_batches, response_logits
 from hybridflow.workers.optim import build_optimizer, build_scheduler, clip_and_step
+from hybridflow.workers.rollout import RolloutMixin
 
 
-def response_lengths(responses: torch.Tensor, stop_ids: list[int], pad_id: int) -> torch.Tensor:
-    """Generated tokens per row [b]: up to and including the first stop id; a row that stopped
-    otherwise (a stop string, or the length limit) ends before its trailing padding."""
-    R = responses.shape[1]
-    pos = torch.arange(R, device=responses.device)
-    is_stop = torch.isin(responses, torch.tensor(stop_ids, device=responses.device))
-    first_stop = torch.where(is_stop, pos, R).min(dim=1).values  # [b], R = none
-    not_pad = torch.where(responses != pad_id, pos + 1, 0).max(dim=1).values  # [b] end of non-pad
-    return torch.where(first_stop < R, first_stop + 1, not_pad)
-
-
-def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
-    return torch.clamp(torch.cumsum(attention_mask, dim=1) - 1, min=0)
-
-
-class ActorRolloutRefWorker(Worker):
-    """role: "actor_rollout_ref" (RL), "actor_rollout" (RL without reference), "actor" (SFT)."""
+class ActorRolloutRefWorker(RolloutMixin, Worker):
+    """role: "actor_rollout_ref" / "actor_rollout" (RL, with / without the reference), "actor_ref" /
+    "actor" (the rollout on another pool; "actor" is also SFT), "ref" (the reference alone)."""
 
     def __init__(self, config: HybridFlowConfig, role: str = "actor_rollout_ref", total_training_steps: int = 1):
         super().__init__()
@@ -58,6 +45,7 @@ class ActorRolloutRefWorker(Worker):
         self.role = role
         self.total_training_steps = total_training_steps
         self.device = pick_device(config.trainer.device)
+        self.has_actor = role != "ref"
         self.has_rollout = "rollout" in role
         self.has_ref = role.endswith("ref")
 
@@ -66,10 +54,20 @@ class ActorRolloutRefWorker(Worker):
         self.init_process_group(self.device)
         torch.manual_seed(self.cfg.trainer.seed)
         mcfg = self.cfg.actor_rollout_ref.model
-        acfg = self.cfg.actor_rollout_ref.actor
         self.tokenizer = AutoTokenizer.from_pretrained(mcfg.tokenizer_path or mcfg.path)
         mesh = make_mesh(self.device, self.world_size)
+        if self.has_actor:
+            self._init_actor(mcfg, mesh)
+        if self.has_rollout:
+            self._init_rollout(mcfg)
+        if self.has_ref:
+            rcfg = self.cfg.actor_rollout_ref.ref
+            self.ref = apply_fsdp2(load_hf_model(mcfg, self.device), mesh, rcfg.fsdp_config.reshard_after_forward, rcfg.fsdp_config.param_offload,
+                                   sharding_strategy=rcfg.fsdp_config.sharding_strategy, mixed_precision=rcfg.fsdp_config.mixed_precision)
+            self.ref.eval().requires_grad_(False)
 
+    def _init_actor(self, mcfg, mesh) -> None:
+        acfg = self.cfg.actor_rollout_ref.actor
         model = load_hf_model(mcfg, self.device)
         self.gen_dims = gen_shard_dims(model)
         # Training shards follow the generation TP dims, so resharding is a micro-DP all-gather.
@@ -78,148 +76,44 @@ class ActorRolloutRefWorker(Worker):
         self.actor = apply_fsdp2(model, mesh, fcfg.reshard_after_forward, fcfg.param_offload, shard_placement_fn=placement, sharding_strategy=fcfg.sharding_strategy, mixed_precision=fcfg.mixed_precision)
         self.optimizer = build_optimizer(self.actor.parameters(), acfg.optim)
         self.scheduler = build_scheduler(self.optimizer, acfg.optim, self.total_training_steps)
-        self.engine = self.vllm = None
-        if self.has_rollout:
-            rcfg = self.cfg.actor_rollout_ref.rollout
-            gen_tp = rcfg.tensor_model_parallel_size
-            self.gen_dp_size = self.world_size // gen_tp
-            self.tp_index, self.dp_index = gen_ranks(self.rank, self.world_size, gen_tp)
-            procs_per_node = int(os.environ.get("HYBRIDFLOW_PROCS_PER_NODE", self.world_size))
-            if rcfg.name == "vllm":
-                from hybridflow.rollout.vllm_rollout import VLLMRollout
 
-                max_len = self.cfg.data.max_prompt_length + self.cfg.data.max_response_length
-                self.vllm = VLLMRollout(mcfg.path, mcfg.dtype, max_len, self.cfg.trainer.seed, self.device, rcfg.gpu_memory_utilization, rcfg.cpu_kv_cache_gb)
-                self.plan = build_plan(self.actor, self.gen_dims, 1, procs_per_node)
-            else:
-                self.rollout = load_hf_model(mcfg, self.device).eval().requires_grad_(False)
-                if gen_tp > 1:
-                    apply_tensor_parallel(self.rollout, gen_mesh(self.device, self.world_size, gen_tp)["tp"])
-                self.engine = HybridEngine(self.actor, self.rollout, self.gen_dims, gen_tp, self.cfg.actor_rollout_ref.hybrid_engine, self.device, procs_per_node)
-                self.plan = self.engine.plan
-        if self.has_ref:
-            rcfg = self.cfg.actor_rollout_ref.ref
-            self.ref = apply_fsdp2(load_hf_model(mcfg, self.device), mesh, rcfg.fsdp_config.reshard_after_forward, rcfg.fsdp_config.param_offload,
-                                   sharding_strategy=rcfg.fsdp_config.sharding_strategy, mixed_precision=rcfg.fsdp_config.mixed_precision)
-            self.ref.eval().requires_grad_(False)
+    def _init_rollout(self, mcfg) -> None:
+        """The colocated rollout backend (the worker calls only its interface)."""
+        rcfg = self.cfg.actor_rollout_ref.rollout
+        self._set_gen_layout(rcfg.tensor_model_parallel_size)
+        procs_per_node = int(os.environ.get("HYBRIDFLOW_PROCS_PER_NODE", self.world_size))
+        if rcfg.name == "vllm":
+            from hybridflow.rollout.vllm_rollout import VLLMRollout
 
-    def dispatch_layout(self, layout: str | None) -> tuple[int, int, bool]:
-        """Generation splits prompts over gen_dp replicas; the gen_tp ranks of one replica share them."""
-        if layout == "rollout":
-            return self.dp_index, self.gen_dp_size, self.tp_index == 0
-        return super().dispatch_layout(layout)
-
-    # ------------------------------------------------------------------ rollout
-    def _hf_generate(self, input_ids, attention_mask, meta: dict, resp_len: int, do_sample: bool, temperature: float, stop_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """HF `generate` on the (tensor-parallel) rollout model: responses and log-probs [b, R]."""
-        # The TP ranks of one replica must draw the same samples: seed by the replica index.
-        torch.manual_seed(int(meta.get("seed", 0)) * 1000 + self.dp_index)
-        if not self.engine.acquired:
-            raise RuntimeError("generation buffers are released: call reshard() before generate_sequences()")
-        tok = self.tokenizer
-        top_k = int(meta.get("top_k", -1))
-        gen_cfg = GenerationConfig(
-            max_new_tokens=resp_len,
-            do_sample=do_sample,
-            temperature=temperature if do_sample else None,
-            top_p=float(meta.get("top_p", 1.0)) if do_sample else None,
-            top_k=(top_k if top_k > 0 else 0) if do_sample else None,
-            eos_token_id=stop_ids,
-            pad_token_id=tok.pad_token_id,
-            stop_strings=list(meta.get("stop", [])) or None,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-        out = self.rollout.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=gen_cfg, tokenizer=tok)
-        gen = out.sequences[:, input_ids.shape[1] :]  # [b, R'] with R' <= R
-        logits = torch.stack(out.logits, dim=1).float() / temperature  # [b, R', V]
-        logp = logprobs_from_logits(logits, gen)
-        pad = resp_len - gen.shape[1]
-        return torch.nn.functional.pad(gen, (0, pad), value=tok.pad_token_id), torch.nn.functional.pad(logp, (0, pad), value=0.0)
-
-    @register(Dispatch.DP_COMPUTE, layout="rollout")
-    @torch.no_grad()
-    def generate_sequences(self, prompts: Batch) -> Batch:
-        """prompts: input_ids/attention_mask [b, P] left-padded; meta: sampling settings.
-
-        Returns responses [b, R], response_mask [b, R], the full input_ids / attention_mask /
-        position_ids [b, P+R] and rollout_log_probs [b, R] (log-probs under the sampling
-        temperature, for the rollout-vs-trainer consistency check). meta["release_after"]
-        frees the generation buffers once done (the next reshard re-acquires them).
-        """
-        meta = prompts.meta
-        resp_len = int(meta["max_response_length"])
-        do_sample = bool(meta.get("do_sample", True)) and float(meta.get("temperature", 1.0)) > 0
-        temperature = float(meta.get("temperature", 1.0)) if do_sample else 1.0
-        tok = self.tokenizer
-        input_ids = prompts["input_ids"].to(self.device)
-        attention_mask = prompts["attention_mask"].to(self.device)
-        stop_ids = [tok.eos_token_id, *meta.get("stop_token_ids", [])]
-        if self.vllm is not None:
-            self.vllm.wake_up()
-            responses, rollout_log_probs, lengths = self.vllm.generate(input_ids, attention_mask, {**meta, "replica": self.dp_index}, resp_len, stop_ids, tok.pad_token_id)
-            responses, rollout_log_probs, lengths = responses.to(self.device), rollout_log_probs.to(self.device), lengths.to(self.device)
+            max_len = self.cfg.data.max_prompt_length + self.cfg.data.max_response_length
+            self.rollout = VLLMRollout(mcfg.path, mcfg.dtype, max_len, self.cfg.trainer.seed, self.device, rcfg.gpu_memory_utilization, rcfg.cpu_kv_cache_gb,
+                                       tokenizer=self.tokenizer, train_model=self.actor, dp_index=self.dp_index)
+            self.plan = build_plan(self.actor, self.gen_dims, 1, procs_per_node)
         else:
-            responses, rollout_log_probs = self._hf_generate(input_ids, attention_mask, meta, resp_len, do_sample, temperature, stop_ids)
-            lengths = response_lengths(responses, stop_ids, tok.pad_token_id)
-        response_mask = (torch.arange(resp_len, device=responses.device) < lengths[:, None]).long()  # [b, R]
-        full_mask = torch.cat([attention_mask, response_mask], dim=1)
-        if meta.get("release_after"):  # generation -> training: frees buffers, moves nothing
-            self.vllm.sleep() if self.vllm is not None else self.engine.release()
-        return Batch.from_dict(
-            tensors={
-                "prompts": input_ids.cpu(),
-                "responses": responses.cpu(),
-                "response_mask": response_mask.cpu(),
-                "input_ids": torch.cat([input_ids, responses], dim=1).cpu(),
-                "attention_mask": full_mask.cpu(),
-                "position_ids": position_ids_from(full_mask).cpu(),
-                "rollout_log_probs": (rollout_log_probs * response_mask).cpu(),
-            },
-            meta={"temperature": temperature},
-        )
+            from hybridflow.rollout.hf_rollout import HFRollout
 
+            he = self.cfg.actor_rollout_ref.hybrid_engine
+            model = self._tp_model(mcfg, self.device)
+            self.engine = HybridEngine(self.actor, model, self.gen_dims, self.gen_tp, he, self.device, procs_per_node)
+            self.plan = self.engine.plan
+            self.rollout = HFRollout(model, self.tokenizer, self.device, self.dp_index, self.engine, he.enable_resharding_opt)
+
+    # ------------------------------------------------------------------ weight sync
     @register(Dispatch.ONE_TO_ALL)
     def reshard(self, measure_baseline: bool = False, check: bool = False, trace: bool = False) -> dict:
-        """Training -> generation layout through the hybrid engine; measured stats of this rank.
+        """Training -> generation layout through the rollout backend; measured stats of this rank."""
+        return self.rollout.sync_weights(measure_baseline=measure_baseline, check=check, trace=trace)
 
-        measure_baseline also runs (and times) the naive path first; check compares the generation
-        buffers with the trained weights bit for bit; trace returns Chrome-trace events.
-        """
-        if self.vllm is not None:
-            return self._sync_vllm()
-        engine = self.engine
-        engine.trace.enabled = trace
-        out: dict = {}
-        if measure_baseline:
-            out["baseline"] = engine.reshard(optimized=False)
-        out.update(engine.reshard(optimized=self.cfg.actor_rollout_ref.hybrid_engine.enable_resharding_opt))
-        if check:
-            out["max_diff"] = engine.max_abs_diff()
-        out["rss_bytes"] = rss_bytes()
-        if trace:
-            out["trace"] = engine.trace.drain()
-        return out
+    @register(Dispatch.ONE_TO_ALL)
+    def publish_weights(self, gen_tp: int, dst_world: int) -> list:
+        """For a rollout pool of `dst_world` ranks: object refs, one per generation rank, holding
+        exactly the pieces of this rank's shards that generation rank needs (`cross_pool`)."""
+        return cross_pool.publish(self.actor, self.gen_dims, self.rank, self.world_size, gen_tp, dst_world)
 
-    @torch.no_grad()
-    def _sync_vllm(self) -> dict:
-        """Stream whole tensors from the FSDP2 shards into vLLM: each is gathered, loaded in place
-        and dropped, so the extra memory is one parameter (vLLM holds the only full copy)."""
-        received = 0
-        layers: dict[str, None] = {}
-
-        def full_weights():
-            nonlocal received
-            for name, p in self.actor.named_parameters():
-                full = p.full_tensor()
-                received += (full.numel() - local(p.data).numel()) * full.element_size()
-                layers.setdefault(layer_of(name), None)
-                yield name, full
-
-        self.vllm.wake_up()
-        with PeakMemory(self.device) as mem:
-            seconds = self.vllm.load_weights(full_weights())
-        return {"seconds": seconds, "bytes_received": received, "peak_extra_bytes": mem.extra_bytes, "layers": list(layers), "rss_bytes": rss_bytes()}
+    @register(Dispatch.RANK_ZERO)
+    def weight_fingerprints(self, gen_tp: int, dst_world: int) -> dict[str, str]:
+        """Digests of every generation slice of the trained weights (a collective: all ranks run it)."""
+        return cross_pool.trained_fingerprints(self.actor, self.gen_dims, gen_tp, dst_world)
 
     @register(Dispatch.RANK_ZERO)
     def reshard_plan(self) -> dict:
