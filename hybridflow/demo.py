@@ -24,6 +24,28 @@ SFT_STEPS = 300
 RL_STEPS = 60
 
 
+def demo_rl_config(files: dict, model_dir: str, out_dir: str, steps: int, *overrides: str) -> HybridFlowConfig:
+    """The demo's GRPO run (8 prompts x 8 samples, 2 workers) on `files` from `make_max_task`."""
+    return load_config(None, [
+        f"data.train_files=[{files['train']}]", f"data.val_files=[{files['val']}]",
+        "data.train_batch_size=8", "data.max_prompt_length=32", "data.max_response_length=4",
+        f"actor_rollout_ref.model.path={model_dir}",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32",
+        "actor_rollout_ref.actor.optim.lr=5e-4", "actor_rollout_ref.rollout.n=8", "actor_rollout_ref.rollout.temperature=1.0",
+        "algorithm.adv_estimator=grpo", f"trainer.total_training_steps={steps}", "trainer.test_freq=10",
+        f"trainer.default_local_dir={out_dir}", "trainer.resume_mode=disable", *overrides,
+    ], schema=HybridFlowConfig)
+
+
+def demo_sft_config(sft_file: str, base_model: str, out: str, steps: int = SFT_STEPS) -> SFTConfig:
+    """The demo's SFT warm start on biased demonstrations."""
+    return load_config(None, [
+        f"train_files=[{sft_file}]", "max_length=32", "train_batch_size=64", "micro_batch_size_per_gpu=32",
+        f"total_steps={steps}", f"model.path={base_model}", "optim.lr=1e-3",
+        f"save_dir={out}/sft_model", f"trainer.default_local_dir={out}/sft", "trainer.logger=[console,jsonl]",
+    ], schema=SFTConfig)
+
+
 def main(args) -> int:
     from hybridflow.data.tasks import make_max_task
     from hybridflow.models.tiny import make_tiny_model
@@ -37,23 +59,11 @@ def main(args) -> int:
     base = make_tiny_model(os.path.join(out, "tiny_model"), hidden_size=128, intermediate_size=256, num_hidden_layers=2)
     print(f"[demo] task data in {out}/data, tiny model in {base}", flush=True)
 
-    sft_cfg = load_config(None, [
-        f"train_files=[{files['sft']}]", "max_length=32", "train_batch_size=64", "micro_batch_size_per_gpu=32",
-        f"total_steps={args.sft_steps or SFT_STEPS}", f"model.path={base}", "optim.lr=1e-3",
-        f"save_dir={out}/sft_model", f"trainer.default_local_dir={out}/sft", "trainer.logger=[console,jsonl]",
-    ], schema=SFTConfig)
+    sft_cfg = demo_sft_config(files["sft"], base, out, args.sft_steps or SFT_STEPS)
     print(f"[demo] SFT warm start: {sft_cfg.total_steps} steps on biased demonstrations", flush=True)
     sft = run_sft(sft_cfg)
 
-    rl_cfg = load_config(None, [
-        f"data.train_files=[{files['train']}]", f"data.val_files=[{files['val']}]",
-        "data.train_batch_size=8", "data.max_prompt_length=32", "data.max_response_length=4",
-        f"actor_rollout_ref.model.path={out}/sft_model",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32",
-        "actor_rollout_ref.actor.optim.lr=5e-4", "actor_rollout_ref.rollout.n=8", "actor_rollout_ref.rollout.temperature=1.0",
-        "algorithm.adv_estimator=grpo", f"trainer.total_training_steps={args.rl_steps or RL_STEPS}", "trainer.test_freq=10",
-        f"trainer.default_local_dir={out}/grpo", "trainer.resume_mode=disable", *args.overrides,
-    ], schema=HybridFlowConfig)
+    rl_cfg = demo_rl_config(files, f"{out}/sft_model", f"{out}/grpo", args.rl_steps or RL_STEPS, *args.overrides)
     print(f"[demo] GRPO: {rl_cfg.trainer.total_training_steps} steps, {rl_cfg.data.train_batch_size} prompts x {rl_cfg.actor_rollout_ref.rollout.n} samples, 2 FSDP2 workers", flush=True)
     trainer = RLTrainer(rl_cfg)
     try:

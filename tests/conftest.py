@@ -43,7 +43,8 @@ def ray_cluster():
 
     import ray
 
-    init_ray(num_cpus=2)
+    # A fake custom resource label, so pools can be placed by label (tests/test_e2e_pools.py).
+    init_ray(num_cpus=2, resources={"fake_h100": 4})
     yield
     ray.shutdown()
 
@@ -82,3 +83,20 @@ def rl_overrides(model_dir, task_dir, out_dir, *extra: str) -> list[str]:
         f"trainer.default_local_dir={out_dir}",
         *extra,
     ]
+
+
+@pytest.fixture(scope="session")
+def demo_sft_model(ray_cluster, tmp_path_factory):
+    """The demo's data and SFT warm start, once per session: (task files, SFT model dir)."""
+    from hybridflow.data.tasks import make_max_task
+    from hybridflow.demo import demo_sft_config
+    from hybridflow.models.tiny import make_tiny_model
+    from hybridflow.trainer.sft import run_sft
+
+    out = tmp_path_factory.mktemp("demo_sft")
+    files = make_max_task(out / "data")
+    base = make_tiny_model(out / "tiny_model", hidden_size=128, intermediate_size=256, num_hidden_layers=2)
+    cfg = demo_sft_config(files["sft"], str(base), str(out))
+    cfg.trainer.logger = ["jsonl"]
+    run_sft(cfg)
+    return files, str(out / "sft_model")

@@ -320,6 +320,10 @@ class RLTrainer:
         batch["uid"] = [f"{self.loader.epoch}-{self.loader.position}-{i}" for i in range(len(batch))]
         return batch.repeat(n, interleave=True)
 
+    def _prepare_batch_keys(self) -> list[str]:
+        """The keys a step's batch starts with (the loader's columns and the group ids)."""
+        return PROMPT_KEYS + SAMPLE_INFO_KEYS + ["uid"] + (GEN_OUTPUTS if self.async_rollout else [])  # async: generated outside the flow
+
     def _submit_generation(self, step: int) -> "_InFlight":
         """Async rollout: start generating the prompts of `step` on the rollout pool."""
         prompts = self._prepare_batch()
@@ -387,7 +391,8 @@ class RLTrainer:
             self.init_workers()
         self._maybe_resume()
         tracker = Tracker(t.logger, self.log_dir)
-        flow = self.build_dataflow()
+        flow = self.flow = self.build_dataflow()
+        flow.check(self._prepare_batch_keys())  # the whole graph, before the first step
         history: list[dict] = []
         val_metrics: dict[str, float] = {}
         if t.val_before_train and self.global_step == 0:
