@@ -239,3 +239,72 @@ def test_sft_validation(tmp_path, world):
     cfg.train_batch_size, cfg.model.path, cfg.val_files = 32, model, []
     with pytest.raises(ConfigError, match=r"(?s)micro_batch_size_per_gpu \* n_workers.*max_length \(100\) exceeds"):
         validate_sft_config(cfg)
+
+
+# ---------------------------------------------------------------- resource pools
+def _pools(world, *items):
+    return load_config(None, list(items), schema=HybridFlowConfig).resource_pool
+
+
+def test_pool_mapping_parses_and_sizes_roles(world):
+    from hybridflow.controller.resource_pool import Role, role_pools, role_world_size
+
+    world.algorithm.adv_estimator = "gae"
+    world.critic.ppo_micro_batch_size_per_gpu = 16
+    world.resource_pool = _pools(world, "resource_pool.pools.a.workers_per_node=2", "resource_pool.pools.c.workers_per_node=1",
+                                 "resource_pool.pools.c.resources.H100=1", "resource_pool.mapping.actor_rollout=a", "resource_pool.mapping.critic=c")
+    assert world.resource_pool.pools["c"].resources == {"H100": 1.0}
+    validate_config(world)
+    assert role_pools(world) == {Role.ACTOR_ROLLOUT: "a", Role.CRITIC: "c"}
+    assert role_world_size(world, Role.CRITIC) == 1
+    world.critic.ppo_micro_batch_size_per_gpu = 48  # 8 prompts x 8 samples on 1 critic worker: 64 per worker
+    assert "per-worker mini-batch (64 sequences) must be divisible by critic.ppo_micro_batch_size_per_gpu (48)" in _problems(world)
+
+
+@pytest.mark.parametrize("items, expected", [
+    (["resource_pool.mapping.actor=global_pool"], "resource_pool.mapping: unknown role 'actor'; roles are ['actor_rollout', 'rollout', 'ref', 'critic']"),
+    (["resource_pool.mapping.critic=gpu"], "resource_pool.mapping.critic: unknown pool 'gpu'"),
+    (["resource_pool.pools.a.workers_per_node=0", "resource_pool.mapping.actor_rollout=a"], "resource_pool.pools.a.workers_per_node must be a positive integer"),
+    (["resource_pool.pools.a.resources.H100=0", "resource_pool.mapping.actor_rollout=a"], "resource_pool.pools.a.resources.H100 must be > 0"),
+    (["trainer.async_rollout=true"], "trainer.async_rollout=true needs the rollout on a pool of its own"),
+    (["trainer.async_rollout=true", "resource_pool.pools.a.workers_per_node=2", "resource_pool.pools.r.workers_per_node=1",
+      "resource_pool.mapping.actor_rollout=a", "resource_pool.mapping.rollout=r", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"],
+     "tensor_model_parallel_size (2) must divide the number of actor workers (1"),
+])
+def test_pool_validation(world, items, expected):
+    cfg = load_config(None, items, schema=HybridFlowConfig)
+    world.resource_pool, world.trainer.async_rollout = cfg.resource_pool, cfg.trainer.async_rollout
+    world.actor_rollout_ref.rollout.tensor_model_parallel_size = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
+    assert expected in _problems(world)
+
+
+def test_missing_resources_names_pool_and_resource():
+    from hybridflow.config.schema import PoolSpec
+    from hybridflow.controller.resource_pool import bundle, missing_resources
+
+    nodes = [{"Alive": True, "Resources": {"CPU": 2.0, "fake_h100": 4.0}}]
+    spec = PoolSpec(workers_per_node=2, resources={"fake_h100": 1})
+    assert missing_resources({"p": (spec, bundle(spec, 0.5, "cpu"))}, nodes) == []
+    gpu = PoolSpec(workers_per_node=2, resources={"H100": 1})
+    (msg,) = missing_resources({"gpu_pool": (gpu, bundle(gpu, 0.5, "cpu"))}, nodes)
+    assert "resource_pool.pools.gpu_pool" in msg and "['H100']" in msg
+    two_nodes = PoolSpec(workers_per_node=1, nnodes=2)
+    assert "on each of 2 node(s)" in missing_resources({"wide": (two_nodes, bundle(two_nodes, 0.5, "cpu"))}, nodes)[0]
+    many = {f"p{i}": (spec, bundle(spec, 0.5, "cpu")) for i in range(3)}  # 6 x 0.5 CPU > 2
+    assert any("all pools together need 3 CPU" in m for m in missing_resources(many, nodes))
+
+
+def test_cross_pool_pieces_cover_each_generation_slice_exactly():
+    from hybridflow.hybrid_engine.cross_pool import need_box
+    from hybridflow.hybrid_engine.plan import intersect, shard_box, volume
+
+    # 2 training ranks -> a 2-rank rollout pool with gen_tp 2: column-parallel q [64, 32] (dim 0),
+    # row-parallel o [32, 64] (dim 1), a replicated norm [32]; FSDP2 shards along the TP dim.
+    for shape, train_dim, gen_dim in [((64, 32), 0, 0), ((32, 64), 1, 1), ((32,), 0, None)]:
+        own = [shard_box(shape, train_dim, 2, s) for s in range(2)]
+        for d in range(2):
+            need = need_box(shape, gen_dim, 2, 2, d)
+            pieces = [intersect(o, need) for o in own]
+            assert sum(volume(p) for p in pieces) == volume(need)  # exactly its slice, nothing twice
+            if gen_dim is not None:
+                assert [bool(p) for p in pieces] == [d == 0, d == 1]  # aligned: one source each

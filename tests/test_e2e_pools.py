@@ -90,3 +90,19 @@ def test_async_rollout_learns_with_staleness_one_and_bit_exact_sync(demo_sft_mod
     assert all(h["reshard/bytes_per_rank"] > 0 for h in steps)
     val = [h[VAL_KEY] for h in result["history"] if VAL_KEY in h]
     assert val[0] < 0.3 and val[-1] >= 0.9, val
+
+
+def test_ppo_dataflow_example_trains(demo_sft_model, tmp_path):
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parent.parent / "examples" / "ppo_dataflow.py"
+    spec = importlib.util.spec_from_file_location("ppo_dataflow", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    files, sft_model = demo_sft_model
+    out = example.train(sft_model, str(pathlib.Path(files["train"]).parent), 20, str(tmp_path))
+    before, after = out["before"][VAL_KEY], out["after"][VAL_KEY]
+    assert after >= before + 0.3, (before, after)
+    t = {r.name: r for r in out["timeline"]}
+    assert overlap(t["update_critic"], t["update_actor"]) > 0

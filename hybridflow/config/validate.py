@@ -243,6 +243,9 @@ def validate_config(cfg: HybridFlowConfig) -> None:
             p.append(f"{key}.top_p must be in (0, 1], got {s.top_p}")
 
     p.enum(f"{R}.name", roll.name, ["hf", "vllm"])
+    if cfg.trainer.async_rollout and roll.name != "hf":
+        p.append(f"trainer.async_rollout=true runs the generation-only pool on the hf backend; set {R}.name=hf "
+                 f"(vLLM runs colocated with the actor)")
     if roll.name == "vllm":
         p.extend(_vllm_problems(cfg, gen_workers))
     if actor.fsdp_config.param_offload and (cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and _cuda_available())):
