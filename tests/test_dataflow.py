@@ -243,8 +243,8 @@ def test_add_stage_batch_size_and_grad_accum_steps():
         def __init__(self):
             self.calls = []
 
-        def update(self, batch, optimizer_step=True):
-            self.calls.append((len(batch), optimizer_step))
+        def update(self, batch, optimizer_step=True, loss_scale=1.0):
+            self.calls.append((len(batch), optimizer_step, loss_scale))
             return Batch.from_dict(tensors={"loss": batch["x"] * 0 + float(len(self.calls))}, meta={"metrics": {"update/n": float(len(batch))}})
 
     upd = Update()
@@ -253,8 +253,9 @@ def test_add_stage_batch_size_and_grad_accum_steps():
     flow.add_stage("update", upd, ["y", "x"], ["loss"], batch_size=2, grad_accum_steps=2)
     results = flow.run(Batch.from_dict(tensors={"x": torch.arange(10.0)}))
     assert results["y"].tolist() == [2.0 * i for i in range(10)]
-    # 5 chunks of 2 rows; an optimizer step after every 2nd chunk and after the last
-    assert upd.calls == [(2, False), (2, True), (2, False), (2, True), (2, True)]
+    # 5 chunks of 2 rows in groups of 2 (the last alone): one optimizer step per group, each
+    # chunk's loss scaled by 1 / (chunks in its group)
+    assert upd.calls == [(2, False, 0.5), (2, True, 0.5), (2, False, 0.5), (2, True, 0.5), (2, True, 1.0)]
     assert results["loss"].tolist() == [1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
     assert results["update/n"] == 2.0 and "timing_s/update" in results.metrics
     batch, metrics = results  # the list form's unpacking works on the same result

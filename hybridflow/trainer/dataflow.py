@@ -1,7 +1,8 @@
 """The DataFlow API: an RL step is a graph of stages over one `Batch`, run by a scheduler.
 
 A stage is bound to a worker-group method (runs on the SPMD workers of that group's pool), to a
-driver function (runs on the driver), or to an object with an `update` method. Every stage
+driver function (runs on the driver), to an object with an `update` method, or (add_stage) to a
+model the flow places on workers of its own (`model_stage.py`). Every stage
 declares the keys it reads and the keys it writes:
 
     flow = DataFlow([
@@ -36,8 +37,10 @@ Scheduling (`run`):
   scheduler overlap it with anything it does not depend on; its consumers wait for it.
 - `batch_size` (rows, global: all workers together) calls the stage once per chunk of that many
   rows, in order, and concatenates the outputs (metrics averaged). With `grad_accum_steps=g`, the
-  stage is called with `optimizer_step=True` on every g-th chunk and on the last, False otherwise:
-  an update function accumulates gradients over g chunks per optimizer step.
+  chunks form groups of g (the last may be shorter) and the stage is called with
+  `optimizer_step=` (True on the last chunk of a group) and `loss_scale=1/len(group)`: an update
+  (e.g. `actor.update_actor`, `critic.update_critic`) accumulates the group's gradients and takes
+  one optimizer step, the group's mean.
 
 Metrics: `timing_s/<stage>` per stage, `timing_s/dataflow` (the graph's wall time) and
 `perf/pool_busy/<pool>` (the share of that wall time the pool was running a stage). The start and
@@ -46,6 +49,7 @@ end times of the last run are in `flow.timeline`.
 
 from __future__ import annotations
 
+import os
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
@@ -104,14 +108,39 @@ class DataFlow:
         self.stages = list(stages or [])
         self.config = config
         self.timeline: list[StageRecord] = []
+        self.models: dict[Any, Any] = {}  # model module -> the PolicyGroup the flow placed for it
+
+    def close(self) -> None:
+        """Stop the worker groups the flow created for model modules."""
+        for group in self.models.values():
+            group.close()
+        self.models = {}
+
+    def __enter__(self) -> "DataFlow":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ------------------------------------------------------------------ editing
     def add_stage(self, name: str, module: Any, input_keys: list[str] = (), output_keys: list[str] = (), *, sync: bool = False,
-                  batch_size: int | None = None, grad_accum_steps: int = 1, pool: str | None = None) -> "DataFlow":
-        """Append a stage. `module`: a worker-group method, a driver function, or an object with an
-        `update(batch)` method. `batch_size` / `grad_accum_steps`: see the module docstring."""
+                  batch_size: int | None = None, grad_accum_steps: int = 1, pool: str | None = None,
+                  num_workers: int = 2, method: str | None = None) -> "DataFlow":
+        """Append a stage. `module`: a worker-group method, a driver function, an object with an
+        `update(batch)` method, or a model (a checkpoint path or `PreTrainedModel`: the flow places
+        it on `num_workers` workers of its own, see `model_stage.py`; `method` overrides what the
+        stage calls on it). `batch_size` / `grad_accum_steps`: see the module docstring."""
+        from hybridflow.trainer import model_stage
+
         if any(s.name == name for s in self.stages):
             raise ValueError(f"a stage named {name!r} already exists; stages: {self.names()}")
+        if model_stage.is_model(module):
+            if self.config is None:
+                raise ValueError(f"stage {name!r}: a model module needs the flow's config: DataFlow(config=cfg)")
+            key = os.path.abspath(str(module)) if isinstance(module, (str, os.PathLike)) else id(module)
+            if key not in self.models:
+                self.models[key] = model_stage.PolicyGroup(self.config, module, num_workers)
+            module = self.models[key].stage_fn(model_stage.stage_method(list(output_keys), method))
         if not callable(module) and not callable(getattr(module, "update", None)):
             raise TypeError(f"stage {name!r}: module must be a worker-group method, a function, or an object with an update() method; got {type(module).__name__}")
         if batch_size is not None and not (isinstance(batch_size, int) and batch_size > 0):
@@ -242,10 +271,13 @@ class DataFlow:
         else:
             chunks = view.split(s.batch_size) if s.batch_size else [view]
             results = []
+            g = s.grad_accum_steps
             for i, chunk in enumerate(chunks):
-                if s.grad_accum_steps > 1:
-                    step = (i + 1) % s.grad_accum_steps == 0 or i == len(chunks) - 1
-                    results.append(fn(chunk, optimizer_step=step))
+                if g > 1:  # groups of g chunks; the last group may be shorter
+                    group_start = i - i % g
+                    group_len = min(g, len(chunks) - group_start)
+                    step = i == group_start + group_len - 1
+                    results.append(fn(chunk, optimizer_step=step, loss_scale=1.0 / group_len))
                 else:
                     results.append(fn(chunk))
             result = _combine(s, results)

@@ -157,12 +157,14 @@ class ActorRolloutRefWorker(RolloutMixin, Worker):
 
     # ------------------------------------------------------------------ training
     @register(Dispatch.DP_COMPUTE)
-    def update_actor(self, data: Batch) -> dict[str, float]:
+    def update_actor(self, data: Batch, optimizer_step: bool = True, loss_scale: float = 1.0) -> dict[str, float]:
         """PPO-style update on this rank's share of the step's sequences.
 
         data: input_ids/attention_mask/position_ids [b, P+R], responses/response_mask/
         old_log_probs/advantages [b, R] (+ ref_log_prob when use_kl_loss). Mini-batches of
         ppo_mini_batch_size * n / world sequences per rank, each one optimizer step.
+        Gradient accumulation across calls (DataFlow grad_accum_steps): optimizer_step=False only
+        accumulates (loss x loss_scale); the next call with optimizer_step=True steps on the sum.
         """
         acfg = self.cfg.actor_rollout_ref.actor
         n = self.cfg.actor_rollout_ref.rollout.n
@@ -195,16 +197,18 @@ class ActorRolloutRefWorker(RolloutMixin, Worker):
                         loss = loss + acfg.kl_loss_coef * kl
                         add("actor/kl_loss", kl.item())
                     # Scale so the accumulated gradient is the mini-batch mean.
-                    (loss * len(mb) / len(mini)).backward()
+                    (loss * len(mb) / len(mini) * loss_scale).backward()
                     add("actor/pg_loss", pg_loss.item())
                     add("actor/pg_clipfrac", clipfrac.item())
                     add("actor/pg_clipfrac_lower", clipfrac_lower.item())
                     add("actor/ppo_kl", ppo_kl.item())
                     add("actor/entropy", entropy.item())
-                add("actor/grad_norm", clip_and_step(self.actor, self.optimizer, acfg.grad_clip))
+                if optimizer_step:
+                    add("actor/grad_norm", clip_and_step(self.actor, self.optimizer, acfg.grad_clip))
         metrics = {k: sums[k] / counts[k] for k in sums}
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
+        if optimizer_step:
+            self.scheduler.step()
         return metrics
 
     @register(Dispatch.DP_COMPUTE)

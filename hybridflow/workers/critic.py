@@ -52,8 +52,9 @@ class CriticWorker(Worker):
         return Batch.from_dict(tensors={"values": values.cpu()})
 
     @register(Dispatch.DP_COMPUTE)
-    def update_critic(self, data: Batch) -> dict[str, float]:
-        """Clipped value regression towards `returns` [b, R]; mini/micro batching as the actor."""
+    def update_critic(self, data: Batch, optimizer_step: bool = True, loss_scale: float = 1.0) -> dict[str, float]:
+        """Clipped value regression towards `returns` [b, R]; mini/micro batching and gradient
+        accumulation across calls (optimizer_step / loss_scale) as the actor."""
         ccfg = self.cfg.critic
         n = self.cfg.actor_rollout_ref.rollout.n
         mini_prompts = ccfg.ppo_mini_batch_size or self.cfg.actor_rollout_ref.actor.ppo_mini_batch_size
@@ -66,18 +67,17 @@ class CriticWorker(Worker):
                 for mb in micro_batches(mini, ccfg.ppo_micro_batch_size_per_gpu):
                     vpreds = self._values(mb)
                     vf_loss, clipfrac = compute_value_loss(vpreds, mb["returns"], mb["values"], mb["response_mask"], ccfg.cliprange_value, ccfg.loss_agg_mode)
-                    (vf_loss * len(mb) / len(mini)).backward()
+                    (vf_loss * len(mb) / len(mini) * loss_scale).backward()
                     losses.append(vf_loss.item())
                     clipfracs.append(clipfrac.item())
-                norms.append(clip_and_step(self.critic, self.optimizer, ccfg.grad_clip))
+                if optimizer_step:
+                    norms.append(clip_and_step(self.critic, self.optimizer, ccfg.grad_clip))
         lr = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
-        return {
-            "critic/vf_loss": sum(losses) / len(losses),
-            "critic/vf_clipfrac": sum(clipfracs) / len(clipfracs),
-            "critic/grad_norm": sum(norms) / len(norms),
-            "critic/lr": lr,
-        }
+        metrics = {"critic/vf_loss": sum(losses) / len(losses), "critic/vf_clipfrac": sum(clipfracs) / len(clipfracs), "critic/lr": lr}
+        if optimizer_step:
+            self.scheduler.step()
+            metrics["critic/grad_norm"] = sum(norms) / len(norms)
+        return metrics
 
     @register(Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:
