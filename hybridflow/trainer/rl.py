@@ -271,6 +271,12 @@ class RLTrainer:
             if mismatched or diff != 0.0:
                 raise RuntimeError(f"weight sync check failed: rollout weights differ from the trained ones ({mismatched[:3]}, max diff {diff})")
             m["reshard/weight_max_diff"] = 0.0
+        if not self._reshard_logged:
+            tp, world = r.tensor_model_parallel_size, self.rollout.world_size
+            logger.info("Cross-pool weight sync from FSDP(dp=%d) on %s to TP=%d x DP=%d on %s: %s received per generation rank "
+                        "(its generation slice) in %.3fs", self.actor.world_size, self.pool_of(Role.ACTOR_ROLLOUT), tp, world // tp,
+                        self.pool_of(Role.ROLLOUT), _human_bytes(m["reshard/bytes_per_rank"]), m["timing_s/sync_weights"])
+            self._reshard_logged = True
         self._gen_version = self.global_step  # the rollout now holds the policy after this many updates
         return m
 
