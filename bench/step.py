@@ -1,6 +1,6 @@
 """One RL step, three placements side by side: colocated, split pools, split pools + async rollout.
 
-    python bench/step.py [--steps 30] [--sft-steps 300] [--json PATH]
+    python bench/step.py [--steps 30] [--sft-steps 300] [--json PATH] [key=value ...]   # e.g. trainer.device=cuda
 
 The demo task and model (SFT warm start once), then PPO (GAE with a critic, 8 prompts x 8 samples)
 three times with the same seed:
@@ -34,13 +34,13 @@ MODES = {
 }
 
 
-def run_mode(mode: str, files: dict, model: str, out: str, steps: int) -> dict:
+def run_mode(mode: str, files: dict, model: str, out: str, steps: int, extra: list[str]) -> dict:
     from hybridflow.demo import VAL_KEY, demo_rl_config
     from hybridflow.trainer.rl import RLTrainer
 
     overrides, workers = MODES[mode]
     cfg = demo_rl_config(files, model, os.path.join(out, mode), steps, *overrides, "algorithm.adv_estimator=gae", "critic.optim.lr=1e-3",
-                         "critic.ppo_micro_batch_size_per_gpu=32", f"trainer.test_freq={steps}", "trainer.progress_bar=false", "trainer.logger=[jsonl]")
+                         "critic.ppo_micro_batch_size_per_gpu=32", f"trainer.test_freq={steps}", "trainer.progress_bar=false", "trainer.logger=[jsonl]", *extra)
     trainer = RLTrainer(cfg)
     try:
         result = trainer.fit()
@@ -56,6 +56,7 @@ def main() -> None:
     parser.add_argument("--sft-steps", type=int, default=300)
     parser.add_argument("--modes", default="colocated,split,split_async")
     parser.add_argument("--json", default=None)
+    parser.add_argument("overrides", nargs="*", help="config overrides for every mode (key=value)")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from hybridflow.controller.worker_group import init_ray
@@ -71,7 +72,7 @@ def main() -> None:
     sft = demo_sft_config(files["sft"], str(base), tmp, args.sft_steps)
     sft.trainer.logger = ["jsonl"]
     run_sft(sft)
-    rows = [run_mode(m, files, os.path.join(tmp, "sft_model"), tmp, args.steps) for m in args.modes.split(",")]
+    rows = [run_mode(m, files, os.path.join(tmp, "sft_model"), tmp, args.steps, args.overrides) for m in args.modes.split(",")]
 
     print(f"\nPPO (GAE + critic), demo task, 8 prompts x 8 samples, {args.steps} steps, {os.cpu_count()} CPU cores")
     print(f"{'mode':<12} {'workers':>7} {'step s':>8} {'val acc':>8}")
