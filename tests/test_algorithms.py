@@ -321,3 +321,17 @@ def test_apply_kl_penalty_by_hand() -> None:
     assert metrics["actor/reward_kl_penalty"] == pytest.approx(0.3)
     assert metrics["actor/reward_kl_penalty_coeff"] == 0.5  # the beta that was applied
     assert ctrl.value == pytest.approx(0.5 * (1 + 0.2 * 2 / 10))  # updated with n_steps = B = 2
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo"])
+def test_group_of_equal_fractional_scores_gets_zero_advantage(estimator):
+    # eight samples scoring 0.7 (float32): the group statistics in float64 give exactly 0, where
+    # float32 left a ~1e-8 std that (score - mean) / (std + eps) blew up to about +-0.06
+    rewards = torch.zeros(16, 3)
+    rewards[:8, -1] = 0.7
+    rewards[8:, -1] = torch.tensor([0.1, 0.9, 0.3, 0.7, 0.2, 0.4, 0.6, 0.8])
+    index = np.array(["a"] * 8 + ["b"] * 8, dtype=object)
+    adv, _ = get_adv_estimator(estimator)(rewards, torch.ones(16, 3), index=index)
+    assert adv.dtype == torch.float32
+    assert torch.equal(adv[:8], torch.zeros(8, 3))
+    assert adv[8:].abs().max() > 0.1

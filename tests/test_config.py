@@ -189,6 +189,7 @@ def _set(cfg, dotted, value):
     ({"data.val_files": ["/nonexistent/v.parquet"]}, "data.val_files: file '/nonexistent/v.parquet'"),
     ({"custom_reward_function.path": "/nonexistent/r.py"}, "custom_reward_function.path: file '/nonexistent/r.py'"),
     ({"data.val_batch_size": 0}, "data.val_batch_size must be a positive integer"),
+    ({"actor_rollout_ref.model.dtype": "float8"}, "actor_rollout_ref.model.dtype must be one of ['float32', 'fp32', 'bfloat16', 'bf16', 'float16', 'fp16'], got 'float8'"),
 ])
 def test_validator_rules(world, changes, expected):
     for k, v in changes.items():

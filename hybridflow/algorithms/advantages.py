@@ -51,10 +51,14 @@ def _group_ids(index: Any, batch_size: int) -> torch.Tensor:
 
 
 def _group_mean_std(scores: torch.Tensor, gid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-sample group size, mean and unbiased std of `scores` [B] within its group, each [B].
+    """Per-sample group size, mean and unbiased std of `scores` [B] within its group, each [B],
+    in float64: a group of equal fractional scores (eight samples at 0.7) must get a mean equal to
+    each score and a std of exactly 0 (float32 rounding leaves ~1e-8, which / (std + eps) turns
+    into advantages of +-0.06). Callers subtract in float64 too.
 
     Groups of size 1 get mean 0 and std 1 (verl), so a lone sample keeps its raw score.
     """
+    scores = scores.double()
     num_groups = int(gid.max().item()) + 1
     count = torch.zeros(num_groups, dtype=scores.dtype).index_add_(0, gid, torch.ones_like(scores))
     total = torch.zeros(num_groups, dtype=scores.dtype).index_add_(0, gid, scores)
@@ -121,10 +125,10 @@ def compute_grpo_outcome_advantage(
     with torch.no_grad():
         scores = token_level_rewards.sum(dim=-1)  # [B]
         _, mean, std = _group_mean_std(scores, _group_ids(index, scores.shape[0]).to(scores.device))
-        adv = scores - mean
+        adv = scores.double() - mean
         if norm_adv_by_std_in_grpo:
             adv = adv / (std + epsilon)
-        advantages = adv.unsqueeze(-1) * response_mask  # [B, T]
+        advantages = adv.to(token_level_rewards.dtype).unsqueeze(-1) * response_mask  # [B, T]
     return advantages, advantages
 
 
@@ -147,8 +151,8 @@ def compute_rloo_outcome_advantage(
         scores = token_level_rewards.sum(dim=-1)  # [B]
         n, mean, _ = _group_mean_std(scores, _group_ids(index, scores.shape[0]).to(scores.device))
         scale = n / (n - 1).clamp_min(1)
-        adv = torch.where(n > 1, scores * scale - mean * scale, scores)
-        advantages = adv.unsqueeze(-1) * response_mask
+        adv = torch.where(n > 1, scores.double() * scale - mean * scale, scores.double())
+        advantages = adv.to(token_level_rewards.dtype).unsqueeze(-1) * response_mask
     return advantages, advantages
 
 

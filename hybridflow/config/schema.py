@@ -37,6 +37,10 @@ class DataConfig:
     seed: int = 1
 
 
+# Accepted spellings of a model's dtype (workers/fsdp_model.py maps them to torch dtypes).
+MODEL_DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+
+
 @dataclass
 class ModelConfig:
     path: str = ""  # a local HF checkpoint directory

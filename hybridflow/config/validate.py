@@ -10,7 +10,7 @@ import json
 import os
 
 from hybridflow.config.loader import ConfigError
-from hybridflow.config.schema import HybridFlowConfig, ModelConfig, OptimConfig, SFTConfig, TrainerConfig
+from hybridflow.config.schema import MODEL_DTYPES, HybridFlowConfig, ModelConfig, OptimConfig, SFTConfig, TrainerConfig
 from hybridflow.controller.resource_pool import Role, pool_problems, role_world_size
 from hybridflow.parallel.tensor_parallel import validate_gen_tp  # pure Python (no torch import)
 
@@ -45,7 +45,8 @@ class _Problems(list):
             self.append(f"{key}: {what} {path!r} does not exist")
 
     def model(self, key, m: ModelConfig) -> int | None:
-        """Check a model dir; return its max_position_embeddings when known."""
+        """Check a model dir (and its dtype); return its max_position_embeddings when known."""
+        self.enum(f"{key}.dtype", m.dtype, MODEL_DTYPES)
         cfg_file = os.path.join(m.path, "config.json")
         if not m.path or not os.path.isfile(cfg_file):
             self.append(f"{key}.path: {m.path!r} is not a directory containing config.json; point it at "

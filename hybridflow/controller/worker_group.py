@@ -50,13 +50,22 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, resources:
         return
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    if address:
-        ray.init(address=address, log_to_driver=True)
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if address and address != "local":
+        try:
+            ray.init(address=address, log_to_driver=True)
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            from hybridflow.config.loader import ConfigError
+
+            raise ConfigError(f"ray_init.address={address!r}: cannot join that Ray cluster ({e}); start it (`ray start --head`) "
+                              f"or unset ray_init.address / RAY_ADDRESS to run an embedded local cluster") from None
         return
     from ray._private import ray_constants
 
     ray_constants.ENABLE_RAY_CLUSTER = False  # in case ray was imported before hybridflow
+    os.environ.pop("RAY_ADDRESS", None)  # "local" below: never a stale cluster's address file
     ray.init(
+        address="local",
         num_cpus=num_cpus or os.cpu_count(),
         resources=resources,
         include_dashboard=False,

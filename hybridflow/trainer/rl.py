@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import sys
 import time
 from collections import defaultdict
 
@@ -455,7 +456,7 @@ class RLTrainer:
                 return
             path = os.path.join(t.default_local_dir, f"global_step_{open(latest).read().strip()}")
         path = os.path.abspath(path)
-        state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
+        state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True)  # plain numbers and dicts
         self.actor.load_checkpoint(path)
         if self.critic:
             self.critic.load_checkpoint(path)
@@ -483,7 +484,7 @@ def _with_sample_info(generated: Batch, prompts: Batch) -> Batch:
 
 
 def _progress(enabled: bool, total: int, initial: int):
-    if not enabled:
+    if not enabled or not sys.stderr.isatty():  # a bar in a log file interleaves with the step table
         return None
     from tqdm import tqdm
 

@@ -13,7 +13,7 @@ import torch.nn as nn
 from hybridflow.config.schema import ModelConfig
 from hybridflow.protocol import Batch
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
 def load_hf_model(cfg: ModelConfig, device: str, kind: str = "causal_lm") -> nn.Module:
