@@ -271,10 +271,20 @@ def test_pool_mapping_parses_and_sizes_roles(world):
     (["trainer.async_rollout=true", "resource_pool.pools.a.workers_per_node=2", "resource_pool.pools.r.workers_per_node=1",
       "resource_pool.mapping.actor_rollout=a", "resource_pool.mapping.rollout=r", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"],
      "tensor_model_parallel_size (2) must divide the number of actor workers (1"),
+    (["algorithm.adv_estimator=gae", "resource_pool.pools.a.workers_per_node=2", "resource_pool.mapping.actor_rollout=a"],
+     "resource_pool.mapping.critic is not set and 'global_pool' is not among the pools ['a']"),
+    (["trainer.async_rollout=true", "algorithm.adv_estimator=gae", "resource_pool.pools.a.workers_per_node=2",
+      "resource_pool.pools.r.workers_per_node=1", "resource_pool.mapping.actor_rollout=a", "resource_pool.mapping.rollout=r",
+      "resource_pool.mapping.critic=r"], "the rollout pool 'r' must hold only the rollout role"),
+    (["trainer.async_rollout=true", "algorithm.adv_estimator=remax", "resource_pool.pools.a.workers_per_node=2",
+      "resource_pool.pools.r.workers_per_node=1", "resource_pool.mapping.actor_rollout=a", "resource_pool.mapping.rollout=r"],
+     "does not combine with trainer.async_rollout=true"),
 ])
 def test_pool_validation(world, items, expected):
     cfg = load_config(None, items, schema=HybridFlowConfig)
     world.resource_pool, world.trainer.async_rollout = cfg.resource_pool, cfg.trainer.async_rollout
+    world.algorithm.adv_estimator = cfg.algorithm.adv_estimator
+    world.critic.ppo_micro_batch_size_per_gpu = 8
     world.actor_rollout_ref.rollout.tensor_model_parallel_size = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
     assert expected in _problems(world)
 

@@ -264,3 +264,34 @@ def test_add_stage_batch_size_and_grad_accum_steps():
         flow.add_stage("update", upd, ["y"], ["loss"])
     with pytest.raises(TypeError, match="module must be"):
         flow.add_stage("bad", 3, ["y"], [])
+
+
+def test_overwriting_stage_waits_for_earlier_readers():
+    # "late" reads x but also waits on a slow stage; "overwrite" writes x and must not run first
+    seen = {}
+
+    def late(b):
+        seen["x"] = b["x"].tolist()
+        return Batch.from_dict(tensors={"y": b["x"]})
+
+    flow = DataFlow([
+        Stage("slow", sleeper("slow", 0.2, [], ["s"]), ["x"], ["s"], pool="p1"),
+        Stage("late", late, ["x", "s"], ["y"]),
+        Stage("overwrite", lambda b: Batch.from_dict(tensors={"x": b["x"] + 100}), ["x"], ["x"], pool="p2"),
+    ])
+    out = flow.run(Batch.from_dict(tensors={"x": torch.tensor([1.0, 2.0])}))
+    assert seen["x"] == [1.0, 2.0] and out["x"].tolist() == [101.0, 102.0]
+
+
+def test_a_failing_stage_raises_without_waiting_for_other_pools():
+    def boom(b):
+        raise RuntimeError("reward function broke")
+
+    flow = DataFlow([
+        Stage("long", sleeper("long", 3.0, [], ["a"]), ["x"], ["a"], pool="critic"),
+        Stage("reward", boom, ["x"], ["b"]),
+    ])
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError, match="reward function broke"):
+        flow.run(Batch.from_dict(tensors={"x": torch.zeros(2)}))
+    assert time.perf_counter() - start < 2.0

@@ -93,6 +93,17 @@ def pool_problems(cfg: HybridFlowConfig) -> list[str]:
     if out:
         return out
     pools = role_pools(cfg)
+    for role, pool in pools.items():
+        if pool not in specs:
+            out.append(f"resource_pool.mapping.{role.value} is not set and {DEFAULT_POOL!r} is not among the pools {sorted(specs)}; "
+                       f"map the {role.value} role to one of them (or define {DEFAULT_POOL})")
+    if out:
+        return out
+    if cfg.trainer.async_rollout:
+        shared = [r.value for r, p in pools.items() if p == pools[Role.ROLLOUT] and r is not Role.ROLLOUT]
+        if shared:
+            out.append(f"trainer.async_rollout=true: the rollout pool {pools[Role.ROLLOUT]!r} must hold only the rollout role "
+                       f"(it generates during the whole step), but {shared} are mapped to it too")
     if cfg.trainer.async_rollout and pools[Role.ROLLOUT] == pools[Role.ACTOR_ROLLOUT]:
         out.append(f"trainer.async_rollout=true needs the rollout on a pool of its own: resource_pool.mapping.rollout "
                    f"is {pools[Role.ROLLOUT]!r}, the same pool as actor_rollout; add a pool for it and map rollout there")

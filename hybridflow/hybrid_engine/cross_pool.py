@@ -61,7 +61,10 @@ def publish(train_model: nn.Module, gen_dims: dict[str, int | None], rank: int, 
     per_dst: list[dict[str, list]] = [{} for _ in range(dst_world)]
     for name, p in train_model.named_parameters():
         own, shard = train_box(p.data, rank, world)
+        replicated = volume(own) == p.numel()  # every training rank holds all of it (NO_SHARD, or 1 rank)
         for d in range(dst_world):
+            if replicated and d % world != rank:  # one source per destination, spread over the ranks
+                continue
             box = intersect(own, need_box(p.shape, gen_dims[name], gen_tp, dst_world, d))
             if box:
                 per_dst[d].setdefault(name, []).append((box, crop(shard, box, own).detach().to("cpu", copy=True).contiguous()))

@@ -186,16 +186,19 @@ class DataFlow:
         initial = set(initial_keys)
         deps: dict[str, set[str]] = {s.name: set() for s in active}
         last_on_pool: dict[str, str] = {}
+        source: dict[tuple[str, str], str] = {}  # (reader, key) -> the stage it reads the key from
         for i, s in enumerate(active):
             for key in s.inputs:
                 earlier = [t for t in active[:i] if key in t.outputs]
                 later = [t for t in active[i + 1 :] if key in t.outputs]
                 if earlier:
                     deps[s.name].add(earlier[-1].name)
+                    source[(s.name, key)] = earlier[-1].name
                 elif key in initial:
                     continue
                 elif later:
                     deps[s.name].add(later[0].name)
+                    source[(s.name, key)] = later[0].name
                 else:
                     raise KeyError(f"stage {s.name!r} reads {key!r}, which no stage produces and the input batch lacks "
                                    f"(batch keys: {sorted(initial)}); add a stage that outputs it or declare it as an output")
@@ -207,11 +210,12 @@ class DataFlow:
                 deps[s.name].update(t.name for t in active[:i])
                 for t in active[i + 1 :]:
                     deps[t.name].add(s.name)
-        for s in active:  # a stage that overwrites a key runs after the earlier writer
+        for i, s in enumerate(active):  # a stage that overwrites a key runs after the earlier writer and readers
             for key in s.outputs:
-                earlier = [t for t in active[: active.index(s)] if key in t.outputs]
+                earlier = [t for t in active[:i] if key in t.outputs]
                 if earlier:
                     deps[s.name].add(earlier[-1].name)
+                deps[s.name].update(t.name for t in active[:i] if key in t.inputs and source.get((t.name, key)) != s.name)
         _check_acyclic(deps)
         return deps
 
@@ -229,28 +233,30 @@ class DataFlow:
         done: set[str] = set()
         running: dict[Future, Stage] = {}
         t0 = time.perf_counter()
-        with ThreadPoolExecutor(max_workers=max(1, len(active)), thread_name_prefix="stage") as pool:
-            try:
-                while len(done) < len(active):
-                    started = set(done) | {s.name for s in running.values()}
-                    driver_busy = any(s.pool_name == DRIVER for s in running.values())
-                    for name, s in active.items():
-                        if name not in started and deps[name] <= done and not (driver_busy and s.pool_name == DRIVER):
-                            driver_busy |= s.pool_name == DRIVER
-                            view = batch.select(s.inputs)
-                            running[pool.submit(self._call, s, view)] = s
-                    finished, _ = wait(list(running), return_when=FIRST_COMPLETED)
-                    for fut in finished:
-                        s = running.pop(fut)
-                        result, start, end = fut.result()
-                        self.timeline.append(StageRecord(s.name, s.pool_name, start, end))
-                        metrics[f"timing_s/{s.name}"] = end - start
-                        _merge(s, result, batch, metrics)
-                        done.add(s.name)
-            except BaseException:
-                for fut in running:
-                    fut.cancel()
-                raise
+        pool = ThreadPoolExecutor(max_workers=max(1, len(active)), thread_name_prefix="stage")
+        try:
+            while len(done) < len(active):
+                started = set(done) | {s.name for s in running.values()}
+                driver_busy = any(s.pool_name == DRIVER for s in running.values())
+                for name, s in active.items():
+                    if name not in started and deps[name] <= done and not (driver_busy and s.pool_name == DRIVER):
+                        driver_busy |= s.pool_name == DRIVER
+                        view = batch.select(s.inputs)
+                        running[pool.submit(self._call, s, view)] = s
+                finished, _ = wait(list(running), return_when=FIRST_COMPLETED)
+                for fut in finished:
+                    s = running.pop(fut)
+                    result, start, end = fut.result()
+                    self.timeline.append(StageRecord(s.name, s.pool_name, start, end))
+                    metrics[f"timing_s/{s.name}"] = end - start
+                    _merge(s, result, batch, metrics)
+                    done.add(s.name)
+        except BaseException:
+            # Fail now: do not wait for stages still running on other pools (their threads end on
+            # their own; a stuck one would otherwise hide this error).
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        pool.shutdown(wait=True)
         wall = time.perf_counter() - t0
         metrics["timing_s/dataflow"] = wall
         busy: dict[str, float] = {}

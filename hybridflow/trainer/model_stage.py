@@ -70,12 +70,34 @@ class PolicyGroup:
         validate_config(cfg)  # batch sizes against num_workers, the model, ... before any worker starts
         self.cfg = cfg
         init_ray(cfg.ray_init.address, cfg.ray_init.num_cpus, cfg.ray_init.resources or None)
+        import hashlib
+
+        import ray
+        import torch
+
+        from hybridflow.config import ConfigError
+        from hybridflow.config.schema import PoolSpec
+        from hybridflow.controller.resource_pool import bundle, missing_resources
+
         role = "actor_rollout_ref" if cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward else "actor_rollout"
-        name = f"model_{os.path.basename(self.path.rstrip('/'))}_{os.getpid()}"
-        self.pool = ResourcePool(1, num_workers, cfg.ray_init.cpus_per_worker, name=name)
-        self.group = ColocatedWorkerGroup(self.pool, {"actor": (ActorRolloutRefWorker, {"config": cfg, "role": role})}, name=name)
-        self.actor = self.group.role("actor")
-        self.actor.init_model()
+        # Unique per checkpoint path (two models in folders of the same name must not share actor names).
+        name = f"model_{os.path.basename(self.path.rstrip('/'))}_{hashlib.sha1(self.path.encode()).hexdigest()[:8]}_{os.getpid()}"
+        t = cfg.trainer
+        device = "cuda" if t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available()) else "cpu"
+        spec = PoolSpec(workers_per_node=num_workers)
+        res = bundle(spec, cfg.ray_init.cpus_per_worker, device)
+        problems = missing_resources({name: (spec, res)}, ray.nodes())
+        if problems:
+            raise ConfigError("the model's pool does not fit the Ray cluster:\n" + "\n".join(f"  - {p}" for p in problems))
+        self.pool = ResourcePool(1, num_workers, res["CPU"], res.get("GPU", 0.0), name=name)
+        self.group = None
+        try:
+            self.group = ColocatedWorkerGroup(self.pool, {"actor": (ActorRolloutRefWorker, {"config": cfg, "role": role})}, name=name, device=device)
+            self.actor = self.group.role("actor")
+            self.actor.init_model()
+        except BaseException:
+            self.close()
+            raise
         self.stale = False  # trained since the last sync into the generation layout
         self.calls = 0
 
@@ -105,7 +127,9 @@ class PolicyGroup:
         return fn
 
     def close(self) -> None:
-        self.group.shutdown()
+        if self.group is not None:
+            self.group.shutdown()
+            self.group = None
         self.pool.release()
         if self._tmp is not None:
             self._tmp.cleanup()

@@ -131,8 +131,12 @@ class RLTrainer:
             if Role.CRITIC in roles:
                 classes["critic"] = (CriticWorker, {"config": self.cfg, "total_training_steps": steps})
             extra = {k: v for k, v in res.items() if k not in ("CPU", "GPU")}
-            self.pools[name] = pool = ResourcePool(spec.nnodes, spec.workers_per_node, res["CPU"], res.get("GPU", 0.0), extra, name=name)
-            self.groups[name] = ColocatedWorkerGroup(pool, classes, name=f"{t.experiment_name}_{name}_{os.getpid()}", device=device)
+            try:
+                self.pools[name] = pool = ResourcePool(spec.nnodes, spec.workers_per_node, res["CPU"], res.get("GPU", 0.0), extra, name=name)
+                self.groups[name] = ColocatedWorkerGroup(pool, classes, name=f"{t.experiment_name}_{name}_{os.getpid()}", device=device)
+            except BaseException:
+                self.shutdown()  # release the pools already placed
+                raise
         self.wg = self.groups[self.role_pool[Role.ACTOR_ROLLOUT]]
         views = {role: g.role(role) for g in self.groups.values() for role in g.role_classes}
         self.actor = views["actor"]
@@ -148,6 +152,7 @@ class RLTrainer:
     def shutdown(self) -> None:
         for name in list(self.groups):
             self.groups.pop(name).shutdown()
+        for name in list(self.pools):  # also a pool whose group failed to start
             self.pools.pop(name).release()
         self.wg = None
 

@@ -180,6 +180,10 @@ class ActorRolloutRefWorker(RolloutMixin, Worker):
             sums[k] = sums.get(k, 0.0) + float(v)
             counts[k] = counts.get(k, 0) + 1
 
+        if not optimizer_step and (acfg.ppo_epochs > 1 or len(data) > mini_size):
+            raise ValueError(f"gradient accumulation across calls needs each call to be at most one mini-batch "
+                             f"({mini_size} sequences per rank) and ppo_epochs == 1; got {len(data)} sequences, "
+                             f"ppo_epochs={acfg.ppo_epochs}: lower the stage's batch_size")
         data = data.to(self.device)
         for _ in range(acfg.ppo_epochs):
             for mini in data.split(mini_size):

@@ -59,6 +59,9 @@ class CriticWorker(Worker):
         n = self.cfg.actor_rollout_ref.rollout.n
         mini_prompts = ccfg.ppo_mini_batch_size or self.cfg.actor_rollout_ref.actor.ppo_mini_batch_size
         mini_size = mini_prompts * n // self.world_size
+        if not optimizer_step and (ccfg.ppo_epochs > 1 or len(data) > mini_size):
+            raise ValueError(f"gradient accumulation across calls needs each call to be at most one mini-batch "
+                             f"({mini_size} sequences per rank) and critic.ppo_epochs == 1; lower the stage's batch_size")
         self.critic.train()
         data = data.to(self.device)
         losses, clipfracs, norms = [], [], []
