@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 
 def write_rows(path: str, rows: list[dict]) -> None:
@@ -12,3 +13,15 @@ def write_rows(path: str, rows: list[dict]) -> None:
     with open(path, "w") as f:
         json.dump(rows, f, indent=2)
     print(f"rows written to {path}")
+
+
+def print_rows(title: str, columns: list[tuple[str, str, str]], rows: list[dict], json_path: str | None = None) -> None:
+    """The side-by-side table: `columns` are (row key, header, format spec such as ">10.3f"),
+    then the rows as JSON when `json_path` is given."""
+    print(f"\n{title}")
+    # headers take the column's alignment and width (">10.1f" -> ">10")
+    print(" ".join(f"{header:{re.match(r'[<>^]?[0-9]*', spec).group()}}" for _, header, spec in columns))
+    for r in rows:
+        print(" ".join(f"{r[key]:{spec}}" for key, _, spec in columns))
+    if json_path:
+        write_rows(json_path, rows)

@@ -18,7 +18,7 @@ import os
 import tempfile
 import time
 
-from common import write_rows
+from common import print_rows
 
 
 
@@ -76,13 +76,9 @@ def main() -> None:
     init_ray(num_cpus=2)
     rows = [run_backend(b, model, os.path.join(tmp, "data"), os.path.join(tmp, b), args.prompts, args.max_tokens, args.repeats) for b in args.backends.split(",")]
 
-    print(f"\n{args.prompts} prompts, up to {args.max_tokens} new tokens, temperature 1.0, 2 workers, fp32 tiny Qwen2 (0.36M params)")
-    print(f"{'backend':<8} {'tokens/s':>10} {'sync s':>8} {'mean resp len':>14}")
-    for r in rows:
-        print(f"{r['backend']:<8} {r['tokens_per_second']:>10.1f} {r['sync_seconds']:>8.3f} {r['mean_response_tokens']:>14.1f}")
-    if args.json:
-        write_rows(args.json, rows)
-
+    print_rows(f"{args.prompts} prompts, up to {args.max_tokens} new tokens, temperature 1.0, 2 workers, fp32 tiny Qwen2 (0.36M params)",
+               [("backend", "backend", "<8"), ("tokens_per_second", "tokens/s", ">10.1f"), ("sync_seconds", "sync s", ">8.3f"),
+                ("mean_response_tokens", "mean resp len", ">14.1f")], rows, args.json)
 
 if __name__ == "__main__":
     main()

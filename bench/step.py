@@ -22,7 +22,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import write_rows  # noqa: E402
+from common import print_rows  # noqa: E402
 
 MODES = {
     "colocated": ([], 2),
@@ -74,13 +74,9 @@ def main() -> None:
     run_sft(sft)
     rows = [run_mode(m, files, os.path.join(tmp, "sft_model"), tmp, args.steps, args.overrides) for m in args.modes.split(",")]
 
-    print(f"\nPPO (GAE + critic), demo task, 8 prompts x 8 samples, {args.steps} steps, {os.cpu_count()} CPU cores")
-    print(f"{'mode':<12} {'workers':>7} {'step s':>8} {'val acc':>8}")
-    for r in rows:
-        print(f"{r['mode']:<12} {r['workers']:>7d} {r['step_seconds']:>8.3f} {r['val_acc']:>8.3f}")
-    if args.json:
-        write_rows(args.json, rows)
-
+    print_rows(f"PPO (GAE + critic), demo task, 8 prompts x 8 samples, {args.steps} steps, {os.cpu_count()} CPU cores",
+               [("mode", "mode", "<12"), ("workers", "workers", ">7d"), ("step_seconds", "step s", ">8.3f"), ("val_acc", "val acc", ">8.3f")],
+               rows, args.json)
 
 if __name__ == "__main__":
     main()

@@ -24,7 +24,9 @@ import ray  # noqa: E402
 from ray.util.placement_group import placement_group, remove_placement_group  # noqa: E402
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: E402
 
+from hybridflow.config.schema import PoolSpec
 from hybridflow.controller.decorator import LAYOUT_ATTR, Dispatch, collect_results, dispatch_args
+from hybridflow.controller.resource_pool import bundle, missing_resources
 from hybridflow.controller.worker import colocated_worker_cls, registered_methods
 
 # Environment every worker process gets: one BLAS thread per worker (N workers share few
@@ -109,6 +111,28 @@ class ResourcePool:
     def release(self) -> None:
         for pg in self.groups:
             remove_placement_group(pg)
+
+
+def place_pools(specs: dict[str, PoolSpec], default_cpus: float, device: str) -> dict[str, ResourcePool]:
+    """One ResourcePool per spec, after checking all of them against the cluster (`ray.nodes()`):
+    a resource it lacks is a ConfigError naming the pool, before any placement group exists. If a
+    pool still fails to place, the ones already placed are released."""
+    from hybridflow.config.loader import ConfigError
+
+    used = {name: (spec, bundle(spec, default_cpus, device)) for name, spec in specs.items()}
+    problems = missing_resources(used, ray.nodes())
+    if problems:
+        raise ConfigError("the resource pools do not fit the Ray cluster:\n" + "\n".join(f"  - {p}" for p in problems))
+    pools: dict[str, ResourcePool] = {}
+    try:
+        for name, (spec, res) in used.items():
+            extra = {k: v for k, v in res.items() if k not in ("CPU", "GPU")}
+            pools[name] = ResourcePool(spec.nnodes, spec.workers_per_node, res["CPU"], res.get("GPU", 0.0), extra, name=name)
+    except BaseException:
+        for pool in pools.values():
+            pool.release()
+        raise
+    return pools
 
 
 class RayWorkerGroup:

@@ -21,35 +21,15 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from hybridflow.hybrid_engine.executor import crop, local, train_shard_dim
 from hybridflow.hybrid_engine.plan import Box, intersect, layer_of, shard_box, volume
 from hybridflow.hybrid_engine.trace import TraceRecorder
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def need_box(shape: tuple[int, ...], gen_dim: int | None, gen_tp: int, dst_world: int, dst: int) -> Box:
     """Generation rank `dst`'s slice of a parameter (rank d has TP index d // (M / gen_tp))."""
     k = dst_world // gen_tp
     return shard_box(tuple(shape), gen_dim, gen_tp if gen_dim is not None else 1, dst // k if gen_dim is not None else 0)
-
-
-def train_box(p: torch.Tensor, rank: int, world: int) -> tuple[Box, torch.Tensor]:
-    """(the box this training rank owns, its local tensor) of an FSDP2 parameter."""
-    shape = tuple(p.shape)
-    if isinstance(p, DTensor):
-        dims = [pl.dim for i, pl in enumerate(p.placements) if pl.is_shard() and p.device_mesh.size(i) > 1]
-        if dims:
-            return shard_box(shape, dims[0], world, rank), p.to_local()
-        return shard_box(shape, None, 1, 0), p.to_local()
-    return shard_box(shape, None, 1, 0), p
-
-
-def crop(t: torch.Tensor, box: Box, origin: Box) -> torch.Tensor:
-    for d, ((lo, hi), (o, _)) in enumerate(zip(box, origin)):
-        t = t.narrow(d, lo - o, hi - lo)
-    return t
 
 
 @torch.no_grad()
@@ -60,8 +40,9 @@ def publish(train_model: nn.Module, gen_dims: dict[str, int | None], rank: int, 
 
     per_dst: list[dict[str, list]] = [{} for _ in range(dst_world)]
     for name, p in train_model.named_parameters():
-        own, shard = train_box(p.data, rank, world)
-        replicated = volume(own) == p.numel()  # every training rank holds all of it (NO_SHARD, or 1 rank)
+        dim = train_shard_dim(p)
+        own, shard = shard_box(tuple(p.shape), dim, world, rank), local(p.data)
+        replicated = dim is None  # every training rank holds all of it (NO_SHARD)
         for d in range(dst_world):
             if replicated and d % world != rank:  # one source per destination, spread over the ranks
                 continue
@@ -119,7 +100,7 @@ class PoolReceiver:
         for pieces in ray.get(self._refs):
             for name, items in pieces.items():
                 layers.setdefault(layer_of(name), None)
-                buf = _local(self.gen[name].data)
+                buf = local(self.gen[name].data)
                 for box, t in items:
                     with self.trace.span(f"copy {layer_of(name)}", "copy"):
                         crop(buf, box, self.need[name]).copy_(t)
@@ -139,7 +120,7 @@ class PoolReceiver:
         """max |generation buffer - the published trained pieces| (0.0 = bit-exact)."""
         worst = 0.0
         for name, items in self._last.items():
-            buf = _local(self.gen[name].data)
+            buf = local(self.gen[name].data)
             for box, t in items:
                 got = crop(buf, box, self.need[name])
                 if not torch.equal(got.cpu(), t):
@@ -147,7 +128,7 @@ class PoolReceiver:
         return worst
 
     def fingerprints(self) -> dict[str, str]:
-        return {f"{n}@{self.need[n]}": fingerprint(_local(p.data)) for n, p in self.gen.items()}
+        return {f"{n}@{self.need[n]}": fingerprint(local(p.data)) for n, p in self.gen.items()}
 
     def release(self) -> None:
         pass  # nothing to free: a generation-only pool keeps its weights between syncs

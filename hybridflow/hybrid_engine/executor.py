@@ -58,13 +58,20 @@ def crop(t: torch.Tensor, box: Box, origin: Box) -> torch.Tensor:
     return t
 
 
+def train_shard_dim(p: torch.Tensor) -> int | None:
+    """The dim FSDP2 shards `p` along, None when every rank holds all of it: a Shard placement over
+    a mesh dim of size > 1 (NO_SHARD is HSDP with shard size 1)."""
+    if not isinstance(p, DTensor):
+        return None
+    shard = [pl.dim for i, pl in enumerate(p.placements) if pl.is_shard() and p.device_mesh.size(i) > 1]
+    return shard[0] if shard else None
+
+
 def build_plan(train_model: nn.Module, gen_shard_dims: dict[str, int | None], gen_tp: int, procs_per_node: int | None = None) -> ReshardPlan:
     """The plan for this FSDP2 model, with each parameter's training shard dim as FSDP2 placed it."""
     shapes = {}
     for n, p in train_model.named_parameters():
-        # Shard over a mesh dim of size > 1; NO_SHARD (HSDP with shard size 1) holds it whole.
-        shard = [pl.dim for i, pl in enumerate(p.placements) if pl.is_shard() and p.device_mesh.size(i) > 1] if isinstance(p, DTensor) else []
-        shapes[n] = (tuple(p.shape), p.element_size(), shard[0] if shard else None, gen_shard_dims[n])
+        shapes[n] = (tuple(p.shape), p.element_size(), train_shard_dim(p), gen_shard_dims[n])
     return ReshardPlan.build(shapes, dist.get_world_size(), gen_tp, procs_per_node)
 
 

@@ -32,6 +32,13 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # besides the tokenizer's EOS
     seed: int = 0  # per step; backends derive per-replica / per-row seeds from it
 
+    @classmethod
+    def from_config(cls, cfg, greedy: bool = False, seed: int = 0) -> "SamplingParams":
+        """From a HybridFlowConfig: actor_rollout_ref.rollout (or its val_kwargs when greedy)."""
+        r = cfg.actor_rollout_ref.rollout
+        s = r.val_kwargs if greedy else r
+        return cls(cfg.data.max_response_length, s.do_sample, s.temperature, s.top_p, s.top_k, tuple(r.stop), tuple(r.stop_token_ids), seed)
+
     @property
     def sampling(self) -> bool:
         return self.do_sample and self.temperature > 0

@@ -272,7 +272,7 @@ class DataFlow:
     def _call(s: Stage, view: Batch):
         fn = s.fn if callable(s.fn) else s.fn.update
         start = time.perf_counter()
-        if s.batch_size is None or len(view) <= s.batch_size and s.grad_accum_steps == 1:
+        if s.batch_size is None or (len(view) <= s.batch_size and s.grad_accum_steps == 1):  # one call
             result = fn(view)
         else:
             chunks = view.split(s.batch_size) if s.batch_size else [view]

@@ -18,6 +18,7 @@ stale weights. `flow.close()` stops the groups.
 from __future__ import annotations
 
 import copy
+import hashlib
 import os
 import tempfile
 from typing import Any
@@ -52,7 +53,9 @@ class PolicyGroup:
 
     def __init__(self, cfg: HybridFlowConfig, model: Any, num_workers: int):
         from hybridflow.config import validate_config
-        from hybridflow.controller.worker_group import ColocatedWorkerGroup, ResourcePool, init_ray
+        from hybridflow.config.schema import PoolSpec
+        from hybridflow.controller.worker import pick_device
+        from hybridflow.controller.worker_group import ColocatedWorkerGroup, init_ray, place_pools
         from hybridflow.workers.actor_rollout_ref import ActorRolloutRefWorker
 
         self._tmp = None
@@ -70,26 +73,11 @@ class PolicyGroup:
         validate_config(cfg)  # batch sizes against num_workers, the model, ... before any worker starts
         self.cfg = cfg
         init_ray(cfg.ray_init.address, cfg.ray_init.num_cpus, cfg.ray_init.resources or None)
-        import hashlib
-
-        import ray
-        import torch
-
-        from hybridflow.config import ConfigError
-        from hybridflow.config.schema import PoolSpec
-        from hybridflow.controller.resource_pool import bundle, missing_resources
-
         role = "actor_rollout_ref" if cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward else "actor_rollout"
         # Unique per checkpoint path (two models in folders of the same name must not share actor names).
         name = f"model_{os.path.basename(self.path.rstrip('/'))}_{hashlib.sha1(self.path.encode()).hexdigest()[:8]}_{os.getpid()}"
-        t = cfg.trainer
-        device = "cuda" if t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available()) else "cpu"
-        spec = PoolSpec(workers_per_node=num_workers)
-        res = bundle(spec, cfg.ray_init.cpus_per_worker, device)
-        problems = missing_resources({name: (spec, res)}, ray.nodes())
-        if problems:
-            raise ConfigError("the model's pool does not fit the Ray cluster:\n" + "\n".join(f"  - {p}" for p in problems))
-        self.pool = ResourcePool(1, num_workers, res["CPU"], res.get("GPU", 0.0), name=name)
+        device = pick_device(cfg.trainer.device)
+        self.pool = place_pools({name: PoolSpec(workers_per_node=num_workers)}, cfg.ray_init.cpus_per_worker, device)[name]
         self.group = None
         try:
             self.group = ColocatedWorkerGroup(self.pool, {"actor": (ActorRolloutRefWorker, {"config": cfg, "role": role})}, name=name, device=device)
@@ -106,15 +94,13 @@ class PolicyGroup:
         from hybridflow.rollout.base import SamplingParams
 
         if method == "generate_sequences":
-            r = self.cfg.actor_rollout_ref.rollout
 
             def fn(batch: Batch) -> Batch:
                 if self.stale:
                     self.actor.reshard()
                     self.stale = False
                 self.calls += 1
-                params = SamplingParams(self.cfg.data.max_response_length, r.do_sample, r.temperature, r.top_p, r.top_k,
-                                        tuple(r.stop), tuple(r.stop_token_ids), seed=self.cfg.trainer.seed * 100_003 + self.calls)
+                params = SamplingParams.from_config(self.cfg, seed=self.cfg.trainer.seed * 100_003 + self.calls)
                 return self.actor.generate_sequences(batch, params)
         elif method == "update_actor":
 

@@ -32,9 +32,10 @@ from transformers import AutoTokenizer
 
 from hybridflow import profiler
 from hybridflow.algorithms import get_adv_estimator, make_kl_controller, apply_kl_penalty, masked_mean
-from hybridflow.config import ConfigError, HybridFlowConfig, save_config, validate_config
-from hybridflow.controller.resource_pool import Role, bundle, missing_resources, pool_specs, role_pools
-from hybridflow.controller.worker_group import ColocatedWorkerGroup, ResourcePool, init_ray
+from hybridflow.config import HybridFlowConfig, save_config, validate_config
+from hybridflow.controller.resource_pool import Role, pool_specs, role_pools
+from hybridflow.controller.worker import pick_device
+from hybridflow.controller.worker_group import ColocatedWorkerGroup, ResourcePool, init_ray, place_pools
 from hybridflow.data.dataset import RLDataset, collate_rl
 from hybridflow.protocol import Batch
 from hybridflow.rewards.loader import load_custom_reward_fn
@@ -107,18 +108,14 @@ class RLTrainer:
         from hybridflow.workers.critic import CriticWorker
         from hybridflow.workers.rollout import RolloutWorker
 
-        import ray
-
         t, ri = self.cfg.trainer, self.cfg.ray_init
         init_ray(ri.address, ri.num_cpus, ri.resources or None)
-        device = "cuda" if t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available()) else "cpu"
+        device = pick_device(t.device)
         specs = pool_specs(self.cfg)
-        used = {name: (specs[name], bundle(specs[name], ri.cpus_per_worker, device)) for name in dict.fromkeys(self.role_pool.values())}
-        problems = missing_resources(used, ray.nodes())
-        if problems:  # before any placement group or worker: never a hang
-            raise ConfigError("the resource pools do not fit the Ray cluster:\n" + "\n".join(f"  - {p}" for p in problems))
+        # Checked against the cluster before any placement group or worker: never a hang.
+        self.pools = place_pools({name: specs[name] for name in dict.fromkeys(self.role_pool.values())}, ri.cpus_per_worker, device)
         steps = self.total_steps
-        for name, (spec, res) in used.items():
+        for name, pool in self.pools.items():
             roles = [r for r, p in self.role_pool.items() if p == name]
             classes: dict[str, tuple[type, dict]] = {}
             if Role.ACTOR_ROLLOUT in roles:
@@ -130,12 +127,10 @@ class RLTrainer:
                 classes["rollout"] = (RolloutWorker, {"config": self.cfg})
             if Role.CRITIC in roles:
                 classes["critic"] = (CriticWorker, {"config": self.cfg, "total_training_steps": steps})
-            extra = {k: v for k, v in res.items() if k not in ("CPU", "GPU")}
             try:
-                self.pools[name] = pool = ResourcePool(spec.nnodes, spec.workers_per_node, res["CPU"], res.get("GPU", 0.0), extra, name=name)
                 self.groups[name] = ColocatedWorkerGroup(pool, classes, name=f"{t.experiment_name}_{name}_{os.getpid()}", device=device)
             except BaseException:
-                self.shutdown()  # release the pools already placed
+                self.shutdown()  # release every pool and the groups already started
                 raise
         self.wg = self.groups[self.role_pool[Role.ACTOR_ROLLOUT]]
         views = {role: g.role(role) for g in self.groups.values() for role in g.role_classes}
@@ -312,18 +307,8 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ loop
     def _sampling(self, greedy: bool = False, step: int | None = None) -> SamplingParams:
-        r = self.cfg.actor_rollout_ref.rollout
-        s = r.val_kwargs if greedy else r
-        return SamplingParams(
-            max_new_tokens=self.cfg.data.max_response_length,
-            do_sample=s.do_sample,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k,
-            stop=tuple(r.stop),
-            stop_token_ids=tuple(r.stop_token_ids),
-            seed=self.cfg.trainer.seed * 100_003 + (self.global_step if step is None else step),
-        )
+        seed = self.cfg.trainer.seed * 100_003 + (self.global_step if step is None else step)
+        return SamplingParams.from_config(self.cfg, greedy, seed)
 
     def _prepare_batch(self) -> Batch:
         n = self.cfg.actor_rollout_ref.rollout.n
