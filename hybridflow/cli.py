@@ -1,8 +1,10 @@
-"""`hybridflow` command line: train | sft | demo | make-model | make-data.
+"""`hybridflow` command line: train | sft | dpo | rm | demo | make-model | make-data.
 
     hybridflow train configs/grpo_tiny.yaml actor_rollout_ref.rollout.n=8 trainer.total_training_steps=20
     hybridflow sft configs/sft_tiny.yaml total_steps=100
-    hybridflow demo --output-dir runs/demo
+    hybridflow dpo configs/dpo_tiny.yaml dpo.beta=0.1        (dpo.online=true: online DPO)
+    hybridflow rm configs/rm_tiny.yaml total_steps=100
+    hybridflow demo --output-dir runs/demo [--recipe grpo|dpo|rm-grpo|online-dpo]
 """
 
 from __future__ import annotations
@@ -23,13 +25,18 @@ def _load(schema, config: str | None, overrides: list[str]):
         sys.exit(f"config error: {e}")
 
 
-def cmd_train(args) -> int:
+def cmd_train(args, dpo: bool = False) -> int:
     from hybridflow.config import ConfigError, HybridFlowConfig
     from hybridflow.trainer.rl import RLTrainer
 
     cfg = _load(HybridFlowConfig, args.config, args.overrides)
     try:
-        trainer = RLTrainer(cfg, parallel_config=args.parallel_config)  # validates before Ray or any worker starts
+        if dpo:
+            from hybridflow.trainer.dpo import DPOTrainer
+
+            trainer = DPOTrainer(cfg)
+        else:
+            trainer = RLTrainer(cfg, parallel_config=args.parallel_config)  # validates before Ray or any worker starts
     except ConfigError as e:
         sys.exit(f"config error: {e}")
     try:
@@ -53,12 +60,25 @@ def cmd_sft(args) -> int:
     return 0
 
 
+def cmd_rm(args) -> int:
+    from hybridflow.config import ConfigError, RewardTrainConfig
+    from hybridflow.trainer.reward_model import run_rm
+
+    cfg = _load(RewardTrainConfig, args.config, args.overrides)
+    try:
+        result = run_rm(cfg)
+    except ConfigError as e:
+        sys.exit(f"config error: {e}")
+    print(json.dumps({k: result[k] for k in ("steps", "first_loss", "final_loss", "val_pair_acc", "model_dir")}))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="[%(levelname)s] %(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     parser = argparse.ArgumentParser(prog="hybridflow", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, fn in (("train", cmd_train), ("sft", cmd_sft)):
+    for name, fn in (("train", cmd_train), ("sft", cmd_sft), ("dpo", lambda a: cmd_train(a, dpo=True)), ("rm", cmd_rm)):
         p = sub.add_parser(name, help=f"{name} from a YAML config plus key=value overrides")
         p.add_argument("config", nargs="?", help="YAML config file")
         p.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. data.train_batch_size=16")
@@ -66,8 +86,11 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--parallel-config", metavar="FILE", default=None,
                            help="parallel config YAML (model/data parallel sizes, FSDP, resharding), e.g. configs/parallel_dp2_tp2.yaml; put it before CONFIG or after the overrides")
         p.set_defaults(fn=fn)
-    p = sub.add_parser("demo", help="the main job: data, tiny model, SFT warm start, GRPO on 2 workers")
+    p = sub.add_parser("demo", help="the main job: data, tiny model, SFT warm start, GRPO on 2 workers (or another --recipe)")
     p.add_argument("--output-dir", default="runs/demo")
+    p.add_argument("--recipe", default="grpo", choices=["grpo", "dpo", "rm-grpo", "online-dpo"],
+                   help="grpo (default): rule-reward GRPO; dpo: offline DPO on preference pairs; rm-grpo: train a reward "
+                        "model on the pairs, then GRPO with it as the only reward; online-dpo: sample, rank by the rule, DPO")
     p.add_argument("--sft-steps", type=int, default=None)
     p.add_argument("--rl-steps", type=int, default=None)
     p.add_argument("overrides", nargs="*", help="dotlist overrides for the GRPO config")

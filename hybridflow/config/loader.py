@@ -47,6 +47,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             except ConfigError:
                 raise _bad(key, tp, value) from None
         raise _bad(key, tp, value)
+    if origin is typing.Literal:
+        if value not in args:
+            close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
+            raise ConfigError(f"{key} must be one of {list(args)}, got {value!r}" + (f"; did you mean {close[0]!r}?" if close else ""))
+        return value
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{key} is a section and must be a mapping of keys, got {value!r} "
@@ -79,6 +84,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return value
         raise _bad(key, tp, value)
     raise _bad(key, tp, value)  # pragma: no cover - an annotation this loader does not know
+
+
+def literal_choices(cls: type, name: str) -> list:
+    """The allowed values of a `Literal[...]` field of dataclass `cls` (the validator reads them here)."""
+    return list(typing.get_args(typing.get_type_hints(cls)[name]))
 
 
 def from_dict(cls: type, data: dict, path: str = "") -> Any:

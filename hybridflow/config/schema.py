@@ -16,7 +16,7 @@ Batch-size semantics (a classic source of confusion, stated plainly):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Literal, Optional
 
 
 @dataclass
@@ -35,6 +35,9 @@ class DataConfig:
     truncation: str = "error"
     shuffle: bool = True
     seed: int = 1
+    # Preference parquet (`hybridflow dpo` / `hybridflow rm`): the chosen and rejected columns.
+    chosen_key: str = "chosen"
+    rejected_key: str = "rejected"
 
 
 # Accepted spellings of a model's dtype (workers/fsdp_model.py maps them to torch dtypes).
@@ -160,8 +163,18 @@ class CriticConfig:
 
 @dataclass
 class RewardModelConfig:
-    enable: bool = False  # a model-based reward; rule rewards need nothing here
+    """A sequence-classifier reward model (one label) scoring the policy's responses. It has its
+    own tokenizer and chat template: responses are decoded, re-templated and re-tokenized.
+    token_level_scores = score_weight * rm_score + rule_weight * rule score (rule: the reward
+    manager / custom_reward_function; rule_weight 0 skips it). Its pool: resource_pool.mapping.reward_model."""
+
+    enable: bool = False
     reward_manager: str = "naive"
+    model: ModelConfig = field(default_factory=ModelConfig)  # path: an AutoModelForSequenceClassification checkpoint
+    micro_batch_size_per_gpu: int = 16  # sequences per forward per worker
+    score_weight: float = 1.0
+    rule_weight: float = 0.0
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 
 
 @dataclass
@@ -187,6 +200,23 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = False
     kl_penalty: str = "kl"  # k1 (= kl) | k2 (= mse) | k3 (= low_var_kl) | abs
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+
+
+@dataclass
+class DPOConfig:
+    """Preference optimisation (`hybridflow dpo`), TRL's names. Batches count PAIRS:
+    data.train_batch_size pairs per step, actor.ppo_mini_batch_size pairs per optimizer step,
+    actor.ppo_micro_batch_size_per_gpu SEQUENCES per forward (even: chosen and rejected together)."""
+
+    beta: float = 0.1
+    loss_type: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"  # DPO | IPO (length-averaged log-probs, as TRL) | SLiC hinge
+    label_smoothing: float = 0.0  # conservative DPO (sigmoid only): the assumed label-flip rate, in [0, 0.5)
+    # Offline: the reference log-probs of every pair computed once by the initial policy and cached
+    # (kept in checkpoints); no reference model is held in memory.
+    precompute_ref_log_probs: bool = False
+    # Online DPO: sample actor_rollout_ref.rollout.n >= 2 responses per prompt from the current policy,
+    # rank them by the reward (rule / custom function / reward model), learn best vs worst.
+    online: bool = False
 
 
 @dataclass
@@ -223,7 +253,7 @@ class RayInitConfig:
     resources: dict[str, float] = field(default_factory=dict)  # custom resources of the embedded local cluster, e.g. {H100: 2}
 
 
-ROLES = ("actor_rollout", "rollout", "ref", "critic")
+ROLES = ("actor_rollout", "rollout", "ref", "critic", "reward_model")
 DEFAULT_POOL = "global_pool"
 
 
@@ -265,6 +295,7 @@ class HybridFlowConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     ray_init: RayInitConfig = field(default_factory=RayInitConfig)
     resource_pool: ResourcePoolConfig = field(default_factory=ResourcePoolConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
 
 
 @dataclass
@@ -283,5 +314,32 @@ class SFTConfig:
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3))
     grad_clip: float = 1.0
     save_dir: str = "checkpoints/sft"  # the final HF checkpoint is written here
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    ray_init: RayInitConfig = field(default_factory=RayInitConfig)
+
+
+@dataclass
+class RewardTrainConfig:
+    """Reward-model training (``hybridflow rm``): Bradley-Terry on preference parquet.
+
+    model.path: a sequence classifier, or a causal LM whose backbone starts the reward model (a new
+    1-output score head). Validation: pairwise accuracy on val_files (held-out pairs)."""
+
+    train_files: list[str] = field(default_factory=list)
+    val_files: list[str] = field(default_factory=list)
+    prompt_key: str = "prompt"
+    chosen_key: str = "chosen"
+    rejected_key: str = "rejected"
+    max_prompt_length: int = 64
+    max_response_length: int = 16
+    train_batch_size: int = 32  # pairs per optimizer step, global
+    micro_batch_size_per_gpu: int = 32  # sequences per forward per worker (even: both sides of a pair)
+    total_steps: int = 100
+    margin: float = 0.0  # loss -log sigma(r_c - r_r - margin); a `margin` column in the data adds per pair
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4))
+    grad_clip: float = 1.0
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+    save_dir: str = "checkpoints/reward_model"  # the final HF checkpoint is written here
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     ray_init: RayInitConfig = field(default_factory=RayInitConfig)

@@ -10,8 +10,12 @@ import json
 import os
 
 from hybridflow.config.loader import ConfigError
-from hybridflow.config.schema import MODEL_DTYPES, HybridFlowConfig, ModelConfig, OptimConfig, SFTConfig, TrainerConfig
-from hybridflow.controller.resource_pool import Role, pool_problems, role_world_size
+from typing import Literal
+
+from hybridflow.config.loader import literal_choices
+from hybridflow.config.schema import MODEL_DTYPES, DPOConfig, HybridFlowConfig, ModelConfig, OptimConfig, RewardTrainConfig, SFTConfig, TrainerConfig
+# A module reference, not names: resource_pool imports the schema, so this package may still be loading.
+import hybridflow.controller.resource_pool as rp
 from hybridflow.parallel.tensor_parallel import validate_gen_tp  # pure Python (no torch import)
 
 A, R = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
@@ -196,23 +200,76 @@ def _total_memory_gb() -> float:
         return 0.0
 
 
-def validate_config(cfg: HybridFlowConfig) -> None:
-    """Raise one ConfigError listing every problem in ``cfg`` (no-op when it is fine)."""
+def _reward_model_problems(p: _Problems, cfg: HybridFlowConfig) -> None:
+    """The reward model must be a one-label sequence classifier (checked from its config.json)."""
+    rm = cfg.reward_model
+    p.positive("reward_model.micro_batch_size_per_gpu", rm.micro_batch_size_per_gpu)
+    if p.model("reward_model.model", rm.model) is None and not os.path.isfile(os.path.join(rm.model.path, "config.json")):
+        return
+    mj = _model_json(rm.model.path)
+    archs = mj.get("architectures") or []
+    if not any(a.endswith("ForSequenceClassification") for a in archs):
+        p.append(f"reward_model.model.path: {rm.model.path!r} is not a sequence classifier (architectures {archs}); "
+                 f"train one with `hybridflow rm` or build a tiny one with `hybridflow make-model --reward PATH`")
+    elif len(mj.get("id2label") or {0: ""}) != 1:
+        p.append(f"reward_model.model.path: {rm.model.path!r} has {len(mj['id2label'])} labels; a reward model has one (num_labels=1)")
+    if rm.score_weight == 0 and rm.rule_weight == 0:
+        p.append("reward_model.score_weight and reward_model.rule_weight are both 0: every reward would be 0; set one of them")
+
+
+def _dpo_problems(p: _Problems, cfg: HybridFlowConfig, n_workers: int) -> None:
+    """Pairs per step / per optimizer step / per forward, and the loss parameters."""
+    dpo, d, actor = cfg.dpo, cfg.data, cfg.actor_rollout_ref.actor
+    p.enum("dpo.loss_type", dpo.loss_type, literal_choices(DPOConfig, "loss_type"))
+    if not dpo.beta > 0:
+        p.append(f"dpo.beta must be > 0, got {dpo.beta}")
+    if not 0 <= dpo.label_smoothing < 0.5:
+        p.append(f"dpo.label_smoothing must be in [0, 0.5), got {dpo.label_smoothing}")
+    elif dpo.label_smoothing and dpo.loss_type != "sigmoid":
+        p.append(f"dpo.label_smoothing (conservative DPO) applies to dpo.loss_type=sigmoid, got {dpo.loss_type}")
+    if dpo.online and dpo.precompute_ref_log_probs:
+        p.append("dpo.precompute_ref_log_probs=true needs fixed pairs; online DPO samples new ones every step: set it to false")
+    if dpo.online and not (isinstance(cfg.actor_rollout_ref.rollout.n, int) and cfg.actor_rollout_ref.rollout.n >= 2):
+        p.append(f"{R}.n must be >= 2 with dpo.online=true (best vs worst of n samples per prompt), got {cfg.actor_rollout_ref.rollout.n}")
+    if cfg.trainer.async_rollout:
+        p.append("trainer.async_rollout applies to `hybridflow train`; DPO samples (online) with the colocated rollout: set it to false")
+    if not (p.positive("data.train_batch_size", d.train_batch_size) and n_workers >= 1):
+        return
+    if d.train_batch_size % n_workers:
+        p.append(f"data.train_batch_size ({d.train_batch_size} pairs) must be divisible by the {n_workers} workers, so that "
+                 f"every worker holds whole pairs; set it to a multiple of {n_workers}")
+    if p.positive(f"{A}.ppo_mini_batch_size", actor.ppo_mini_batch_size) and actor.ppo_mini_batch_size % n_workers:
+        p.append(f"{A}.ppo_mini_batch_size ({actor.ppo_mini_batch_size} pairs per optimizer step) must be divisible by the {n_workers} workers")
+    if isinstance(actor.ppo_micro_batch_size_per_gpu, int) and actor.ppo_micro_batch_size_per_gpu % 2:
+        p.append(f"{A}.ppo_micro_batch_size_per_gpu ({actor.ppo_micro_batch_size_per_gpu}) must be even with DPO: "
+                 f"a forward holds both sides of its pairs")
+    _batch_checks(p, A, actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu, d.train_batch_size, 2, n_workers)
+
+
+def validate_config(cfg: HybridFlowConfig, kind: Literal["rl", "dpo"] = "rl") -> None:
+    """Raise one ConfigError listing every problem in ``cfg`` (no-op when it is fine).
+    kind: "rl" (`hybridflow train`) or "dpo" (`hybridflow dpo`, offline or online)."""
     p = _Problems()
     d, arr, alg = cfg.data, cfg.actor_rollout_ref, cfg.algorithm
     actor, roll, critic = arr.actor, arr.rollout, cfg.critic
+    what = "RL" if kind == "rl" else "DPO"
+    roles = rp.dpo_roles(cfg) if kind == "dpo" else None
     p.trainer(cfg.trainer)
-    pool_errors = pool_problems(cfg)
+    pool_errors = rp.pool_problems(cfg, roles)
     p.extend(pool_errors)
     if pool_errors:
-        p.raise_if_any("RL")
+        p.raise_if_any(what)
     # Each role's checks use its own pool's size (the default pool: trainer.nnodes x n_gpus_per_node).
-    n_workers = role_world_size(cfg, Role.ACTOR_ROLLOUT)
-    gen_workers = role_world_size(cfg, Role.ROLLOUT if cfg.trainer.async_rollout else Role.ACTOR_ROLLOUT)
-    critic_workers = role_world_size(cfg, Role.CRITIC)
+    n_workers = rp.role_world_size(cfg, rp.Role.ACTOR_ROLLOUT, roles)
+    gen_workers = rp.role_world_size(cfg, rp.Role.ROLLOUT if cfg.trainer.async_rollout else rp.Role.ACTOR_ROLLOUT, roles)
+    critic_workers = rp.role_world_size(cfg, rp.Role.CRITIC, roles)
 
     ok = p.positive("data.train_batch_size", d.train_batch_size) & p.positive(f"{R}.n", roll.n)
-    if ok and n_workers >= 1:
+    if kind == "dpo":
+        _dpo_problems(p, cfg, n_workers)
+        if cfg.dpo.online and ok and (d.train_batch_size * roll.n) % n_workers:
+            p.append(f"data.train_batch_size * {R}.n ({d.train_batch_size}*{roll.n}) must be divisible by the {n_workers} workers")
+    elif ok and n_workers >= 1:
         if (d.train_batch_size * roll.n) % n_workers:
             p.append(f"data.train_batch_size * {R}.n ({d.train_batch_size}*{roll.n}) must be divisible by "
                      f"n_workers = trainer.nnodes * trainer.n_gpus_per_node = {n_workers}; set "
@@ -265,7 +322,7 @@ def validate_config(cfg: HybridFlowConfig) -> None:
     p.enum("data.truncation", d.truncation, ["error", "left", "right"])
     p.optim(f"{A}.optim", actor.optim)
     p.optim("critic.optim", critic.optim)
-    if alg.adv_estimator in ("grpo", "rloo") and isinstance(roll.n, int) and 0 < roll.n < 2:
+    if kind == "rl" and alg.adv_estimator in ("grpo", "rloo") and isinstance(roll.n, int) and 0 < roll.n < 2:
         p.append(f"{R}.n must be >= 2 for algorithm.adv_estimator={alg.adv_estimator} (the group baseline "
                  f"needs several samples per prompt), got {roll.n}")
     he = arr.hybrid_engine
@@ -282,9 +339,8 @@ def validate_config(cfg: HybridFlowConfig) -> None:
     heads = model_json.get("num_attention_heads") or 0
     kv_heads = model_json.get("num_key_value_heads") or heads
     p.extend(validate_gen_tp(roll.tensor_model_parallel_size, gen_workers if gen_workers >= 1 else 1, heads, kv_heads))
-    if cfg.reward_model.enable:
-        p.append("reward_model.enable: model-based rewards are not implemented yet; set it to false and use "
-                 "rule rewards / custom_reward_function")
+    if cfg.reward_model.enable and (kind == "rl" or cfg.dpo.online):
+        _reward_model_problems(p, cfg)
 
     max_pos = p.model("actor_rollout_ref.model", arr.model)
     if max_pos is not None and d.max_prompt_length + d.max_response_length > max_pos:
@@ -299,7 +355,7 @@ def validate_config(cfg: HybridFlowConfig) -> None:
             p.exists(key, f)
     if cfg.custom_reward_function.path:
         p.exists("custom_reward_function.path", cfg.custom_reward_function.path)
-    p.raise_if_any("RL")
+    p.raise_if_any(what)
 
 
 def validate_sft_config(cfg: SFTConfig) -> None:
@@ -328,3 +384,32 @@ def validate_sft_config(cfg: SFTConfig) -> None:
         for f in files:
             p.exists(key, f)
     p.raise_if_any("SFT")
+
+
+def validate_rm_config(cfg: RewardTrainConfig) -> None:
+    """`hybridflow rm`: pairs per step and per forward, the starting model, the data files."""
+    p = _Problems()
+    n_workers = p.trainer(cfg.trainer)
+    if p.positive("train_batch_size", cfg.train_batch_size) & p.positive("micro_batch_size_per_gpu", cfg.micro_batch_size_per_gpu) and n_workers >= 1:
+        per_worker = 2 * cfg.train_batch_size // n_workers
+        if cfg.train_batch_size % n_workers:
+            p.append(f"train_batch_size ({cfg.train_batch_size} pairs) must be divisible by the {n_workers} workers")
+        elif cfg.micro_batch_size_per_gpu % 2 or per_worker % cfg.micro_batch_size_per_gpu:
+            p.append(f"micro_batch_size_per_gpu ({cfg.micro_batch_size_per_gpu}) must be even and divide the {per_worker} "
+                     f"sequences (both sides of {per_worker // 2} pairs) each worker gets per step")
+    for key in ("max_prompt_length", "max_response_length", "total_steps"):
+        p.positive(key, getattr(cfg, key))
+    p.optim("optim", cfg.optim)
+    mj = _model_json(cfg.model.path)
+    max_pos = p.model("model", cfg.model)
+    archs = mj.get("architectures") or []
+    if archs and not any(a.endswith(("ForSequenceClassification", "ForCausalLM")) for a in archs):
+        p.append(f"model.path: {cfg.model.path!r} ({archs}) is neither a sequence classifier nor a causal LM to start one from")
+    if max_pos is not None and cfg.max_prompt_length + cfg.max_response_length > max_pos:
+        p.append(f"max_prompt_length + max_response_length exceeds the model's max_position_embeddings ({max_pos})")
+    if not cfg.train_files:
+        p.append("train_files is empty; set it to one or more preference parquet files")
+    for key, files in [("train_files", cfg.train_files), ("val_files", cfg.val_files)]:
+        for f in files:
+            p.exists(key, f)
+    p.raise_if_any("reward-model training")

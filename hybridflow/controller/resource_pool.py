@@ -27,6 +27,7 @@ class Role(str, enum.Enum):
     ROLLOUT = "rollout"  # a generation-only pool (trainer.async_rollout)
     REF = "ref"  # the frozen reference policy
     CRITIC = "critic"
+    REWARD_MODEL = "reward_model"  # a sequence-classifier reward model (reward_model.enable)
 
 
 assert tuple(r.value for r in Role) == ROLES
@@ -49,26 +50,40 @@ def active_roles(cfg: HybridFlowConfig) -> list[Role]:
         roles.append(Role.REF)
     if cfg.algorithm.adv_estimator == "gae":
         roles.append(Role.CRITIC)
+    if cfg.reward_model.enable:
+        roles.append(Role.REWARD_MODEL)
     return roles
 
 
-def role_pools(cfg: HybridFlowConfig) -> dict[Role, str]:
-    """Active role -> pool name (a role missing from the mapping goes to global_pool)."""
+def dpo_roles(cfg: HybridFlowConfig) -> list[Role]:
+    """The roles of `hybridflow dpo`: the policy (its rollout validates, and samples when online),
+    the reference unless its log-probs are precomputed (offline only), a reward model when online
+    and enabled."""
+    roles = [Role.ACTOR_ROLLOUT]
+    if cfg.dpo.online or not cfg.dpo.precompute_ref_log_probs:
+        roles.append(Role.REF)
+    if cfg.dpo.online and cfg.reward_model.enable:
+        roles.append(Role.REWARD_MODEL)
+    return roles
+
+
+def role_pools(cfg: HybridFlowConfig, roles: list[Role] | None = None) -> dict[Role, str]:
+    """Active role (default: `active_roles`) -> pool name (a role missing from the mapping goes to global_pool)."""
     mapping = cfg.resource_pool.mapping
-    return {role: mapping.get(role.value, DEFAULT_POOL) for role in active_roles(cfg)}
+    return {role: mapping.get(role.value, DEFAULT_POOL) for role in (active_roles(cfg) if roles is None else roles)}
 
 
 def world_size(spec: PoolSpec) -> int:
     return spec.nnodes * spec.workers_per_node
 
 
-def role_world_size(cfg: HybridFlowConfig, role: Role) -> int:
+def role_world_size(cfg: HybridFlowConfig, role: Role, roles: list[Role] | None = None) -> int:
     """How many ranks a role runs on (its pool's size); 0 for a pool that does not exist."""
-    spec = pool_specs(cfg).get(role_pools(cfg).get(role, DEFAULT_POOL))
+    spec = pool_specs(cfg).get(role_pools(cfg, roles).get(role, DEFAULT_POOL))
     return world_size(spec) if spec else 0
 
 
-def pool_problems(cfg: HybridFlowConfig) -> list[str]:
+def pool_problems(cfg: HybridFlowConfig, roles: list[Role] | None = None) -> list[str]:
     """Unknown roles or pools, empty pools, and role layouts a pool cannot hold."""
     out: list[str] = []
     specs = pool_specs(cfg)
@@ -92,7 +107,7 @@ def pool_problems(cfg: HybridFlowConfig) -> list[str]:
             out.append(f"{key}.cpus_per_worker must be > 0, got {spec.cpus_per_worker}")
     if out:
         return out
-    pools = role_pools(cfg)
+    pools = role_pools(cfg, roles)
     for role, pool in pools.items():
         if pool not in specs:
             out.append(f"resource_pool.mapping.{role.value} is not set and {DEFAULT_POOL!r} is not among the pools {sorted(specs)}; "

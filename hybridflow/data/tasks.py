@@ -5,7 +5,10 @@ triples are split into RL train and val (val is held out from BOTH SFT and RL: a
 the rule, not a memorised fact). SFT demonstrations follow the wrong rule (the MINIMUM) with
 probability ``bias_prob``: the SFT model learns both rules and prefers the wrong one, so its
 greedy accuracy is near 0; GRPO with the exact-answer reward switches it to the right rule, and
-the switch carries over to the held-out triples.
+the switch carries over to the held-out triples. The same split also gives an offline preference
+task (`pref_train.parquet`, `pref_val.parquet`): for each triple, chosen = the right rule's answer
+(the maximum), rejected = the minimum, the next smallest digit, and a digit absent from the prompt, so a
+preference learner's progress is measured by the same rule scorer on the held-out triples.
 
 ``arith_add``: single-digit addition ``a+b`` (a, b in 0..9). The RL files hold the 100 pairs split
 into train / val (val is held out from RL training); the SFT file holds biased demonstrations over
@@ -100,7 +103,8 @@ def max_prompt(digits: tuple[int, ...]) -> list[dict]:
 
 
 def make_max_task(out_dir, num_digits: int = 3, val_fraction: float = 0.2, sft_copies: int = 2, bias_prob: float = 0.75, seed: int = 0) -> dict[str, pathlib.Path]:
-    """Write ``train.parquet``, ``val.parquet`` (RL) and ``sft.parquet`` for ``digit_max``."""
+    """Write ``train.parquet``, ``val.parquet`` (RL), ``sft.parquet`` and the preference pairs
+    ``pref_train.parquet`` / ``pref_val.parquet`` (the same train / held-out split) for ``digit_max``."""
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
     if not 0.0 <= bias_prob <= 1.0:
@@ -133,15 +137,28 @@ def make_max_task(out_dir, num_digits: int = 3, val_fraction: float = 0.2, sft_c
         for _ in range(sft_copies)
     ]
     rng.shuffle(sft_rows)
+
+    def pref_rows(split: str, split_combos):
+        # Rejected: the wrong rule's answer (the minimum), the next smallest digit, and a digit absent
+        # from the prompt, so a reward model learns "the largest digit shown", not "a large digit".
+        return [
+            {"data_source": MAX_DATA_SOURCE, "prompt": max_prompt(c), "chosen": str(max(c)), "rejected": str(wrong),
+             "extra_info": {"split": split, "index": i, "digits": list(c)}}
+            for i, c in enumerate(split_combos)
+            for wrong in sorted(set(c) - {max(c)})[:2] + [rng.choice(sorted(set(range(10)) - set(c)))]
+        ]
+
     return {
         "train": write_parquet(rl_rows("train", train), out / "train.parquet"),
         "val": write_parquet(rl_rows("val", val), out / "val.parquet"),
         "sft": write_parquet(sft_rows, out / "sft.parquet"),
+        "pref_train": write_parquet(pref_rows("train", train), out / "pref_train.parquet"),
+        "pref_val": write_parquet(pref_rows("val", val), out / "pref_val.parquet"),
     }
 
 
 def main_make_data(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="hybridflow make-data", description="Write a built-in task's train/val/sft parquet files")
+    p = argparse.ArgumentParser(prog="hybridflow make-data", description="Write a built-in task's train/val/sft parquet files (digit_max also writes preference pairs: pref_train/pref_val)")
     p.add_argument("out_dir")
     p.add_argument("--task", default="digit_max", choices=["digit_max", "arith_add"])
     p.add_argument("--val-fraction", type=float, default=None)

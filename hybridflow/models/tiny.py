@@ -122,14 +122,18 @@ def make_tiny_model(
     tie_word_embeddings: bool = False,
     seed: int = 0,
     head_dim: int | None = None,
+    reward: bool = False,
 ) -> pathlib.Path:
     """Build a randomly initialised fp32 causal LM + char tokenizer and save both to ``out_dir``.
+
+    reward=True builds a reward model instead: the same backbone with a one-label sequence
+    classification head (``*ForSequenceClassification``, num_labels=1), pooled at the last non-pad token.
 
     head_dim (default hidden_size // num_attention_heads) lets the hidden size be any number, e.g.
     one that does not divide by the number of workers.
     """
     import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig, LlamaConfig, Qwen2Config
 
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -161,10 +165,12 @@ def make_tiny_model(
     config.dtype = torch.float32
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.generation_config = GenerationConfig(
-        bos_token_id=pad_id, eos_token_id=eos_id, pad_token_id=pad_id
-    )
+    if reward:
+        config.num_labels = 1
+        model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.generation_config = GenerationConfig(bos_token_id=pad_id, eos_token_id=eos_id, pad_token_id=pad_id)
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out
@@ -182,6 +188,7 @@ def main_make_model(argv=None) -> int:
     p.add_argument("--max-position-embeddings", type=int, default=256)
     p.add_argument("--tie-word-embeddings", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--reward", action="store_true", help="a reward model: one-label sequence classifier on the same backbone")
     a = p.parse_args(argv)
     out = make_tiny_model(
         a.out_dir,
@@ -194,6 +201,7 @@ def main_make_model(argv=None) -> int:
         max_position_embeddings=a.max_position_embeddings,
         tie_word_embeddings=a.tie_word_embeddings,
         seed=a.seed,
+        reward=a.reward,
     )
     print(json.dumps({"model_dir": str(out)}))
     return 0

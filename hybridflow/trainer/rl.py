@@ -44,12 +44,12 @@ from hybridflow.rollout.base import SamplingParams
 from hybridflow.trainer.dataflow import DataFlow, Stage
 from hybridflow.trainer.loader import PromptLoader
 from hybridflow.trainer.metrics import compute_data_metrics
-from hybridflow.utils.tracking import Tracker
+from hybridflow.utils.tracking import CONSOLE_COLUMNS, Tracker
 
 logger = logging.getLogger("hybridflow")
 
 PROMPT_KEYS = ["input_ids", "attention_mask", "position_ids"]
-SAMPLE_INFO_KEYS = ["data_source", "reward_model", "extra_info"]
+SAMPLE_INFO_KEYS = ["data_source", "reward_model", "extra_info", "raw_prompt"]
 REWARD_KEYS = ["responses", "response_mask"] + SAMPLE_INFO_KEYS
 GEN_OUTPUTS = ["prompts", "responses", "response_mask", "input_ids", "attention_mask", "position_ids", "rollout_log_probs"]
 TRAIN_KEYS = ["input_ids", "attention_mask", "position_ids", "responses", "response_mask"]
@@ -57,6 +57,9 @@ LATEST = "latest_checkpointed_iteration.txt"
 
 
 class RLTrainer:
+    KIND = "rl"  # which checks `validate_config` runs (`trainer/dpo.py` sets "dpo")
+    CONSOLE_COLUMNS = CONSOLE_COLUMNS
+
     def __init__(self, cfg: HybridFlowConfig, parallel_config: str | ParallelConfig | None = None, **engine_kwargs):
         """parallel_config: a parallel config file (or a loaded ParallelConfig) mapped onto `cfg`;
         engine_kwargs: hybrid-engine switches (enable_resharding_opt, resharding_overlap_with_compute,
@@ -68,15 +71,15 @@ class RLTrainer:
             cfg = apply_parallel_config(cfg, pcfg)
         if engine_kwargs:
             cfg = apply_engine_kwargs(cfg, **engine_kwargs)
-        validate_config(cfg)  # before any worker (or Ray) starts
+        validate_config(cfg, self.KIND)  # before any worker (or Ray) starts
         self.cfg = cfg
         mcfg = cfg.actor_rollout_ref.model
         self.tokenizer = AutoTokenizer.from_pretrained(mcfg.tokenizer_path or mcfg.path)
         d = cfg.data
-        self.train_ds = RLDataset(d.train_files, self.tokenizer, d.max_prompt_length, d.prompt_key, d.filter_overlong_prompts, d.truncation)
         self.val_ds = RLDataset(d.val_files, self.tokenizer, d.max_prompt_length, d.prompt_key, d.filter_overlong_prompts, d.truncation) if d.val_files else None
         self.collate = lambda items: collate_rl(items, self.tokenizer.pad_token_id, d.max_prompt_length)
-        self.loader = PromptLoader(self.train_ds, d.train_batch_size, self.collate, d.shuffle, d.seed)
+        self.train_ds, train_collate = self._train_data()
+        self.loader = PromptLoader(self.train_ds, d.train_batch_size, train_collate, d.shuffle, d.seed)
         self.total_steps = cfg.trainer.total_training_steps or self.loader.batches_per_epoch * cfg.trainer.total_epochs
         self.reward_fn = RewardManager(self.tokenizer, load_custom_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name))
         a = cfg.algorithm
@@ -86,7 +89,8 @@ class RLTrainer:
         self.global_step = 0
         self.log_dir = cfg.trainer.log_dir or cfg.trainer.default_local_dir
         self.async_rollout = cfg.trainer.async_rollout
-        self.role_pool = role_pools(cfg)
+        self.role_pool = role_pools(cfg, self._roles())
+        self.use_rm = Role.REWARD_MODEL in self.role_pool
         self.groups: dict[str, ColocatedWorkerGroup] = {}
         self.pools: dict[str, ResourcePool] = {}
         self.wg = None
@@ -97,6 +101,15 @@ class RLTrainer:
         self._next_batch: Batch | None = None  # prepared while the workers reshard (overlap mode)
         self._loader_state_at_prefetch: dict | None = None
 
+    def _train_data(self):
+        """The training dataset and its collate function (RL: prompts)."""
+        d = self.cfg.data
+        return RLDataset(d.train_files, self.tokenizer, d.max_prompt_length, d.prompt_key, d.filter_overlong_prompts, d.truncation), self.collate
+
+    def _roles(self) -> list[Role] | None:
+        """The roles to place (None: `active_roles` of the config)."""
+        return None
+
     # ------------------------------------------------------------------ workers
     def init_workers(self) -> None:
         """Start Ray, check the pools against the cluster, then one worker group per pool holding
@@ -106,6 +119,7 @@ class RLTrainer:
                            "backend; vLLM repacks its weights, so with vllm the check is rollout/logprob_diff_max")
         from hybridflow.workers.actor_rollout_ref import ActorRolloutRefWorker
         from hybridflow.workers.critic import CriticWorker
+        from hybridflow.workers.reward_model import RewardModelWorker
         from hybridflow.workers.rollout import RolloutWorker
 
         t, ri = self.cfg.trainer, self.cfg.ray_init
@@ -127,6 +141,10 @@ class RLTrainer:
                 classes["rollout"] = (RolloutWorker, {"config": self.cfg})
             if Role.CRITIC in roles:
                 classes["critic"] = (CriticWorker, {"config": self.cfg, "total_training_steps": steps})
+            if Role.REWARD_MODEL in roles:
+                rm, mcfg = self.cfg.reward_model, self.cfg.actor_rollout_ref.model
+                classes["reward_model"] = (RewardModelWorker, {"model": rm.model, "fsdp": rm.fsdp_config, "micro_batch_size": rm.micro_batch_size_per_gpu,
+                                                               "device": t.device, "seed": t.seed, "policy_tokenizer": mcfg.tokenizer_path or mcfg.path})
             try:
                 self.groups[name] = ColocatedWorkerGroup(pool, classes, name=f"{t.experiment_name}_{name}_{os.getpid()}", device=device)
             except BaseException:
@@ -138,6 +156,7 @@ class RLTrainer:
         self.ref = views.get("ref", self.actor) if Role.REF in self.role_pool else None
         self.rollout = views["rollout"] if self.async_rollout else self.actor
         self.critic = views.get("critic")
+        self.rm = views.get("reward_model")
         # Pools start their models at the same time.
         pending = [v.submit("init_model") for v in views.values()]
         for p in pending:
@@ -160,8 +179,24 @@ class RLTrainer:
         return self.actor.generate_sequences(batch, self._sampling(), release_after=True)
 
     def _reward(self, batch: Batch) -> Batch:
-        scores, metrics = self.reward_fn(batch)
+        """token_level_scores [B, R]: the rule reward, or with a reward model
+        score_weight * rm_scores + rule_weight * rule (rule_weight 0: the rule is not run)."""
+        rm = self.cfg.reward_model
+        if not self.use_rm:
+            scores, metrics = self.reward_fn(batch)
+            return Batch.from_dict(tensors={"token_level_scores": scores}, meta={"metrics": metrics})
+        scores, metrics = rm.score_weight * batch["rm_scores"], {}
+        if rm.rule_weight:
+            rule, metrics = self.reward_fn(batch)
+            scores = scores + rm.rule_weight * rule
         return Batch.from_dict(tensors={"token_level_scores": scores}, meta={"metrics": metrics})
+
+    def _reward_stages(self) -> list[Stage]:
+        """The reward model (on its pool) and the driver's reward stage that combines it with the rule."""
+        return [
+            Stage("rm", self.rm.compute_rm_score if self.rm else None, ["responses", "response_mask", "raw_prompt"], ["rm_scores"], enabled=self.use_rm),
+            Stage("reward", self._reward, REWARD_KEYS + (["rm_scores"] if self.use_rm else []), ["token_level_scores"]),
+        ]
 
     def _reward_baseline(self, batch: Batch) -> Batch:
         """ReMax: the reward of the greedy response to the same prompt, one scalar per sample."""
@@ -295,7 +330,7 @@ class RLTrainer:
         return DataFlow([
             Stage("reward_baseline", self._reward_baseline, PROMPT_KEYS + SAMPLE_INFO_KEYS, ["reward_baselines"], enabled=a.adv_estimator == "remax", pool=actor_pool),
             *gen_stages,
-            Stage("reward", self._reward, REWARD_KEYS, ["token_level_scores"]),
+            *self._reward_stages(),
             old_log_prob,
             Stage("ref", ref.compute_ref_log_prob if ref else None, TRAIN_KEYS, ["ref_log_prob"], enabled=self.use_ref),
             Stage("values", critic.compute_values if critic else None, TRAIN_KEYS, ["values"], enabled=self.use_critic),
@@ -387,7 +422,8 @@ class RLTrainer:
         if self.wg is None:
             self.init_workers()
         self._maybe_resume()
-        tracker = Tracker(t.logger, self.log_dir)
+        self._before_training()
+        tracker = Tracker(t.logger, self.log_dir, columns=self.CONSOLE_COLUMNS)
         flow = self.flow = self.build_dataflow()
         flow.check(self._prepare_batch_keys())  # the whole graph, before the first step
         history: list[dict] = []
@@ -428,7 +464,7 @@ class RLTrainer:
             self.critic.save_checkpoint(path)
         prefetched = self._next_batch is not None or self._gen_pending is not None
         loader_state = self._loader_state_at_prefetch if prefetched else self.loader.state_dict()
-        state = {"global_step": self.global_step, "loader": loader_state, "kl_ctrl": self.kl_ctrl.state_dict()}
+        state = {"global_step": self.global_step, "loader": loader_state, "kl_ctrl": self.kl_ctrl.state_dict(), **self._extra_state()}
         torch.save(state, os.path.join(path, "trainer_state.pt"))
         with open(os.path.join(t.default_local_dir, LATEST), "w") as f:
             f.write(str(self.global_step))
@@ -453,9 +489,21 @@ class RLTrainer:
         self.global_step = int(state["global_step"])
         self.loader.load_state_dict(state["loader"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        self._load_extra_state(state)
         if self.async_rollout:  # the rollout pool starts from the restored policy
             self._sync_rollout()
         logger.info("resumed from %s at step %d", path, self.global_step)
+
+
+    def _before_training(self) -> None:
+        """After the workers started and a checkpoint was (maybe) restored, before step 1."""
+
+    def _extra_state(self) -> dict:
+        """What a subclass adds to trainer_state.pt (tensors and plain values only)."""
+        return {}
+
+    def _load_extra_state(self, state: dict) -> None:
+        pass
 
 
 def _human_bytes(n: float) -> str:

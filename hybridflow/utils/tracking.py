@@ -20,6 +20,17 @@ CONSOLE_COLUMNS = [
     ("resp_len", "response_length/mean", "{:>8.2f}"),
     ("step_s", "timing_s/step", "{:>6.2f}"),
 ]
+# DPO (`trainer/dpo.py`): TRL's metric names.
+DPO_CONSOLE_COLUMNS = [
+    ("step", "step", "{:>5d}"),
+    ("score", "critic/score/mean", "{:>6.3f}"),
+    ("val_acc", "val-core/*", "{:>7.3f}"),
+    ("loss", "train/loss", "{:>7.4f}"),
+    ("margins", "rewards/margins", "{:>8.4f}"),
+    ("acc", "rewards/accuracies", "{:>6.3f}"),
+    ("grad", "actor/grad_norm", "{:>6.3f}"),
+    ("step_s", "timing_s/step", "{:>6.2f}"),
+]
 
 
 def _lookup(metrics: dict, key: str):
@@ -34,8 +45,9 @@ def _width(fmt: str) -> int:
 
 
 class Tracker:
-    def __init__(self, loggers: Iterable[str], log_dir: str | None, stream=None):
+    def __init__(self, loggers: Iterable[str], log_dir: str | None, stream=None, columns: list[tuple[str, str, str]] = CONSOLE_COLUMNS):
         self.loggers = set(loggers)
+        self.columns = columns
         self.stream = stream or sys.stdout
         self.jsonl = None
         self._header_done = False
@@ -53,10 +65,10 @@ class Tracker:
 
     def _console(self, metrics: dict) -> None:
         if not self._header_done:
-            self._write(" | ".join(f"{h:>{_width(f)}}" for h, _, f in CONSOLE_COLUMNS))
+            self._write(" | ".join(f"{h:>{_width(f)}}" for h, _, f in self.columns))
             self._header_done = True
         cells = []
-        for h, k, f in CONSOLE_COLUMNS:
+        for h, k, f in self.columns:
             v = _lookup(metrics, k)
             cells.append(f.format(v) if v is not None else "-".rjust(_width(f)))
         self._write(" | ".join(cells))

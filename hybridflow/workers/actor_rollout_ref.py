@@ -8,7 +8,8 @@
   3D-HybridEngine (`hybrid_engine/`) moves only what each rank lacks of its generation slices
   into the rollout's buffers; FSDP2 shards each parameter along its generation TP dim so that a
   micro-DP all-gather suffices. The buffers are released after rollout.
-- ref: a frozen FSDP2 copy of the initial policy, for the KL term.
+- ref: a frozen FSDP2 copy of the initial policy, for the KL term (and DPO's reference).
+- DPO (`workers/preference.py`): sequence log-probs of chosen/rejected pairs and the DPO update.
 """
 
 from __future__ import annotations
@@ -30,12 +31,13 @@ from hybridflow.parallel.tensor_parallel import fsdp_shard_placement_fn, gen_sha
 from hybridflow.protocol import Batch
 from hybridflow.rollout.base import position_ids_from, response_lengths  # noqa: F401  (re-exported)
 from hybridflow.utils.checkpoint import load_sharded, save_sharded
-from hybridflow.workers.fsdp_model import load_hf_model, micro_batches, response_logits
+from hybridflow.workers.fsdp_model import load_hf_model, micro_batches, response_logits, save_hf_checkpoint
 from hybridflow.workers.optim import build_optimizer, build_scheduler, clip_and_step
+from hybridflow.workers.preference import PreferenceMixin
 from hybridflow.workers.rollout import RolloutMixin
 
 
-class ActorRolloutRefWorker(RolloutMixin, Worker):
+class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
     """role: "actor_rollout_ref" / "actor_rollout" (RL, with / without the reference), "actor_ref" /
     "actor" (the rollout on another pool; "actor" is also SFT), "ref" (the reference alone)."""
 
@@ -253,11 +255,4 @@ class ActorRolloutRefWorker(RolloutMixin, Worker):
     @register(Dispatch.RANK_ZERO)
     def save_hf_model(self, out_dir: str) -> str:
         """Gather the full weights and write an HF checkpoint (+ tokenizer) from rank 0."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        full = get_model_state_dict(self.actor, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if self.rank == 0:
-            self.actor.save_pretrained(out_dir, state_dict=full)
-            self.tokenizer.save_pretrained(out_dir)
-        dist.barrier()
-        return out_dir
+        return save_hf_checkpoint(self.actor, self.tokenizer, out_dir, self.rank)

@@ -16,12 +16,21 @@ from hybridflow.protocol import Batch
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
-def load_hf_model(cfg: ModelConfig, device: str, kind: str = "causal_lm") -> nn.Module:
-    """An HF model from a local path; kind "value" puts a 1-output token head on the backbone."""
-    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+def load_hf_model(cfg: ModelConfig, device: str, kind: str = "causal_lm", pad_token_id: int | None = None) -> nn.Module:
+    """An HF model from a local path; kind "value" puts a 1-output token head on the backbone,
+    kind "reward" is a 1-label sequence classifier (from a classifier checkpoint, or a causal LM's
+    backbone with a new score head); it pools at the last non-pad token, so it needs pad_token_id."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModelForTokenClassification
 
     dtype = DTYPES[cfg.dtype]
-    if kind == "value":
+    if kind == "reward":
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(cfg.path, num_labels=1)
+        if config.pad_token_id is None:
+            config.pad_token_id = pad_token_id
+        model = AutoModelForSequenceClassification.from_pretrained(cfg.path, config=config, dtype=dtype)
+    elif kind == "value":
         from transformers import AutoConfig
 
         # No dropout on the value head (HF's token-classification heads default to 0.1): values feed GAE.
@@ -46,3 +55,17 @@ def response_logits(model: nn.Module, mb: Batch, temperature: float = 1.0) -> to
 
 def micro_batches(batch: Batch, size: int) -> list[Batch]:
     return batch.split(max(1, size))
+
+
+def save_hf_checkpoint(model: nn.Module, tokenizer, out_dir: str, rank: int) -> str:
+    """Gather an FSDP2 model's full weights (a collective: every rank calls it) and write an HF
+    checkpoint plus the tokenizer from rank 0."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        model.save_pretrained(out_dir, state_dict=full)
+        tokenizer.save_pretrained(out_dir)
+    dist.barrier()
+    return out_dir

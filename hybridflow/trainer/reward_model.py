@@ -1,0 +1,78 @@
+"""Reward-model training (`hybridflow rm`): Bradley-Terry on preference pairs, FSDP2 workers.
+
+The driver tokenizes pairs with the RM's own tokenizer and chat template, cycles through seeded
+shuffled batches of `train_batch_size` pairs (each worker gets whole pairs) and calls `update_rm`;
+every `trainer.test_freq` steps and at the end it scores the held-out pairs (`val_files`) and
+reports their pairwise accuracy (chosen scored above rejected). The result is an HF sequence
+classifier in `save_dir`, ready for `reward_model.model.path`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from transformers import AutoTokenizer
+
+from hybridflow.config import RewardTrainConfig, validate_rm_config
+from hybridflow.controller.worker_group import RayWorkerGroup, ResourcePool, init_ray
+from hybridflow.data.preference import PreferenceDataset, collate_pairs
+from hybridflow.trainer.loader import PromptLoader
+from hybridflow.utils.tracking import Tracker
+
+
+def pair_accuracy(scores: torch.Tensor) -> float:
+    """scores [2P], chosen and rejected interleaved -> share of pairs with chosen > rejected."""
+    return float((scores[0::2] > scores[1::2]).float().mean())
+
+
+def run_rm(cfg: RewardTrainConfig, log_every: int = 25) -> dict:
+    validate_rm_config(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
+    P, R = cfg.max_prompt_length, cfg.max_response_length
+
+    def dataset(files):
+        return PreferenceDataset(files, tokenizer, P, R, cfg.prompt_key, cfg.chosen_key, cfg.rejected_key)
+
+    collate = lambda items: collate_pairs(items, tokenizer.pad_token_id, P, R)  # noqa: E731
+    train = dataset(cfg.train_files)
+    val = collate(list(dataset(cfg.val_files))) if cfg.val_files else None
+    loader = PromptLoader(train, cfg.train_batch_size, collate, shuffle=True, seed=cfg.trainer.seed)
+    t = cfg.trainer
+    init_ray(cfg.ray_init.address, cfg.ray_init.num_cpus)
+    pool = ResourcePool(t.nnodes, t.n_gpus_per_node, cfg.ray_init.cpus_per_worker, name="rm_pool")
+    from hybridflow.workers.reward_model import RewardModelWorker
+
+    wg = RayWorkerGroup(pool, RewardModelWorker, name=f"rm_{os.getpid()}", model=cfg.model, fsdp=cfg.fsdp_config,
+                        micro_batch_size=cfg.micro_batch_size_per_gpu, device=t.device, seed=t.seed, optim=cfg.optim,
+                        grad_clip=cfg.grad_clip, total_training_steps=cfg.total_steps, margin=cfg.margin)
+    tracker = Tracker([x for x in t.logger if x == "jsonl"], t.log_dir or cfg.save_dir)
+
+    def validate() -> dict[str, float]:
+        return {"val/pair_acc": pair_accuracy(wg.score_sequences(val)["scores"])} if val is not None else {}
+
+    curve = []
+    try:
+        wg.init_model()
+        first = validate()
+        if first:
+            curve.append((0, first["val/pair_acc"]))
+        losses = []
+        for step in range(1, cfg.total_steps + 1):
+            metrics = wg.update_rm(loader.next_batch())
+            losses.append(metrics["train/loss"])
+            last = step == cfg.total_steps
+            if val is not None and (last or (t.test_freq > 0 and step % t.test_freq == 0)):
+                metrics.update(validate())
+                curve.append((step, metrics["val/pair_acc"]))
+            tracker.log(metrics, step=step)
+            if "console" in t.logger and (step % log_every == 0 or last):
+                acc = f"  val pair acc {metrics['val/pair_acc']:.3f}" if "val/pair_acc" in metrics else ""
+                print(f"rm step {step:>4d}/{cfg.total_steps}  loss {metrics['train/loss']:.4f}  train acc {metrics['train/accuracy']:.3f}{acc}", flush=True)
+        wg.save_hf_model(os.path.abspath(cfg.save_dir))
+    finally:
+        tracker.close()
+        wg.shutdown()
+        pool.release()
+    return {"steps": cfg.total_steps, "first_loss": losses[0], "final_loss": losses[-1], "val_pair_acc": curve[-1][1] if curve else None,
+            "val_curve": curve, "model_dir": cfg.save_dir}
