@@ -30,6 +30,24 @@ from hybridflow.utils.tracking import DPO_CONSOLE_COLUMNS
 PAIR_KEYS = TRAIN_KEYS + ["pair_weight"]
 
 
+def best_vs_worst(samples: Batch, n: int) -> tuple[Batch, dict[str, float]]:
+    """n samples per prompt (consecutive rows sharing a uid) -> one pair per prompt: the best and
+    the worst sample by summed reward (the first of equals), pair_weight 0 when they tie (nothing
+    to prefer). Returns the pair batch (2B rows: c0, r0, c1, r1, ...) and reward metrics."""
+    seq = samples["token_level_scores"].sum(-1)
+    scores = seq.view(-1, n)  # [B, n]
+    uids = samples["uid"].reshape(-1, n)
+    if not (uids == uids[:, :1]).all():
+        raise ValueError("online DPO: the n samples of a prompt must be consecutive rows with one uid")
+    best, worst = scores.argmax(1), scores.argmin(1)
+    base = torch.arange(len(scores)) * n
+    pairs = samples.index(torch.stack([base + best, base + worst], 1).reshape(-1)).select(TRAIN_KEYS)
+    valid = (scores.gather(1, best[:, None]) > scores.gather(1, worst[:, None])).squeeze(1).float()
+    pairs["pair_weight"] = valid.repeat_interleave(2)
+    return pairs, {"critic/score/mean": float(seq.mean()), "critic/score/max": float(seq.max()), "critic/score/min": float(seq.min()),
+                   "dpo/tie_fraction": 1.0 - float(valid.mean())}
+
+
 class DPOTrainer(RLTrainer):
     KIND = "dpo"
     CONSOLE_COLUMNS = DPO_CONSOLE_COLUMNS
@@ -57,24 +75,6 @@ class DPOTrainer(RLTrainer):
         rows = torch.as_tensor([int(i) for i in batch["index"][0::2]])
         return Batch.from_dict(tensors={"ref_seq_log_prob": self.ref_cache[rows].reshape(-1)})
 
-    def _pairs(self, samples: Batch) -> tuple[Batch, dict[str, float]]:
-        """n samples per prompt (consecutive rows, one uid) -> one pair per prompt: the best and the
-        worst sample by summed reward; pair_weight 0 when they tie (no preference to learn)."""
-        n = self.cfg.actor_rollout_ref.rollout.n
-        scores = samples["token_level_scores"].sum(-1).view(-1, n)  # [B, n]
-        uids = samples["uid"].reshape(-1, n)
-        if not (uids == uids[:, :1]).all():
-            raise RuntimeError("online DPO: the samples of one prompt must be consecutive rows")
-        best, worst = scores.argmax(1), scores.argmin(1)
-        base = torch.arange(len(scores)) * n
-        rows = torch.stack([base + best, base + worst], 1).reshape(-1)  # [2B]: c0, r0, c1, r1, ...
-        pairs = samples.index(rows).select(TRAIN_KEYS)
-        valid = (scores.gather(1, best[:, None]) > scores.gather(1, worst[:, None])).float().squeeze(1)
-        pairs["pair_weight"] = valid.repeat_interleave(2)
-        seq = samples["token_level_scores"].sum(-1)
-        return pairs, {"critic/score/mean": float(seq.mean()), "critic/score/max": float(seq.max()), "critic/score/min": float(seq.min()),
-                       "dpo/tie_fraction": 1.0 - float(valid.mean())}
-
     def build_dataflow(self) -> DataFlow:
         ref = Stage("ref", self._cached_ref if self.ref_cache is not None else self.ref.compute_ref_seq_log_prob,
                     TRAIN_KEYS + (["index"] if self.ref_cache is not None else []), ["ref_seq_log_prob"])
@@ -99,7 +99,7 @@ class DPOTrainer(RLTrainer):
         metrics: dict[str, float] = {}
         if self.online:
             samples, m = self.sample_flow.run(self._prepare_batch())
-            batch, pair_metrics = self._pairs(samples)
+            batch, pair_metrics = best_vs_worst(samples, self.cfg.actor_rollout_ref.rollout.n)
             metrics.update(m, **pair_metrics)
         else:
             batch = self._prepare_batch()
