@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from hybridflow.config import (ConfigError, HybridFlowConfig, SFTConfig, load_config, save_config, to_dict,
+from hybridflow.config import (ConfigError, HybridFlowConfig, RewardTrainConfig, SFTConfig, load_config, save_config, to_dict,
                                validate_config, validate_sft_config)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -100,7 +100,8 @@ def test_round_trip(tmp_path):
 
 
 @pytest.mark.parametrize("name, schema", [("grpo_tiny.yaml", HybridFlowConfig), ("ppo_tiny.yaml", HybridFlowConfig),
-                                          ("sft_tiny.yaml", SFTConfig)])
+                                          ("sft_tiny.yaml", SFTConfig), ("dpo_tiny.yaml", HybridFlowConfig),
+                                          ("rm_tiny.yaml", RewardTrainConfig)])
 def test_shipped_configs_parse(name, schema):
     cfg = load_config(os.path.join(ROOT, "configs", name), schema=schema)
     assert isinstance(cfg, schema)
@@ -180,7 +181,8 @@ def _set(cfg, dotted, value):
      "actor_rollout_ref.rollout.tensor_model_parallel_size (3) must divide the number of actor workers (2 = "),
     ({"actor_rollout_ref.rollout.tensor_model_parallel_size": 0},
      "actor_rollout_ref.rollout.tensor_model_parallel_size must be an integer >= 1, got 0"),
-    ({"reward_model.enable": True}, "reward_model.enable: model-based rewards are not implemented yet"),
+    ({"reward_model.enable": True}, "reward_model.model.path: '' is not a directory containing config.json"),
+    ({"reward_model.enable": True, "reward_model.score_weight": 0.0}, "reward_model.score_weight and reward_model.rule_weight are both 0"),
     ({"actor_rollout_ref.model.path": "/nonexistent/m"}, "hybridflow make-model /nonexistent/m"),
     ({"data.max_prompt_length": 61}, "data.max_prompt_length + data.max_response_length (61+4) exceeds the model's max_position_embeddings (64)"),
     ({"critic.model.path": "/nonexistent/c"}, "critic.model.path: '/nonexistent/c'"),
@@ -220,7 +222,7 @@ def test_vllm_missing_message_and_all_problems_collected(world):
     world.reward_model.enable = True
     msg = _problems(world)
     assert "vLLM is not installed" in msg and "scripts/bootstrap_vllm.sh" in msg and "hybridflow[vllm]" in msg
-    assert "3 problems" in msg and "trainer.device" in msg and "reward_model.enable" in msg
+    assert "3 problems" in msg and "trainer.device" in msg and "reward_model.model.path" in msg
 
 
 def test_sft_validation(tmp_path, world):
@@ -263,7 +265,7 @@ def test_pool_mapping_parses_and_sizes_roles(world):
 
 
 @pytest.mark.parametrize("items, expected", [
-    (["resource_pool.mapping.actor=global_pool"], "resource_pool.mapping: unknown role 'actor'; roles are ['actor_rollout', 'rollout', 'ref', 'critic']"),
+    (["resource_pool.mapping.actor=global_pool"], "resource_pool.mapping: unknown role 'actor'; roles are ['actor_rollout', 'rollout', 'ref', 'critic', 'reward_model']"),
     (["resource_pool.mapping.critic=gpu"], "resource_pool.mapping.critic: unknown pool 'gpu'"),
     (["resource_pool.pools.a.workers_per_node=0", "resource_pool.mapping.actor_rollout=a"], "resource_pool.pools.a.workers_per_node must be a positive integer"),
     (["resource_pool.pools.a.resources.H100=0", "resource_pool.mapping.actor_rollout=a"], "resource_pool.pools.a.resources.H100 must be > 0"),

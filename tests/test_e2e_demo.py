@@ -61,4 +61,22 @@ def test_make_model_and_make_data_commands(tmp_path):
     assert json.loads((tmp_path / "m" / "config.json").read_text())["model_type"] == "llama"
     proc = run_cli("make-data", str(tmp_path / "d"), "--task", "digit_max")
     assert proc.returncode == 0, proc.stderr
-    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["sft.parquet", "train.parquet", "val.parquet"]
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["pref_train.parquet", "pref_val.parquet", "sft.parquet", "train.parquet", "val.parquet"]
+    proc = run_cli("make-model", str(tmp_path / "rm"), "--reward", "--hidden-size", "32", "--heads", "2", "--kv-heads", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((tmp_path / "rm" / "config.json").read_text())["architectures"] == ["Qwen2ForSequenceClassification"]
+
+
+def test_preference_commands_name_bad_keys_before_ray_starts(tmp_path):
+    lm = tmp_path / "lm"
+    assert run_cli("make-model", str(lm), "--hidden-size", "32", "--heads", "2", "--kv-heads", "1").returncode == 0
+    cases = [
+        (("train", "configs/grpo_tiny.yaml", "reward_model.enable=true", f"reward_model.model.path={lm}"),
+         f"reward_model.model.path: '{lm}' is not a sequence classifier"),
+        (("dpo", "configs/dpo_tiny.yaml", "dpo.loss_type=kto"), "dpo.loss_type must be one of ['sigmoid', 'ipo', 'hinge'], got 'kto'"),
+        (("rm", "configs/rm_tiny.yaml", f"model.path={lm}", "micro_batch_size_per_gpu=3"), "micro_batch_size_per_gpu (3) must be even"),
+    ]
+    for args, message in cases:
+        proc = run_cli(*args)
+        assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+        assert "Started a local Ray instance" not in proc.stderr + proc.stdout

@@ -204,6 +204,8 @@ def _reward_model_problems(p: _Problems, cfg: HybridFlowConfig) -> None:
     """The reward model must be a one-label sequence classifier (checked from its config.json)."""
     rm = cfg.reward_model
     p.positive("reward_model.micro_batch_size_per_gpu", rm.micro_batch_size_per_gpu)
+    if rm.score_weight == 0 and rm.rule_weight == 0:
+        p.append("reward_model.score_weight and reward_model.rule_weight are both 0: every reward would be 0; set one of them")
     if p.model("reward_model.model", rm.model) is None and not os.path.isfile(os.path.join(rm.model.path, "config.json")):
         return
     mj = _model_json(rm.model.path)
@@ -213,8 +215,6 @@ def _reward_model_problems(p: _Problems, cfg: HybridFlowConfig) -> None:
                  f"train one with `hybridflow rm` or build a tiny one with `hybridflow make-model --reward PATH`")
     elif len(mj.get("id2label") or {0: ""}) != 1:
         p.append(f"reward_model.model.path: {rm.model.path!r} has {len(mj['id2label'])} labels; a reward model has one (num_labels=1)")
-    if rm.score_weight == 0 and rm.rule_weight == 0:
-        p.append("reward_model.score_weight and reward_model.rule_weight are both 0: every reward would be 0; set one of them")
 
 
 def _dpo_problems(p: _Problems, cfg: HybridFlowConfig, n_workers: int) -> None:
