@@ -30,6 +30,8 @@ def cmd_train(args, dpo: bool = False) -> int:
     from hybridflow.trainer.rl import RLTrainer
 
     cfg = _load(HybridFlowConfig, args.config, args.overrides)
+    from hybridflow.data.dataset import DataError
+
     try:
         if dpo:
             from hybridflow.trainer.dpo import DPOTrainer
@@ -39,6 +41,8 @@ def cmd_train(args, dpo: bool = False) -> int:
             trainer = RLTrainer(cfg, parallel_config=args.parallel_config)  # validates before Ray or any worker starts
     except ConfigError as e:
         sys.exit(f"config error: {e}")
+    except DataError as e:
+        sys.exit(f"data error: {e}")
     try:
         result = trainer.fit()
     finally:
@@ -64,11 +68,15 @@ def cmd_rm(args) -> int:
     from hybridflow.config import ConfigError, RewardTrainConfig
     from hybridflow.trainer.reward_model import run_rm
 
+    from hybridflow.data.dataset import DataError
+
     cfg = _load(RewardTrainConfig, args.config, args.overrides)
     try:
         result = run_rm(cfg)
     except ConfigError as e:
         sys.exit(f"config error: {e}")
+    except DataError as e:
+        sys.exit(f"data error: {e}")
     print(json.dumps({k: result[k] for k in ("steps", "first_loss", "final_loss", "val_pair_acc", "model_dir")}))
     return 0
 

@@ -234,7 +234,7 @@ def max_task(tmp_path_factory):
 
 
 def test_max_task_files_and_split(max_task):
-    assert set(max_task) == {"train", "val", "sft"}
+    assert set(max_task) == {"train", "val", "sft", "pref_train", "pref_val"}
     assert all(p.exists() and p.suffix == ".parquet" for p in max_task.values())
     train = pd.read_parquet(max_task["train"])
     val = pd.read_parquet(max_task["val"])
@@ -298,3 +298,14 @@ def test_max_task_is_cli_default(tmp_path, max_task):
     for split in ("train", "val", "sft"):
         # arrow tables: DataFrame.equals cannot compare the nested digit arrays in extra_info
         assert pq.read_table(tmp_path / f"{split}.parquet").equals(pq.read_table(max_task[split]))
+
+
+def test_max_task_preference_pairs_prefer_the_maximum(max_task):
+    """Chosen is the right rule's answer; rejected is another digit; pairs follow the RL split."""
+    for name, rl in (("pref_train", "train"), ("pref_val", "val")):
+        pairs, prompts = pd.read_parquet(max_task[name]), pd.read_parquet(max_task[rl])
+        assert len(pairs) == 3 * len(prompts)
+        assert {tuple(_digits(p)) for p in pairs["prompt"]} == {tuple(_digits(p)) for p in prompts["prompt"]}
+        for _, r in pairs.iterrows():
+            d = _digits(r["prompt"])
+            assert r["chosen"] == str(max(d)) and r["rejected"] != r["chosen"] and r["rejected"].isdigit()

@@ -131,6 +131,16 @@ def test_bad_preference_rows_name_file_and_row(tmp_path, tok_model):
         assert f"{path} row {row_no}" in str(e.value)
 
 
+def test_margin_column_reaches_the_pair_batch(tmp_path, tok_model):
+    tok, _ = tok_model
+    rows = [{"prompt": [{"role": "user", "content": "max 1 2 3"}], "chosen": "3", "rejected": "1", "margin": m} for m in (0.5, 2)]
+    batch = collate_pairs(list(PreferenceDataset([write_parquet(rows, tmp_path / "m.parquet")], tok, 48, 8)), tok.pad_token_id, 48, 8)
+    assert batch["margin"].tolist() == [0.5, 0.5, 2.0, 2.0]
+    rows[1]["margin"] = None
+    with pytest.raises(DataError, match="row 1: column 'margin' must be a number"):
+        PreferenceDataset([write_parquet(rows, tmp_path / "bad.parquet")], tok, 48, 8)
+
+
 def test_best_vs_worst_pairs_and_ties():
     n, R = 3, 2
     scores = torch.tensor([0.0, 1.0, 0.5, 2.0, 2.0, 2.0])  # prompt 0: best row 1, worst row 0; prompt 1: a tie
@@ -168,3 +178,15 @@ def test_dpo_config_errors_name_the_key(tiny_model_dir, task_dir, tmp_path):
                 "rollout.n must be >= 2 with dpo.online=true"):
         assert key in str(e.value)
     validate_config(_cfg(tiny_model_dir, task_dir, tmp_path), "dpo")  # the RL test config is a valid offline DPO config
+    with pytest.raises(ConfigError, match="trainer.async_rollout applies to `hybridflow train`"):
+        validate_config(_cfg(tiny_model_dir, task_dir, tmp_path, "trainer.async_rollout=true"), "dpo")
+
+
+def test_remax_with_a_reward_model_is_refused(tiny_model_dir, task_dir, tmp_path):
+    from hybridflow.models.tiny import make_tiny_model
+
+    rm = make_tiny_model(tmp_path / "rm", reward=True)
+    validate_config(_cfg(tiny_model_dir, task_dir, tmp_path, "reward_model.enable=true", f"reward_model.model.path={rm}"))
+    with pytest.raises(ConfigError, match="remax scores its greedy baseline with the rule reward only"):
+        validate_config(_cfg(tiny_model_dir, task_dir, tmp_path, "reward_model.enable=true", f"reward_model.model.path={rm}",
+                             "algorithm.adv_estimator=remax"))

@@ -323,7 +323,9 @@ class RewardTrainConfig:
     """Reward-model training (``hybridflow rm``): Bradley-Terry on preference parquet.
 
     model.path: a sequence classifier, or a causal LM whose backbone starts the reward model (a new
-    1-output score head). Validation: pairwise accuracy on val_files (held-out pairs)."""
+    1-output score head). Validation: pairwise accuracy on val_files (held-out pairs). Of `trainer`,
+    the worker layout, device, seed, logger, log_dir and test_freq apply (a run is minutes: no
+    intermediate checkpoints, as with SFT)."""
 
     train_files: list[str] = field(default_factory=list)
     val_files: list[str] = field(default_factory=list)

@@ -66,6 +66,19 @@ class _Problems(list):
             self.append(f"{key}.path: cannot read {cfg_file}: {e}")
             return None
 
+    def tokenizer(self, key, m: ModelConfig):
+        """A reward model's tokenizer pads batches and renders prompts: it needs a pad token and a chat template."""
+        path = m.tokenizer_path or m.path
+        try:
+            with open(os.path.join(path, "tokenizer_config.json")) as f:
+                tc = json.load(f)
+        except (OSError, ValueError):
+            return  # not a saved HF tokenizer: loading it reports the problem
+        if not tc.get("pad_token"):
+            self.append(f"{key}.tokenizer_path: the tokenizer in {path!r} has no pad token; set one (tokenizer.pad_token = ...) and save it")
+        if not tc.get("chat_template") and not os.path.isfile(os.path.join(path, "chat_template.jinja")):
+            self.append(f"{key}.tokenizer_path: the tokenizer in {path!r} has no chat template; prompts are rendered with it")
+
     def optim(self, key, o: OptimConfig):
         self.enum(f"{key}.lr_scheduler_type", o.lr_scheduler_type, ["constant", "cosine"])
         if not o.lr > 0:
@@ -208,6 +221,7 @@ def _reward_model_problems(p: _Problems, cfg: HybridFlowConfig) -> None:
         p.append("reward_model.score_weight and reward_model.rule_weight are both 0: every reward would be 0; set one of them")
     if p.model("reward_model.model", rm.model) is None and not os.path.isfile(os.path.join(rm.model.path, "config.json")):
         return
+    p.tokenizer("reward_model.model", rm.model)
     mj = _model_json(rm.model.path)
     archs = mj.get("architectures") or []
     if not any(a.endswith("ForSequenceClassification") for a in archs):
@@ -233,12 +247,12 @@ def _dpo_problems(p: _Problems, cfg: HybridFlowConfig, n_workers: int) -> None:
         p.append(f"{R}.n must be >= 2 with dpo.online=true (best vs worst of n samples per prompt), got {cfg.actor_rollout_ref.rollout.n}")
     if cfg.trainer.async_rollout:
         p.append("trainer.async_rollout applies to `hybridflow train`; DPO samples (online) with the colocated rollout: set it to false")
-    if not (p.positive("data.train_batch_size", d.train_batch_size) and n_workers >= 1):
+    if not (isinstance(d.train_batch_size, int) and d.train_batch_size > 0 and n_workers >= 1):
         return
     if d.train_batch_size % n_workers:
         p.append(f"data.train_batch_size ({d.train_batch_size} pairs) must be divisible by the {n_workers} workers, so that "
                  f"every worker holds whole pairs; set it to a multiple of {n_workers}")
-    if p.positive(f"{A}.ppo_mini_batch_size", actor.ppo_mini_batch_size) and actor.ppo_mini_batch_size % n_workers:
+    if isinstance(actor.ppo_mini_batch_size, int) and actor.ppo_mini_batch_size > 0 and actor.ppo_mini_batch_size % n_workers:
         p.append(f"{A}.ppo_mini_batch_size ({actor.ppo_mini_batch_size} pairs per optimizer step) must be divisible by the {n_workers} workers")
     if isinstance(actor.ppo_micro_batch_size_per_gpu, int) and actor.ppo_micro_batch_size_per_gpu % 2:
         p.append(f"{A}.ppo_micro_batch_size_per_gpu ({actor.ppo_micro_batch_size_per_gpu}) must be even with DPO: "
@@ -267,8 +281,6 @@ def validate_config(cfg: HybridFlowConfig, kind: Literal["rl", "dpo"] = "rl") ->
     ok = p.positive("data.train_batch_size", d.train_batch_size) & p.positive(f"{R}.n", roll.n)
     if kind == "dpo":
         _dpo_problems(p, cfg, n_workers)
-        if cfg.dpo.online and ok and (d.train_batch_size * roll.n) % n_workers:
-            p.append(f"data.train_batch_size * {R}.n ({d.train_batch_size}*{roll.n}) must be divisible by the {n_workers} workers")
     elif ok and n_workers >= 1:
         if (d.train_batch_size * roll.n) % n_workers:
             p.append(f"data.train_batch_size * {R}.n ({d.train_batch_size}*{roll.n}) must be divisible by "
@@ -331,7 +343,7 @@ def validate_config(cfg: HybridFlowConfig, kind: Literal["rl", "dpo"] = "rl") ->
                  f"{he.resharding_buffer_percent}; e.g. 0.1 reserves 10% of the model's bytes for reusable staging buffers")
     p.enum("actor_rollout_ref.hybrid_engine.granularity", he.granularity, ["layer", "full"])
     for key, fc in [(f"{A}.fsdp_config", actor.fsdp_config), ("actor_rollout_ref.ref.fsdp_config", arr.ref.fsdp_config),
-                    ("critic.fsdp_config", critic.fsdp_config)]:
+                    ("critic.fsdp_config", critic.fsdp_config), ("reward_model.fsdp_config", cfg.reward_model.fsdp_config)]:
         p.enum(f"{key}.sharding_strategy", fc.sharding_strategy, [None, "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
         p.enum(f"{key}.mixed_precision", fc.mixed_precision, [None, "bf16", "fp16"])
     # generation TP: divides the workers and the (KV) heads; heads read from config.json when it exists
@@ -341,6 +353,9 @@ def validate_config(cfg: HybridFlowConfig, kind: Literal["rl", "dpo"] = "rl") ->
     p.extend(validate_gen_tp(roll.tensor_model_parallel_size, gen_workers if gen_workers >= 1 else 1, heads, kv_heads))
     if cfg.reward_model.enable and (kind == "rl" or cfg.dpo.online):
         _reward_model_problems(p, cfg)
+        if kind == "rl" and alg.adv_estimator == "remax":
+            p.append("algorithm.adv_estimator=remax scores its greedy baseline with the rule reward only; it does not combine "
+                     "with reward_model.enable=true (use grpo, rloo, reinforce_plus_plus or gae)")
 
     max_pos = p.model("actor_rollout_ref.model", arr.model)
     if max_pos is not None and d.max_prompt_length + d.max_response_length > max_pos:
@@ -400,6 +415,9 @@ def validate_rm_config(cfg: RewardTrainConfig) -> None:
     for key in ("max_prompt_length", "max_response_length", "total_steps"):
         p.positive(key, getattr(cfg, key))
     p.optim("optim", cfg.optim)
+    p.enum("fsdp_config.sharding_strategy", cfg.fsdp_config.sharding_strategy, [None, "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+    p.enum("fsdp_config.mixed_precision", cfg.fsdp_config.mixed_precision, [None, "bf16", "fp16"])
+    p.tokenizer("model", cfg.model)
     mj = _model_json(cfg.model.path)
     max_pos = p.model("model", cfg.model)
     archs = mj.get("architectures") or []

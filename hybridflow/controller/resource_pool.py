@@ -114,12 +114,12 @@ def pool_problems(cfg: HybridFlowConfig, roles: list[Role] | None = None) -> lis
                        f"map the {role.value} role to one of them (or define {DEFAULT_POOL})")
     if out:
         return out
-    if cfg.trainer.async_rollout:
+    if cfg.trainer.async_rollout and Role.ROLLOUT in pools:
         shared = [r.value for r, p in pools.items() if p == pools[Role.ROLLOUT] and r is not Role.ROLLOUT]
         if shared:
             out.append(f"trainer.async_rollout=true: the rollout pool {pools[Role.ROLLOUT]!r} must hold only the rollout role "
                        f"(it generates during the whole step), but {shared} are mapped to it too")
-    if cfg.trainer.async_rollout and pools[Role.ROLLOUT] == pools[Role.ACTOR_ROLLOUT]:
+    if cfg.trainer.async_rollout and Role.ROLLOUT in pools and pools[Role.ROLLOUT] == pools[Role.ACTOR_ROLLOUT]:
         out.append(f"trainer.async_rollout=true needs the rollout on a pool of its own: resource_pool.mapping.rollout "
                    f"is {pools[Role.ROLLOUT]!r}, the same pool as actor_rollout; add a pool for it and map rollout there")
     return out

@@ -8,7 +8,8 @@ A pair batch holds 2P rows, chosen and rejected interleaved ([c0, r0, c1, r1, ..
 forward scores both sides and any even split keeps pairs whole. The sequence layout is the RL
 one (`workers/fsdp_model.py`): input_ids [2P, Lp+R] = left-padded prompt + right-padded response
 (response tokens + eos), responses / response_mask [2P, R]; `pair_weight` [2P] is 1.0 for a pair
-that counts (online DPO zeroes pairs whose samples tie).
+that counts (online DPO zeroes pairs whose samples tie); `margin` [2P] is the optional per-pair
+Bradley-Terry margin column (0 when absent).
 """
 
 from __future__ import annotations
@@ -101,7 +102,10 @@ class PreferenceDataset(Dataset):
                     self.num_truncated += 1
                 sides.append(ids)
             extra = row.get("extra_info")
-            self.items.append({"prompt_ids": p_ids, "chosen_ids": sides[0], "rejected_ids": sides[1], "raw_prompt": prompt,
+            margin = row.get("margin", 0.0)
+            if margin is None or isinstance(margin, bool) or not isinstance(margin, (int, float)):
+                raise DataError(f"{file} row {row_no}: column 'margin' must be a number, got {margin!r:.40}")
+            self.items.append({"prompt_ids": p_ids, "chosen_ids": sides[0], "rejected_ids": sides[1], "raw_prompt": prompt, "margin": float(margin),
                                "chosen": chosen, "rejected": rejected, "data_source": str(row.get("data_source") or "preference"),
                                "extra_info": dict(extra) if isinstance(extra, dict) else {}, "index": len(self.items)})
         if self.num_truncated:
@@ -122,6 +126,7 @@ def collate_pairs(items: list[dict], pad_token_id: int, max_prompt_length: int, 
     responses = [ids for it in items for ids in (it["chosen_ids"], it["rejected_ids"])]
     tensors = pack_sequences(prompts, responses, int(pad_token_id), max_prompt_length, max_response_length)
     tensors["pair_weight"] = torch.ones(len(responses))
+    tensors["margin"] = torch.tensor([it["margin"] for it in items for _ in range(2)])  # reward-model training's per-pair margin
     twice = lambda key: [it[key] for it in items for _ in range(2)]  # noqa: E731
     return Batch.from_dict(tensors=tensors, non_tensors={"raw_prompt": twice("raw_prompt"), "data_source": twice("data_source"),
                                                          "extra_info": twice("extra_info"), "index": twice("index")})

@@ -131,9 +131,17 @@ class DPOTrainer(RLTrainer):
             cache[start:start + len(items)] = out["ref_seq_log_prob"].view(-1, 2)
         self.ref_cache = cache
 
+    def _cache_key(self) -> dict:
+        """What the cached log-probs depend on: the rows and sums vs means (IPO)."""
+        return {"rows": len(self.train_ds), "average": self.cfg.dpo.loss_type == "ipo"}
+
     def _extra_state(self) -> dict:
-        return {"ref_cache": self.ref_cache} if self.ref_cache is not None else {}
+        return {"ref_cache": self.ref_cache, "ref_cache_key": self._cache_key()} if self.ref_cache is not None else {}
 
     def _load_extra_state(self, state: dict) -> None:
-        if "ref_cache" in state:
-            self.ref_cache = state["ref_cache"]
+        if not self.cfg.dpo.precompute_ref_log_probs or "ref_cache" not in state:
+            return
+        if state.get("ref_cache_key") != self._cache_key():
+            raise RuntimeError(f"the checkpoint's reference cache was computed for {state.get('ref_cache_key')}, this run has "
+                               f"{self._cache_key()} (data.train_files or dpo.loss_type changed); start a new run directory")
+        self.ref_cache = state["ref_cache"]

@@ -43,16 +43,17 @@ def run_rm(cfg: RewardTrainConfig, log_every: int = 25) -> dict:
     pool = ResourcePool(t.nnodes, t.n_gpus_per_node, cfg.ray_init.cpus_per_worker, name="rm_pool")
     from hybridflow.workers.reward_model import RewardModelWorker
 
-    wg = RayWorkerGroup(pool, RewardModelWorker, name=f"rm_{os.getpid()}", model=cfg.model, fsdp=cfg.fsdp_config,
-                        micro_batch_size=cfg.micro_batch_size_per_gpu, device=t.device, seed=t.seed, optim=cfg.optim,
-                        grad_clip=cfg.grad_clip, total_training_steps=cfg.total_steps, margin=cfg.margin)
-    tracker = Tracker([x for x in t.logger if x == "jsonl"], t.log_dir or cfg.save_dir)
+    wg = tracker = None
 
     def validate() -> dict[str, float]:
         return {"val/pair_acc": pair_accuracy(wg.score_sequences(val)["scores"])} if val is not None else {}
 
     curve = []
     try:
+        wg = RayWorkerGroup(pool, RewardModelWorker, name=f"rm_{os.getpid()}", model=cfg.model, fsdp=cfg.fsdp_config,
+                            micro_batch_size=cfg.micro_batch_size_per_gpu, device=t.device, seed=t.seed, optim=cfg.optim,
+                            grad_clip=cfg.grad_clip, total_training_steps=cfg.total_steps, margin=cfg.margin)
+        tracker = Tracker([x for x in t.logger if x == "jsonl"], t.log_dir or cfg.save_dir)
         wg.init_model()
         first = validate()
         if first:
@@ -70,9 +71,11 @@ def run_rm(cfg: RewardTrainConfig, log_every: int = 25) -> dict:
                 acc = f"  val pair acc {metrics['val/pair_acc']:.3f}" if "val/pair_acc" in metrics else ""
                 print(f"rm step {step:>4d}/{cfg.total_steps}  loss {metrics['train/loss']:.4f}  train acc {metrics['train/accuracy']:.3f}{acc}", flush=True)
         wg.save_hf_model(os.path.abspath(cfg.save_dir))
-    finally:
-        tracker.close()
-        wg.shutdown()
+    finally:  # whatever failed, no worker or reserved slot outlives the run
+        if tracker is not None:
+            tracker.close()
+        if wg is not None:
+            wg.shutdown()
         pool.release()
     return {"steps": cfg.total_steps, "first_loss": losses[0], "final_loss": losses[-1], "val_pair_acc": curve[-1][1] if curve else None,
             "val_curve": curve, "model_dir": cfg.save_dir}

@@ -27,7 +27,7 @@ def load_hf_model(cfg: ModelConfig, device: str, kind: str = "causal_lm", pad_to
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(cfg.path, num_labels=1)
-        if config.pad_token_id is None:
+        if pad_token_id is not None:  # HF pools at the last token != config.pad_token_id: it must be the one batches pad with
             config.pad_token_id = pad_token_id
         model = AutoModelForSequenceClassification.from_pretrained(cfg.path, config=config, dtype=dtype)
     elif kind == "value":

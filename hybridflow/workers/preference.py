@@ -37,7 +37,7 @@ class PreferenceMixin:
         return Batch.from_dict(tensors={"ref_seq_log_prob": torch.cat(out).cpu()})
 
     @register(Dispatch.DP_COMPUTE)
-    def update_dpo(self, data: Batch, optimizer_step: bool = True, loss_scale: float = 1.0) -> dict[str, float]:
+    def update_dpo(self, data: Batch) -> dict[str, float]:
         """DPO update on this rank's pairs: input_ids/attention_mask/position_ids [2p, Lp+R],
         responses/response_mask [2p, R], ref_seq_log_prob and pair_weight [2p]. One optimizer step
         per mini-batch of actor.ppo_mini_batch_size pairs (global). The loss is the mean over the
@@ -61,7 +61,7 @@ class PreferenceMixin:
                 weight = mb["pair_weight"][0::2]
                 losses, chosen_r, rejected_r = dpo_loss(logps[0::2], logps[1::2], ref[0::2], ref[1::2], dpo.beta, dpo.loss_type, dpo.label_smoothing)
                 # FSDP2 averages gradients over ranks: x world makes the sum over ranks / global pairs.
-                ((losses * weight).sum() / w_global * self.world_size * loss_scale).backward()
+                ((losses * weight).sum() / w_global * self.world_size).backward()
                 if weight.sum() > 0:
                     keep = weight > 0
                     m = pair_metrics(losses[keep], chosen_r[keep], rejected_r[keep], logps[0::2][keep], logps[1::2][keep])
@@ -69,12 +69,10 @@ class PreferenceMixin:
                     for k, v in m.items():
                         sums[k] = sums.get(k, 0.0) + v * n
                     weight_total += n
-            if optimizer_step:
-                norms.append(clip_and_step(self.actor, self.optimizer, acfg.grad_clip))
+            norms.append(clip_and_step(self.actor, self.optimizer, acfg.grad_clip))
         metrics = {k: v / weight_total for k, v in sums.items()}
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
         if norms:
             metrics["actor/grad_norm"] = sum(norms) / len(norms)
-        if optimizer_step:
-            self.scheduler.step()
+        self.scheduler.step()
         return metrics

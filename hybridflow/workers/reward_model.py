@@ -13,8 +13,6 @@ handles left and right padding), so padding never changes a score.
 
 from __future__ import annotations
 
-import os
-
 import torch
 from transformers import AutoTokenizer
 
@@ -26,7 +24,6 @@ from hybridflow.data.dataset import chat_ids
 from hybridflow.data.preference import pack_sequences, response_ids
 from hybridflow.parallel.fsdp import apply_fsdp2, make_mesh
 from hybridflow.protocol import Batch
-from hybridflow.utils.checkpoint import load_sharded, save_sharded
 from hybridflow.workers.fsdp_model import load_hf_model, micro_batches, save_hf_checkpoint
 from hybridflow.workers.optim import build_optimizer, build_scheduler, clip_and_step
 
@@ -98,7 +95,7 @@ class RewardModelWorker(Worker):
         for mb in micro_batches(data, self.micro):
             scores = self._scores(mb)
             chosen, rejected = scores[0::2], scores[1::2]
-            margin = self.margin + (mb["margin"][0::2] if "margin" in mb else 0.0)
+            margin = self.margin + mb["margin"][0::2]
             loss = bradley_terry_loss(chosen, rejected, margin).mean()
             (loss * len(mb) / len(data)).backward()
             share = len(mb) / len(data)
@@ -110,15 +107,6 @@ class RewardModelWorker(Worker):
         sums["train/grad_norm"] = clip_and_step(self.model, self.optimizer, self.grad_clip)
         self.scheduler.step()
         return sums
-
-    # ------------------------------------------------------------------ checkpoints
-    @register(Dispatch.ONE_TO_ALL)
-    def save_checkpoint(self, path: str) -> None:
-        save_sharded(os.path.join(path, "reward_model"), self.model, self.optimizer, self.scheduler)
-
-    @register(Dispatch.ONE_TO_ALL)
-    def load_checkpoint(self, path: str) -> None:
-        load_sharded(os.path.join(path, "reward_model"), self.model, self.optimizer, self.scheduler)
 
     @register(Dispatch.RANK_ZERO)
     def save_hf_model(self, out_dir: str) -> str:
