@@ -131,3 +131,19 @@ def test_manager_raising_fn(tok, caplog):
     # unknown data_source through the default dispatcher is a config error: it propagates
     with pytest.raises(NotImplementedError, match="custom_reward_function.path"):
         RewardManager(tok)(make_batch(tok, ["1"], ["1"], data_source="mystery"))
+
+
+def test_manager_times_out_a_slow_reward_call(tok):
+    import time
+
+    def slow_on_7(data_source, solution_str, ground_truth, extra_info=None):
+        if solution_str == "7":
+            time.sleep(5)
+        return 1.0
+
+    batch = make_batch(tok, ["7", "3"], ["1", "1"])
+    start = time.perf_counter()
+    scores, metrics = RewardManager(tok, slow_on_7, timeout_s=0.2)(batch)
+    assert time.perf_counter() - start < 2
+    assert scores.sum(-1).tolist() == [0.0, 1.0]
+    assert metrics["reward/timeouts"] == 1.0 and metrics["reward/errors"] == 0.0

@@ -62,3 +62,43 @@ def test_console_table():
     assert rows[1]["ppo_kl"] == "1.00e-03" and rows[1]["pg_loss"] == "-"
     # the columns line up: every line has the same width
     assert len({len(l) for l in lines}) == 1
+
+
+def test_tensorboard_events_hold_the_step_metrics(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    t = Tracker(["tensorboard"], str(tmp_path), stream=io.StringIO())
+    t.log({"critic/score/mean": 0.5, "timing_s/reshard": 0.01}, step=1)
+    t.log({"critic/score/mean": 0.75}, step=2)
+    t.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("critic/score/mean")] == [(1, 0.5), (2, 0.75)]
+    assert [e.step for e in events.Scalars("timing_s/reshard")] == [1]
+
+
+def test_wandb_offline_run_without_network(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    t = Tracker(["wandb"], str(tmp_path), stream=io.StringIO(), project="p", run_name="r", config={"a": 1})
+    t.log({"critic/score/mean": 0.5}, step=1)
+    t.close()
+    runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1 and runs[0].stat().st_size > 0
+
+
+def test_prometheus_exporter_serves_latest_step_metrics(tmp_path):
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from hybridflow.utils.prometheus import MetricsExporter
+
+    exporter = MetricsExporter(0)
+    t = Tracker([], None, stream=io.StringIO(), prometheus=exporter)
+    t.log({"timing_s/reshard": 0.5, "reshard/bytes_per_rank": 1024.0}, step=1)
+    t.log({"timing_s/reshard": 0.25}, step=2)
+    text = urllib.request.urlopen(f"http://127.0.0.1:{exporter.port}/metrics", timeout=5).read().decode()
+    t.close()
+    values = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+    assert values == {"hybridflow_step": 2.0, "hybridflow_timing_s_reshard": 0.25, "hybridflow_reshard_bytes_per_rank": 1024.0}

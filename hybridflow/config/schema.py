@@ -181,6 +181,7 @@ class RewardModelConfig:
 class CustomRewardFunctionConfig:
     path: Optional[str] = None  # a .py file defining `name`
     name: str = "compute_score"
+    timeout_s: Optional[float] = None  # per-call limit; a call that takes longer scores 0 and counts in reward/timeouts
 
 
 @dataclass
@@ -220,6 +221,12 @@ class DPOConfig:
 
 
 @dataclass
+class PrometheusConfig:
+    port: Optional[int] = None  # serve the step metrics on host:port/metrics (0 = any free port); None = off
+    host: str = "127.0.0.1"  # loopback by default; 0.0.0.0 to let a Prometheus on another machine scrape
+
+
+@dataclass
 class TrainerConfig:
     project_name: str = "hybridflow"
     experiment_name: str = "run"
@@ -234,10 +241,18 @@ class TrainerConfig:
     resume_mode: str = "auto"  # auto (latest in default_local_dir) | disable | resume_path
     resume_from_path: Optional[str] = None  # a global_step_<k> directory, with resume_mode=resume_path
     default_local_dir: str = "checkpoints/hybridflow"
-    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])  # also tensorboard, wandb (WANDB_MODE=offline: no network)
+    prometheus: PrometheusConfig = field(default_factory=PrometheusConfig)
     log_dir: Optional[str] = None  # JSONL metrics go here; None = default_local_dir
     progress_bar: bool = True
     seed: int = 1
+    max_ckpt_to_keep: Optional[int] = None  # keep only the newest k global_step_* checkpoints; None = all
+    save_hf_model: bool = False  # at the end, also write the actor as an HF checkpoint to <default_local_dir>/hf_model
+    # Reliability: a collective (or rendezvous) that waits longer than this raises in the worker
+    # instead of hanging; a step whose gradient norm is inf/nan skips its update, and this many such
+    # steps in a row abort the run.
+    collective_timeout_s: float = 600.0
+    max_nonfinite_steps: int = 3
     # Debug switch: after every weight sync, check rollout weights == trained weights exactly.
     check_weight_sync: bool = False
     # One-step off-policy: the rollout role on its own pool generates batch k+1 while the trainer

@@ -97,7 +97,16 @@ class _Problems(list):
             else:
                 self.exists("trainer.resume_from_path", t.resume_from_path, "directory")
         for item in t.logger:
-            self.enum("trainer.logger", item, ["console", "jsonl"])
+            self.enum("trainer.logger", item, ["console", "jsonl", "tensorboard", "wandb"])
+        port = t.prometheus.port
+        if port is not None and not (isinstance(port, int) and 0 <= port <= 65535):
+            self.append(f"trainer.prometheus.port must be in [0, 65535] (0 = any free port) or null, got {port!r}")
+        if t.max_ckpt_to_keep is not None and not (isinstance(t.max_ckpt_to_keep, int) and t.max_ckpt_to_keep >= 1):
+            self.append(f"trainer.max_ckpt_to_keep must be >= 1 or null (keep all), got {t.max_ckpt_to_keep!r}")
+        if not (isinstance(t.collective_timeout_s, (int, float)) and t.collective_timeout_s > 0):
+            self.append(f"trainer.collective_timeout_s must be > 0 seconds, got {t.collective_timeout_s!r}")
+        if not (isinstance(t.max_nonfinite_steps, int) and t.max_nonfinite_steps >= 1):
+            self.append(f"trainer.max_nonfinite_steps must be a positive integer, got {t.max_nonfinite_steps!r}")
         return n_workers
 
     def raise_if_any(self, what: str):
@@ -370,6 +379,9 @@ def validate_config(cfg: HybridFlowConfig, kind: Literal["rl", "dpo"] = "rl") ->
             p.exists(key, f)
     if cfg.custom_reward_function.path:
         p.exists("custom_reward_function.path", cfg.custom_reward_function.path)
+    timeout = cfg.custom_reward_function.timeout_s
+    if timeout is not None and not timeout > 0:
+        p.append(f"custom_reward_function.timeout_s must be > 0 seconds or null (no limit), got {timeout}")
     p.raise_if_any(what)
 
 

@@ -70,8 +70,9 @@ class Worker:
         """(dp index, dp size, collect?) for a named layout; by default every rank is its own replica."""
         return self.rank, self.world_size, True
 
-    def init_process_group(self, device: str) -> None:
-        """Join the group's process group once (colocated roles share it)."""
+    def init_process_group(self, device: str, timeout_s: float = 600.0) -> None:
+        """Join the group's process group once (colocated roles share it). A collective (or the
+        rendezvous) that waits longer than `timeout_s` (trainer.collective_timeout_s) raises."""
         if dist.is_initialized():
             return
         backend = "nccl" if device == "cuda" else "gloo"
@@ -82,7 +83,7 @@ class Worker:
         if host.startswith("127."):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's pairs on loopback too
         # A collective that never completes fails loudly instead of hanging the run.
-        timeout = timedelta(seconds=int(os.environ.get("HYBRIDFLOW_PG_TIMEOUT", "600")))
+        timeout = timedelta(seconds=timeout_s)
         if self.rank == 0:
             store = dist.TCPStore(host, port, self.world_size, True, timeout, master_listen_fd=_STORE_SOCKET.fileno())
         else:

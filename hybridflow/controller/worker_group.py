@@ -178,7 +178,7 @@ class RayWorkerGroup:
         layout = self._layout(method)
         rank_args, rank_kwargs, pad = dispatch_args(mode, self.world_size, args, kwargs, layout)
         refs = [getattr(w, method).remote(*a, **k) for w, a, k in zip(self.workers, rank_args, rank_kwargs)]
-        return Pending(refs, lambda results: collect_results(mode, results, pad, layout))
+        return Pending(refs, lambda results: collect_results(mode, results, pad, layout), method, getattr(self.pool, "name", "global_pool"))
 
     def _call(self, method: str, mode: Dispatch, *args, **kwargs) -> Any:
         return self.submit(method, *args, **kwargs).result()
@@ -192,15 +192,51 @@ class RayWorkerGroup:
         self.workers = []
 
 
-class Pending:
-    """A worker-group call in flight (Ray object refs) and how to collect its results."""
+class WorkerDiedError(RuntimeError):
+    """A worker process of a group died (killed, out of memory, crashed) during a call."""
 
-    def __init__(self, refs: list, collect):
+
+class WorkerCallError(RuntimeError):
+    """A worker raised during a call (e.g. a collective that timed out: trainer.collective_timeout_s)."""
+
+
+RESUME_HINT = ("re-run the same command to resume from the latest checkpoint in trainer.default_local_dir "
+               "(trainer.resume_mode=auto; checkpoints every trainer.save_freq steps)")
+
+
+class Pending:
+    """A worker-group call in flight (Ray object refs) and how to collect its results.
+
+    `result()` collects the ranks as they finish, so a rank that dies or raises is reported at
+    once, naming role, rank and pool, while the other ranks may still wait in a collective for it."""
+
+    def __init__(self, refs: list, collect, method: str = "", pool: str = ""):
         self.refs = refs
         self.collect = collect
+        role, _, name = method.rpartition("__")  # colocated groups call "<role>__<method>"
+        self.role, self.method, self.pool = role or "worker", name, pool
 
     def result(self) -> Any:
-        return self.collect(ray.get(self.refs))
+        done: dict = {}
+        waiting = list(self.refs)
+        while waiting:
+            ready, waiting = ray.wait(waiting, num_returns=1)
+            for ref in ready:
+                done[ref] = self._get(ref)
+        return self.collect([done[r] for r in self.refs])
+
+    def _get(self, ref) -> Any:
+        rank = self.refs.index(ref)
+        where = f"the {self.role} worker rank {rank} (pool {self.pool!r}) during {self.method}"
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayActorError as e:
+            cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise WorkerDiedError(f"{where} died: {cause}; {RESUME_HINT}") from None
+        except ray.exceptions.RayTaskError as e:
+            cause = e.cause if getattr(e, "cause", None) is not None else e
+            lines = [line for line in str(cause).strip().splitlines() if line.strip()]
+            raise WorkerCallError(f"{where} raised {type(cause).__name__}: {lines[-1] if lines else ''}") from e
 
 
 class RoleView:

@@ -49,6 +49,10 @@ def load_rows(files) -> list[tuple[str, int, dict]]:
     return rows
 
 
+def _names(files) -> list[str]:
+    return [str(files)] if isinstance(files, (str, os.PathLike)) else [str(f) for f in files]
+
+
 def chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
     """``apply_chat_template(..., tokenize=True)`` as a plain list of ids (transformers v4 and v5)."""
     out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
@@ -175,8 +179,9 @@ class RLDataset(Dataset):
             )
         if not self.items:
             raise DataError(
-                f"RLDataset: no usable prompts in {sorted({f for f, _, _ in rows})}"
-                f" ({self.num_filtered} filtered as longer than data.max_prompt_length={self.max_prompt_length})"
+                f"RLDataset: no usable prompts in {_names(files)}"
+                + (" (the files hold no rows)" if not rows else
+                   f" ({self.num_filtered} filtered as longer than data.max_prompt_length={self.max_prompt_length})")
             )
 
     def __len__(self) -> int:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from hybridflow.data.dataset import DataError, _check_chat, chat_ids, load_rows, text_ids
+from hybridflow.data.dataset import DataError, _check_chat, _names, chat_ids, load_rows, text_ids
 from hybridflow.protocol import Batch
 
 logger = logging.getLogger(__name__)
@@ -111,7 +111,7 @@ class PreferenceDataset(Dataset):
         if self.num_truncated:
             logger.warning("PreferenceDataset: cut %d responses to data.max_response_length=%d", self.num_truncated, self.max_response_length)
         if not self.items:
-            raise DataError(f"PreferenceDataset: no rows in {files}")
+            raise DataError(f"PreferenceDataset: the files hold no rows: {_names(files)}")
 
     def __len__(self) -> int:
         return len(self.items)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import numbers
+import threading
 from typing import Callable
 
 import torch
@@ -25,12 +26,15 @@ class RewardManager:
     ``reward/errors``; one warning per call is logged. ``NotImplementedError`` (no scorer for a
     data_source: a configuration error) propagates. The score sits at the last valid response
     token (``response_mask.sum(-1) - 1``; index 0 for an empty response). The decoded strings of
-    the last call are kept in ``last_decoded``.
+    the last call are kept in ``last_decoded``. ``timeout_s`` (custom_reward_function.timeout_s)
+    bounds each call: one that takes longer scores 0.0 and is counted in ``reward/timeouts`` (its
+    thread is abandoned, a daemon that cannot keep the process alive).
     """
 
-    def __init__(self, tokenizer, compute_score: Callable | None = None):
+    def __init__(self, tokenizer, compute_score: Callable | None = None, timeout_s: float | None = None):
         self.tokenizer = tokenizer
         self.compute_score = compute_score or default_compute_score
+        self.timeout_s = timeout_s
         self.last_decoded: list[str] = []
         self.last_scores: list[float] = []
 
@@ -47,7 +51,7 @@ class RewardManager:
         decoded: list[str] = []
         values: list[float] = []
         extras: dict[str, list[float]] = {}
-        errors = 0
+        errors = timeouts = 0
         first_error = None
         resp_cpu, mask_cpu = responses.cpu(), mask.cpu()
         for i in range(bsz):
@@ -58,9 +62,7 @@ class RewardManager:
             extra = extra_infos[i] if extra_infos is not None else None
             try:
                 gt = rm["ground_truth"] if isinstance(rm, dict) else rm
-                out = self.compute_score(
-                    data_source=data_sources[i], solution_str=text, ground_truth=gt, extra_info=extra
-                )
+                out = _call(self.compute_score, self.timeout_s, data_source=data_sources[i], solution_str=text, ground_truth=gt, extra_info=extra)
                 if isinstance(out, dict):
                     if "score" not in out:
                         raise ValueError(f"reward function returned a dict without 'score': {out!r:.200}")
@@ -76,6 +78,9 @@ class RewardManager:
             except NotImplementedError:
                 # no scorer for this data_source: a configuration error, not a bad sample
                 raise
+            except RewardTimeout:
+                timeouts += 1
+                value = 0.0
             except Exception as e:  # noqa: BLE001 - a bad sample must not stop the batch
                 errors += 1
                 if first_error is None:
@@ -93,10 +98,39 @@ class RewardManager:
             )
         self.last_decoded = decoded
         self.last_scores = values
-        metrics: dict[str, float] = {"reward/errors": float(errors)}
+        if timeouts:
+            logger.warning("reward function took longer than custom_reward_function.timeout_s=%s for %d of %d samples (scored 0.0)",
+                           self.timeout_s, timeouts, bsz)
+        metrics: dict[str, float] = {"reward/errors": float(errors), "reward/timeouts": float(timeouts)}
         if values:
             t = torch.tensor(values)
             metrics.update({"reward/mean": t.mean().item(), "reward/max": t.max().item(), "reward/min": t.min().item()})
         for k, v in extras.items():
             metrics[f"reward/{k}/mean"] = sum(v) / len(v)
         return scores.to(responses.device), metrics
+
+
+class RewardTimeout(Exception):
+    """A reward call exceeded custom_reward_function.timeout_s."""
+
+
+def _call(fn: Callable, timeout_s: float | None, **kwargs):
+    """fn(**kwargs), or RewardTimeout when it runs longer than timeout_s (None: no limit)."""
+    if timeout_s is None:
+        return fn(**kwargs)
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["out"] = fn(**kwargs)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            box["err"] = e
+
+    thread = threading.Thread(target=run, daemon=True, name="reward-call")
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise RewardTimeout(f"no result within {timeout_s} s")
+    if "err" in box:
+        raise box["err"]
+    return box["out"]

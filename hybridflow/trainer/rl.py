@@ -32,7 +32,7 @@ from transformers import AutoTokenizer
 
 from hybridflow import profiler
 from hybridflow.algorithms import get_adv_estimator, make_kl_controller, apply_kl_penalty, masked_mean
-from hybridflow.config import HybridFlowConfig, save_config, validate_config
+from hybridflow.config import ConfigError, HybridFlowConfig, save_config, to_dict, validate_config
 from hybridflow.controller.resource_pool import Role, pool_specs, role_pools
 from hybridflow.controller.worker import pick_device
 from hybridflow.controller.worker_group import ColocatedWorkerGroup, ResourcePool, init_ray, place_pools
@@ -54,6 +54,10 @@ REWARD_KEYS = ["responses", "response_mask"] + SAMPLE_INFO_KEYS
 GEN_OUTPUTS = ["prompts", "responses", "response_mask", "input_ids", "attention_mask", "position_ids", "rollout_log_probs"]
 TRAIN_KEYS = ["input_ids", "attention_mask", "position_ids", "responses", "response_mask"]
 LATEST = "latest_checkpointed_iteration.txt"
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive steps with a nan/inf loss (trainer.max_nonfinite_steps)."""
 
 
 class RLTrainer:
@@ -81,7 +85,9 @@ class RLTrainer:
         self.train_ds, train_collate = self._train_data()
         self.loader = PromptLoader(self.train_ds, d.train_batch_size, train_collate, d.shuffle, d.seed)
         self.total_steps = cfg.trainer.total_training_steps or self.loader.batches_per_epoch * cfg.trainer.total_epochs
-        self.reward_fn = RewardManager(self.tokenizer, load_custom_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name))
+        crf = cfg.custom_reward_function
+        self.reward_fn = RewardManager(self.tokenizer, load_custom_reward_fn(crf.path, crf.name), timeout_s=crf.timeout_s)
+        self._check_scorers()
         a = cfg.algorithm
         self.use_critic = a.adv_estimator == "gae"
         self.use_ref = cfg.actor_rollout_ref.actor.use_kl_loss or a.use_kl_in_reward
@@ -105,6 +111,19 @@ class RLTrainer:
         """The training dataset and its collate function (RL: prompts)."""
         d = self.cfg.data
         return RLDataset(d.train_files, self.tokenizer, d.max_prompt_length, d.prompt_key, d.filter_overlong_prompts, d.truncation), self.collate
+
+    def _check_scorers(self) -> None:
+        """Every data_source the rule reward will see has a scorer: checked on the data before any
+        worker starts (a built-in scorer raises NotImplementedError for an unknown one)."""
+        if self.cfg.custom_reward_function.path:
+            return
+        datasets = [ds for ds in (self.train_ds, self.val_ds) if isinstance(ds, RLDataset)]
+        sources = {item["data_source"]: item["reward_model"]["ground_truth"] for ds in datasets for item in ds.items}
+        for source, truth in sources.items():
+            try:
+                self.reward_fn.compute_score(data_source=source, solution_str="", ground_truth=truth, extra_info=None)
+            except NotImplementedError as e:
+                raise ConfigError(f"data: {e}") from None
 
     def _roles(self) -> list[Role] | None:
         """The roles to place (None: `active_roles` of the config)."""
@@ -144,7 +163,8 @@ class RLTrainer:
             if Role.REWARD_MODEL in roles:
                 rm, mcfg = self.cfg.reward_model, self.cfg.actor_rollout_ref.model
                 classes["reward_model"] = (RewardModelWorker, {"model": rm.model, "fsdp": rm.fsdp_config, "micro_batch_size": rm.micro_batch_size_per_gpu,
-                                                               "device": t.device, "seed": t.seed, "policy_tokenizer": mcfg.tokenizer_path or mcfg.path})
+                                                               "device": t.device, "seed": t.seed, "policy_tokenizer": mcfg.tokenizer_path or mcfg.path,
+                                                               "collective_timeout_s": t.collective_timeout_s})
             try:
                 self.groups[name] = ColocatedWorkerGroup(pool, classes, name=f"{t.experiment_name}_{name}_{os.getpid()}", device=device)
             except BaseException:
@@ -423,7 +443,7 @@ class RLTrainer:
             self.init_workers()
         self._maybe_resume()
         self._before_training()
-        tracker = Tracker(t.logger, self.log_dir, columns=self.CONSOLE_COLUMNS)
+        tracker = self._tracker()
         flow = self.flow = self.build_dataflow()
         flow.check(self._prepare_batch_keys())  # the whole graph, before the first step
         history: list[dict] = []
@@ -436,24 +456,49 @@ class RLTrainer:
         if self.train_ds.num_filtered:
             logger.info("filtered %d over-long prompts (data.max_prompt_length=%d)", self.train_ds.num_filtered, self.cfg.data.max_prompt_length)
         progress = _progress(t.progress_bar, self.total_steps, self.global_step)
-        while self.global_step < self.total_steps:
-            self.global_step += 1
-            metrics = self.train_step(flow)
-            metrics["data/num_filtered_prompts"] = float(self.train_ds.num_filtered)
-            last = self.global_step == self.total_steps
-            if t.test_freq > 0 and (self.global_step % t.test_freq == 0 or last):
-                val_metrics = self.validate()
-                metrics.update(val_metrics)
-            if t.save_freq > 0 and (self.global_step % t.save_freq == 0 or last):
-                self.save_checkpoint()
-            tracker.log(metrics, step=self.global_step)
-            history.append({"step": self.global_step, **metrics})
+        nonfinite = 0  # consecutive steps whose update was skipped
+        try:
+            while self.global_step < self.total_steps:
+                self.global_step += 1
+                metrics = self.train_step(flow)
+                metrics["data/num_filtered_prompts"] = float(self.train_ds.num_filtered)
+                nonfinite = self._check_finite(metrics, nonfinite)
+                last = self.global_step == self.total_steps
+                if t.test_freq > 0 and (self.global_step % t.test_freq == 0 or last):
+                    val_metrics = self.validate()
+                    metrics.update(val_metrics)
+                if t.save_freq > 0 and (self.global_step % t.save_freq == 0 or last):
+                    self.save_checkpoint()
+                tracker.log(metrics, step=self.global_step)
+                history.append({"step": self.global_step, **metrics})
+                if progress:
+                    progress.update(1)
+            if t.save_hf_model:
+                out = self.actor.save_hf_model(os.path.abspath(os.path.join(t.default_local_dir, "hf_model")))
+                logger.info("wrote the trained actor as an HF checkpoint to %s", out)
+        finally:
             if progress:
-                progress.update(1)
-        if progress:
-            progress.close()
-        tracker.close()
+                progress.close()
+            tracker.close()
         return {"steps": self.global_step, "final_val": val_metrics, "history": history}
+
+    def _check_finite(self, metrics: dict[str, float], nonfinite: int) -> int:
+        """A non-finite gradient norm means that update was skipped (`clip_and_step`); abort after
+        trainer.max_nonfinite_steps such steps in a row. Returns the new count."""
+        bad = [k for k in ("actor/grad_norm", "critic/grad_norm") if k in metrics and not np.isfinite(metrics[k])]
+        if not bad:
+            return 0
+        nonfinite += 1
+        limit = self.cfg.trainer.max_nonfinite_steps
+        logger.warning("step %d: non-finite %s (a nan/inf loss): the update was skipped (%d in a row, abort at %d)",
+                       self.global_step, ", ".join(bad), nonfinite, limit)
+        metrics["train/skipped_updates"] = 1.0
+        if nonfinite >= limit:
+            raise NonFiniteError(f"{nonfinite} consecutive steps (up to step {self.global_step}) had a nan/inf loss, so their updates were "
+                                 f"skipped; aborting (trainer.max_nonfinite_steps={limit}). Check the reward function and lower the "
+                                 f"learning rate; the last checkpoint in {self.cfg.trainer.default_local_dir} is unaffected and resumes "
+                                 f"with the same command")
+        return nonfinite
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> str:
@@ -494,6 +539,17 @@ class RLTrainer:
             self._sync_rollout()
         logger.info("resumed from %s at step %d", path, self.global_step)
 
+
+    def _tracker(self) -> Tracker:
+        t = self.cfg.trainer
+        exporter = None
+        if t.prometheus.port is not None:
+            from hybridflow.utils.prometheus import MetricsExporter
+
+            exporter = self.metrics_exporter = MetricsExporter(t.prometheus.port, t.prometheus.host)
+            logger.info("Prometheus metrics on http://%s:%d/metrics", t.prometheus.host, exporter.port)
+        return Tracker(t.logger, self.log_dir, columns=self.CONSOLE_COLUMNS, project=t.project_name, run_name=t.experiment_name,
+                       config=to_dict(self.cfg), prometheus=exporter)
 
     def _before_training(self) -> None:
         """After the workers started and a checkpoint was (maybe) restored, before step 1."""

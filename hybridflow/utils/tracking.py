@@ -1,4 +1,12 @@
-"""Metric logging: a compact console line per step and a JSONL file (one object per step)."""
+"""Metric logging, one `Tracker.log(metrics, step)` per step to every configured backend:
+
+- console: a compact table row per step;
+- jsonl: `<log_dir>/metrics.jsonl`, one object per step (what `hybridflow plot` reads);
+- tensorboard: event files in `<log_dir>/tensorboard` (torch's SummaryWriter);
+- wandb: a run in `<log_dir>` (WANDB_MODE=offline works with no network; `wandb sync` later);
+- prometheus (`trainer.prometheus.port`): the latest value of every metric served as a gauge
+  `hybridflow_<metric>` (non-alphanumerics -> `_`) on host:port/metrics (`utils/prometheus.py`).
+"""
 
 from __future__ import annotations
 
@@ -44,22 +52,46 @@ def _width(fmt: str) -> int:
     return len(fmt.format(0 if "d" in fmt else 0.0))
 
 
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
+
+
 class Tracker:
-    def __init__(self, loggers: Iterable[str], log_dir: str | None, stream=None, columns: list[tuple[str, str, str]] = CONSOLE_COLUMNS):
+    def __init__(self, loggers: Iterable[str], log_dir: str | None, stream=None, columns: list[tuple[str, str, str]] = CONSOLE_COLUMNS,
+                 project: str = "hybridflow", run_name: str = "run", config: dict | None = None, prometheus=None):
+        """prometheus: a `utils.prometheus.MetricsExporter` (or None)."""
         self.loggers = set(loggers)
         self.columns = columns
         self.stream = stream or sys.stdout
-        self.jsonl = None
+        self.jsonl = self.tb = self.wandb_run = None
+        self.prometheus = prometheus
         self._header_done = False
-        if "jsonl" in self.loggers and log_dir:
+        if log_dir and self.loggers & {"jsonl", "tensorboard", "wandb"}:
             os.makedirs(log_dir, exist_ok=True)
+        if "jsonl" in self.loggers and log_dir:
             self.jsonl_path = os.path.join(log_dir, "metrics.jsonl")
             self.jsonl = open(self.jsonl_path, "a", encoding="utf-8")
+        if "tensorboard" in self.loggers:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(os.path.join(log_dir or ".", "tensorboard"))
+        if "wandb" in self.loggers:
+            import wandb
+
+            self.wandb_run = wandb.init(project=project, name=run_name, dir=log_dir, config=config or {}, reinit="finish_previous")
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         if self.jsonl is not None:
             self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
             self.jsonl.flush()
+        numeric = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if self.tb is not None:
+            for k, v in numeric.items():
+                self.tb.add_scalar(k, v, step)
+            self.tb.flush()
+        if self.wandb_run is not None:
+            self.wandb_run.log(numeric, step=step)
+        if self.prometheus is not None:
+            self.prometheus.update(numeric, step)
         if "console" in self.loggers:
             self._console(dict(metrics, step=step))
 
@@ -83,3 +115,9 @@ class Tracker:
     def close(self) -> None:
         if self.jsonl is not None:
             self.jsonl.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+        if self.prometheus is not None:
+            self.prometheus.close()

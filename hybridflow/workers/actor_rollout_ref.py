@@ -53,7 +53,7 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
-        self.init_process_group(self.device)
+        self.init_process_group(self.device, self.cfg.trainer.collective_timeout_s)
         torch.manual_seed(self.cfg.trainer.seed)
         mcfg = self.cfg.actor_rollout_ref.model
         self.tokenizer = AutoTokenizer.from_pretrained(mcfg.tokenizer_path or mcfg.path)

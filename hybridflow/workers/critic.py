@@ -30,7 +30,7 @@ class CriticWorker(Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
-        self.init_process_group(self.device)
+        self.init_process_group(self.device, self.cfg.trainer.collective_timeout_s)
         ccfg = self.cfg.critic
         mcfg = ccfg.model if ccfg.model.path else self.cfg.actor_rollout_ref.model
         torch.manual_seed(self.cfg.trainer.seed)

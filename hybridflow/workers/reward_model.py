@@ -31,17 +31,18 @@ from hybridflow.workers.optim import build_optimizer, build_scheduler, clip_and_
 class RewardModelWorker(Worker):
     def __init__(self, model: ModelConfig, fsdp: FSDPConfig, micro_batch_size: int, device: str = "auto", seed: int = 1,
                  policy_tokenizer: str | None = None, optim: OptimConfig | None = None, grad_clip: float = 1.0,
-                 total_training_steps: int = 1, margin: float = 0.0):
+                 total_training_steps: int = 1, margin: float = 0.0, collective_timeout_s: float = 600.0):
         """policy_tokenizer: the policy's tokenizer path (RL scoring decodes with it); optim: set to train."""
         super().__init__()
         self.model_cfg, self.fsdp_cfg, self.micro = model, fsdp, micro_batch_size
         self.device = pick_device(device)
         self.seed, self.policy_tokenizer_path = seed, policy_tokenizer
         self.optim_cfg, self.grad_clip, self.total_training_steps, self.margin = optim, grad_clip, total_training_steps, margin
+        self.collective_timeout_s = collective_timeout_s
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
-        self.init_process_group(self.device)
+        self.init_process_group(self.device, self.collective_timeout_s)
         torch.manual_seed(self.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_cfg.tokenizer_path or self.model_cfg.path)
         self.policy_tokenizer = AutoTokenizer.from_pretrained(self.policy_tokenizer_path) if self.policy_tokenizer_path else self.tokenizer

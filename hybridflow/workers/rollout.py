@@ -68,7 +68,7 @@ class RolloutWorker(RolloutMixin, Worker):
     def init_model(self) -> None:
         from hybridflow.rollout.hf_rollout import HFRollout
 
-        self.init_process_group(self.device)
+        self.init_process_group(self.device, self.cfg.trainer.collective_timeout_s)
         mcfg = self.cfg.actor_rollout_ref.model
         self.tokenizer = AutoTokenizer.from_pretrained(mcfg.tokenizer_path or mcfg.path)
         self._set_gen_layout(self.cfg.actor_rollout_ref.rollout.tensor_model_parallel_size)
