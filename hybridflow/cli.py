@@ -1,10 +1,12 @@
-"""`hybridflow` command line: train | sft | dpo | rm | demo | make-model | make-data.
+"""`hybridflow` command line: train | sft | dpo | rm | demo | make-model | make-data | plot | export.
 
     hybridflow train configs/grpo_tiny.yaml actor_rollout_ref.rollout.n=8 trainer.total_training_steps=20
     hybridflow sft configs/sft_tiny.yaml total_steps=100
     hybridflow dpo configs/dpo_tiny.yaml dpo.beta=0.1        (dpo.online=true: online DPO)
     hybridflow rm configs/rm_tiny.yaml total_steps=100
     hybridflow demo --output-dir runs/demo [--recipe grpo|dpo|rm-grpo|online-dpo]
+    hybridflow plot runs/demo/grpo/metrics.jsonl -o curves.png
+    hybridflow export runs/demo/grpo/global_step_60 runs/policy_hf
 """
 
 from __future__ import annotations
@@ -103,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rl-steps", type=int, default=None)
     p.add_argument("overrides", nargs="*", help="dotlist overrides for the GRPO config")
     p.set_defaults(fn=lambda a: __import__("hybridflow.demo", fromlist=["main"]).main(a))
-    for name, target in (("make-model", "hybridflow.models.tiny:main_make_model"), ("make-data", "hybridflow.data.tasks:main_make_data")):
+    for name, target in (("make-model", "hybridflow.models.tiny:main_make_model"), ("make-data", "hybridflow.data.tasks:main_make_data"),
+                         ("plot", "hybridflow.utils.plot:main_plot"), ("export", "hybridflow.utils.export:main_export")):
         p = sub.add_parser(name, help=f"{name.replace('-', ' ')} (offline), see `hybridflow {name} -h`", add_help=False)
         p.add_argument("rest", nargs=argparse.REMAINDER)
         p.set_defaults(fn=lambda a, target=target: _forward(target, a.rest))

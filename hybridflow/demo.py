@@ -168,9 +168,12 @@ def main(args) -> int:
     }
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
+    from hybridflow.utils.plot import plot_metrics
+
+    plot_metrics(history, os.path.join(out, "curves.png"), title=f"demo: {recipe}")
     print("\n[demo] summary")
     for k in ("recipe", "val_acc_after_sft", "val_acc_final", "steps", "wall_seconds", "train_score_first", "train_score_last", *run):
         v = summary[k]
         print(f"  {k:<20} {v:.3f}" if isinstance(v, float) else f"  {k:<20} {v}")
-    print(f"  written to {out}/summary.json")
+    print(f"  written to {out}/summary.json (curves: {out}/curves.png)")
     return 0

@@ -22,6 +22,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
+import shutil
 import sys
 import time
 from collections import defaultdict
@@ -502,17 +504,32 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> str:
+        """Atomically: every part is written into `global_step_<k>.tmp`, which is renamed once
+        complete; only then does the latest-step file (itself replaced atomically) point at it. A
+        crash at any moment leaves the previous checkpoint as the latest. Old ones beyond
+        trainer.max_ckpt_to_keep are deleted afterwards."""
         t = self.cfg.trainer
-        path = os.path.abspath(os.path.join(t.default_local_dir, f"global_step_{self.global_step}"))
-        self.actor.save_checkpoint(path)
+        root = os.path.abspath(t.default_local_dir)
+        path = os.path.join(root, f"global_step_{self.global_step}")
+        tmp = path + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)  # a partial one from a crash
+        self.actor.save_checkpoint(tmp)
         if self.critic:
-            self.critic.save_checkpoint(path)
+            self.critic.save_checkpoint(tmp)
         prefetched = self._next_batch is not None or self._gen_pending is not None
         loader_state = self._loader_state_at_prefetch if prefetched else self.loader.state_dict()
         state = {"global_step": self.global_step, "loader": loader_state, "kl_ctrl": self.kl_ctrl.state_dict(), **self._extra_state()}
-        torch.save(state, os.path.join(path, "trainer_state.pt"))
-        with open(os.path.join(t.default_local_dir, LATEST), "w") as f:
+        torch.save(state, os.path.join(tmp, "trainer_state.pt"))
+        shutil.rmtree(path, ignore_errors=True)  # the same step saved before (a re-run)
+        os.replace(tmp, path)
+        with open(os.path.join(root, LATEST + ".tmp"), "w") as f:
             f.write(str(self.global_step))
+        os.replace(os.path.join(root, LATEST + ".tmp"), os.path.join(root, LATEST))
+        if t.max_ckpt_to_keep:
+            steps = sorted(int(d.split("_")[-1]) for d in os.listdir(root) if re.fullmatch(r"global_step_\d+", d))
+            for old in steps[: -t.max_ckpt_to_keep]:
+                if old != self.global_step:
+                    shutil.rmtree(os.path.join(root, f"global_step_{old}"), ignore_errors=True)
         return path
 
     def _maybe_resume(self) -> None:

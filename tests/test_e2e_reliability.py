@@ -1,0 +1,252 @@
+"""Reliability and observability end to end: kill -9 and resume bit for bit, a dead worker and a
+stuck collective reported by rank, nan updates aborted, Prometheus scraped during a run, the
+TensorBoard events, the HF export."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import ray
+import torch
+import torch.distributed as dist
+
+from conftest import rl_overrides
+from hybridflow.config import HybridFlowConfig, load_config
+from hybridflow.controller.decorator import Dispatch, register
+from hybridflow.controller.worker import Worker
+from hybridflow.controller.worker_group import RayWorkerGroup, ResourcePool, WorkerCallError, WorkerDiedError
+from hybridflow.trainer.rl import PROMPT_KEYS, NonFiniteError, RLTrainer
+
+pytestmark = pytest.mark.usefixtures("ray_cluster")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ------------------------------------------------------------------ kill -9 and resume
+DRIVER = """
+import sys
+from hybridflow.config import HybridFlowConfig, load_config
+from hybridflow.trainer.rl import RLTrainer
+trainer = RLTrainer(load_config(None, sys.argv[1:], schema=HybridFlowConfig))
+try:
+    trainer.fit()
+finally:
+    trainer.shutdown()
+"""
+
+
+def _driver(tmp_path, overrides: list[str]) -> list[str]:
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER)
+    return [sys.executable, str(script), *overrides, f"ray_init.address={ray.get_runtime_context().gcs_address}"]
+
+
+def _checkpoint(step_dir) -> dict:
+    """Every role's DCP checkpoint (model + optimizer state) as plain tensors, for == comparison."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = {}
+    for role in sorted(os.listdir(step_dir)):
+        if os.path.isdir(step_dir / role):
+            dcp_to_torch_save(str(step_dir / role), str(step_dir / f"{role}.pt"))
+            out[role] = torch.load(step_dir / f"{role}.pt", weights_only=False)
+    return out
+
+
+def _assert_same(a, b, where="") -> None:
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            _assert_same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def _step_metrics(run_dir) -> dict[int, dict]:
+    """The last logged metrics of each step, without wall-clock measurements."""
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        out[row["step"]] = {k: v for k, v in row.items() if not k.startswith(("timing_s/", "perf/", "reshard/"))}
+    return out
+
+
+@pytest.mark.parametrize("name, extra", [
+    ("grpo_overlap_tp2_adaptive_kl", ["actor_rollout_ref.hybrid_engine.resharding_overlap_with_compute=true",
+                                      "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "algorithm.use_kl_in_reward=true",
+                                      "algorithm.kl_ctrl.type=adaptive"]),
+    ("ppo_critic", ["algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=4"]),
+])
+def test_sigkill_mid_run_then_resume_equals_the_uninterrupted_run(name, extra, tiny_model_dir, task_dir, varied_reward, tmp_path):
+    """A driver killed with SIGKILL after a checkpoint, restarted with the same command, ends with
+    the same weights and optimizer state (bit for bit) and logs the same metrics as a run never
+    interrupted."""
+    def command(run_dir):
+        return _driver(tmp_path, rl_overrides(tiny_model_dir, task_dir, run_dir, f"custom_reward_function.path={varied_reward}",
+                                              "trainer.total_training_steps=6", "trainer.save_freq=2", "trainer.max_ckpt_to_keep=2", *extra))
+
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    subprocess.run(command(straight), check=True, timeout=300, capture_output=True)
+    proc = subprocess.Popen(command(killed), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    latest = killed / "latest_checkpointed_iteration.txt"
+    deadline = time.time() + 240
+    while not (latest.exists() and latest.read_text() == "2") and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert int(latest.read_text()) < 6, "the driver finished before it was killed"
+    subprocess.run(command(killed), check=True, timeout=300, capture_output=True)  # the same command resumes
+
+    assert sorted(d.name for d in killed.iterdir() if d.name.startswith("global_step_")) == ["global_step_4", "global_step_6"]
+    _assert_same(_checkpoint(straight / "global_step_6"), _checkpoint(killed / "global_step_6"), name)
+    a, b = _step_metrics(straight), _step_metrics(killed)
+    assert sorted(b) == [1, 2, 3, 4, 5, 6]
+    for step in (3, 4, 5, 6):
+        assert a[step] == b[step], (name, step)
+
+
+# ------------------------------------------------------------------ faults
+class FaultyWorker(Worker):
+    @register(Dispatch.ONE_TO_ALL)
+    def init_model(self, timeout_s: float) -> None:
+        self.init_process_group("cpu", timeout_s)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def nap(self, seconds: float) -> int:
+        time.sleep(seconds)
+        return self.rank
+
+    @register(Dispatch.ONE_TO_ALL)
+    def lonely_all_reduce(self) -> int:
+        if self.rank == 0:  # rank 1 never joins: a stuck collective
+            dist.all_reduce(torch.ones(1))
+        return self.rank
+
+
+def _group(name):
+    pool = ResourcePool(1, 2, 0.5, name=f"faults_{name}")
+    return pool, RayWorkerGroup(pool, FaultyWorker, name=f"faulty_{name}_{os.getpid()}")
+
+
+def test_a_worker_killed_mid_call_is_reported_by_rank_within_60s():
+    pool, wg = _group("death")
+    try:
+        wg.init_model(60.0)
+        pids = wg.pids()
+        pending = wg.submit("nap", 120)
+        time.sleep(1)
+        os.kill(pids[1], signal.SIGKILL)
+        start = time.time()
+        with pytest.raises(WorkerDiedError, match=r"the worker worker rank 1 \(pool 'faults_death'\) died|rank 1 .* died") as e:
+            pending.result()
+        assert time.time() - start < 60
+        assert "nap" in str(e.value) and "resume" in str(e.value)
+    finally:
+        wg.shutdown()
+        pool.release()
+
+
+def test_a_stuck_collective_times_out_with_the_rank():
+    pool, wg = _group("stuck")
+    try:
+        wg.init_model(3.0)  # trainer.collective_timeout_s
+        start = time.time()
+        with pytest.raises(WorkerCallError, match=r"rank 0 .* during lonely_all_reduce raised"):
+            wg.lonely_all_reduce()
+        assert time.time() - start < 60
+    finally:
+        wg.shutdown()
+        pool.release()
+
+
+def test_nan_losses_skip_updates_then_abort(tiny_model_dir, task_dir, tmp_path):
+    reward = tmp_path / "nan_reward.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return float('nan')\n")
+    cfg = load_config(None, rl_overrides(tiny_model_dir, task_dir, tmp_path / "run", f"custom_reward_function.path={reward}",
+                                         "trainer.max_nonfinite_steps=2", "trainer.total_training_steps=5"), schema=HybridFlowConfig)
+    trainer = RLTrainer(cfg)
+    try:
+        with pytest.raises(NonFiniteError, match=r"2 consecutive steps \(up to step 2\) had a nan/inf loss"):
+            trainer.fit()
+        assert trainer.global_step == 2
+    finally:
+        trainer.shutdown()
+
+
+# ------------------------------------------------------------------ observability and export
+def test_prometheus_during_a_run_tensorboard_and_hf_export(tiny_model_dir, task_dir, varied_reward, tmp_path):
+    import socket
+    import threading
+
+    from prometheus_client.parser import text_string_to_metric_families
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from transformers import AutoModelForCausalLM
+
+    from hybridflow.utils.export import export_checkpoint
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = tmp_path / "run"
+    cfg = load_config(None, rl_overrides(tiny_model_dir, task_dir, run, f"custom_reward_function.path={varied_reward}",
+                                         "trainer.total_training_steps=4", "trainer.test_freq=2",
+                                         "trainer.save_freq=4", "trainer.save_hf_model=true", "trainer.logger=[jsonl,tensorboard]",
+                                         f"trainer.prometheus.port={port}",
+                                         "actor_rollout_ref.hybrid_engine.resharding_overlap_with_compute=true"), schema=HybridFlowConfig)
+    trainer = RLTrainer(cfg)
+    scraped: dict[str, float] = {}
+    try:
+        result = {}
+        thread = threading.Thread(target=lambda: result.update(trainer.fit()))
+        thread.start()
+        while thread.is_alive():  # scrape while the run goes on
+            try:
+                text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+                scraped.update({s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples})
+            except OSError:
+                pass  # not serving yet (or already closed)
+            time.sleep(0.05)
+        thread.join()
+        assert result["steps"] == 4
+        batch = trainer.collate([trainer.val_ds[i] for i in range(16)])
+        rollout = trainer.rollout.generate_sequences(batch.select(PROMPT_KEYS), trainer._sampling(greedy=True))
+    finally:
+        trainer.shutdown()
+
+    assert scraped.get("hybridflow_step", 0) >= 1
+    dashboard = json.loads(open(os.path.join(ROOT, "monitoring", "grafana_dashboard.json")).read())
+    names = [t["expr"] for p in dashboard["panels"] for t in p["targets"] if not t["expr"].startswith("{")]
+    assert names and set(names) <= set(scraped), set(names) - set(scraped)  # every panel plots a metric the run exports
+    assert any(k.startswith("hybridflow_val_core_") for k in scraped)
+
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("critic/score/mean")] == [1, 2, 3, 4]
+
+    exported = export_checkpoint(str(run / "global_step_4"), str(tmp_path / "hf"))
+    assert os.path.isfile(os.path.join(exported, "model.safetensors"))
+    model = AutoModelForCausalLM.from_pretrained(exported).eval()
+    at_end = AutoModelForCausalLM.from_pretrained(run / "hf_model")  # trainer.save_hf_model
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), at_end.state_dict().values()))
+    assert not all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), base.state_dict().values()))
+    R = rollout["responses"].shape[1]
+    with torch.no_grad():
+        greedy = model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], do_sample=False, max_new_tokens=R,
+                                min_new_tokens=R, pad_token_id=0, eos_token_id=None)
+    mask = rollout["response_mask"].bool()
+    assert torch.equal(greedy[:, -R:][mask], rollout["responses"][mask])  # the same greedy tokens as the trained rollout
+    assert math.isfinite(scraped["hybridflow_timing_s_reshard"])
