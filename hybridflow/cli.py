@@ -27,26 +27,43 @@ def _load(schema, config: str | None, overrides: list[str]):
         sys.exit(f"config error: {e}")
 
 
+def _user_errors() -> dict[type, str]:
+    """Errors a user can act on, reported as one line (prefix: message) and exit status 1, no traceback."""
+    from hybridflow.config import ConfigError
+    from hybridflow.controller.worker_group import WorkerCallError, WorkerDiedError
+    from hybridflow.data.dataset import DataError
+    from hybridflow.trainer.rl import NonFiniteError
+
+    return {ConfigError: "config error", DataError: "data error", WorkerDiedError: "worker died", WorkerCallError: "worker error",
+            NonFiniteError: "training diverged"}
+
+
+def _run_reporting(fn, *args):
+    errors = _user_errors()
+    try:
+        return fn(*args)
+    except tuple(errors) as e:
+        prefix = next(p for cls, p in errors.items() if isinstance(e, cls))
+        sys.exit(f"{prefix}: {e}")
+
+
 def cmd_train(args, dpo: bool = False) -> int:
-    from hybridflow.config import ConfigError, HybridFlowConfig
-    from hybridflow.trainer.rl import RLTrainer
+    from hybridflow.config import HybridFlowConfig
 
     cfg = _load(HybridFlowConfig, args.config, args.overrides)
-    from hybridflow.data.dataset import DataError
 
-    try:
+    def make():  # validates the config and reads the data before Ray or any worker starts
         if dpo:
             from hybridflow.trainer.dpo import DPOTrainer
 
-            trainer = DPOTrainer(cfg)
-        else:
-            trainer = RLTrainer(cfg, parallel_config=args.parallel_config)  # validates before Ray or any worker starts
-    except ConfigError as e:
-        sys.exit(f"config error: {e}")
-    except DataError as e:
-        sys.exit(f"data error: {e}")
+            return DPOTrainer(cfg)
+        from hybridflow.trainer.rl import RLTrainer
+
+        return RLTrainer(cfg, parallel_config=args.parallel_config)
+
+    trainer = _run_reporting(make)
     try:
-        result = trainer.fit()
+        result = _run_reporting(trainer.fit)
     finally:
         trainer.shutdown()
     print(json.dumps({"steps": result["steps"], "final_val": result["final_val"]}))
@@ -54,31 +71,21 @@ def cmd_train(args, dpo: bool = False) -> int:
 
 
 def cmd_sft(args) -> int:
-    from hybridflow.config import ConfigError, SFTConfig
+    from hybridflow.config import SFTConfig
     from hybridflow.trainer.sft import run_sft
 
     cfg = _load(SFTConfig, args.config, args.overrides)
-    try:
-        result = run_sft(cfg)
-    except ConfigError as e:
-        sys.exit(f"config error: {e}")
+    result = _run_reporting(run_sft, cfg)
     print(json.dumps({k: result[k] for k in ("steps", "first_loss", "final_loss", "model_dir")}))
     return 0
 
 
 def cmd_rm(args) -> int:
-    from hybridflow.config import ConfigError, RewardTrainConfig
+    from hybridflow.config import RewardTrainConfig
     from hybridflow.trainer.reward_model import run_rm
 
-    from hybridflow.data.dataset import DataError
-
     cfg = _load(RewardTrainConfig, args.config, args.overrides)
-    try:
-        result = run_rm(cfg)
-    except ConfigError as e:
-        sys.exit(f"config error: {e}")
-    except DataError as e:
-        sys.exit(f"data error: {e}")
+    result = _run_reporting(run_rm, cfg)
     print(json.dumps({k: result[k] for k in ("steps", "first_loss", "final_loss", "val_pair_acc", "model_dir")}))
     return 0
 
@@ -104,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sft-steps", type=int, default=None)
     p.add_argument("--rl-steps", type=int, default=None)
     p.add_argument("overrides", nargs="*", help="dotlist overrides for the GRPO config")
-    p.set_defaults(fn=lambda a: __import__("hybridflow.demo", fromlist=["main"]).main(a))
+    p.set_defaults(fn=lambda a: _run_reporting(__import__("hybridflow.demo", fromlist=["main"]).main, a))
     for name, target in (("make-model", "hybridflow.models.tiny:main_make_model"), ("make-data", "hybridflow.data.tasks:main_make_data"),
                          ("plot", "hybridflow.utils.plot:main_plot"), ("export", "hybridflow.utils.export:main_export")):
         p = sub.add_parser(name, help=f"{name.replace('-', ' ')} (offline), see `hybridflow {name} -h`", add_help=False)

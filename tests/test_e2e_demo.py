@@ -80,3 +80,32 @@ def test_preference_commands_name_bad_keys_before_ray_starts(tmp_path):
         proc = run_cli(*args)
         assert proc.returncode != 0 and message in proc.stderr, proc.stderr
         assert "Started a local Ray instance" not in proc.stderr + proc.stdout
+
+
+def test_bad_inputs_are_one_line_without_a_traceback(tmp_path, tiny_model_dir, task_dir):
+    """Each user error reaches the command line as one message naming what to fix, exit status 1."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from hybridflow.data.tasks import write_parquet
+
+    bad_row = write_parquet([{"data_source": "digit_max", "prompt": [{"role": "user", "content": "max 1 2"}], "reward_model": {"ground_truth": "2"}},
+                             {"data_source": "digit_max", "prompt": [{"role": "user", "content": "max 3 4"}], "reward_model": None}], tmp_path / "bad_row.parquet")
+    empty = tmp_path / "empty.parquet"
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), empty)
+    (tmp_path / "notparquet.parquet").write_text("prompt,answer\n")
+    unknown = write_parquet([{"data_source": "my_task", "prompt": [{"role": "user", "content": "hi"}], "reward_model": {"ground_truth": "1"}}] * 8,
+                            tmp_path / "unknown.parquet")
+    base = [f"actor_rollout_ref.model.path={tiny_model_dir}", f"data.val_files=[{task_dir}/val.parquet]", "data.max_prompt_length=32"]
+    cases = [
+        ([f"data.train_files=[{bad_row}]"], f"data error: {bad_row} row 1: column 'reward_model' is missing or null"),
+        ([f"data.train_files=[{empty}]"], f"data error: RLDataset: no usable prompts in ['{empty}'] (the files hold no rows)"),
+        ([f"data.train_files=[{tmp_path / 'notparquet.parquet'}]"], f"data error: cannot read parquet file {tmp_path / 'notparquet.parquet'}"),
+        ([f"data.train_files=[{unknown}]"], "config error: data: no built-in reward for data_source 'my_task'"),
+        ([f"data.train_files=[{task_dir}/train.parquet]", "actor_rollout_ref.model.dtype=fp8"], "config error: invalid RL config"),
+    ]
+    for extra, message in cases:
+        proc = run_cli("train", "configs/grpo_tiny.yaml", *base, *extra)
+        assert proc.returncode == 1, proc.stderr
+        assert proc.stderr.strip().startswith(message), proc.stderr
+        assert "Traceback" not in proc.stderr and "Started a local Ray instance" not in proc.stderr

@@ -12,7 +12,9 @@ from hybridflow.protocol import Batch
 class PromptLoader:
     def __init__(self, dataset, batch_size: int, collate: Callable[[list[dict]], Batch], shuffle: bool = True, seed: int = 1):
         if len(dataset) < batch_size:
-            raise ValueError(f"the dataset has {len(dataset)} prompts, fewer than data.train_batch_size={batch_size}")
+            from hybridflow.data.dataset import DataError
+
+            raise DataError(f"the dataset has {len(dataset)} prompts, fewer than data.train_batch_size={batch_size}")
         self.dataset = dataset
         self.batch_size = batch_size
         self.collate = collate
