@@ -25,6 +25,7 @@ def test_demo_learns_on_held_out_prompts_with_gen_tp_1_and_2(ray_cluster, tmp_pa
     assert summary["val_acc_final"] >= 0.6
     assert summary["val_acc_final"] >= 2 * summary["val_acc_after_sft"]
     assert (out / "sft_model" / "config.json").exists()
+    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the demo's curves, a valid PNG
 
     # Same seed with tensor-parallel generation (gen_tp=2, the hybrid engine on): learns as well.
     tp2 = tmp_path / "demo_tp2"

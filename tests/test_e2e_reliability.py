@@ -130,15 +130,21 @@ class FaultyWorker(Worker):
         return self.rank
 
     @register(Dispatch.ONE_TO_ALL)
+    def rank_1_hangs(self) -> int:
+        if self.rank == 1:  # stuck outside any collective
+            time.sleep(120)
+        return self.rank
+
+    @register(Dispatch.ONE_TO_ALL)
     def lonely_all_reduce(self) -> int:
         if self.rank == 0:  # rank 1 never joins: a stuck collective
             dist.all_reduce(torch.ones(1))
         return self.rank
 
 
-def _group(name):
+def _group(name, straggler_timeout_s=None):
     pool = ResourcePool(1, 2, 0.5, name=f"faults_{name}")
-    return pool, RayWorkerGroup(pool, FaultyWorker, name=f"faulty_{name}_{os.getpid()}")
+    return pool, RayWorkerGroup(pool, FaultyWorker, name=f"faulty_{name}_{os.getpid()}", straggler_timeout_s=straggler_timeout_s)
 
 
 def test_a_worker_killed_mid_call_is_reported_by_rank_within_60s():
@@ -167,6 +173,19 @@ def test_a_stuck_collective_times_out_with_the_rank():
         with pytest.raises(WorkerCallError, match=r"rank 0 .* during lonely_all_reduce raised"):
             wg.lonely_all_reduce()
         assert time.time() - start < 60
+    finally:
+        wg.shutdown()
+        pool.release()
+
+
+def test_a_rank_hung_outside_collectives_is_reported():
+    pool, wg = _group("hung", straggler_timeout_s=2.0)
+    try:
+        wg.init_model(60.0)
+        start = time.time()
+        with pytest.raises(WorkerCallError, match=r"rank\(s\) \[1\] \(pool 'faults_hung'\) did not finish rank_1_hangs within 2.0 s"):
+            wg.rank_1_hangs()
+        assert time.time() - start < 30
     finally:
         wg.shutdown()
         pool.release()

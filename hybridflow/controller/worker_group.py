@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from typing import Any
 
 # Read by Ray at import time: without it Ray swaps a 127.0.0.1 node address for the machine's
@@ -138,8 +139,12 @@ def place_pools(specs: dict[str, PoolSpec], default_cpus: float, device: str) ->
 class RayWorkerGroup:
     """N Ray actors of one worker class, called by the driver like one object."""
 
-    def __init__(self, pool: ResourcePool, worker_cls: type, *, name: str = "wg", device: str = "cpu", env: dict[str, str] | None = None, **init_kwargs):
+    def __init__(self, pool: ResourcePool, worker_cls: type, *, name: str = "wg", device: str = "cpu", env: dict[str, str] | None = None,
+                 straggler_timeout_s: float | None = None, **init_kwargs):
+        """straggler_timeout_s: once one rank of a call has finished, how long the others may take
+        (SPMD ranks finish together; trainer.collective_timeout_s). None: no limit."""
         self.pool = pool
+        self.straggler_timeout_s = straggler_timeout_s
         self.world_size = pool.world_size
         self.worker_cls = worker_cls
         remote_cls = ray.remote(worker_cls)
@@ -178,7 +183,8 @@ class RayWorkerGroup:
         layout = self._layout(method)
         rank_args, rank_kwargs, pad = dispatch_args(mode, self.world_size, args, kwargs, layout)
         refs = [getattr(w, method).remote(*a, **k) for w, a, k in zip(self.workers, rank_args, rank_kwargs)]
-        return Pending(refs, lambda results: collect_results(mode, results, pad, layout), method, getattr(self.pool, "name", "global_pool"))
+        return Pending(refs, lambda results: collect_results(mode, results, pad, layout), method, getattr(self.pool, "name", "global_pool"),
+                       self.straggler_timeout_s)
 
     def _call(self, method: str, mode: Dispatch, *args, **kwargs) -> Any:
         return self.submit(method, *args, **kwargs).result()
@@ -208,21 +214,32 @@ class Pending:
     """A worker-group call in flight (Ray object refs) and how to collect its results.
 
     `result()` collects the ranks as they finish, so a rank that dies or raises is reported at
-    once, naming role, rank and pool, while the other ranks may still wait in a collective for it."""
+    once, naming role, rank and pool, while the other ranks may still wait in a collective for it.
+    Once a rank has finished, the others get `straggler_timeout_s` to finish too; a rank stuck
+    outside any collective (which would time out by itself) is then reported instead of waited for."""
 
-    def __init__(self, refs: list, collect, method: str = "", pool: str = ""):
+    def __init__(self, refs: list, collect, method: str = "", pool: str = "", straggler_timeout_s: float | None = None):
         self.refs = refs
         self.collect = collect
         role, _, name = method.rpartition("__")  # colocated groups call "<role>__<method>"
         self.role, self.method, self.pool = role or "worker", name, pool
+        self.straggler_timeout_s = straggler_timeout_s
 
     def result(self) -> Any:
         done: dict = {}
         waiting = list(self.refs)
+        deadline = None
         while waiting:
-            ready, waiting = ray.wait(waiting, num_returns=1)
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, waiting = ray.wait(waiting, num_returns=1, timeout=timeout)
+            if not ready:
+                ranks = [self.refs.index(r) for r in waiting]
+                raise WorkerCallError(f"the {self.role} worker rank(s) {ranks} (pool {self.pool!r}) did not finish {self.method} within "
+                                      f"{self.straggler_timeout_s} s of the other ranks (trainer.collective_timeout_s): a hung worker; {RESUME_HINT}")
             for ref in ready:
                 done[ref] = self._get(ref)
+            if deadline is None and self.straggler_timeout_s is not None:
+                deadline = time.monotonic() + self.straggler_timeout_s
         return self.collect([done[r] for r in self.refs])
 
     def _get(self, ref) -> Any:

@@ -168,7 +168,8 @@ class RLTrainer:
                                                                "device": t.device, "seed": t.seed, "policy_tokenizer": mcfg.tokenizer_path or mcfg.path,
                                                                "collective_timeout_s": t.collective_timeout_s})
             try:
-                self.groups[name] = ColocatedWorkerGroup(pool, classes, name=f"{t.experiment_name}_{name}_{os.getpid()}", device=device)
+                self.groups[name] = ColocatedWorkerGroup(pool, classes, name=f"{t.experiment_name}_{name}_{os.getpid()}", device=device,
+                                                         straggler_timeout_s=t.collective_timeout_s)
             except BaseException:
                 self.shutdown()  # release every pool and the groups already started
                 raise
