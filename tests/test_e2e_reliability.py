@@ -165,6 +165,37 @@ def test_a_worker_killed_mid_call_is_reported_by_rank_within_60s():
         pool.release()
 
 
+def test_an_actor_worker_killed_mid_training_stops_the_run_naming_it(tiny_model_dir, task_dir, varied_reward, tmp_path):
+    import threading
+
+    cfg = load_config(None, rl_overrides(tiny_model_dir, task_dir, tmp_path / "run", f"custom_reward_function.path={varied_reward}",
+                                         "trainer.total_training_steps=1000"), schema=HybridFlowConfig)
+    trainer = RLTrainer(cfg)
+    errors: list[BaseException] = []
+
+    def fit():
+        try:
+            trainer.fit()
+        except BaseException as e:  # noqa: BLE001 - handed to the test thread
+            errors.append(e)
+
+    try:
+        trainer.init_workers()
+        pids = trainer.wg.pids()
+        thread = threading.Thread(target=fit)
+        thread.start()
+        while trainer.global_step < 2:
+            time.sleep(0.01)
+        os.kill(pids[1], signal.SIGKILL)
+        start = time.time()
+        thread.join(60)
+        assert not thread.is_alive() and time.time() - start < 60
+        assert isinstance(errors[0], WorkerDiedError), errors
+        assert "the actor worker rank 1 (pool 'global_pool')" in str(errors[0]) and "resume" in str(errors[0])
+    finally:
+        trainer.shutdown()
+
+
 def test_a_stuck_collective_times_out_with_the_rank():
     pool, wg = _group("stuck")
     try:
