@@ -253,6 +253,10 @@ class TrainerConfig:
     # steps in a row abort the run.
     collective_timeout_s: float = 600.0
     max_nonfinite_steps: int = 3
+    # ray: this process is the single controller of Ray worker groups. torchrun: every process
+    # started by `torchrun --nproc_per_node=N` runs the driver loop and is one worker (one pool,
+    # nnodes x n_gpus_per_node = WORLD_SIZE ranks); the same dataflow, workers and checkpoints.
+    launcher: Literal["ray", "torchrun"] = "ray"
     # Debug switch: after every weight sync, check rollout weights == trained weights exactly.
     check_weight_sync: bool = False
     # One-step off-policy: the rollout role on its own pool generates batch k+1 while the trainer

@@ -105,6 +105,7 @@ class _Problems(list):
             self.append(f"trainer.max_ckpt_to_keep must be >= 1 or null (keep all), got {t.max_ckpt_to_keep!r}")
         if not (isinstance(t.collective_timeout_s, (int, float)) and t.collective_timeout_s > 0):
             self.append(f"trainer.collective_timeout_s must be > 0 seconds, got {t.collective_timeout_s!r}")
+        self.enum("trainer.launcher", t.launcher, literal_choices(TrainerConfig, "launcher"))
         if not (isinstance(t.max_nonfinite_steps, int) and t.max_nonfinite_steps >= 1):
             self.append(f"trainer.max_nonfinite_steps must be a positive integer, got {t.max_nonfinite_steps!r}")
         return n_workers
@@ -278,6 +279,12 @@ def validate_config(cfg: HybridFlowConfig, kind: Literal["rl", "dpo"] = "rl") ->
     what = "RL" if kind == "rl" else "DPO"
     roles = rp.dpo_roles(cfg) if kind == "dpo" else None
     p.trainer(cfg.trainer)
+    if cfg.trainer.launcher == "torchrun":
+        if cfg.resource_pool.pools or cfg.resource_pool.mapping:
+            p.append("trainer.launcher=torchrun runs every role in the torchrun processes (one pool); remove resource_pool.pools/mapping "
+                     "or launch with Ray (trainer.launcher=ray)")
+        if cfg.trainer.async_rollout:
+            p.append("trainer.async_rollout needs a rollout pool of its own: it runs under trainer.launcher=ray only")
     pool_errors = rp.pool_problems(cfg, roles)
     p.extend(pool_errors)
     if pool_errors:

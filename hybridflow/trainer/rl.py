@@ -97,6 +97,7 @@ class RLTrainer:
         self.global_step = 0
         self.log_dir = cfg.trainer.log_dir or cfg.trainer.default_local_dir
         self.async_rollout = cfg.trainer.async_rollout
+        self.torchrun = cfg.trainer.launcher == "torchrun"
         self.role_pool = role_pools(cfg, self._roles())
         self.use_rm = Role.REWARD_MODEL in self.role_pool
         self.groups: dict[str, ColocatedWorkerGroup] = {}
@@ -138,35 +139,24 @@ class RLTrainer:
         if self.cfg.trainer.check_weight_sync and self.cfg.actor_rollout_ref.rollout.name == "vllm":
             logger.warning("trainer.check_weight_sync compares generation buffers with the trained weights on the hf "
                            "backend; vLLM repacks its weights, so with vllm the check is rollout/logprob_diff_max")
-        from hybridflow.workers.actor_rollout_ref import ActorRolloutRefWorker
-        from hybridflow.workers.critic import CriticWorker
-        from hybridflow.workers.reward_model import RewardModelWorker
-        from hybridflow.workers.rollout import RolloutWorker
-
         t, ri = self.cfg.trainer, self.cfg.ray_init
-        init_ray(ri.address, ri.num_cpus, ri.resources or None)
         device = pick_device(t.device)
-        specs = pool_specs(self.cfg)
-        # Checked against the cluster before any placement group or worker: never a hang.
-        self.pools = place_pools({name: specs[name] for name in dict.fromkeys(self.role_pool.values())}, ri.cpus_per_worker, device)
-        steps = self.total_steps
+        if self.torchrun:  # every rank is a worker of the one pool, in this process
+            from hybridflow.controller.local_group import LocalColocatedGroup, init_torchrun
+
+            _, world = init_torchrun(device, t.collective_timeout_s)
+            if world != t.nnodes * t.n_gpus_per_node:
+                raise ConfigError(f"torchrun started {world} processes but trainer.nnodes * trainer.n_gpus_per_node = "
+                                  f"{t.nnodes} * {t.n_gpus_per_node}; make them equal (--nnodes / --nproc_per_node)")
+            name = self.role_pool[Role.ACTOR_ROLLOUT]
+            self.groups[name] = LocalColocatedGroup(self._role_classes(list(self.role_pool)), name=name)
+        else:
+            init_ray(ri.address, ri.num_cpus, ri.resources or None)
+            specs = pool_specs(self.cfg)
+            # Checked against the cluster before any placement group or worker: never a hang.
+            self.pools = place_pools({name: specs[name] for name in dict.fromkeys(self.role_pool.values())}, ri.cpus_per_worker, device)
         for name, pool in self.pools.items():
-            roles = [r for r, p in self.role_pool.items() if p == name]
-            classes: dict[str, tuple[type, dict]] = {}
-            if Role.ACTOR_ROLLOUT in roles:
-                role = "actor" + ("" if self.async_rollout else "_rollout") + ("_ref" if Role.REF in roles else "")
-                classes["actor"] = (ActorRolloutRefWorker, {"config": self.cfg, "role": role, "total_training_steps": steps})
-            elif Role.REF in roles:
-                classes["ref"] = (ActorRolloutRefWorker, {"config": self.cfg, "role": "ref"})
-            if Role.ROLLOUT in roles:
-                classes["rollout"] = (RolloutWorker, {"config": self.cfg})
-            if Role.CRITIC in roles:
-                classes["critic"] = (CriticWorker, {"config": self.cfg, "total_training_steps": steps})
-            if Role.REWARD_MODEL in roles:
-                rm, mcfg = self.cfg.reward_model, self.cfg.actor_rollout_ref.model
-                classes["reward_model"] = (RewardModelWorker, {"model": rm.model, "fsdp": rm.fsdp_config, "micro_batch_size": rm.micro_batch_size_per_gpu,
-                                                               "device": t.device, "seed": t.seed, "policy_tokenizer": mcfg.tokenizer_path or mcfg.path,
-                                                               "collective_timeout_s": t.collective_timeout_s})
+            classes = self._role_classes([r for r, p in self.role_pool.items() if p == name])
             try:
                 self.groups[name] = ColocatedWorkerGroup(pool, classes, name=f"{t.experiment_name}_{name}_{os.getpid()}", device=device,
                                                          straggler_timeout_s=t.collective_timeout_s)
@@ -185,6 +175,40 @@ class RLTrainer:
         for p in pending:
             p.result()
         self.plan_summary = None if self.async_rollout else self.actor.reshard_plan()
+
+    def _role_classes(self, roles: list[Role]) -> dict[str, tuple[type, dict]]:
+        """The worker classes (and their arguments) that hold `roles` in one process."""
+        from hybridflow.workers.actor_rollout_ref import ActorRolloutRefWorker
+        from hybridflow.workers.critic import CriticWorker
+        from hybridflow.workers.reward_model import RewardModelWorker
+        from hybridflow.workers.rollout import RolloutWorker
+
+        t, steps = self.cfg.trainer, self.total_steps
+        classes: dict[str, tuple[type, dict]] = {}
+        if Role.ACTOR_ROLLOUT in roles:
+            role = "actor" + ("" if self.async_rollout else "_rollout") + ("_ref" if Role.REF in roles else "")
+            classes["actor"] = (ActorRolloutRefWorker, {"config": self.cfg, "role": role, "total_training_steps": steps})
+        elif Role.REF in roles:
+            classes["ref"] = (ActorRolloutRefWorker, {"config": self.cfg, "role": "ref"})
+        if Role.ROLLOUT in roles:
+            classes["rollout"] = (RolloutWorker, {"config": self.cfg})
+        if Role.CRITIC in roles:
+            classes["critic"] = (CriticWorker, {"config": self.cfg, "total_training_steps": steps})
+        if Role.REWARD_MODEL in roles:
+            rm, mcfg = self.cfg.reward_model, self.cfg.actor_rollout_ref.model
+            classes["reward_model"] = (RewardModelWorker, {"model": rm.model, "fsdp": rm.fsdp_config, "micro_batch_size": rm.micro_batch_size_per_gpu,
+                                                           "device": t.device, "seed": t.seed, "policy_tokenizer": mcfg.tokenizer_path or mcfg.path,
+                                                           "collective_timeout_s": t.collective_timeout_s})
+        return classes
+
+    # torchrun: every rank runs this driver; files are written by rank 0, the others wait for it.
+    @property
+    def is_main(self) -> bool:
+        return not self.torchrun or torch.distributed.get_rank() == 0
+
+    def _barrier(self) -> None:
+        if self.torchrun:
+            torch.distributed.barrier()
 
     def shutdown(self) -> None:
         for name in list(self.groups):
@@ -440,10 +464,11 @@ class RLTrainer:
 
     def fit(self) -> dict:
         t = self.cfg.trainer
-        os.makedirs(t.default_local_dir, exist_ok=True)
-        save_config(self.cfg, os.path.join(t.default_local_dir, "config.yaml"))
         if self.wg is None:
             self.init_workers()
+        if self.is_main:
+            os.makedirs(t.default_local_dir, exist_ok=True)
+            save_config(self.cfg, os.path.join(t.default_local_dir, "config.yaml"))
         self._maybe_resume()
         self._before_training()
         tracker = self._tracker()
@@ -458,7 +483,7 @@ class RLTrainer:
                 history.append({"step": 0, **val_metrics})
         if self.train_ds.num_filtered:
             logger.info("filtered %d over-long prompts (data.max_prompt_length=%d)", self.train_ds.num_filtered, self.cfg.data.max_prompt_length)
-        progress = _progress(t.progress_bar, self.total_steps, self.global_step)
+        progress = _progress(t.progress_bar and self.is_main, self.total_steps, self.global_step)
         nonfinite = 0  # consecutive steps whose update was skipped
         try:
             while self.global_step < self.total_steps:
@@ -513,13 +538,18 @@ class RLTrainer:
         root = os.path.abspath(t.default_local_dir)
         path = os.path.join(root, f"global_step_{self.global_step}")
         tmp = path + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)  # a partial one from a crash
+        if self.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)  # a partial one from a crash
+        self._barrier()
         self.actor.save_checkpoint(tmp)
         if self.critic:
             self.critic.save_checkpoint(tmp)
         prefetched = self._next_batch is not None or self._gen_pending is not None
         loader_state = self._loader_state_at_prefetch if prefetched else self.loader.state_dict()
         state = {"global_step": self.global_step, "loader": loader_state, "kl_ctrl": self.kl_ctrl.state_dict(), **self._extra_state()}
+        if not self.is_main:
+            self._barrier()  # rank 0 completes the checkpoint
+            return path
         torch.save(state, os.path.join(tmp, "trainer_state.pt"))
         shutil.rmtree(path, ignore_errors=True)  # the same step saved before (a re-run)
         os.replace(tmp, path)
@@ -531,6 +561,7 @@ class RLTrainer:
             for old in steps[: -t.max_ckpt_to_keep]:
                 if old != self.global_step:
                     shutil.rmtree(os.path.join(root, f"global_step_{old}"), ignore_errors=True)
+        self._barrier()
         return path
 
     def _maybe_resume(self) -> None:
@@ -560,6 +591,8 @@ class RLTrainer:
 
     def _tracker(self) -> Tracker:
         t = self.cfg.trainer
+        if not self.is_main:  # torchrun: rank 0 logs
+            return Tracker([], None)
         exporter = None
         if t.prometheus.port is not None:
             from hybridflow.utils.prometheus import MetricsExporter

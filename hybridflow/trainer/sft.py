@@ -30,13 +30,23 @@ def run_sft(cfg: SFTConfig, log_every: int = 50) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
     dataset = SFTDataset(cfg.train_files, tokenizer, cfg.max_length, cfg.prompt_key, cfg.response_key)
     loader = PromptLoader(dataset, cfg.train_batch_size, collate_sft, shuffle=True, seed=cfg.trainer.seed)
-    init_ray(cfg.ray_init.address, cfg.ray_init.num_cpus)
     t = cfg.trainer
-    pool = ResourcePool(t.nnodes, t.n_gpus_per_node, cfg.ray_init.cpus_per_worker)
     from hybridflow.workers.actor_rollout_ref import ActorRolloutRefWorker
 
-    wg = RayWorkerGroup(pool, ActorRolloutRefWorker, name=f"sft_{os.getpid()}", config=_actor_config(cfg), role="actor", total_training_steps=cfg.total_steps)
-    tracker = Tracker([x for x in t.logger if x == "jsonl"], t.log_dir or cfg.save_dir)
+    kwargs = {"config": _actor_config(cfg), "role": "actor", "total_training_steps": cfg.total_steps}
+    main = True
+    if t.launcher == "torchrun":  # this process is one rank (see controller/local_group.py)
+        from hybridflow.controller.local_group import LocalColocatedGroup, init_torchrun
+        from hybridflow.controller.worker import pick_device
+
+        rank, _ = init_torchrun(pick_device(t.device), t.collective_timeout_s)
+        pool, main = None, rank == 0
+        wg = LocalColocatedGroup({"actor": (ActorRolloutRefWorker, kwargs)}).role("actor")
+    else:
+        init_ray(cfg.ray_init.address, cfg.ray_init.num_cpus)
+        pool = ResourcePool(t.nnodes, t.n_gpus_per_node, cfg.ray_init.cpus_per_worker)
+        wg = RayWorkerGroup(pool, ActorRolloutRefWorker, name=f"sft_{os.getpid()}", **kwargs)
+    tracker = Tracker([x for x in t.logger if x == "jsonl"] if main else [], t.log_dir or cfg.save_dir)
     try:
         wg.init_model()
         losses = []
@@ -44,11 +54,12 @@ def run_sft(cfg: SFTConfig, log_every: int = 50) -> dict:
             metrics = wg.sft_step(loader.next_batch())
             losses.append(metrics["train/loss"])
             tracker.log(metrics, step=step)
-            if "console" in t.logger and (step % log_every == 0 or step == cfg.total_steps):
+            if main and "console" in t.logger and (step % log_every == 0 or step == cfg.total_steps):
                 print(f"sft step {step:>4d}/{cfg.total_steps}  loss {metrics['train/loss']:.4f}  lr {metrics['train/lr']:.2e}", flush=True)
         wg.save_hf_model(os.path.abspath(cfg.save_dir))
     finally:
         tracker.close()
-        wg.shutdown()
-        pool.release()
+        if pool is not None:
+            wg.shutdown()
+            pool.release()
     return {"steps": cfg.total_steps, "first_loss": losses[0], "final_loss": losses[-1], "model_dir": cfg.save_dir, "config": dataclasses.asdict(cfg)}

@@ -1,0 +1,117 @@
+"""torchrun (multi-controller) mode: every rank runs the driver loop and is one worker itself.
+
+    torchrun --nproc_per_node=2 examples/train_ppo.py ...     # trainer.launcher=torchrun
+
+The RL dataflow is unchanged: the trainer calls a group's methods as it does under Ray, and this
+group runs them in-process with the same dispatch modes, then exchanges the results so that every
+rank's driver holds exactly what the Ray driver would:
+- ONE_TO_ALL: every rank runs it; the per-rank results are all-gathered (the list Ray returns);
+- DP_COMPUTE: every rank builds the same global batch (same data, same seeds), runs the method on
+  ITS chunk only (the same split and padding as under Ray), and the chunks' results are
+  all-gathered and concatenated: driver-side stages (rewards, advantages) then run on every rank
+  on identical data, with no broadcast;
+- RANK_ZERO: every rank runs it (these are collectives); rank 0's result is broadcast.
+Worker code, the hybrid engine and checkpoints are the same (so a run can resume in either mode);
+files the driver writes (config, metrics, trainer state, the latest-step file) are written by rank 0.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hybridflow.controller.decorator import LAYOUT_ATTR, Dispatch, collect_results, dispatch_args
+from hybridflow.controller.worker import colocated_worker_cls, registered_methods
+
+
+def init_torchrun(device: str, timeout_s: float) -> tuple[int, int]:
+    """Join the process group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR/PORT); (rank, world)."""
+    if not dist.is_initialized():
+        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+            from hybridflow.config.loader import ConfigError
+
+            raise ConfigError("trainer.launcher=torchrun but RANK/WORLD_SIZE are not set: start it with "
+                              "`torchrun --nproc_per_node=N ...` (or use the default trainer.launcher=ray)")
+        if device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
+    # The hybrid engine's node boundary (ranks of a node are consecutive, as torchrun numbers them).
+    os.environ.setdefault("HYBRIDFLOW_PROCS_PER_NODE", os.environ.get("LOCAL_WORLD_SIZE", str(dist.get_world_size())))
+    return dist.get_rank(), dist.get_world_size()
+
+
+class _Done:
+    """A finished call (the same `.result()` as a Ray `Pending`)."""
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def result(self) -> Any:
+        return self.value
+
+
+class _Pool:
+    def __init__(self, name: str, world_size: int):
+        self.name, self.world_size = name, world_size
+
+
+class LocalColocatedGroup:
+    """The roles of one pool in THIS process (rank `dist.get_rank()` of `dist.get_world_size()`);
+    the same surface as `ColocatedWorkerGroup` (methods `<role>__<method>`, `role(name)`, `submit`)."""
+
+    def __init__(self, roles: dict[str, tuple[type, dict]], name: str = "global_pool"):
+
+        self.role_classes = {role: cls for role, (cls, _) in roles.items()}
+        self.worker_cls = colocated_worker_cls(self.role_classes)
+        self.worker = self.worker_cls(role_kwargs={role: kw for role, (_, kw) in roles.items()})
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.pool = _Pool(name, self.world_size)
+        self._layouts: dict[str, list | None] = {}
+        for method in registered_methods(self.worker_cls):
+            call = functools.partial(self._call, method)
+            call.hf_pool = name  # the DataFlow scheduler reads it
+            setattr(self, method, call)
+
+    def _layout(self, method: str) -> list | None:
+        if method not in self._layouts:
+            if getattr(getattr(self.worker_cls, method), LAYOUT_ATTR, None) is None:
+                self._layouts[method] = None
+            else:
+                layouts: list = [None] * self.world_size
+                dist.all_gather_object(layouts, self.worker._hf_layout(method))
+                self._layouts[method] = layouts
+        return self._layouts[method]
+
+    def submit(self, method: str, *args, **kwargs) -> _Done:
+        mode = registered_methods(self.worker_cls)[method]
+        layout = self._layout(method)
+        rank_args, rank_kwargs, pad = dispatch_args(mode, self.world_size, args, kwargs, layout)
+        mine = getattr(self.worker, method)(*rank_args[self.rank], **rank_kwargs[self.rank])
+        if mode is Dispatch.RANK_ZERO:
+            box = [mine]
+            dist.broadcast_object_list(box, src=0)
+            return _Done(box[0])
+        results: list = [None] * self.world_size
+        dist.all_gather_object(results, mine)
+        return _Done(collect_results(mode, results, pad, layout))
+
+    def _call(self, method: str, *args, **kwargs) -> Any:
+        return self.submit(method, *args, **kwargs).result()
+
+    def role(self, name: str):
+        from hybridflow.controller.worker_group import RoleView
+
+        return RoleView(self, name, self.role_classes[name])
+
+    def pids(self) -> list[int]:
+        pids: list = [None] * self.world_size
+        dist.all_gather_object(pids, os.getpid())
+        return pids
+
+    def shutdown(self) -> None:
+        """The process group belongs to the program (torchrun): `dist.destroy_process_group()` at its end."""
