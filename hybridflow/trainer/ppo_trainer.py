@@ -1,0 +1,50 @@
+"""`PPOTrainer`: the verl/HybridFlow-style constructor over the one typed config.
+
+    from hybridflow import PPOTrainer
+    trainer = PPOTrainer(actor_model="runs/sft_model", critic_model=None,          # None: GRPO (critic-free)
+                         parallel_config="configs/parallel_dp2_tp2.yaml", enable_resharding_opt=True,
+                         resharding_overlap_with_compute=True, resharding_buffer_percent=0.1,
+                         data={"train_files": ["runs/data/train.parquet"]},         # a section as a dict
+                         **{"trainer.total_training_steps": 20})                    # or dotted keys
+    trainer.fit()
+
+Every keyword maps onto `HybridFlowConfig` (a section name takes a dict, a dotted key a value) and
+the whole config is validated before Ray or any worker starts, exactly as `hybridflow train`.
+`critic_model` given: PPO with GAE and that critic (algorithm.adv_estimator=gae unless set).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hybridflow.config import HybridFlowConfig, to_dict
+from hybridflow.config.loader import _merge, from_dict
+from hybridflow.config.parallel import ENGINE_KWARGS
+from hybridflow.trainer.rl import RLTrainer
+
+
+def _nested(key: str, value: Any) -> dict:
+    out: dict = {}
+    node = out
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = value
+    return out
+
+
+def ppo_config(actor_model: str, critic_model: str | None = None, overrides: dict[str, Any] | None = None) -> HybridFlowConfig:
+    """The typed config for `PPOTrainer`'s arguments (unknown keys name the closest valid one)."""
+    tree = to_dict(HybridFlowConfig())
+    tree = _merge(tree, _nested("actor_rollout_ref.model.path", actor_model))
+    if critic_model is not None:
+        tree = _merge(tree, {"algorithm": {"adv_estimator": "gae"}, "critic": {"model": {"path": critic_model}}})
+    for key, value in (overrides or {}).items():
+        tree = _merge(tree, _nested(key, value))
+    return from_dict(HybridFlowConfig, tree)
+
+
+class PPOTrainer(RLTrainer):
+    def __init__(self, actor_model: str, critic_model: str | None = None, parallel_config: str | None = None, **kwargs: Any):
+        engine = {k: kwargs.pop(k) for k in list(kwargs) if k in ENGINE_KWARGS}
+        super().__init__(ppo_config(actor_model, critic_model, kwargs), parallel_config=parallel_config, **engine)
