@@ -118,6 +118,10 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("rest", nargs=argparse.REMAINDER)
         p.set_defaults(fn=lambda a, target=target: _forward(target, a.rest))
     args = parser.parse_args(argv)
+    config = getattr(args, "config", None)
+    if config and "=" in config and not os.path.isfile(config):  # no YAML file: `hybridflow train key=value ...`
+        args.overrides.insert(0, config)
+        args.config = None
     return args.fn(args) or 0
 
 

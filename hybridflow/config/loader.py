@@ -146,6 +146,10 @@ def load_config(path: str | None, overrides: Iterable[str] = (), schema: type = 
     """YAML file (optional) < dotlist overrides < ... into a ``schema`` instance (not validated)."""
     data = _read_yaml(path) if path else {}
     data = _merge(data, _parse_overrides(overrides))
+    if schema is HybridFlowConfig:  # verl's keys: mapped, accepted or refused with the reason
+        from hybridflow.config.verl_compat import translate_verl_keys
+
+        data = translate_verl_keys(data, schema)
     return from_dict(schema, data)
 
 
