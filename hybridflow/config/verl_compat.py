@@ -103,6 +103,21 @@ BEHAVIOUR: dict[str, tuple[Any, str]] = {
     "trainer.default_hdfs_dir": ((None,), "HDFS checkpoints are not supported; use trainer.default_local_dir"),
     "trainer.del_local_ckpt_after_load": ((False,), _NOT_IMPL),
     "trainer.ray_wait_register_center_timeout": (ANY, "worker start-up is bounded by the pool's placement timeout"),
+    "*.use_shm": (ANY, "loading through shared memory is a speed switch"),
+    "data.return_full_prompt": (ANY, "the full prompt is always kept (raw_prompt)"),
+    "*.trust_remote_code": ((False,), "remote model code is not executed: the model must be one transformers ships"),
+    "*.enable_activation_offload": ((False,), f"activation offload is {_NOT_IMPL}; use enable_gradient_checkpointing"),
+    "*.lora_rank": ((0,), f"LoRA is {_NOT_IMPL}: training is full-parameter"),
+    "*.lora_alpha": (ANY, "only read with lora_rank > 0"),
+    "*.target_modules": (ANY, "only read with lora_rank > 0"),
+    "*.use_fused_kernels": ((False,), f"fused kernels are {_NOT_IMPL}"),
+    "*.optim.num_cycles": ((0.5,), "the cosine schedule is half a cycle"),
+    "actor_rollout_ref.rollout.layered_summon": (ANY, "the hybrid engine always moves weights layer by layer (hybrid_engine.granularity)"),
+    "reward_model.sandbox_fusion.url": ((None,), f"sandboxed code execution rewards are {_NOT_IMPL}; use custom_reward_function"),
+    "reward_model.sandbox_fusion.max_concurrent": (ANY, "only read with sandbox_fusion.url"),
+    "algorithm.use_pf_ppo": ((False,), f"PF-PPO reweighting is {_NOT_IMPL}"),
+    "algorithm.pf_ppo.*": (ANY, "only read with algorithm.use_pf_ppo=true"),
+    "ray_init.timeline_json_file": ((None,), "use hybridflow's profiler trace (hybrid_engine timeline)"),
 }
 
 
