@@ -59,3 +59,12 @@ def test_make_rl_data_loader_from_files_or_config(tiny_model_dir, task_dir, tmp_
     cfg = load_config(None, rl_overrides(tiny_model_dir, task_dir, tmp_path), schema=HybridFlowConfig)
     from_cfg = make_rl_data_loader(config=cfg)
     assert from_cfg.batch_size == cfg.data.train_batch_size and from_cfg.next_batch()["input_ids"].shape[1] == cfg.data.max_prompt_length
+
+
+def test_init_distributed_without_torchrun_is_one_rank():
+    code = ("from hybridflow.utils.distributed import init_distributed; i = init_distributed(); "
+            "print(i.rank, i.world_size, i.backend, i.device)")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["0", "1", "gloo", "cpu"]
