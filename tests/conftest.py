@@ -100,3 +100,18 @@ def demo_sft_model(ray_cluster, tmp_path_factory):
     cfg.trainer.logger = ["jsonl"]
     run_sft(cfg)
     return files, str(out / "sft_model")
+
+
+ROOT = os.path.dirname(_TESTS)
+
+
+def run_torchrun(*args: str, timeout: int = 600):
+    """`torchrun --standalone --nproc_per_node=2 ARGS` from the repository root; fails the test on a non-zero exit."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args],
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc

@@ -12,19 +12,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import rl_overrides
+from conftest import ROOT, rl_overrides, run_torchrun as _torchrun
 from hybridflow.config import HybridFlowConfig, load_config
 from hybridflow.data.loader import make_rl_data_loader
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-
-
-def _torchrun(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([*TORCHRUN, *args], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
 
 
 def test_fsdp_helpers_shard_across_two_processes(tiny_model_dir, tmp_path):

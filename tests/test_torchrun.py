@@ -5,31 +5,19 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from conftest import rl_overrides
+from conftest import rl_overrides, run_torchrun as _torchrun
 from hybridflow.config import HybridFlowConfig, load_config
 from hybridflow.trainer.rl import RLTrainer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 DRIVER = """
-import sys
 from hybridflow.config import HybridFlowConfig, load_config
 from hybridflow.trainer.rl import RLTrainer
 trainer = RLTrainer(load_config(None, sys.argv[1:], schema=HybridFlowConfig))
 trainer.fit()
 """
-
-
-def _torchrun(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([*TORCHRUN, *args], capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
 
 
 def test_torchrun_grpo_learns_like_the_demo(demo_sft_model, tmp_path):
