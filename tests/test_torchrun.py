@@ -13,6 +13,7 @@ from hybridflow.config import HybridFlowConfig, load_config
 from hybridflow.trainer.rl import RLTrainer
 
 DRIVER = """
+import sys
 from hybridflow.config import HybridFlowConfig, load_config
 from hybridflow.trainer.rl import RLTrainer
 trainer = RLTrainer(load_config(None, sys.argv[1:], schema=HybridFlowConfig))
