@@ -176,6 +176,8 @@ def _set(cfg, dotted, value):
     ({"data.truncation": "middle"}, "data.truncation must be one of"),
     ({"trainer.logger": ["console", "mlflow"]}, "trainer.logger must be one of ['console', 'jsonl', 'tensorboard', 'wandb'], got 'mlflow'"),
     ({"trainer.prometheus.port": 70000}, "trainer.prometheus.port must be in [0, 65535]"),
+    ({"actor_rollout_ref.actor.recompute_old_log_prob": False, "actor_rollout_ref.actor.ppo_epochs": 2},
+     "actor_rollout_ref.actor.recompute_old_log_prob=false needs the update to be one on-policy pass"),
     ({"trainer.max_ckpt_to_keep": 0}, "trainer.max_ckpt_to_keep must be >= 1"),
     ({"custom_reward_function.timeout_s": 0.0}, "custom_reward_function.timeout_s must be > 0"),
     ({"actor_rollout_ref.rollout.n": 1, "data.train_batch_size": 2, "actor_rollout_ref.actor.ppo_mini_batch_size": 2,

@@ -187,3 +187,22 @@ def test_other_estimators_run_end_to_end(ray_cluster, tiny_model_dir, task_dir, 
         assert abs(h["actor/ppo_kl"]) < 1e-6 and math.isfinite(h["actor/pg_loss"])
         if estimator == "remax":
             assert "timing_s/reward_baseline" in h
+
+
+def test_skipping_the_old_log_prob_pass_gives_the_same_update(ray_cluster, tiny_model_dir, task_dir, varied_reward, tmp_path):
+    """recompute_old_log_prob=false (one on-policy pass): the update's own detached log-prob is the
+    old one -- the same updates as a separate old-log-prob forward, ppo_kl and clip fraction 0."""
+    reward = f"custom_reward_function.path={varied_reward}"
+    runs = {}
+    for recompute in (True, False):
+        trainer = make_trainer(tiny_model_dir, task_dir, tmp_path / str(recompute), reward, "trainer.total_training_steps=2",
+                               f"actor_rollout_ref.actor.recompute_old_log_prob={str(recompute).lower()}")
+        try:
+            runs[recompute] = steps(trainer.fit())
+        finally:
+            trainer.shutdown()
+    assert all("timing_s/old_log_prob" in h for h in runs[True]) and not any("timing_s/old_log_prob" in h for h in runs[False])
+    for a, b in zip(runs[True], runs[False]):
+        assert b["actor/ppo_kl"] == 0.0 and b["actor/pg_clipfrac"] == 0.0
+        for key in ("actor/pg_loss", "actor/grad_norm", "critic/score/mean"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key

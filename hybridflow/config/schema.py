@@ -92,6 +92,9 @@ class ActorConfig:
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"  # k1 | k2 | k3 (low_var_kl = clamped k3)
     grad_clip: float = 1.0
+    # false: skip the separate old-log-prob forward when the update is one on-policy pass (ppo_epochs 1,
+    # one mini-batch): the detached current log-prob is the old one (ratio 1, ppo_kl 0), as TRL does.
+    recompute_old_log_prob: bool = True
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 

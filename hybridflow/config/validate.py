@@ -350,6 +350,13 @@ def validate_config(cfg: HybridFlowConfig, kind: Literal["rl", "dpo"] = "rl") ->
     p.enum("data.truncation", d.truncation, ["error", "left", "right"])
     p.optim(f"{A}.optim", actor.optim)
     p.optim("critic.optim", critic.optim)
+    if kind == "rl" and not actor.recompute_old_log_prob:
+        single = actor.ppo_epochs == 1 and actor.ppo_mini_batch_size == d.train_batch_size
+        if not single or alg.use_kl_in_reward or cfg.trainer.async_rollout:
+            p.append(f"{A}.recompute_old_log_prob=false needs the update to be one on-policy pass: {A}.ppo_epochs=1, "
+                     f"{A}.ppo_mini_batch_size = data.train_batch_size, algorithm.use_kl_in_reward=false (it reads the old "
+                     f"log-probs) and trainer.async_rollout=false (off-policy); got ppo_epochs={actor.ppo_epochs}, "
+                     f"ppo_mini_batch_size={actor.ppo_mini_batch_size}, train_batch_size={d.train_batch_size}")
     if kind == "rl" and alg.adv_estimator in ("grpo", "rloo") and isinstance(roll.n, int) and 0 < roll.n < 2:
         p.append(f"{R}.n must be >= 2 for algorithm.adv_estimator={alg.adv_estimator} (the group baseline "
                  f"needs several samples per prompt), got {roll.n}")

@@ -368,7 +368,8 @@ class RLTrainer:
         actor, ref, critic = self.actor, self.ref, self.critic
         actor_pool = self.pool_of(Role.ACTOR_ROLLOUT)
         gen_stages = [Stage("gen", self._generate, PROMPT_KEYS, GEN_OUTPUTS, pool=actor_pool)]
-        old_log_prob = Stage("old_log_prob", actor.compute_log_prob, TRAIN_KEYS, ["old_log_probs"])
+        recompute = self.cfg.actor_rollout_ref.actor.recompute_old_log_prob or self.async_rollout
+        old_log_prob = Stage("old_log_prob", actor.compute_log_prob, TRAIN_KEYS, ["old_log_probs"], enabled=recompute)
         sync = Stage("reshard", self._reshard, [], [], pool=actor_pool)
         if self.async_rollout:  # generation happens outside the flow, one batch ahead (train_step)
             gen_stages = []
@@ -383,7 +384,8 @@ class RLTrainer:
             Stage("values", critic.compute_values if critic else None, TRAIN_KEYS, ["values"], enabled=self.use_critic),
             Stage("adv", self._advantage, self._adv_inputs(), ["token_level_rewards", "advantages", "returns"]),
             Stage("update_critic", critic.update_critic if critic else None, TRAIN_KEYS + ["values", "returns"], [], enabled=self.use_critic),
-            Stage("update_actor", actor.update_actor, TRAIN_KEYS + ["old_log_probs", "advantages"] + (["ref_log_prob"] if self.use_ref else []), []),
+            Stage("update_actor", actor.update_actor, TRAIN_KEYS + (["old_log_probs"] if recompute else []) + ["advantages"]
+                  + (["ref_log_prob"] if self.use_ref else []), []),
             sync,
         ])
 

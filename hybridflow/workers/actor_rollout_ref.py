@@ -195,7 +195,9 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
                     log_prob = logprobs_from_logits(logits, mb["responses"])
                     entropy = agg_loss(entropy_from_logits(logits), mask, acfg.loss_agg_mode)
                     pg_loss, clipfrac, ppo_kl, clipfrac_lower = compute_policy_loss(
-                        mb["old_log_probs"], log_prob, mb["advantages"], mask, low, high, acfg.clip_ratio_c, acfg.loss_agg_mode
+                        # no old_log_probs (recompute_old_log_prob=false, one on-policy pass): this forward's own, detached
+                        mb["old_log_probs"] if "old_log_probs" in mb else log_prob.detach(), log_prob, mb["advantages"], mask, low, high,
+                        acfg.clip_ratio_c, acfg.loss_agg_mode
                     )
                     loss = pg_loss - acfg.entropy_coeff * entropy
                     if acfg.use_kl_loss:
