@@ -32,17 +32,23 @@ RECIPE_STEPS = {"grpo": RL_STEPS, "dpo": 40, "rm-grpo": 40, "online-dpo": 40}
 RM_STEPS = 100
 
 
+def _policy_run(train, val, model_dir: str, out_dir: str, steps: int, prompts: int, micro: int, *extra: str) -> HybridFlowConfig:
+    """What the demo's policy runs share: the task's files and lengths, the model, lr 5e-4, one
+    optimizer step per step (mini-batch = the step's batch), validation every 10 steps, a fresh run."""
+    return load_config(None, [
+        f"data.train_files=[{train}]", f"data.val_files=[{val}]",
+        f"data.train_batch_size={prompts}", "data.max_prompt_length=32", "data.max_response_length=4",
+        f"actor_rollout_ref.model.path={model_dir}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={prompts}", f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}",
+        "actor_rollout_ref.actor.optim.lr=5e-4", f"trainer.total_training_steps={steps}", "trainer.test_freq=10",
+        f"trainer.default_local_dir={out_dir}", "trainer.resume_mode=disable", *extra,
+    ], schema=HybridFlowConfig)
+
+
 def demo_rl_config(files: dict, model_dir: str, out_dir: str, steps: int, *overrides: str) -> HybridFlowConfig:
     """The demo's GRPO run (8 prompts x 8 samples, 2 workers) on `files` from `make_max_task`."""
-    return load_config(None, [
-        f"data.train_files=[{files['train']}]", f"data.val_files=[{files['val']}]",
-        "data.train_batch_size=8", "data.max_prompt_length=32", "data.max_response_length=4",
-        f"actor_rollout_ref.model.path={model_dir}",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32",
-        "actor_rollout_ref.actor.optim.lr=5e-4", "actor_rollout_ref.rollout.n=8", "actor_rollout_ref.rollout.temperature=1.0",
-        "algorithm.adv_estimator=grpo", f"trainer.total_training_steps={steps}", "trainer.test_freq=10",
-        f"trainer.default_local_dir={out_dir}", "trainer.resume_mode=disable", *overrides,
-    ], schema=HybridFlowConfig)
+    return _policy_run(files["train"], files["val"], model_dir, out_dir, steps, 8, 32, "actor_rollout_ref.rollout.n=8",
+                       "actor_rollout_ref.rollout.temperature=1.0", "algorithm.adv_estimator=grpo", *overrides)
 
 
 def demo_sft_config(sft_file: str, base_model: str, out: str, steps: int = SFT_STEPS) -> SFTConfig:
@@ -56,28 +62,13 @@ def demo_sft_config(sft_file: str, base_model: str, out: str, steps: int = SFT_S
 
 def demo_dpo_config(files: dict, model_dir: str, out_dir: str, steps: int, *overrides: str) -> HybridFlowConfig:
     """Offline DPO on the preference pairs: 32 pairs per step, held-out greedy accuracy every 10 steps."""
-    return load_config(None, [
-        f"data.train_files=[{files['pref_train']}]", f"data.val_files=[{files['val']}]",
-        "data.train_batch_size=32", "data.max_prompt_length=32", "data.max_response_length=4",
-        f"actor_rollout_ref.model.path={model_dir}",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=32", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32",
-        "actor_rollout_ref.actor.optim.lr=5e-4", "dpo.beta=0.1",
-        f"trainer.total_training_steps={steps}", "trainer.test_freq=10",
-        f"trainer.default_local_dir={out_dir}", "trainer.resume_mode=disable", *overrides,
-    ], schema=HybridFlowConfig)
+    return _policy_run(files["pref_train"], files["val"], model_dir, out_dir, steps, 32, 32, "dpo.beta=0.1", *overrides)
 
 
 def demo_online_dpo_config(files: dict, model_dir: str, out_dir: str, steps: int, *overrides: str) -> HybridFlowConfig:
     """Online DPO: 16 prompts x 4 samples per step, ranked by the rule scorer, best vs worst."""
-    return load_config(None, [
-        f"data.train_files=[{files['train']}]", f"data.val_files=[{files['val']}]",
-        "data.train_batch_size=16", "data.max_prompt_length=32", "data.max_response_length=4",
-        f"actor_rollout_ref.model.path={model_dir}",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=16", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
-        "actor_rollout_ref.actor.optim.lr=5e-4", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.rollout.temperature=1.0",
-        "dpo.online=true", "dpo.beta=0.1", f"trainer.total_training_steps={steps}", "trainer.test_freq=10",
-        f"trainer.default_local_dir={out_dir}", "trainer.resume_mode=disable", *overrides,
-    ], schema=HybridFlowConfig)
+    return _policy_run(files["train"], files["val"], model_dir, out_dir, steps, 16, 16, "actor_rollout_ref.rollout.n=4",
+                       "actor_rollout_ref.rollout.temperature=1.0", "dpo.online=true", "dpo.beta=0.1", *overrides)
 
 
 def demo_rm_config(files: dict, model_dir: str, out_dir: str, steps: int = RM_STEPS, *overrides: str) -> RewardTrainConfig:

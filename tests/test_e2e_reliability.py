@@ -4,6 +4,7 @@ TensorBoard events, the HF export."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -142,15 +143,21 @@ class FaultyWorker(Worker):
         return self.rank
 
 
-def _group(name, straggler_timeout_s=None):
+@contextlib.contextmanager
+def _faulty_group(name, collective_timeout_s, straggler_timeout_s=None):
+    """A started 2-rank group of FaultyWorker on its own pool, released afterwards."""
     pool = ResourcePool(1, 2, 0.5, name=f"faults_{name}")
-    return pool, RayWorkerGroup(pool, FaultyWorker, name=f"faulty_{name}_{os.getpid()}", straggler_timeout_s=straggler_timeout_s)
+    wg = RayWorkerGroup(pool, FaultyWorker, name=f"faulty_{name}_{os.getpid()}", straggler_timeout_s=straggler_timeout_s)
+    try:
+        wg.init_model(collective_timeout_s)
+        yield wg
+    finally:
+        wg.shutdown()
+        pool.release()
 
 
 def test_a_worker_killed_mid_call_is_reported_by_rank_within_60s():
-    pool, wg = _group("death")
-    try:
-        wg.init_model(60.0)
+    with _faulty_group("death", 60.0) as wg:
         pids = wg.pids()
         pending = wg.submit("nap", 120)
         time.sleep(1)
@@ -160,9 +167,6 @@ def test_a_worker_killed_mid_call_is_reported_by_rank_within_60s():
             pending.result()
         assert time.time() - start < 60
         assert "nap" in str(e.value) and "resume" in str(e.value)
-    finally:
-        wg.shutdown()
-        pool.release()
 
 
 def test_an_actor_worker_killed_mid_training_stops_the_run_naming_it(tiny_model_dir, task_dir, varied_reward, tmp_path):
@@ -197,29 +201,19 @@ def test_an_actor_worker_killed_mid_training_stops_the_run_naming_it(tiny_model_
 
 
 def test_a_stuck_collective_times_out_with_the_rank():
-    pool, wg = _group("stuck")
-    try:
-        wg.init_model(3.0)  # trainer.collective_timeout_s
+    with _faulty_group("stuck", 3.0) as wg:  # trainer.collective_timeout_s
         start = time.time()
         with pytest.raises(WorkerCallError, match=r"rank 0 .* during lonely_all_reduce raised"):
             wg.lonely_all_reduce()
         assert time.time() - start < 60
-    finally:
-        wg.shutdown()
-        pool.release()
 
 
 def test_a_rank_hung_outside_collectives_is_reported():
-    pool, wg = _group("hung", straggler_timeout_s=2.0)
-    try:
-        wg.init_model(60.0)
+    with _faulty_group("hung", 60.0, straggler_timeout_s=2.0) as wg:
         start = time.time()
         with pytest.raises(WorkerCallError, match=r"rank\(s\) \[1\] \(pool 'faults_hung'\) did not finish rank_1_hangs within 2.0 s"):
             wg.rank_1_hangs()
         assert time.time() - start < 30
-    finally:
-        wg.shutdown()
-        pool.release()
 
 
 def test_nan_losses_skip_updates_then_abort(tiny_model_dir, task_dir, tmp_path):

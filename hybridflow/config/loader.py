@@ -135,6 +135,17 @@ def _read_yaml(path: str) -> dict:
     return data
 
 
+def dotted_tree(key: str, value: Any) -> dict:
+    """"a.b.c", v -> {"a": {"b": {"c": v}}}."""
+    tree: dict = {}
+    node = tree
+    *parents, leaf = key.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = value
+    return tree
+
+
 def _merge(base: dict, over: dict) -> dict:
     out = dict(base)
     for k, v in over.items():

@@ -79,6 +79,17 @@ class _Problems(list):
         if not tc.get("chat_template") and not os.path.isfile(os.path.join(path, "chat_template.jinja")):
             self.append(f"{key}.tokenizer_path: the tokenizer in {path!r} has no chat template; prompts are rendered with it")
 
+    def data_files(self, train_key: str, train: list, val_key: str, val: list, what: str = "parquet files"):
+        if not train:
+            self.append(f"{train_key} is empty; set it to one or more {what}")
+        for key, files in [(train_key, train), (val_key, val)]:
+            for f in files:
+                self.exists(key, f)
+
+    def fsdp(self, key: str, fc):
+        self.enum(f"{key}.sharding_strategy", fc.sharding_strategy, [None, "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+        self.enum(f"{key}.mixed_precision", fc.mixed_precision, [None, "bf16", "fp16"])
+
     def optim(self, key, o: OptimConfig):
         self.enum(f"{key}.lr_scheduler_type", o.lr_scheduler_type, ["constant", "cosine"])
         if not o.lr > 0:
@@ -367,8 +378,7 @@ def validate_config(cfg: HybridFlowConfig, kind: Literal["rl", "dpo"] = "rl") ->
     p.enum("actor_rollout_ref.hybrid_engine.granularity", he.granularity, ["layer", "full"])
     for key, fc in [(f"{A}.fsdp_config", actor.fsdp_config), ("actor_rollout_ref.ref.fsdp_config", arr.ref.fsdp_config),
                     ("critic.fsdp_config", critic.fsdp_config), ("reward_model.fsdp_config", cfg.reward_model.fsdp_config)]:
-        p.enum(f"{key}.sharding_strategy", fc.sharding_strategy, [None, "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
-        p.enum(f"{key}.mixed_precision", fc.mixed_precision, [None, "bf16", "fp16"])
+        p.fsdp(key, fc)
     # generation TP: divides the workers and the (KV) heads; heads read from config.json when it exists
     model_json = _model_json(arr.model.path)
     heads = model_json.get("num_attention_heads") or 0
@@ -386,11 +396,7 @@ def validate_config(cfg: HybridFlowConfig, kind: Literal["rl", "dpo"] = "rl") ->
                  f"{d.max_response_length}) exceeds the model's max_position_embeddings ({max_pos}); lower them")
     if critic.model.path:
         p.model("critic.model", critic.model)
-    if not d.train_files:
-        p.append("data.train_files is empty; set it to one or more parquet files")
-    for key, files in [("data.train_files", d.train_files), ("data.val_files", d.val_files)]:
-        for f in files:
-            p.exists(key, f)
+    p.data_files("data.train_files", d.train_files, "data.val_files", d.val_files)
     if cfg.custom_reward_function.path:
         p.exists("custom_reward_function.path", cfg.custom_reward_function.path)
     timeout = cfg.custom_reward_function.timeout_s
@@ -419,11 +425,7 @@ def validate_sft_config(cfg: SFTConfig) -> None:
     max_pos = p.model("model", cfg.model)
     if max_pos is not None and cfg.max_length > max_pos:
         p.append(f"max_length ({cfg.max_length}) exceeds the model's max_position_embeddings ({max_pos}); lower it")
-    if not cfg.train_files:
-        p.append("train_files is empty; set it to one or more parquet files")
-    for key, files in [("train_files", cfg.train_files), ("val_files", cfg.val_files)]:
-        for f in files:
-            p.exists(key, f)
+    p.data_files("train_files", cfg.train_files, "val_files", cfg.val_files)
     p.raise_if_any("SFT")
 
 
@@ -441,8 +443,7 @@ def validate_rm_config(cfg: RewardTrainConfig) -> None:
     for key in ("max_prompt_length", "max_response_length", "total_steps"):
         p.positive(key, getattr(cfg, key))
     p.optim("optim", cfg.optim)
-    p.enum("fsdp_config.sharding_strategy", cfg.fsdp_config.sharding_strategy, [None, "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
-    p.enum("fsdp_config.mixed_precision", cfg.fsdp_config.mixed_precision, [None, "bf16", "fp16"])
+    p.fsdp("fsdp_config", cfg.fsdp_config)
     p.tokenizer("model", cfg.model)
     mj = _model_json(cfg.model.path)
     max_pos = p.model("model", cfg.model)
@@ -451,9 +452,5 @@ def validate_rm_config(cfg: RewardTrainConfig) -> None:
         p.append(f"model.path: {cfg.model.path!r} ({archs}) is neither a sequence classifier nor a causal LM to start one from")
     if max_pos is not None and cfg.max_prompt_length + cfg.max_response_length > max_pos:
         p.append(f"max_prompt_length + max_response_length exceeds the model's max_position_embeddings ({max_pos})")
-    if not cfg.train_files:
-        p.append("train_files is empty; set it to one or more preference parquet files")
-    for key, files in [("train_files", cfg.train_files), ("val_files", cfg.val_files)]:
-        for f in files:
-            p.exists(key, f)
+    p.data_files("train_files", cfg.train_files, "val_files", cfg.val_files, "preference parquet files")
     p.raise_if_any("reward-model training")

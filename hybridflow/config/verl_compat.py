@@ -159,7 +159,7 @@ def _match(key: str, table: dict) -> str | None:
 def translate_verl_keys(tree: dict, schema) -> dict:
     """Map verl-only keys of a raw config tree onto hybridflow's, or raise one ConfigError listing
     every refused key with its reason."""
-    from hybridflow.config.loader import ConfigError, _merge
+    from hybridflow.config.loader import ConfigError, _merge, dotted_tree
 
     flat = _flatten(tree)
     kept: dict[str, Any] = {}
@@ -186,11 +186,5 @@ def translate_verl_keys(tree: dict, schema) -> dict:
         logger.info("verl keys accepted: %s", "; ".join(accepted))
     out: dict = {}
     for key, value in kept.items():
-        node: dict = {}
-        cur = node
-        parts = key.split(".")
-        for part in parts[:-1]:
-            cur = cur.setdefault(part, {})
-        cur[parts[-1]] = value
-        out = _merge(out, node)
+        out = _merge(out, dotted_tree(key, value))
     return out

@@ -18,29 +18,19 @@ from __future__ import annotations
 from typing import Any
 
 from hybridflow.config import HybridFlowConfig, to_dict
-from hybridflow.config.loader import _merge, from_dict
+from hybridflow.config.loader import _merge, dotted_tree, from_dict
 from hybridflow.config.parallel import ENGINE_KWARGS
 from hybridflow.trainer.rl import RLTrainer
-
-
-def _nested(key: str, value: Any) -> dict:
-    out: dict = {}
-    node = out
-    parts = key.split(".")
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-    node[parts[-1]] = value
-    return out
 
 
 def ppo_config(actor_model: str, critic_model: str | None = None, overrides: dict[str, Any] | None = None) -> HybridFlowConfig:
     """The typed config for `PPOTrainer`'s arguments (unknown keys name the closest valid one)."""
     tree = to_dict(HybridFlowConfig())
-    tree = _merge(tree, _nested("actor_rollout_ref.model.path", actor_model))
+    tree = _merge(tree, dotted_tree("actor_rollout_ref.model.path", actor_model))
     if critic_model is not None:
         tree = _merge(tree, {"algorithm": {"adv_estimator": "gae"}, "critic": {"model": {"path": critic_model}}})
     for key, value in (overrides or {}).items():
-        tree = _merge(tree, _nested(key, value))
+        tree = _merge(tree, dotted_tree(key, value))
     return from_dict(HybridFlowConfig, tree)
 
 
