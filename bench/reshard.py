@@ -7,6 +7,13 @@ bytes received (measured) against the planner's theoretical minimum and the naiv
 median wall time, and the peak extra resident memory against the engine's theory. Every reshard is
 checked bit-exact (`engine.max_abs_diff() == 0.0`).
 
+Next to them: a `floor` row per layout -- the raw collectives of the same bytes with pre-allocated
+flat buffers (per layer one all-gather inside the micro-DP group for the TP-sharded weights, one
+over all ranks for the replicated ones, one local copy of the layer's generation slice) -- and the
+`hybridflow plan` prediction from config.json alone: its bytes (must equal the measured ones) and
+its seconds with the bandwidth, latency and copy speed measured in the same processes
+(`planning/calibrate.measure`).
+
 Run:  .venv/bin/python bench/reshard.py --json runs/bench_reshard.json
 """
 
@@ -45,8 +52,16 @@ def worker(rank: int, world: int, port: int, path: str, repeats: int, out_file: 
     from hybridflow.parallel.fsdp import apply_fsdp2, make_mesh
     from hybridflow.parallel.tensor_parallel import apply_tensor_parallel, fsdp_shard_placement_fn, gen_mesh, gen_shard_dims
 
+    from hybridflow.hybrid_engine.plan import TrainLayout
+    from hybridflow.planning.arch import load_arch
+    from hybridflow.planning.calibrate import measure
+    from hybridflow.planning.cost import Cluster, plan_for, predict_switch
+
     hf_logging.disable_progress_bar()  # one "Loading weights" bar per rank and model otherwise
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    cal = measure()
+    cluster = Cluster(nodes=1, gpus_per_node=world, intra_node_bw=cal["bandwidth"], inter_node_bw=cal["bandwidth"],
+                      latency_s=cal["latency_s"], copy_bw=cal["copy_bw"])
     actor = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     dims = gen_shard_dims(actor)
     apply_fsdp2(actor, make_mesh("cpu", world), shard_placement_fn=fsdp_shard_placement_fn(actor, world))
@@ -63,6 +78,12 @@ def worker(rank: int, world: int, port: int, path: str, repeats: int, out_file: 
         if tp > 1:
             apply_tensor_parallel(rollout, gen_mesh("cpu", world, tp)["tp"])
         engine = HybridEngine(actor, rollout, dims, tp, HybridEngineConfig(granularity="layer"), "cpu")
+        planned = plan_for(load_arch(path), TrainLayout(dp=world), tp, 4)  # from config.json alone
+        predicted = predict_switch(planned, cluster)
+        floor_s, floor_bytes = floor_seconds(engine, repeats)
+        results.append(dict(world_size=world, gen_tp=tp, mode="floor", rank=rank, seconds=floor_s, bytes_received=floor_bytes,
+                            peak_extra_bytes=0, theory_extra_bytes=0, min_bytes=engine.plan.min_bytes(rank), naive_bytes=engine.plan.naive_bytes(rank),
+                            planner_bytes=planned.min_bytes(rank), predicted_seconds=predicted["optimized"].predicted_seconds))
         for mode in ("optimized", "naive"):
             runs = []
             for i in range(1 + repeats):  # the first one is a warm-up
@@ -82,6 +103,8 @@ def worker(rank: int, world: int, port: int, path: str, repeats: int, out_file: 
                 peak_extra_bytes=max(s["peak_extra_bytes"] for s in runs),
                 theory_extra_bytes=max(s["theory_extra_bytes"] for s in runs),
                 min_bytes=engine.plan.min_bytes(rank), naive_bytes=engine.plan.naive_bytes(rank),
+                planner_bytes=(planned.min_bytes if mode == "optimized" else planned.naive_bytes)(rank),
+                predicted_seconds=predicted[mode].predicted_seconds,
             ))
         engine.release()
         del engine, rollout
@@ -93,38 +116,87 @@ def worker(rank: int, world: int, port: int, path: str, repeats: int, out_file: 
     dist.destroy_process_group()
 
 
+def floor_seconds(engine, repeats: int) -> tuple[float, int]:
+    """The raw collectives of the optimized switch's bytes, pre-allocated flat buffers (module docstring)."""
+    import torch.distributed as dist
+
+    from hybridflow.hybrid_engine.plan import volume
+
+    plan, rank, n, k = engine.plan, engine.rank, engine.world, engine.plan.k
+    layers: dict[str, list[int]] = {}  # layer -> [TP-sharded numel per rank, replicated numel per rank, generation numel]
+    for p in plan.params:
+        c = layers.setdefault(p.layer, [0, 0, 0])
+        c[2] += p.gen_bytes(rank) // p.itemsize
+        if p.moves:
+            c[0 if p.tp_sharded else 1] += max(volume(b) for b in p.own)  # equal pieces (the largest when uneven)
+    bufs = []
+    for sharded, replicated, gen in layers.values():
+        bufs.append((torch.empty(sharded), torch.empty(k * sharded) if k > 1 and sharded else None,
+                     torch.empty(replicated), torch.empty(n * replicated) if replicated else None, torch.empty(gen), torch.empty(gen)))
+    received = sum((k - 1) * s.numel() * 4 for s, out, *_ in bufs if out is not None) + sum((n - 1) * r.numel() * 4 for _, _, r, out, *_ in bufs if out is not None)
+
+    def once():
+        for s, s_out, r, r_out, src, dst in bufs:
+            if s_out is not None:
+                dist.all_gather_into_tensor(s_out, s, group=engine.micro_group)
+            if r_out is not None:
+                dist.all_gather_into_tensor(r_out, r)
+            dst.copy_(src)
+
+    times = []
+    for i in range(1 + repeats):
+        dist.barrier()
+        t = time.perf_counter()
+        once()
+        if i:
+            times.append(time.perf_counter() - t)
+    return statistics.median(times), received
+
+
+MODES = ("optimized", "naive", "floor")
+
+
 def rows_from(per_rank: list[dict]) -> list[dict]:
     """One row per (world_size, gen_tp, mode): the worst rank of each quantity."""
-    keys = sorted({(r["world_size"], r["gen_tp"], r["mode"] == "naive") for r in per_rank})
+    keys = sorted({(r["world_size"], r["gen_tp"], MODES.index(r["mode"])) for r in per_rank})
     rows = []
-    for n, tp, naive in keys:
-        rs = [r for r in per_rank if (r["world_size"], r["gen_tp"], r["mode"] == "naive") == (n, tp, naive)]
+    for n, tp, mode in keys:
+        rs = [r for r in per_rank if (r["world_size"], r["gen_tp"], r["mode"]) == (n, tp, MODES[mode])]
         rows.append(dict(
-            world_size=n, gen_tp=tp, mode="naive" if naive else "optimized",
+            world_size=n, gen_tp=tp, mode=MODES[mode],
             bytes_per_rank=max(r["bytes_received"] for r in rs), min_bytes_per_rank=max(r["min_bytes"] for r in rs),
             naive_bytes_per_rank=max(r["naive_bytes"] for r in rs), seconds=max(r["seconds"] for r in rs),
             peak_extra_bytes=max(r["peak_extra_bytes"] for r in rs), theory_extra_bytes=max(r["theory_extra_bytes"] for r in rs),
+            planner_bytes_per_rank=max(r["planner_bytes"] for r in rs), predicted_seconds=max(r["predicted_seconds"] for r in rs),
         ))
     for row in rows:
+        same = {r["mode"]: r for r in rows if (r["world_size"], r["gen_tp"]) == (row["world_size"], row["gen_tp"])}
         if row["mode"] == "optimized":
-            naive = next(r for r in rows if r["mode"] == "naive" and (r["world_size"], r["gen_tp"]) == (row["world_size"], row["gen_tp"]))
-            row["speedup"] = naive["seconds"] / row["seconds"] if row["seconds"] > 0 else float("inf")
+            row["speedup"] = same["naive"]["seconds"] / row["seconds"] if row["seconds"] > 0 else float("inf")
+            row["ratio_vs_floor"] = row["seconds"] / same["floor"]["seconds"] if same["floor"]["seconds"] > 0 else float("inf")
     return rows
 
 
 def print_table(rows: list[dict]) -> None:
-    head = f"{'N':>2} {'gen_tp':>6} {'mode':<9} {'recv MB/rank':>12} {'min MB/rank':>11} {'naive MB/rank':>13} {'seconds':>8} {'speedup':>7} {'peak extra MB':>13} {'theory MB':>9}"
+    head = (f"{'N':>2} {'gen_tp':>6} {'mode':<9} {'recv MB/rank':>12} {'min MB/rank':>11} {'naive MB/rank':>13} {'planned MB':>10} {'seconds':>8} "
+            f"{'predicted':>9} {'speedup':>7} {'vs floor':>8} {'peak extra MB':>13} {'theory MB':>9}")
     print(head + "\n" + "-" * len(head))
     for r in rows:
         speed = f"{r['speedup']:.2f}x" if "speedup" in r else ""
+        floor = f"{r['ratio_vs_floor']:.2f}x" if "ratio_vs_floor" in r else ""
         print(f"{r['world_size']:>2} {r['gen_tp']:>6} {r['mode']:<9} {r['bytes_per_rank'] / MB:>12.2f} {r['min_bytes_per_rank'] / MB:>11.2f} "
-              f"{r['naive_bytes_per_rank'] / MB:>13.2f} {r['seconds']:>8.3f} {speed:>7} {r['peak_extra_bytes'] / MB:>13.2f} {r['theory_extra_bytes'] / MB:>9.2f}")
+              f"{r['naive_bytes_per_rank'] / MB:>13.2f} {r['planner_bytes_per_rank'] / MB:>10.2f} {r['seconds']:>8.3f} {r['predicted_seconds']:>9.3f} "
+              f"{speed:>7} {floor:>8} {r['peak_extra_bytes'] / MB:>13.2f} {r['theory_extra_bytes'] / MB:>9.2f}")
     opt = [r for r in rows if r["mode"] == "optimized"]
     yes = lambda ok: "yes" if ok else "no"  # noqa: E731
     print(f"bytes == theoretical minimum in every optimized layout: {yes(all(r['bytes_per_rank'] == r['min_bytes_per_rank'] for r in opt))}")
+    print(f"hybridflow plan's bytes (config.json only) == measured in every layout and mode: "
+          f"{yes(all(r['bytes_per_rank'] == r['planner_bytes_per_rank'] for r in rows))}")
     target = [r for r in opt if (r["world_size"], r["gen_tp"]) == (4, 2)]
     if target:
         print(f"N=4 gen_tp=2 speedup >= 2x: {yes(target[0]['speedup'] >= 2)} ({target[0]['speedup']:.2f})")
+    print(f"optimized <= 1.2x floor in every layout: {yes(all(r['ratio_vs_floor'] <= 1.2 for r in opt))} "
+          f"(worst {max(r['ratio_vs_floor'] for r in opt):.2f}x)")
     print(f"optimized peak extra <= theory in every layout: {yes(all(r['peak_extra_bytes'] <= r['theory_extra_bytes'] for r in opt))}")
 
 

@@ -1,4 +1,4 @@
-"""`hybridflow` command line: train | sft | dpo | rm | demo | make-model | make-data | plot | export.
+"""`hybridflow` command line: train | sft | dpo | rm | demo | make-model | make-data | plot | export | plan.
 
     hybridflow train configs/grpo_tiny.yaml actor_rollout_ref.rollout.n=8 trainer.total_training_steps=20
     hybridflow sft configs/sft_tiny.yaml total_steps=100
@@ -7,6 +7,7 @@
     hybridflow demo --output-dir runs/demo [--recipe grpo|dpo|rm-grpo|online-dpo]
     hybridflow plot runs/demo/grpo/metrics.jsonl -o curves.png
     hybridflow export runs/demo/grpo/global_step_60 runs/policy_hf
+    hybridflow plan --preset llama3-8b --nodes 8 --gpus-per-node 8 --train-layout pp2xtp8xdp4 --gen-tp 4
 """
 
 from __future__ import annotations
@@ -90,6 +91,11 @@ def cmd_rm(args) -> int:
     return 0
 
 
+FORWARDED = {"make-model": "hybridflow.models.tiny:main_make_model", "make-data": "hybridflow.data.tasks:main_make_data",
+             "plot": "hybridflow.utils.plot:main_plot", "export": "hybridflow.utils.export:main_export",
+             "plan": "hybridflow.planning.cli:main_plan"}
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="[%(levelname)s] %(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -112,11 +118,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rl-steps", type=int, default=None)
     p.add_argument("overrides", nargs="*", help="dotlist overrides for the GRPO config")
     p.set_defaults(fn=lambda a: _run_reporting(__import__("hybridflow.demo", fromlist=["main"]).main, a))
-    for name, target in (("make-model", "hybridflow.models.tiny:main_make_model"), ("make-data", "hybridflow.data.tasks:main_make_data"),
-                         ("plot", "hybridflow.utils.plot:main_plot"), ("export", "hybridflow.utils.export:main_export")):
+    for name, target in FORWARDED.items():
         p = sub.add_parser(name, help=f"{name.replace('-', ' ')} (offline), see `hybridflow {name} -h`", add_help=False)
         p.add_argument("rest", nargs=argparse.REMAINDER)
         p.set_defaults(fn=lambda a, target=target: _forward(target, a.rest))
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in FORWARDED:  # their own parsers see every argument (REMAINDER drops leading --options)
+        return _forward(FORWARDED[argv[0]], argv[1:]) or 0
     args = parser.parse_args(argv)
     config = getattr(args, "config", None)
     if config and "=" in config and not os.path.isfile(config):  # no YAML file: `hybridflow train key=value ...`

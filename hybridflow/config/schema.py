@@ -260,6 +260,9 @@ class TrainerConfig:
     # started by `torchrun --nproc_per_node=N` runs the driver loop and is one worker (one pool,
     # nnodes x n_gpus_per_node = WORLD_SIZE ranks); the same dataflow, workers and checkpoints.
     launcher: Literal["ray", "torchrun"] = "ray"
+    # Pre-flight memory check (hybridflow/planning/preflight.py): the estimated peak per worker must
+    # fit this many GiB. None = the GPU's memory on CUDA; on CPU this machine's RAM / all workers.
+    memory_budget_gib: Optional[float] = None
     # Debug switch: after every weight sync, check rollout weights == trained weights exactly.
     check_weight_sync: bool = False
     # One-step off-policy: the rollout role on its own pool generates batch k+1 while the trainer

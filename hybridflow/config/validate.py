@@ -101,6 +101,8 @@ class _Problems(list):
             self.append(f"trainer.nnodes * trainer.n_gpus_per_node must be >= 1 (got {t.nnodes} * "
                         f"{t.n_gpus_per_node}); set trainer.n_gpus_per_node to the workers per node")
         self.enum("trainer.device", t.device, ["auto", "cpu", "cuda"])
+        if t.memory_budget_gib is not None and not t.memory_budget_gib > 0:
+            self.append(f"trainer.memory_budget_gib must be > 0 (GiB per worker) or null (the device's memory), got {t.memory_budget_gib}")
         self.enum("trainer.resume_mode", t.resume_mode, ["auto", "disable", "resume_path"])
         if t.resume_mode == "resume_path":
             if not t.resume_from_path:

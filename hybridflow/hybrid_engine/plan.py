@@ -14,6 +14,16 @@ is exactly what it must receive: `min_bytes`. When the sizes divide evenly, slic
 training slices of ranks t*k .. t*k+k-1 (the *micro-DP group*), so one all-gather inside that
 group delivers it (`aligned`); the executor falls back to a general exchange otherwise. The naive
 baseline (gather the full tensor, then slice) receives size - own on every rank.
+
+3D training layouts (`TrainLayout`, planning only: the executor runs the FSDP layout above). Rank
+r = (pp_i * dp + dp_i) * tp + tp_i: PP stage pp_i owns a contiguous block of decoder layers
+(embeddings on the first stage, final norm and lm_head on the last), TP shards a parameter along
+its generation TP dim (the same table), FSDP then shards that TP slice over dp (along the same dim
+when it divides, as `fsdp_shard_placement_fn`). A layer of another stage is an empty box. Along a
+sharded dim the rank holds slice j = tp_i * dp + dp_i of M = tp * dp; generation indices follow
+HybridFlow's grouping, so the training box lies inside the generation box wherever they allow
+(`gen_coords`): gen_tp | M -> t = j // (M / gen_tp); M | gen_tp -> t = j * c + pp_i % c with
+c = gen_tp / M (the generation slice then lies inside the training slice).
 """
 
 from __future__ import annotations
@@ -49,6 +59,71 @@ def volume(box: Box | None) -> int:
 def shard_box(shape: tuple[int, ...], dim: int | None, parts: int, index: int) -> Box:
     """The box of chunk `index` of `parts` along `dim` (dim None: the whole tensor)."""
     return tuple(chunk_interval(n, parts, index) if d == dim else (0, n) for d, n in enumerate(shape))
+
+
+def sub_box(outer: Box, dim: int | None, parts: int, index: int) -> Box:
+    """Chunk `index` of `parts` of `outer` along `dim` (torch.chunk of the slice `outer` describes)."""
+    if dim is None:
+        return outer
+    lo, hi = outer[dim]
+    a, b = chunk_interval(hi - lo, parts, index)
+    return outer[:dim] + ((lo + a, lo + b),) + outer[dim + 1 :]
+
+
+@dataclass(frozen=True)
+class TrainLayout:
+    """A training layout pp x tp x dp (FSDP2 over dp); `label` e.g. "pp2xtp8xdp4"."""
+
+    pp: int = 1
+    tp: int = 1
+    dp: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.tp * self.dp
+
+    @property
+    def label(self) -> str:
+        parts = [f"{n}{v}" for n, v in (("pp", self.pp), ("tp", self.tp)) if v > 1]
+        return "x".join([*parts, f"dp{self.dp}"])
+
+    @classmethod
+    def parse(cls, text: str) -> "TrainLayout":
+        """"pp2xtp8xdp4" / "tp2xdp2" / "dp4" (any order, missing factors 1)."""
+        sizes = {"pp": 1, "tp": 1, "dp": 1}
+        for part in text.lower().replace("*", "x").split("x"):
+            key, num = part[:2], part[2:]
+            if key not in sizes or not num.isdigit() or int(num) < 1:
+                raise ValueError(f"bad training layout {text!r}: expected factors like pp2, tp8, dp4 joined by 'x'")
+            sizes[key] = int(num)
+        return cls(**sizes)
+
+    def coords(self, r: int) -> tuple[int, int, int]:
+        """(pp_i, dp_i, tp_i) of rank r (tp innermost, then dp, then pp)."""
+        return r // (self.dp * self.tp), (r // self.tp) % self.dp, r % self.tp
+
+
+def gen_coords(layout: TrainLayout, gen_tp: int) -> list[tuple[int, int]]:
+    """(generation TP index, generation DP index) per rank, HybridFlow's grouping (module docstring)."""
+    m = layout.tp * layout.dp
+    out = []
+    for r in range(layout.world):
+        pp_i, dp_i, tp_i = layout.coords(r)
+        j = tp_i * layout.dp + dp_i
+        if m % gen_tp == 0:
+            k = m // gen_tp
+            out.append((j // k, pp_i * k + j % k))
+        else:  # gen_tp = c * m with c | pp
+            c = gen_tp // m
+            out.append((j * c + pp_i % c, pp_i // c))
+    return out
+
+
+def layer_stage(layer: str, num_layers: int, pp: int) -> int:
+    """The PP stage owning `layer` (a `layer_of` name): embeddings first, norm/head last."""
+    if layer.startswith("layers."):
+        return int(layer.split(".")[1]) // max(1, num_layers // pp)
+    return 0 if layer == "embed_tokens" else pp - 1
 
 
 def layer_of(name: str) -> str:
@@ -91,15 +166,38 @@ class ParamPlan:
         """Whether any rank needs anything from another (False: local copies only)."""
         return any(self.recv_bytes(r) for r in range(len(self.need)))
 
-    def transfers(self) -> list[tuple[int, int, Box]]:
-        """(src, dst, box) for every piece that crosses ranks."""
-        out = []
-        for dst, n in enumerate(self.need):
-            for src, o in enumerate(self.own):
-                box = intersect(n, o) if src != dst else None
-                if box:
-                    out.append((src, dst, box))
-        return out
+
+def _boxes(shape, train_dim, gen_dim, stage, layout, coords, gen, gen_tp, fsdp_only):
+    """(own, need, group, aligned) of one parameter: its training and generation boxes per rank."""
+    n = layout.world
+    full = shard_box(shape, None, 1, 0)
+    empty = tuple((0, 0) for _ in shape)
+    own = []
+    for pp_i, dp_i, tp_i in coords:
+        if pp_i != stage:
+            own.append(empty)
+            continue
+        box = sub_box(full, gen_dim, layout.tp, tp_i) if layout.tp > 1 else full
+        own.append(sub_box(box, train_dim, layout.dp, dp_i))
+    need = [full if gen_dim is None else shard_box(shape, gen_dim, gen_tp, gen[r][0]) for r in range(n)]
+    if fsdp_only:  # the executor's micro-DP groups: k consecutive ranks
+        k = n // gen_tp
+        group = [list(range(n))] * n if gen_dim is None else [list(range((r // k) * k, (r // k) * k + k)) for r in range(n)]
+        dim = train_dim
+        aligned = train_dim is not None and (gen_dim is None or gen_dim == train_dim) and all(
+            need[r][dim] == (own[group[r][0]][dim][0], own[group[r][-1]][dim][1])
+            and all(own[a][dim][1] == own[b][dim][0] for a, b in zip(group[r], group[r][1:]))
+            and len({own[s][dim][1] - own[s][dim][0] for s in group[r]}) == 1  # equal pieces: one all-gather
+            for r in range(n)
+        )
+    else:  # planning only: the ranks whose training boxes overlap the need
+        holders: dict[Box, list[int]] = {}
+        for s, box in enumerate(own):
+            if volume(box):
+                holders.setdefault(box, []).append(s)
+        group = [sorted({r, *(s for box, ranks in holders.items() if intersect(need[r], box) for s in ranks)}) for r in range(n)]
+        aligned = False
+    return own, need, group, aligned
 
 
 @dataclass
@@ -108,36 +206,43 @@ class ReshardPlan:
     gen_tp: int
     procs_per_node: int
     params: list[ParamPlan] = field(default_factory=list)
+    _routes: dict = field(default_factory=dict, repr=False)  # routes() memo, keyed by the shared box lists
 
     @property
     def k(self) -> int:
         return self.world_size // self.gen_tp
 
     @classmethod
-    def build(cls, shapes: dict[str, tuple[tuple[int, ...], int, int | None, int | None]], world_size: int, gen_tp: int, procs_per_node: int | None = None) -> "ReshardPlan":
-        """shapes: name -> (shape, itemsize, training shard dim or None (replicated), generation
-        shard dim or None (replicated)), in module order."""
+    def build(cls, shapes: dict[str, tuple[tuple[int, ...], int, int | None, int | None]], world_size: int, gen_tp: int,
+              procs_per_node: int | None = None, layout: TrainLayout | None = None) -> "ReshardPlan":
+        """shapes: name -> (shape, itemsize, training (FSDP) shard dim or None (replicated), generation
+        shard dim or None (replicated)), in module order. `layout`: a 3D training layout over
+        `world_size` ranks (None: FSDP over all of them)."""
         if gen_tp < 1 or world_size % gen_tp:
             raise ValueError(f"gen_tp={gen_tp} must divide the world size {world_size}")
+        layout = layout or TrainLayout(dp=world_size)
+        if layout.world != world_size:
+            raise ValueError(f"training layout {layout.label} has {layout.world} ranks, not {world_size}")
+        m = layout.tp * layout.dp
+        if m % gen_tp and (gen_tp % m or layout.pp % (gen_tp // m)):
+            raise ValueError(f"gen_tp={gen_tp} does not fit the training layout {layout.label}: it must divide tp*dp={m} "
+                             f"or be tp*dp times a divisor of pp={layout.pp}")
         plan = cls(world_size, gen_tp, procs_per_node or world_size)
-        k = world_size // gen_tp
+        fsdp_only = layout.pp == layout.tp == 1
+        num_layers = len({layer_of(n) for n in shapes if layer_of(n).startswith("layers.")})
+        if num_layers % layout.pp:
+            raise ValueError(f"{num_layers} decoder layers do not split into pp={layout.pp} equal stages")
+        coords = [layout.coords(r) for r in range(world_size)]
+        gen = gen_coords(layout, gen_tp)
+        memo: dict[tuple, tuple] = {}  # every layer of one stage has the same boxes
         for name, (shape, itemsize, train_dim, gen_dim) in shapes.items():
             shape = tuple(shape) or (1,)
-            own = [shard_box(shape, train_dim, world_size, r) for r in range(world_size)]
-            if gen_dim is None:
-                need = [shard_box(shape, None, 1, 0)] * world_size
-                group = [list(range(world_size))] * world_size
-            else:
-                need = [shard_box(shape, gen_dim, gen_tp, r // k) for r in range(world_size)]
-                group = [list(range((r // k) * k, (r // k) * k + k)) for r in range(world_size)]
-            dim = train_dim
-            aligned = train_dim is not None and (gen_dim is None or gen_dim == train_dim) and all(
-                need[r][dim] == (own[group[r][0]][dim][0], own[group[r][-1]][dim][1])
-                and all(own[a][dim][1] == own[b][dim][0] for a, b in zip(group[r], group[r][1:]))
-                and len({own[s][dim][1] - own[s][dim][0] for s in group[r]}) == 1  # equal pieces: one all-gather
-                for r in range(world_size)
-            )
-            plan.params.append(ParamPlan(name, shape, itemsize, train_dim, gen_dim, layer_of(name), own, need, group, aligned))
+            layer = layer_of(name)
+            key = (shape, train_dim, gen_dim, layer_stage(layer, num_layers, layout.pp))
+            if key not in memo:
+                memo[key] = _boxes(shape, train_dim, gen_dim, key[3], layout, coords, gen, gen_tp, fsdp_only)
+            own, need, group, aligned = memo[key]
+            plan.params.append(ParamPlan(name, shape, itemsize, train_dim, gen_dim, layer, own, need, group, aligned))
         return plan
 
     # ---- per-rank volumes ----
@@ -156,8 +261,40 @@ class ReshardPlan:
     def node(self, r: int) -> int:
         return r // self.procs_per_node
 
-    def cross_node_bytes(self) -> int:
-        return sum(volume(box) * p.itemsize for p in self.params for s, d, box in p.transfers() if self.node(s) != self.node(d))
+    def routes(self, p: ParamPlan, naive: bool = False) -> list[list[tuple[int, int]]]:
+        """Per rank, (source rank, bytes) of every piece it lacks (naive: of the whole tensor).
+
+        Training boxes of two ranks are identical (replicas) or disjoint, so each distinct box is
+        fetched once, from a holder on the rank's own node when there is one (else the nearest)."""
+        key = (id(p.own), id(p.need), naive)
+        if key not in self._routes:
+            full = shard_box(p.shape, None, 1, 0)
+            holders: dict[Box, list[int]] = {}
+            for s, box in enumerate(p.own):
+                if volume(box):
+                    holders.setdefault(box, []).append(s)
+            out = []
+            for r in range(self.world_size):
+                need, recv = full if naive else p.need[r], []
+                for box, ranks in holders.items():
+                    v = 0 if r in ranks else volume(intersect(need, box))
+                    if v:
+                        near = [s for s in ranks if self.node(s) == self.node(r)] or ranks
+                        recv.append((min(near, key=lambda s: abs(s - r)), v * p.itemsize))
+                out.append(recv)
+            self._routes[key] = out
+        return self._routes[key]
+
+    def cross_node_bytes(self, naive: bool = False) -> int:
+        per_boxes: dict[tuple, int] = {}  # layers of one stage share their box lists: count each once
+        total = 0
+        for p in self.params:
+            key = (id(p.own), id(p.need))
+            if key not in per_boxes:
+                routes = self.routes(p, naive)
+                per_boxes[key] = sum(b for r, recv in enumerate(routes) for s, b in recv if self.node(s) != self.node(r)) // p.itemsize
+            total += per_boxes[key] * p.itemsize
+        return total
 
     def summary(self) -> dict:
         n = self.world_size

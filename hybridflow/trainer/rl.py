@@ -35,6 +35,7 @@ from transformers import AutoTokenizer
 from hybridflow import profiler
 from hybridflow.algorithms import get_adv_estimator, make_kl_controller, apply_kl_penalty, masked_mean
 from hybridflow.config import ConfigError, HybridFlowConfig, save_config, to_dict, validate_config
+from hybridflow.planning.preflight import check_memory
 from hybridflow.controller.resource_pool import Role, pool_specs, role_pools
 from hybridflow.controller.worker import pick_device
 from hybridflow.controller.worker_group import ColocatedWorkerGroup, ResourcePool, init_ray, place_pools
@@ -78,6 +79,7 @@ class RLTrainer:
         if engine_kwargs:
             cfg = apply_engine_kwargs(cfg, **engine_kwargs)
         validate_config(cfg, self.KIND)  # before any worker (or Ray) starts
+        check_memory(cfg)  # the estimated peak per worker fits the device (planning/preflight.py)
         self.cfg = cfg
         mcfg = cfg.actor_rollout_ref.model
         self.tokenizer = AutoTokenizer.from_pretrained(mcfg.tokenizer_path or mcfg.path)

@@ -1,0 +1,108 @@
+"""Model architectures for planning: built-in presets (architecture numbers only) and HF
+``config.json`` files, turned into the exact parameter table (name -> shape) that
+``AutoModelForCausalLM.from_config`` builds, without building it.
+
+Families: llama (Llama 2/3, SmolLM2), mistral, qwen2 (q/k/v biases), qwen3 (per-head q/k norms).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+# Numbers from the models' published config.json files.
+PRESETS: dict[str, dict] = {
+    "llama3-8b": dict(model_type="llama", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                      intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False),
+    "llama3-70b": dict(model_type="llama", hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                       intermediate_size=28672, vocab_size=128256, tie_word_embeddings=False),
+    "llama2-7b": dict(model_type="llama", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                      intermediate_size=11008, vocab_size=32000, tie_word_embeddings=False),
+    "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                         intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
+    "qwen2.5-7b": dict(model_type="qwen2", hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                       intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False),
+    "qwen2.5-72b": dict(model_type="qwen2", hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                        intermediate_size=29568, vocab_size=152064, tie_word_embeddings=False),
+    "smollm2-135m": dict(model_type="llama", hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                         intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True),
+}
+
+
+@dataclass(frozen=True)
+class Arch:
+    name: str
+    model_type: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+
+    @classmethod
+    def from_config(cls, cfg: dict, name: str = "model") -> "Arch":
+        mt = cfg.get("model_type", "llama")
+        if mt not in FAMILIES:
+            raise ValueError(f"{name}: model_type {mt!r} is not one the planner knows; supported: {', '.join(FAMILIES)}")
+        heads = cfg["num_attention_heads"]
+        attn_bias = bool(cfg.get("attention_bias", False))
+        return cls(name=name, model_type=mt, hidden=cfg["hidden_size"], layers=cfg["num_hidden_layers"], heads=heads,
+                   kv_heads=cfg.get("num_key_value_heads") or heads, head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+                   intermediate=cfg["intermediate_size"], vocab=cfg["vocab_size"], tied=bool(cfg.get("tie_word_embeddings", False)),
+                   qkv_bias=mt == "qwen2" or attn_bias, o_bias=attn_bias and mt != "qwen2", mlp_bias=bool(cfg.get("mlp_bias", False)),
+                   qk_norm=mt == "qwen3")
+
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """{FQN: shape} in module order, as HF's ``*ForCausalLM`` registers them (tied head omitted)."""
+        h, hd, q, kv = self.hidden, self.head_dim, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab, h)}
+        for i in range(self.layers):
+            a, m = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+            for proj, rows, bias in (("q_proj", q, self.qkv_bias), ("k_proj", kv, self.qkv_bias), ("v_proj", kv, self.qkv_bias),
+                                     ("o_proj", h, self.o_bias)):
+                out[f"{a}.{proj}.weight"] = (rows, h if proj != "o_proj" else q)
+                if bias:
+                    out[f"{a}.{proj}.bias"] = (rows,)
+            if self.qk_norm:
+                out[f"{a}.q_norm.weight"] = (hd,)
+                out[f"{a}.k_norm.weight"] = (hd,)
+            for proj, shape in (("gate_proj", (self.intermediate, h)), ("up_proj", (self.intermediate, h)), ("down_proj", (h, self.intermediate))):
+                out[f"{m}.{proj}.weight"] = shape
+                if self.mlp_bias:
+                    out[f"{m}.{proj}.bias"] = shape[:1]
+            out[f"model.layers.{i}.input_layernorm.weight"] = (h,)
+            out[f"model.layers.{i}.post_attention_layernorm.weight"] = (h,)
+        out["model.norm.weight"] = (h,)
+        if not self.tied:
+            out["lm_head.weight"] = (self.vocab, h)
+        return out
+
+    def num_params(self) -> int:
+        n = 0
+        for shape in self.param_shapes().values():
+            size = 1
+            for d in shape:
+                size *= d
+            n += size
+        return n
+
+
+def load_arch(model: str) -> Arch:
+    """A preset name, an HF checkpoint directory or a config.json path."""
+    if model in PRESETS:
+        return Arch.from_config(PRESETS[model], model)
+    path = os.path.join(model, "config.json") if os.path.isdir(model) else model
+    if not os.path.isfile(path):
+        raise ValueError(f"model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint directory / config.json")
+    with open(path) as f:
+        return Arch.from_config(json.load(f), model)

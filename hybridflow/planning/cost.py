@@ -1,0 +1,211 @@
+"""The planner's cost model: what a layout's weight switch moves and costs, and what each rank holds.
+
+Stated model (docs/planning.md explains it and its limits):
+
+- Bytes are exact: the resharding planner's boxes (`hybrid_engine/plan.py`) for the training layout
+  pp x tp x dp and the generation layout gen_tp x gen_dp; a parameter's FSDP shard dim is the one
+  `fsdp_shard_placement_fn` picks, so on layouts the engine runs the bytes equal what it measures.
+- Seconds: the optimized switch runs, per layer (layer granularity), one coalesced collective per
+  process group (the micro-DP groups for TP-sharded parameters, all holders for replicated ones);
+  a collective costs max over ranks of (bytes the rank receives in it / the bandwidth of the
+  slowest link those bytes cross) + latency x (number of ranks it receives from); then every rank
+  copies its generation slice once (bytes / copy_bw). The naive switch gathers every full parameter over its holders
+  (one collective per parameter, same per-link formula), then slices.
+- Memory per rank (bytes): training shards, gradients, AdamW state, activations of the micro-batch
+  (Korthikanti et al. 2022 without the attention-score term, i.e. flash/SDPA attention, no
+  sequence parallel; x pp micro-batches in flight for 1F1B; logits in fp32 on the last stage),
+  FSDP's unsharded layer buffers, generation weights and the KV cache of the rollout batch. Peak =
+  max(training phase, generation phase). Not included: CUDA context, allocator fragmentation,
+  temporary buffers of kernels — keep headroom.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from hybridflow.hybrid_engine.plan import ParamPlan, ReshardPlan, TrainLayout, layer_stage, volume
+from hybridflow.parallel.tensor_parallel import gen_shard_dim
+from hybridflow.planning.arch import Arch
+
+DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
+GIB = 1024**3
+
+
+def human(nbytes: float) -> str:
+    """1536 -> "1.5 KiB", 3 * 2**30 -> "3.00 GiB"."""
+    for unit, size in (("GiB", GIB), ("MiB", 1024**2), ("KiB", 1024)):
+        if nbytes >= size:
+            return f"{nbytes / size:.2f} {unit}"
+    return f"{int(nbytes)} B"
+
+
+@dataclass
+class Cluster:
+    nodes: int = 1
+    gpus_per_node: int = 8
+    intra_node_bw: float = 200e9  # bytes/s each GPU receives over NVLink (A100 NCCL all-gather bus bandwidth)
+    inter_node_bw: float = 25e9  # bytes/s each GPU receives across nodes (one 200 Gb/s InfiniBand NIC per GPU)
+    latency_s: float = 20e-6  # per collective step
+    copy_bw: float = 1.5e12  # bytes/s of a device-local copy (A100 HBM2e)
+    memory_bytes: float = 80 * GIB  # per device
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass
+class MemoryInputs:
+    """What the memory plan needs besides the layouts (defaults: bf16 mixed precision on fp32 shards)."""
+
+    param_bytes: int = 4  # training shards (FSDP keeps fp32 master weights under mixed precision)
+    compute_bytes: int = 2  # activations and FSDP's unsharded compute copies (bf16)
+    gen_bytes: int = 2  # generation weights and KV cache
+    optim_bytes_per_param: int = 8  # AdamW exp_avg + exp_avg_sq in fp32
+    strategy: str = "FULL_SHARD"
+    micro_batch: int = 1  # sequences per training micro-batch per rank
+    seq_len: int = 2048  # prompt + response tokens
+    rollout_seqs: int = 1024  # sequences generated per step (prompts x n), over every generation replica
+    gradient_checkpointing: bool = False
+    param_offload: bool = False
+    optimizer_offload: bool = False
+
+
+def fsdp_dim(name: str, shape: tuple[int, ...], arch: Arch, layout: TrainLayout, strategy: str) -> int | None:
+    """The dim FSDP2 shards a parameter's TP slice along (`fsdp_shard_placement_fn`), None = NO_SHARD."""
+    if strategy == "NO_SHARD" or layout.dp == 1:
+        return None
+    gdim = gen_shard_dim(name, arch.tied)
+    dim = gdim or 0
+    size = math.ceil(shape[dim] / layout.tp) if gdim is not None and layout.tp > 1 else shape[dim]
+    return 0 if dim and size % layout.dp else dim
+
+
+def plan_for(arch: Arch, layout: TrainLayout, gen_tp: int, itemsize: int, strategy: str = "FULL_SHARD",
+             procs_per_node: int | None = None) -> ReshardPlan:
+    """The engine's plan for `arch` (no model built): exact per-rank boxes and bytes."""
+    shapes = {n: (s, itemsize, fsdp_dim(n, s, arch, layout, strategy), gen_shard_dim(n, arch.tied)) for n, s in arch.param_shapes().items()}
+    return ReshardPlan.build(shapes, layout.world, gen_tp, procs_per_node, layout=layout)
+
+
+@dataclass
+class SwitchCost:
+    mode: str  # optimized | naive
+    bytes_per_rank: list[int]
+    cross_node_bytes: int
+    predicted_seconds: float
+    collectives: int
+
+
+def _link_seconds(plan: ReshardPlan, cluster: Cluster, r: int, recv: list[tuple[int, int]]) -> tuple[float, int]:
+    """(seconds for rank r to receive `recv` over its slowest link, ranks it receives from)."""
+    if not recv:
+        return 0.0, 0
+    cross = any(plan.node(s) != plan.node(r) for s, _ in recv)
+    bw = cluster.inter_node_bw if cross else cluster.intra_node_bw
+    return sum(b for _, b in recv) / bw, len({s for s, _ in recv})
+
+
+def _collective_seconds(plan: ReshardPlan, cluster: Cluster, params: list[ParamPlan], naive: bool) -> float:
+    """One collective over `params`: the slowest rank's receive time plus one latency per source."""
+    worst, sources = 0.0, 0
+    for r in range(plan.world_size):
+        recv = [x for p in params for x in plan.routes(p, naive)[r]]
+        t, n = _link_seconds(plan, cluster, r, recv)
+        worst, sources = max(worst, t), max(sources, n)
+    return worst + cluster.latency_s * sources
+
+
+def predict_switch(plan: ReshardPlan, cluster: Cluster) -> dict[str, SwitchCost]:
+    n = plan.world_size
+    copy = max(plan.gen_buffer_bytes(r) for r in range(n)) / cluster.copy_bw
+    by_layer: dict[str, list[ParamPlan]] = {}
+    for p in plan.params:
+        by_layer.setdefault(p.layer, []).append(p)
+    memo: dict[tuple, float] = {}  # layers of one stage cost the same: compute each composition once
+
+    def seconds(params: list[ParamPlan], naive: bool) -> float:
+        key = (naive, *((id(p.own), id(p.need), p.itemsize) for p in params))
+        if key not in memo:
+            memo[key] = _collective_seconds(plan, cluster, params, naive)
+        return memo[key]
+
+    def collectives(params: list[ParamPlan]) -> list[list[ParamPlan]]:
+        """A layer's parameters by process group (TP-sharded ones in the micro-DP groups, replicated
+        ones over their holders): one coalesced collective each."""
+        groups: dict[tuple, list[ParamPlan]] = {}
+        for p in params:
+            groups.setdefault(tuple(map(tuple, p.group)) if len(p.group[0]) < n else (), []).append(p)
+        return list(groups.values())
+
+    opt = sum(seconds(ps, naive=False) for layer in by_layer.values() for ps in collectives(layer))
+    naive = sum(seconds([p], naive=True) for p in plan.params)
+    return {
+        "optimized": SwitchCost("optimized", [plan.min_bytes(r) for r in range(n)], plan.cross_node_bytes(), opt + copy, len(by_layer)),
+        "naive": SwitchCost("naive", [plan.naive_bytes(r) for r in range(n)], plan.cross_node_bytes(naive=True), naive + copy, len(plan.params)),
+    }
+
+
+def memory_plan(plan: ReshardPlan, arch: Arch, layout: TrainLayout, m: MemoryInputs, rank: int) -> dict[str, int]:
+    """Bytes rank `rank` holds, by part, and the two phases' peaks (module docstring)."""
+    own = sum(volume(p.own[rank]) for p in plan.params)
+    if m.strategy == "SHARD_GRAD_OP":  # parameters stay unsharded between forward and backward
+        held = own * layout.dp * (m.param_bytes + m.compute_bytes)
+    else:
+        held = own * m.param_bytes
+    pp_i = layout.coords(rank)[0]
+    layers = [p for p in plan.params if layer_stage(p.layer, arch.layers, layout.pp) == pp_i and p.layer.startswith("layers.")]
+    per_layer = sum(volume(p.own[rank]) for p in layers) / max(1, arch.layers // layout.pp)
+    unshard = 0 if m.strategy != "FULL_SHARD" else int(2 * per_layer * layout.dp * m.compute_bytes)  # current + prefetched layer
+    s, b, h, L = m.seq_len, m.micro_batch, arch.hidden, arch.layers // layout.pp
+    full_layer = s * b * h * (10 + 24 / layout.tp) * m.compute_bytes / 2
+    acts = (L * s * b * h * m.compute_bytes + full_layer) if m.gradient_checkpointing else L * full_layer
+    acts *= layout.pp if pp_i == 0 else 1  # 1F1B: the first stage holds pp micro-batches' activations
+    if pp_i == layout.pp - 1:
+        acts += 2 * s * b * arch.vocab * 4  # fp32 logits and their log-softmax
+    gen_dp = plan.world_size // plan.gen_tp
+    tokens = math.ceil(m.rollout_seqs / gen_dp) * m.seq_len
+    kv = 2 * arch.layers * (arch.kv_heads // plan.gen_tp) * arch.head_dim * m.gen_bytes * tokens
+    parts = {
+        "params": 0 if m.param_offload else int(held),
+        "grads": own * m.param_bytes,
+        "optimizer": 0 if m.optimizer_offload else own * m.optim_bytes_per_param,
+        "activations": int(acts),
+        "fsdp_unshard": unshard,
+        "gen_weights": plan.gen_buffer_bytes(rank),
+        "kv_cache": kv,
+    }
+    parts["train_peak"] = parts["params"] + parts["grads"] + parts["optimizer"] + parts["activations"] + parts["fsdp_unshard"]
+    parts["gen_peak"] = parts["params"] + parts["optimizer"] + parts["gen_weights"] + parts["kv_cache"]
+    parts["peak"] = max(parts["train_peak"], parts["gen_peak"])
+    return parts
+
+
+def worst_memory(plan: ReshardPlan, arch: Arch, layout: TrainLayout, m: MemoryInputs) -> dict[str, int]:
+    """The memory plan of the rank with the highest peak (one rank per distinct (pp, gen) position)."""
+    return max((memory_plan(plan, arch, layout, m, r) for r in range(plan.world_size)), key=lambda d: d["peak"])
+
+
+def naive_transient_bytes(plan: ReshardPlan) -> int:
+    """The naive switch's extra: one layer's full tensors gathered at once (layer granularity)."""
+    per_layer: dict[str, int] = {}
+    for p in plan.params:
+        per_layer[p.layer] = per_layer.get(p.layer, 0) + math.prod(p.shape) * p.itemsize
+    return max(per_layer.values())
+
+
+def rows(arch: Arch, layout: TrainLayout, gen_tp: int, cluster: Cluster, m: MemoryInputs, switch_dtype: str = "bf16") -> list[dict]:
+    """The `hybridflow plan` rows for one (training layout, gen_tp): one per mode."""
+    plan = plan_for(arch, layout, gen_tp, DTYPE_BYTES[switch_dtype], m.strategy, cluster.gpus_per_node)
+    mem = worst_memory(plan, arch, layout, m)
+    out = []
+    for mode, cost in predict_switch(plan, cluster).items():
+        peak = mem["peak"] if mode == "optimized" else max(mem["train_peak"], mem["gen_peak"] + naive_transient_bytes(plan))
+        out.append(dict(
+            model=arch.name, train_layout=layout.label, gen_tp=gen_tp, gen_dp=layout.world // gen_tp, mode=mode,
+            bytes_per_rank=max(cost.bytes_per_rank), bytes_per_rank_mean=sum(cost.bytes_per_rank) / len(cost.bytes_per_rank),
+            cross_node_bytes=cost.cross_node_bytes, predicted_seconds=cost.predicted_seconds, collectives=cost.collectives,
+            memory_per_rank_bytes=peak, memory=mem, fits=peak <= cluster.memory_bytes, cluster=asdict(cluster),
+        ))
+    return out

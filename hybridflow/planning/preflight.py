@@ -1,0 +1,109 @@
+"""The pre-flight memory check `hybridflow train` runs before Ray or any worker starts.
+
+Per pool, every role placed on it keeps its resident state (parameters; optimizer state when it
+trains) for the whole run, and the phases take turns: the actor's update (gradients, activations,
+FSDP's unsharded layers), the actor's generation (generation weights, KV cache), the critic's
+update, the forward-only roles' logits. Pool peak = resident + the largest phase, from the same
+cost model as `hybridflow plan` (cost.py). The budget per worker: `trainer.memory_budget_gib`
+when set; else the GPU's memory on CUDA; else, on CPU, this machine's RAM shared by every worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from hybridflow.config.loader import ConfigError
+from hybridflow.config.schema import FSDPConfig, HybridFlowConfig
+from hybridflow.controller import resource_pool as rp
+from hybridflow.hybrid_engine.plan import TrainLayout
+from hybridflow.planning.arch import Arch, load_arch
+from hybridflow.planning.cost import DTYPE_BYTES, GIB, MemoryInputs, human, memory_plan, plan_for
+
+log = logging.getLogger(__name__)
+BUDGET_KEY = "trainer.memory_budget_gib"
+
+
+def _strategy(fc: FSDPConfig) -> str:
+    return fc.sharding_strategy or ("FULL_SHARD" if fc.reshard_after_forward else "SHARD_GRAD_OP")
+
+
+def _role_memory(arch: Arch, n: int, gen_tp: int, fc: FSDPConfig, m: MemoryInputs, trains: bool) -> dict[str, int]:
+    """The worst rank's memory plan of one role on a pool of `n` workers."""
+    plan = plan_for(arch, TrainLayout(dp=n), gen_tp, m.gen_bytes, m.strategy)
+    mem = max((memory_plan(plan, arch, TrainLayout(dp=n), m, r) for r in range(n)), key=lambda d: d["peak"])
+    if not trains:  # forward only: no gradients, optimizer state or generation
+        mem = dict(mem, grads=0, optimizer=0, gen_weights=0, kv_cache=0, activations=2 * m.micro_batch * m.seq_len * arch.vocab * 4)
+    return mem
+
+
+def pool_memory(cfg: HybridFlowConfig) -> dict[str, dict]:
+    """{pool: {"peak": bytes per worker, "parts": {role: memory plan}}} for the roles this run starts."""
+    arr, d = cfg.actor_rollout_ref, cfg.data
+    arch = load_arch(arr.model.path)
+    seq = d.max_prompt_length + d.max_response_length
+    per_role = {}
+    for role, pool in rp.role_pools(cfg).items():
+        n = rp.role_world_size(cfg, role)
+        fc = {rp.Role.CRITIC: cfg.critic.fsdp_config, rp.Role.REF: arr.ref.fsdp_config, rp.Role.REWARD_MODEL: cfg.reward_model.fsdp_config}.get(role, arr.actor.fsdp_config)
+        compute = DTYPE_BYTES.get(fc.mixed_precision or "fp32", 4)
+        m = MemoryInputs(param_bytes=4, compute_bytes=compute, gen_bytes=4, strategy=_strategy(fc), seq_len=seq,
+                         micro_batch=arr.actor.ppo_micro_batch_size_per_gpu, rollout_seqs=d.train_batch_size * arr.rollout.n,
+                         gradient_checkpointing=arr.model.enable_gradient_checkpointing, param_offload=fc.param_offload)
+        role_arch = load_arch(cfg.critic.model.path) if role == rp.Role.CRITIC and cfg.critic.model.path else arch
+        if role == rp.Role.REWARD_MODEL:
+            role_arch = load_arch(cfg.reward_model.model.path)
+        gen_tp = arr.rollout.tensor_model_parallel_size if role in (rp.Role.ACTOR_ROLLOUT, rp.Role.ROLLOUT) and n % arr.rollout.tensor_model_parallel_size == 0 else 1
+        trains = role in (rp.Role.ACTOR_ROLLOUT, rp.Role.CRITIC)
+        mem = _role_memory(role_arch, n, gen_tp, fc, m, trains)
+        if role == rp.Role.ROLLOUT:  # generation only: no optimizer, no update
+            mem = dict(mem, grads=0, optimizer=0, activations=0, fsdp_unshard=0)
+        per_role.setdefault(pool, {})[role.value] = mem
+    out = {}
+    for pool, roles in per_role.items():
+        resident = sum(m["params"] + m["optimizer"] for m in roles.values())
+        phases = [m["grads"] + m["activations"] + m["fsdp_unshard"] for m in roles.values()]
+        phases += [m["gen_weights"] + m["kv_cache"] for m in roles.values()]
+        out[pool] = {"peak": resident + max(phases), "resident": resident, "parts": roles}
+    return out
+
+
+def budget_bytes(cfg: HybridFlowConfig) -> tuple[float, str]:
+    """(bytes per worker, where the number comes from)."""
+    t = cfg.trainer
+    if t.memory_budget_gib is not None:
+        return t.memory_budget_gib * GIB, BUDGET_KEY
+    import torch
+
+    if t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available()):
+        if torch.cuda.is_available():
+            return float(torch.cuda.get_device_properties(0).total_memory), "the GPU's memory"
+        return float("inf"), f"unknown: the driver sees no GPU; set {BUDGET_KEY}"
+    workers = sum(rp.world_size(spec) for spec in rp.pool_specs(cfg).values())
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return total / max(1, workers), f"this machine's RAM / {workers} workers"
+
+
+def check_memory(cfg: HybridFlowConfig) -> dict[str, dict]:
+    """Log the per-worker estimate of every pool; raise ConfigError naming the budget and the keys
+    to change when one does not fit. Skipped (returns {}) when the model's config.json is unreadable
+    or of a family the planner does not know (the validator reports a missing model)."""
+    try:
+        pools = pool_memory(cfg)
+    except (ValueError, KeyError, OSError) as e:
+        log.info("memory pre-flight check skipped: %s", e)
+        return {}
+    budget, source = budget_bytes(cfg)
+    for pool, est in pools.items():
+        parts = {k: sum(m[k] for m in est["parts"].values()) for k in ("params", "grads", "optimizer", "activations", "gen_weights", "kv_cache")}
+        text = ", ".join(f"{k} {human(v)}" for k, v in parts.items())
+        log.info("memory plan per worker of pool %s (%s): %s; peak %s of budget %s (%s)", pool, "+".join(est["parts"]),
+                 text, human(est["peak"]), human(budget), source)
+        if est["peak"] > budget:
+            raise ConfigError(
+                f"memory: the estimated peak per worker of pool {pool} ({'+'.join(est['parts'])}) is {human(est['peak'])} ({text}) "
+                f"but the budget is {human(budget)} ({source}); add workers (trainer.n_gpus_per_node / trainer.nnodes), lower "
+                f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu or data.max_response_length, raise "
+                f"actor_rollout_ref.rollout.tensor_model_parallel_size, set actor_rollout_ref.model.enable_gradient_checkpointing=true, "
+                f"or raise {BUDGET_KEY}")
+    return pools

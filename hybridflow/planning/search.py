@@ -1,0 +1,82 @@
+"""Which layouts are valid for a model and a device count, and which is best.
+
+Training layouts pp x tp x dp = devices; generation TP sizes gen_tp. Each invalid combination
+comes with its reason (heads not divisible, layers not divisible, gen_tp not compatible with the
+training layout, does not fit the device memory). Valid ones rank by predicted switch seconds,
+then by memory headroom.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridflow.hybrid_engine.plan import TrainLayout
+from hybridflow.planning.arch import Arch
+from hybridflow.planning.cost import GIB, Cluster, MemoryInputs, rows
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layout_problems(arch: Arch, layout: TrainLayout, gpus_per_node: int | None = None) -> list[str]:
+    out = []
+    if gpus_per_node and layout.tp > gpus_per_node:
+        out.append(f"training tp={layout.tp} spans nodes ({gpus_per_node} devices each): its all-reduces in every layer would cross them")
+    for what, heads in (("attention heads", arch.heads), ("KV heads", arch.kv_heads)):
+        if heads % layout.tp:
+            out.append(f"training tp={layout.tp} does not divide the {heads} {what}")
+    if arch.layers % layout.pp:
+        out.append(f"pp={layout.pp} does not divide the {arch.layers} decoder layers")
+    return out
+
+
+def gen_tp_problems(arch: Arch, layout: TrainLayout, gen_tp: int) -> list[str]:
+    out = []
+    if layout.world % gen_tp:
+        return [f"gen_tp={gen_tp} does not divide the {layout.world} devices"]
+    for what, heads in (("attention heads", arch.heads), ("KV heads", arch.kv_heads)):
+        if heads % gen_tp:
+            out.append(f"gen_tp={gen_tp} does not divide the {heads} {what}")
+    m = layout.tp * layout.dp
+    if m % gen_tp and (gen_tp % m or layout.pp % (gen_tp // m)):
+        out.append(f"gen_tp={gen_tp} must divide tp*dp={m} of {layout.label} (or be tp*dp times a divisor of pp={layout.pp}): "
+                   f"otherwise a generation slice is not made of whole training slices")
+    return out
+
+
+def train_layouts(devices: int) -> list[TrainLayout]:
+    return [TrainLayout(pp, tp, devices // (pp * tp)) for pp in divisors(devices) for tp in divisors(devices // pp)]
+
+
+@dataclass
+class Invalid:
+    train_layout: str
+    gen_tp: int | None
+    reason: str
+
+
+def search(arch: Arch, cluster: Cluster, m: MemoryInputs, switch_dtype: str = "bf16", layouts: list[TrainLayout] | None = None,
+           gen_tps: list[int] | None = None) -> tuple[list[dict], list[Invalid]]:
+    """(ranked optimized rows, each with its naive seconds; invalid combinations with reasons)."""
+    ranked, invalid = [], []
+    for layout in layouts or train_layouts(cluster.world):
+        bad = layout_problems(arch, layout, cluster.gpus_per_node)
+        if bad:
+            invalid.append(Invalid(layout.label, None, "; ".join(bad)))
+            continue
+        for gen_tp in gen_tps or divisors(layout.world):
+            bad = gen_tp_problems(arch, layout, gen_tp)
+            if bad:
+                invalid.append(Invalid(layout.label, gen_tp, "; ".join(bad)))
+                continue
+            opt, naive = rows(arch, layout, gen_tp, cluster, m, switch_dtype)
+            if not opt["fits"]:
+                invalid.append(Invalid(layout.label, gen_tp, f"does not fit: peak {opt['memory_per_rank_bytes'] / GIB:.1f} GiB per rank "
+                                                             f"> {cluster.memory_bytes / GIB:.1f} GiB"))
+                continue
+            opt["naive_seconds"] = naive["predicted_seconds"]
+            opt["headroom_bytes"] = cluster.memory_bytes - opt["memory_per_rank_bytes"]
+            ranked.append(opt)
+    ranked.sort(key=lambda r: (r["predicted_seconds"], -r["headroom_bytes"]))
+    return ranked, invalid
