@@ -104,9 +104,15 @@ def test_bad_inputs_are_one_line_without_a_traceback(tmp_path, tiny_model_dir, t
         ([f"data.train_files=[{tmp_path / 'notparquet.parquet'}]"], f"data error: cannot read parquet file {tmp_path / 'notparquet.parquet'}"),
         ([f"data.train_files=[{unknown}]"], "config error: data: no built-in reward for data_source 'my_task'"),
         ([f"data.train_files=[{task_dir}/train.parquet]", "actor_rollout_ref.model.dtype=fp8"], "config error: invalid RL config"),
+        # the pre-flight memory check: the estimate, the budget and the key to change
+        ([f"data.train_files=[{task_dir}/train.parquet]", "trainer.memory_budget_gib=0.001"],
+         "config error: memory: the estimated peak per worker of pool global_pool (actor_rollout) is"),
     ]
     for extra, message in cases:
         proc = run_cli("train", "configs/grpo_tiny.yaml", *base, *extra)
         assert proc.returncode == 1, proc.stderr
-        assert proc.stderr.strip().startswith(message), proc.stderr
+        err = "\n".join(line for line in proc.stderr.splitlines() if not line.startswith("[INFO]")).strip()  # the memory plan's log line
+        assert err.startswith(message), proc.stderr
         assert "Traceback" not in proc.stderr and "Started a local Ray instance" not in proc.stderr
+        if "memory" in message:
+            assert "but the budget is 1.02 MiB (trainer.memory_budget_gib)" in proc.stderr, proc.stderr

@@ -1,4 +1,5 @@
-"""The 3D-HybridEngine: planner volumes by hand, and bit-exact resharding in every valid layout.
+"""The 3D-HybridEngine: planner volumes by hand, and bit-exact resharding in every valid layout
+(with `hybridflow plan`'s bytes from config.json alone equal to the measured ones).
 
 Multi-rank checks spawn gloo processes (N = 2 and 4) that build the real pieces: an FSDP2 actor
 sharded along the generation TP dims, a DTensor tensor-parallel rollout model, and the engine.
@@ -12,7 +13,7 @@ import socket
 import pytest
 import torch
 
-from hybridflow.hybrid_engine.plan import ReshardPlan, chunk_interval
+from hybridflow.hybrid_engine.plan import ReshardPlan, TrainLayout, chunk_interval
 
 pytestmark = pytest.mark.slow
 
@@ -78,6 +79,8 @@ def _layouts_worker(rank: int, world: int, port: int, models: dict) -> None:
     from hybridflow.hybrid_engine.executor import HybridEngine, local
     from hybridflow.parallel.fsdp import apply_fsdp2, make_mesh
     from hybridflow.parallel.tensor_parallel import apply_tensor_parallel, fsdp_shard_placement_fn, gen_mesh, gen_shard_dims
+    from hybridflow.planning.arch import load_arch
+    from hybridflow.planning.cost import plan_for
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
@@ -93,6 +96,8 @@ def _layouts_worker(rank: int, world: int, port: int, models: dict) -> None:
                 if tp > 1:
                     apply_tensor_parallel(rollout, gen_mesh("cpu", world, tp)["tp"])
                 engine = HybridEngine(actor, rollout, dims, tp, HybridEngineConfig(granularity=granularity), "cpu")
+                # `hybridflow plan`'s prediction from config.json alone (no model, no processes)
+                planned = plan_for(load_arch(path), TrainLayout(dp=world), tp, F32, strategy)
                 # Train a step so the trained weights differ from what the rollout loaded from disk.
                 actor(input_ids=ids, labels=ids).loss.backward()
                 opt.step()
@@ -104,6 +109,7 @@ def _layouts_worker(rank: int, world: int, port: int, models: dict) -> None:
                     assert engine.max_abs_diff() == 0.0, where  # bit-exact generation weights
                     expected = engine.plan.min_bytes(rank) if optimized else engine.plan.naive_bytes(rank)
                     assert stats["bytes_received"] == expected, where
+                    assert stats["bytes_received"] == (planned.min_bytes if optimized else planned.naive_bytes)(rank), where
                 # The rollout (TP) computes what the trained model computes.
                 with torch.no_grad():
                     ref = actor(input_ids=ids).logits

@@ -1,0 +1,166 @@
+"""`hybridflow plan`: parameter tables from config alone, 3D-layout boxes, the cost model by hand,
+search reasons, calibration and the pre-flight memory check. (Predicted bytes == the engine's
+measured bytes in every layout it runs: tests/test_hybrid_engine.py.)"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from hybridflow.hybrid_engine.plan import ReshardPlan, TrainLayout, intersect, volume
+from hybridflow.planning.arch import PRESETS, Arch, load_arch
+from hybridflow.planning.cost import GIB, Cluster, MemoryInputs, plan_for, predict_switch, rows
+from hybridflow.planning.search import search
+
+F32 = 4
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_preset_parameter_table_is_what_transformers_builds(preset):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(PRESETS[preset])
+    hf = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf)
+    assert {n: tuple(p.shape) for n, p in model.named_parameters()} == load_arch(preset).param_shapes()
+
+
+def test_checkpoint_parameter_table(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from hybridflow.models.tiny import make_tiny_model
+
+    for path in (tiny_model_dir, make_tiny_model(tmp_path / "llama", arch="llama", hidden_size=64, num_attention_heads=4,
+                                                  num_key_value_heads=2, intermediate_size=96, tie_word_embeddings=True)):
+        model = AutoModelForCausalLM.from_pretrained(path)
+        assert {n: tuple(p.shape) for n, p in model.named_parameters()} == load_arch(str(path)).param_shapes()
+    with pytest.raises(ValueError, match="neither a preset"):
+        load_arch(str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="model_type 'gpt2'"):
+        Arch.from_config({"model_type": "gpt2", "num_attention_heads": 2})
+
+
+LAYOUTS = ["dp4", "tp2xdp2", "pp2xdp2", "pp2xtp2", "tp4", "pp4", "pp2xtp2xdp1"]
+
+
+@pytest.mark.parametrize("label", LAYOUTS)
+def test_3d_training_boxes_partition_every_parameter_and_sit_inside_the_generation_box(label):
+    """Every parameter's training boxes are a partition (replicas identical, others disjoint); the
+    training box of a rank lies inside its generation box whenever gen_tp divides tp*dp (HybridFlow's
+    grouping), so it receives exactly need - own; a generation slice is a sub-slice of the
+    training one when tp*dp divides gen_tp."""
+    layout = TrainLayout.parse(label)
+    arch = Arch.from_config(dict(model_type="qwen2", hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+                                 intermediate_size=128, vocab_size=96))
+    m = layout.tp * layout.dp
+    for gen_tp in (1, 2, 4):
+        if m % gen_tp and (gen_tp % m or layout.pp % (gen_tp // m)):
+            continue
+        plan = plan_for(arch, layout, gen_tp, F32)
+        gen_index = {}
+        for p in plan.params:
+            boxes = {b for b in p.own if volume(b)}
+            assert sum(volume(b) for b in boxes) == math.prod(p.shape), (label, gen_tp, p.name)
+            assert all(a == b or not intersect(a, b) for a in boxes for b in boxes)
+            for r, (own, need) in enumerate(zip(p.own, p.need)):
+                if not volume(own):
+                    continue
+                inside = volume(intersect(own, need)) == volume(own)
+                contains = volume(intersect(own, need)) == volume(need)
+                if p.gen_dim is not None and m % gen_tp == 0:
+                    assert inside, (label, gen_tp, p.name, r)
+                if p.gen_dim is not None and gen_tp % m == 0:
+                    assert contains, (label, gen_tp, p.name, r)
+                if p.gen_dim is not None:
+                    gen_index[r] = need
+        # every generation TP group (same DP index) holds each TP slice exactly once
+        assert len({plan.params[1].need[r] for r in range(layout.world)}) == gen_tp
+
+
+def test_pipeline_layout_bytes_by_hand():
+    """pp2 x dp2, gen_tp 2, two layers of one [8, 4] column-parallel weight (fp32): rank r holds rows
+    of its own stage's layer only (FSDP over dp along dim 0) and is generation TP index dp_i, so it
+    lacks nothing of its own layer and all of its generation rows (4 x 4) of the other stage's."""
+    shapes = {f"model.layers.{i}.self_attn.q_proj.weight": ((8, 4), F32, 0, 0) for i in range(2)}
+    plan = ReshardPlan.build(shapes, 4, 2, layout=TrainLayout(pp=2, dp=2))
+    assert [plan.min_bytes(r) for r in range(4)] == [16 * F32] * 4
+    assert [plan.naive_bytes(r) for r in range(4)] == [(64 - 16) * F32] * 4
+    assert plan.params[0].own[2] == ((0, 0), (0, 0)) and plan.params[1].own[2] == ((0, 4), (0, 4))
+    with pytest.raises(ValueError, match="does not fit the training layout"):
+        ReshardPlan.build(shapes, 6, 2, layout=TrainLayout(pp=2, tp=3))  # 2 neither divides tp*dp = 3 nor is a multiple
+    assert ReshardPlan.build(shapes, 4, 4, layout=TrainLayout(pp=2, dp=2)).min_bytes(0) == 8 * F32
+
+
+def test_switch_seconds_by_hand():
+    """dp4 on 2 nodes x 2 devices, gen_tp 2: the micro-DP groups {0,1}, {2,3} stay inside a node.
+    One [8, 4] weight: each rank receives 8 floats from one peer -> 32 B / intra bw + 1 latency,
+    then copies its 16-float generation slice. Naive: 24 floats from 3 holders, across nodes."""
+    c = Cluster(nodes=2, gpus_per_node=2, intra_node_bw=100.0, inter_node_bw=10.0, latency_s=0.5, copy_bw=64.0)
+    plan = ReshardPlan.build({"model.layers.0.mlp.up_proj.weight": ((8, 4), F32, 0, 0)}, 4, 2, procs_per_node=2)
+    cost = predict_switch(plan, c)
+    assert cost["optimized"].bytes_per_rank == [32] * 4 and cost["optimized"].cross_node_bytes == 0
+    assert cost["optimized"].predicted_seconds == pytest.approx(32 / 100 + 0.5 + 64 / 64)
+    assert cost["naive"].bytes_per_rank == [96] * 4 and cost["naive"].cross_node_bytes == 4 * 64
+    assert cost["naive"].predicted_seconds == pytest.approx(96 / 10 + 3 * 0.5 + 64 / 64)
+
+
+def test_memory_plan_shards_and_kv_cache():
+    arch = load_arch("llama3-8b")
+    m = MemoryInputs(rollout_seqs=256, seq_len=1024)
+    (opt, naive) = rows(arch, TrainLayout(dp=8), 4, Cluster(), m)
+    mem = opt["memory"]
+    n = arch.num_params()
+    assert mem["params"] == pytest.approx(n * 4 / 8, rel=1e-3) and mem["optimizer"] == 2 * mem["params"]
+    assert mem["gen_weights"] == pytest.approx(n * 2 / 4, rel=1e-3)  # bf16 generation slice of gen_tp 4
+    assert mem["kv_cache"] == 2 * 32 * (8 // 4) * 128 * 2 * (256 // 2) * 1024  # 2 generation replicas
+    assert opt["memory_per_rank_bytes"] == max(mem["train_peak"], mem["gen_peak"])
+    layer = sum(math.prod(s) for k, s in arch.param_shapes().items() if ".layers.0." in k) * 2  # the naive switch's full bf16 layer
+    assert naive["memory_per_rank_bytes"] == max(mem["train_peak"], mem["gen_peak"] + max(layer, 128256 * 4096 * 2))
+
+
+def test_search_ranks_and_says_why(tmp_path):
+    arch = load_arch("qwen2.5-7b")  # 28 heads, 4 KV heads, 28 layers
+    ranked, invalid = search(arch, Cluster(nodes=1, gpus_per_node=8), MemoryInputs())
+    reasons = {(i.train_layout, i.gen_tp): i.reason for i in invalid}
+    assert "does not divide the 4 KV heads" in reasons[("dp8", 8)]
+    assert "does not divide the 28 decoder layers" in reasons[("pp8xdp1", None)]
+    assert "does not divide the 4 KV heads" in reasons[("tp8xdp1", None)]
+    secs = [r["predicted_seconds"] for r in ranked]
+    assert secs == sorted(secs) and all(r["fits"] for r in ranked)
+    _, small = search(arch, Cluster(nodes=1, gpus_per_node=2, memory_bytes=8 * GIB), MemoryInputs(), layouts=[TrainLayout(dp=2)])
+    assert any(i.reason.startswith("does not fit: peak") for i in small)
+
+
+def test_plan_cli_json(tmp_path, capsys):
+    from hybridflow.planning.cli import main_plan
+
+    out = tmp_path / "plan.json"
+    main_plan("--preset llama3-8b --nodes 8 --gpus-per-node 8 --train-layout pp2xtp8xdp4 --gen-tp 4,8 --json".split() + [str(out)])
+    data = json.loads(out.read_text())["rows"]
+    assert [(r["gen_tp"], r["mode"]) for r in data] == [(4, "optimized"), (4, "naive"), (8, "optimized"), (8, "naive")]
+    for r in data:
+        assert {"mode", "bytes_per_rank", "cross_node_bytes", "predicted_seconds", "memory_per_rank_bytes"} <= set(r)
+    opt4, naive4 = data[:2]
+    assert opt4["bytes_per_rank"] < naive4["bytes_per_rank"] and opt4["predicted_seconds"] < naive4["predicted_seconds"]
+    assert "memory plan per rank" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="does not divide the 8 KV heads"):
+        main_plan("--preset llama3-8b --nodes 8 --gpus-per-node 8 --train-layout pp2xtp8xdp4 --gen-tp 16".split())
+    with pytest.raises(SystemExit, match="has 8 ranks but the cluster has 64"):
+        main_plan("--preset llama3-8b --nodes 8 --gpus-per-node 8 --train-layout tp8".split())
+
+
+@pytest.mark.slow
+def test_calibration_feeds_the_cli(tmp_path, capsys):
+    from hybridflow.planning.cli import main_plan
+
+    path = tmp_path / "cal.json"
+    main_plan(["--calibrate", "--procs", "2", "--out", str(path)])
+    cal = json.loads(path.read_text())
+    assert cal["bandwidth"] > 0 and cal["copy_bw"] > 0 and len(cal["points"]) == 3
+    main_plan(["--preset", "smollm2-135m", "--gpus-per-node", "2", "--gen-tp", "1", "--calibration", str(path), "--json", str(tmp_path / "p.json")])
+    row = json.loads((tmp_path / "p.json").read_text())["rows"][0]
+    assert row["cluster"]["intra_node_bw"] == cal["intra_node_bw"]
