@@ -37,14 +37,15 @@ def _role_memory(arch: Arch, n: int, gen_tp: int, fc: FSDPConfig, m: MemoryInput
     return mem
 
 
-def pool_memory(cfg: HybridFlowConfig) -> dict[str, dict]:
-    """{pool: {"peak": bytes per worker, "parts": {role: memory plan}}} for the roles this run starts."""
+def pool_memory(cfg: HybridFlowConfig, roles: list[rp.Role] | None = None) -> dict[str, dict]:
+    """{pool: {"peak": bytes per worker, "parts": {role: memory plan}}} for the roles this run starts
+    (`roles`: default the RL roles, `rp.active_roles`)."""
     arr, d = cfg.actor_rollout_ref, cfg.data
     arch = load_arch(arr.model.path)
     seq = d.max_prompt_length + d.max_response_length
     per_role = {}
-    for role, pool in rp.role_pools(cfg).items():
-        n = rp.role_world_size(cfg, role)
+    for role, pool in rp.role_pools(cfg, roles).items():
+        n = rp.role_world_size(cfg, role, roles)
         fc = {rp.Role.CRITIC: cfg.critic.fsdp_config, rp.Role.REF: arr.ref.fsdp_config, rp.Role.REWARD_MODEL: cfg.reward_model.fsdp_config}.get(role, arr.actor.fsdp_config)
         compute = DTYPE_BYTES.get(fc.mixed_precision or "fp32", 4)
         m = MemoryInputs(param_bytes=4, compute_bytes=compute, gen_bytes=4, strategy=_strategy(fc), seq_len=seq,
@@ -84,12 +85,12 @@ def budget_bytes(cfg: HybridFlowConfig) -> tuple[float, str]:
     return total / max(1, workers), f"this machine's RAM / {workers} workers"
 
 
-def check_memory(cfg: HybridFlowConfig) -> dict[str, dict]:
+def check_memory(cfg: HybridFlowConfig, roles: list[rp.Role] | None = None) -> dict[str, dict]:
     """Log the per-worker estimate of every pool; raise ConfigError naming the budget and the keys
     to change when one does not fit. Skipped (returns {}) when the model's config.json is unreadable
     or of a family the planner does not know (the validator reports a missing model)."""
     try:
-        pools = pool_memory(cfg)
+        pools = pool_memory(cfg, roles)
     except (ValueError, KeyError, OSError) as e:
         log.info("memory pre-flight check skipped: %s", e)
         return {}

@@ -79,8 +79,8 @@ class RLTrainer:
         if engine_kwargs:
             cfg = apply_engine_kwargs(cfg, **engine_kwargs)
         validate_config(cfg, self.KIND)  # before any worker (or Ray) starts
-        check_memory(cfg)  # the estimated peak per worker fits the device (planning/preflight.py)
         self.cfg = cfg
+        check_memory(cfg, self._roles())  # the estimated peak per worker fits the device (planning/preflight.py)
         mcfg = cfg.actor_rollout_ref.model
         self.tokenizer = AutoTokenizer.from_pretrained(mcfg.tokenizer_path or mcfg.path)
         d = cfg.data
