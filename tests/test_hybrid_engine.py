@@ -91,11 +91,12 @@ def _layouts_worker(rank: int, world: int, port: int, models: dict) -> None:
         opt = torch.optim.SGD(actor.parameters(), lr=0.1)
         ids = torch.randint(3, 200, (2, 7))
         for tp in tps:
-            for granularity in ("layer", "full"):
+            # layer granularity: coalesced + pipelined; kept: generation buffers stay allocated between switches
+            for granularity, keep in (("layer", False), ("full", False), ("layer", True)):
                 rollout = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
                 if tp > 1:
                     apply_tensor_parallel(rollout, gen_mesh("cpu", world, tp)["tp"])
-                engine = HybridEngine(actor, rollout, dims, tp, HybridEngineConfig(granularity=granularity), "cpu")
+                engine = HybridEngine(actor, rollout, dims, tp, HybridEngineConfig(granularity=granularity, keep_generation_buffers=keep), "cpu")
                 # `hybridflow plan`'s prediction from config.json alone (no model, no processes)
                 planned = plan_for(load_arch(path), TrainLayout(dp=world), tp, F32, strategy)
                 # Train a step so the trained weights differ from what the rollout loaded from disk.
@@ -105,7 +106,7 @@ def _layouts_worker(rank: int, world: int, port: int, models: dict) -> None:
                 for optimized in (True, False):
                     engine.release()
                     stats = engine.reshard(optimized=optimized)
-                    where = f"{label} N={world} tp={tp} {granularity} optimized={optimized} rank {rank}"
+                    where = f"{label} N={world} tp={tp} {granularity} keep={keep} optimized={optimized} rank {rank}"
                     assert engine.max_abs_diff() == 0.0, where  # bit-exact generation weights
                     expected = engine.plan.min_bytes(rank) if optimized else engine.plan.naive_bytes(rank)
                     assert stats["bytes_received"] == expected, where
@@ -117,9 +118,14 @@ def _layouts_worker(rank: int, world: int, port: int, models: dict) -> None:
                 assert (ref - got).abs().max() < 1e-4, f"{label} tp={tp}"
                 # generation -> training moves nothing and leaves the training shards as they were.
                 before = [local(p.data).clone() for p in actor.parameters()]
+                pages = [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in engine.gen_buffers()]
                 assert engine.release() == 0
                 assert all(torch.equal(a, local(p.data)) for a, p in zip(before, actor.parameters()))
-                assert not engine.acquired and all(t.untyped_storage().nbytes() == 0 for t in engine.gen_buffers())
+                assert not engine.acquired  # stale until the next reshard, kept or not
+                if keep:  # the same storages, still allocated: the next reshard writes into them
+                    assert pages == [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in engine.gen_buffers()]
+                else:
+                    assert all(t.untyped_storage().nbytes() == 0 for t in engine.gen_buffers())
     dist.destroy_process_group()
 
 

@@ -140,6 +140,9 @@ class HybridEngineConfig:
     resharding_buffer_percent: float = 0.1  # reusable staging buffer, as a fraction of model bytes; in (0, 1)
     granularity: str = "layer"  # layer (one decoder layer at a time) | full (the whole model at once)
     measure_baseline: bool = True  # time the naive path once per run, for the comparison log line
+    # Keep the generation buffers allocated between steps (no re-allocation and page faults per
+    # switch). None = decided by the pre-flight memory plan: kept when they fit next to training.
+    keep_generation_buffers: Optional[bool] = None
 
 
 @dataclass

@@ -10,7 +10,10 @@ Per parameter (see plan.py for the layouts):
 The naive baseline (`optimized=False`) gathers every full parameter over all ranks, then slices.
 
 Generation buffers are the generation model's parameter storages: `release()` frees them after
-rollout and `acquire()` re-allocates them before the next reshard. The training shards are never
+rollout (unless `keep_generation_buffers`) and `acquire()` re-allocates them before the next
+reshard. Layer granularity coalesces each layer's aligned parameters into one all-gather per
+process group (flat send/receive slices of a two-slot staging buffer) and keeps layer i+1's
+gathers in flight while layer i is copied into place. The training shards are never
 touched, so the reverse switch (generation -> training) moves nothing.
 """
 
@@ -106,11 +109,14 @@ class HybridEngine:
         per_layer = {}
         for p in self.plan.params:
             per_layer[p.layer] = per_layer.get(p.layer, 0) + self._staging_numel(p)
-        self.layer_staging_bytes = max(per_layer.values()) * itemsize
+        # Layer granularity double-buffers: layer i+1 gathers into one slot while layer i is copied
+        # out of the other, so the staging holds two layers.
+        self.slot_numel = max([1, *per_layer.values()])
+        self.layer_staging_bytes = (2 if cfg.granularity == "layer" else 1) * max(per_layer.values()) * itemsize
         self.gen_allocation_bytes = sum(allocation_bytes(p.gen_bytes(self.rank), device) for p in self.plan.params)
         want = int(cfg.resharding_buffer_percent * self.plan.model_bytes() / itemsize)
         # Only layer granularity uses it; full granularity allocates its temporaries per switch.
-        size = max([want, 1, *per_layer.values()]) if cfg.granularity == "layer" else 1
+        size = max(want, 2 * self.slot_numel) if cfg.granularity == "layer" else 1
         self.staging = torch.empty(size, dtype=self.dtype, device=device)
 
     def _sharded_params(self) -> dict[str, nn.Parameter]:
@@ -127,9 +133,12 @@ class HybridEngine:
         return [local(p.data) for p in self.gen.values()]
 
     def release(self) -> int:
-        """Free the generation buffers (after rollout). Moves nothing: returns bytes moved (0)."""
-        for t in self.gen_buffers():
-            t.untyped_storage().resize_(0)
+        """After rollout: the generation weights are stale until the next reshard. Their buffers are
+        freed unless `keep_generation_buffers` (then the next reshard writes into the same pages: no
+        re-allocation, no page faults). Moves nothing: returns bytes moved (0)."""
+        if not self.cfg.keep_generation_buffers:
+            for t in self.gen_buffers():
+                t.untyped_storage().resize_(0)
         self.acquired = False
         return 0
 
@@ -137,7 +146,8 @@ class HybridEngine:
         if self.acquired:
             return
         for t in self.gen_buffers():
-            t.untyped_storage().resize_(t.numel() * t.element_size())
+            if t.untyped_storage().nbytes() == 0:
+                t.untyped_storage().resize_(t.numel() * t.element_size())
         self.acquired = True
 
     # ------------------------------------------------------------------ staging
@@ -146,7 +156,12 @@ class HybridEngine:
         if not p.moves:
             return 0
         if p.aligned:
-            return 0 if p.train_dim == 0 or len(p.group[r]) == 1 else volume(p.need[r])
+            size = len(p.group[r])
+            if size == 1:
+                return 0
+            if self.cfg.granularity == "layer":  # coalesced: packed send + gathered receive
+                return (1 + size) * volume(p.own[r])
+            return 0 if p.train_dim == 0 else volume(p.need[r])
         send = sum(volume(intersect(p.own[r], p.need[d])) for d in range(self.world) if d != r)
         recv = sum(volume(intersect(p.own[s], p.need[r])) for s in range(self.world) if s != r)
         return send + recv
@@ -202,6 +217,41 @@ class HybridEngine:
             copies.append((crop(gen, mine, need), crop(train, mine, own)))
         return sum(recv_sizes) * train.element_size()
 
+    def _launch_layer(self, params: list[ParamPlan], base: int) -> tuple[list, int]:
+        """Start one coalesced all-gather per process group for the layer's aligned, moving
+        parameters: their shards packed into one flat send slice of the staging slot at `base`,
+        gathered asynchronously into a flat receive slice after it. Returns (pending, next offset)."""
+        r = self.rank
+        by_group: dict[bool, list[ParamPlan]] = {}
+        for p in params:
+            if p.moves and p.aligned and len(p.group[r]) > 1:
+                by_group.setdefault(p.tp_sharded, []).append(p)
+        pending, offset = [], base
+        for tp_sharded, ps in by_group.items():
+            size, c = len(ps[0].group[r]), sum(volume(p.own[r]) for p in ps)
+            send, recv = self.staging[offset : offset + c], self.staging[offset + c : offset + (1 + size) * c]
+            offset += (1 + size) * c
+            torch.cat([local(self.train[p.name].data).reshape(-1) for p in ps], out=send)
+            work = _all_gather(recv, send, group=self.micro_group if tp_sharded else None, async_op=True)
+            pending.append((ps, size, c, recv, work))
+        return pending, offset
+
+    def _finish_layer(self, pending: list) -> int:
+        """Wait for the layer's gathers and copy each parameter's pieces into its generation buffer:
+        piece j of every parameter came from group rank j and lands at slot j of its shard dim."""
+        received = 0
+        for ps, size, c, recv, work in pending:
+            work.wait()
+            flat, offset = recv.view(size, c), 0
+            for p in ps:
+                shape = tuple(hi - lo for lo, hi in p.own[self.rank])
+                n, d = math.prod(shape), p.train_dim
+                gen = local(self.gen[p.name].data)
+                gen.unflatten(d, (size, shape[d])).copy_(flat[:, offset : offset + n].unflatten(1, shape).movedim(0, d))
+                offset += n
+                received += (size - 1) * n * gen.element_size()
+        return received
+
     def _naive(self, p: ParamPlan, train_param: torch.Tensor, gen: torch.Tensor, copies: list, keep: list) -> int:
         full = train_param.full_tensor() if isinstance(train_param, DTensor) else train_param
         keep.append(full)  # full granularity holds every gathered tensor until the copies
@@ -218,10 +268,14 @@ class HybridEngine:
         by_layer: dict[str, list[ParamPlan]] = {}
         for p in self.plan.params:
             by_layer.setdefault(p.layer, []).append(p)
+        layers = list(by_layer)
         with PeakMemory(self.device) as mem:  # includes (re-)allocating the generation buffers
             self.acquire()
             copies: list = []
             keep: list = []
+            if optimized and self.cfg.granularity == "layer":
+                received += self._reshard_layers(list(by_layer.items()), optimized)
+                by_layer = {}
             for layer, params in by_layer.items():
                 pool = [0]  # staging offset, reset per layer
                 with self.trace.span(f"gather {layer}", "gather", optimized=optimized):
@@ -249,14 +303,42 @@ class HybridEngine:
             keep.clear()
         return {
             "seconds": time.perf_counter() - start,
+            "layers": layers,
             "bytes_received": received,
             "peak_extra_bytes": mem.extra_bytes,
             # Theory: the generation slices themselves, plus (optimized) at most one layer's staging
             # or (naive) the full tensors gathered at once: one layer's, or the whole model's.
             "theory_extra_bytes": self.gen_allocation_bytes + (self.layer_staging_bytes if optimized else self._naive_transient_bytes()),
-            "layers": list(by_layer),
             "optimized": optimized,
         }
+
+    def _reshard_layers(self, layers: list[tuple[str, list[ParamPlan]]], optimized: bool) -> int:
+        """Layer granularity, optimized: layer i+1's coalesced gathers are in flight while layer i
+        is copied into place (two staging slots, alternating)."""
+        received = 0
+        pending, _ = self._launch_layer(layers[0][1], 0)
+        for i, (layer, params) in enumerate(layers):
+            base = (i % 2) * self.slot_numel
+            with self.trace.span(f"gather {layer}", "gather", optimized=optimized):
+                offset = base + sum((1 + size) * c for _, size, c, _, _ in pending)
+                nxt = self._launch_layer(layers[i + 1][1], ((i + 1) % 2) * self.slot_numel)[0] if i + 1 < len(layers) else []
+                copies: list = []
+                for p in params:
+                    if p.moves and p.aligned and len(p.group[self.rank]) > 1:
+                        continue  # in `pending`
+                    train, gen = local(self.train[p.name].data), local(self.gen[p.name].data)
+                    if p.moves:
+                        pool = [offset]
+                        received += self._exchange(p, train, gen, pool, copies) if not p.aligned else 0
+                        offset = pool[0]
+                    if not p.moves or p.aligned:  # nothing to fetch (size-1 group, or gen_tp = N)
+                        copies.append((gen, crop(train, p.need[self.rank], p.own[self.rank])))
+            with self.trace.span(f"copy {layer}", "copy"):
+                for dst, src in copies:
+                    dst.copy_(src)
+                received += self._finish_layer(pending)
+            pending = nxt
+        return received
 
     def _naive_transient_bytes(self) -> int:
         full = {}

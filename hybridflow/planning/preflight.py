@@ -88,7 +88,8 @@ def budget_bytes(cfg: HybridFlowConfig) -> tuple[float, str]:
 def check_memory(cfg: HybridFlowConfig, roles: list[rp.Role] | None = None) -> dict[str, dict]:
     """Log the per-worker estimate of every pool; raise ConfigError naming the budget and the keys
     to change when one does not fit. Skipped (returns {}) when the model's config.json is unreadable
-    or of a family the planner does not know (the validator reports a missing model)."""
+    or of a family the planner does not know (the validator reports a missing model). Also resolves
+    `actor_rollout_ref.hybrid_engine.keep_generation_buffers: null` (keep when they fit)."""
     try:
         pools = pool_memory(cfg, roles)
     except (ValueError, KeyError, OSError) as e:
@@ -107,4 +108,11 @@ def check_memory(cfg: HybridFlowConfig, roles: list[rp.Role] | None = None) -> d
                 f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu or data.max_response_length, raise "
                 f"actor_rollout_ref.rollout.tensor_model_parallel_size, set actor_rollout_ref.model.enable_gradient_checkpointing=true, "
                 f"or raise {BUDGET_KEY}")
+    he = cfg.actor_rollout_ref.hybrid_engine
+    if he.keep_generation_buffers is None:  # derived once here, passed to the workers in the config
+        actor = pools.get(rp.role_pools(cfg, roles).get(rp.Role.ACTOR_ROLLOUT), {})
+        kept = actor.get("parts", {}).get(rp.Role.ACTOR_ROLLOUT.value, {}).get("gen_weights", 0)
+        he.keep_generation_buffers = bool(actor) and actor["peak"] + kept <= budget
+        log.info("generation buffers %s between steps (actor_rollout_ref.hybrid_engine.keep_generation_buffers=%s, memory plan)",
+                 "kept" if he.keep_generation_buffers else "released", he.keep_generation_buffers)
     return pools
