@@ -31,6 +31,7 @@ from hybridflow.algorithms.losses import (
     masked_sum,
     masked_var,
     masked_whiten,
+    micro_weight,
 )
 
 __all__ = [
@@ -58,6 +59,7 @@ __all__ = [
     "masked_mean",
     "masked_sum",
     "masked_var",
+    "micro_weight",
     "masked_whiten",
     "register_adv_estimator",
 ]

@@ -59,6 +59,15 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str
     raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; choose one of {list(LOSS_AGG_MODES)}")
 
 
+def micro_weight(mb_mask: torch.Tensor, mini_mask: torch.Tensor, loss_agg_mode: str) -> float:
+    """The share of a micro-batch's loss in its mini-batch's, so the accumulated gradient is the
+    mini-batch loss however the mini-batch is cut (fixed or token-budget micro-batches): its share of
+    the valid tokens for token-mean, of the sequences otherwise. masks: response_mask [b, R]."""
+    if loss_agg_mode == "token-mean":
+        return float(mb_mask.sum()) / max(1.0, float(mini_mask.sum()))
+    return len(mb_mask) / len(mini_mask)
+
+
 def compute_policy_loss(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,

@@ -33,6 +33,9 @@ class DataConfig:
     # "error" fails naming file and row, "left" keeps the last tokens, "right" keeps the first.
     filter_overlong_prompts: bool = True
     truncation: str = "error"
+    # Prompt width of a batch: left-padded to max_prompt_length, or only to the batch's longest
+    # prompt ("longest": fewer padded positions in generation and every forward; same results).
+    prompt_padding: Literal["max_length", "longest"] = "max_length"
     shuffle: bool = True
     seed: int = 1
     # Preference parquet (`hybridflow dpo` / `hybridflow rm`): the chosen and rejected columns.
@@ -50,6 +53,9 @@ class ModelConfig:
     tokenizer_path: Optional[str] = None  # defaults to `path`
     dtype: str = "float32"  # float32 on CPU (bf16 matmuls are slower there)
     enable_gradient_checkpointing: bool = False
+    # Forwards without padding: a micro-batch's valid tokens packed into one row with per-sequence
+    # position ids (transformers masks across the packed sequences); same log-probs, less work.
+    use_remove_padding: bool = False
 
 
 @dataclass
@@ -80,6 +86,11 @@ class ActorConfig:
     strategy: str = "fsdp2"
     ppo_mini_batch_size: int = 8  # prompts per optimizer step, global (x rollout.n inside)
     ppo_micro_batch_size_per_gpu: int = 8  # sequences per forward/backward per worker
+    # Micro-batches by token budget instead of by count: consecutive sequences while their valid
+    # tokens fit ppo_max_token_len_per_gpu (the gradient is the same: losses are weighted by their
+    # share of the mini-batch's sequences or, for token-mean, tokens).
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 16384
     ppo_epochs: int = 1
     shuffle: bool = False
     clip_ratio: float = 0.2
@@ -119,6 +130,8 @@ class RolloutConfig:
     stop: list[str] = field(default_factory=list)  # stop strings (kept in the response)
     stop_token_ids: list[int] = field(default_factory=list)  # besides the tokenizer's EOS
     log_prob_micro_batch_size_per_gpu: int = 16
+    log_prob_use_dynamic_bsz: bool = False  # micro-batches by token budget (see actor.use_dynamic_bsz)
+    log_prob_max_token_len_per_gpu: int = 16384
     tensor_model_parallel_size: int = 1
     gpu_memory_utilization: float = 0.5  # vllm on CUDA: share of GPU memory for weights + KV cache
     cpu_kv_cache_gb: float = 1.0  # vllm on CPU: KV cache per worker (VLLM_CPU_KVCACHE_SPACE)
@@ -128,6 +141,8 @@ class RolloutConfig:
 @dataclass
 class RefConfig:
     log_prob_micro_batch_size_per_gpu: int = 16
+    log_prob_use_dynamic_bsz: bool = False  # micro-batches by token budget (see actor.use_dynamic_bsz)
+    log_prob_max_token_len_per_gpu: int = 16384
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 
 

@@ -363,6 +363,12 @@ def validate_config(cfg: HybridFlowConfig, kind: Literal["rl", "dpo"] = "rl") ->
     p.enum("data.truncation", d.truncation, ["error", "left", "right"])
     p.optim(f"{A}.optim", actor.optim)
     p.optim("critic.optim", critic.optim)
+    seq_len = d.max_prompt_length + d.max_response_length
+    for key, on, budget in [(f"{A}.ppo_max_token_len_per_gpu", actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu),
+                            (f"{R}.log_prob_max_token_len_per_gpu", roll.log_prob_use_dynamic_bsz, roll.log_prob_max_token_len_per_gpu),
+                            ("actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", arr.ref.log_prob_use_dynamic_bsz, arr.ref.log_prob_max_token_len_per_gpu)]:
+        if on and isinstance(budget, int) and isinstance(seq_len, int) and budget < seq_len:
+            p.append(f"{key} ({budget}) must hold one whole sequence: at least data.max_prompt_length + data.max_response_length = {seq_len}")
     if kind == "rl" and not actor.recompute_old_log_prob:
         single = actor.ppo_epochs == 1 and actor.ppo_mini_batch_size == d.train_batch_size
         if not single or alg.use_kl_in_reward or cfg.trainer.async_rollout:

@@ -192,19 +192,22 @@ class RLDataset(Dataset):
         return {**item, "input_ids": list(item["input_ids"])}
 
 
-def collate_rl(items: list[dict], pad_token_id: int, max_prompt_length: int) -> Batch:
-    """Left-pad prompts to ``max_prompt_length`` -> Batch(input_ids, attention_mask, position_ids, ...)."""
+def collate_rl(items: list[dict], pad_token_id: int, max_prompt_length: int, padding: str = "max_length") -> Batch:
+    """Left-pad prompts to ``max_prompt_length`` (padding "longest": to the batch's longest prompt)
+    -> Batch(input_ids, attention_mask, position_ids, ...)."""
     bsz = len(items)
-    input_ids = torch.full((bsz, max_prompt_length), int(pad_token_id), dtype=torch.long)
-    attention_mask = torch.zeros((bsz, max_prompt_length), dtype=torch.long)
+    for item in items:
+        if len(item["input_ids"]) > max_prompt_length:
+            raise DataError(f"prompt of {len(item['input_ids'])} tokens exceeds data.max_prompt_length={max_prompt_length}")
+    width = max_prompt_length if padding == "max_length" else max([1, *(len(it["input_ids"]) for it in items)])
+    input_ids = torch.full((bsz, width), int(pad_token_id), dtype=torch.long)
+    attention_mask = torch.zeros((bsz, width), dtype=torch.long)
     for r, item in enumerate(items):
         ids = item["input_ids"]
         n = len(ids)
-        if n > max_prompt_length:
-            raise DataError(f"prompt of {n} tokens exceeds data.max_prompt_length={max_prompt_length}")
         if n:
-            input_ids[r, max_prompt_length - n :] = torch.as_tensor(ids, dtype=torch.long)
-            attention_mask[r, max_prompt_length - n :] = 1
+            input_ids[r, width - n :] = torch.as_tensor(ids, dtype=torch.long)
+            attention_mask[r, width - n :] = 1
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     return Batch.from_dict(
         tensors={"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids},

@@ -85,7 +85,7 @@ class RLTrainer:
         self.tokenizer = AutoTokenizer.from_pretrained(mcfg.tokenizer_path or mcfg.path)
         d = cfg.data
         self.val_ds = RLDataset(d.val_files, self.tokenizer, d.max_prompt_length, d.prompt_key, d.filter_overlong_prompts, d.truncation) if d.val_files else None
-        self.collate = lambda items: collate_rl(items, self.tokenizer.pad_token_id, d.max_prompt_length)
+        self.collate = lambda items: collate_rl(items, self.tokenizer.pad_token_id, d.max_prompt_length, d.prompt_padding)
         self.train_ds, train_collate = self._train_data()
         self.loader = PromptLoader(self.train_ds, d.train_batch_size, train_collate, d.shuffle, d.seed)
         self.total_steps = cfg.trainer.total_training_steps or self.loader.batches_per_epoch * cfg.trainer.total_epochs

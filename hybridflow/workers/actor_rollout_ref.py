@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoTokenizer
 
-from hybridflow.algorithms import agg_loss, compute_policy_loss, entropy_from_logits, kl_loss, logprobs_from_logits, masked_mean
+from hybridflow.algorithms import agg_loss, compute_policy_loss, entropy_from_logits, kl_loss, logprobs_from_logits, masked_mean, micro_weight
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.controller.decorator import Dispatch, register
 from hybridflow.controller.worker import Worker, pick_device
@@ -50,6 +50,7 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
         self.has_actor = role != "ref"
         self.has_rollout = "rollout" in role
         self.has_ref = role.endswith("ref")
+        self.remove_padding = config.actor_rollout_ref.model.use_remove_padding
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
@@ -132,12 +133,13 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
         return {"local_numel": local, "total_numel": total}
 
     # ------------------------------------------------------------------ log-probs
-    def _log_probs(self, model, data: Batch, micro_bs: int, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _log_probs(self, model, data: Batch, micro_bs: int, max_tokens: int | None = None,
+                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         model.eval()
         temperature = float(data.meta.get("temperature", 1.0))
         logps, ents = [], []
-        for mb in micro_batches(data.to(self.device), micro_bs):
-            logits = response_logits(model, mb, temperature)
+        for mb in micro_batches(data.to(self.device), micro_bs, max_tokens):
+            logits = response_logits(model, mb, temperature, self.remove_padding)
             logps.append(logprobs_from_logits(logits, mb["responses"]))
             if with_entropy:
                 ents.append(entropy_from_logits(logits))
@@ -147,14 +149,17 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
     @torch.no_grad()
     def compute_log_prob(self, data: Batch) -> Batch:
         """old_log_probs [b, R] under the current policy (before this step's update)."""
-        logp, ent = self._log_probs(self.actor, data, self.cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu, with_entropy=True)
+        r = self.cfg.actor_rollout_ref.rollout
+        logp, ent = self._log_probs(self.actor, data, r.log_prob_micro_batch_size_per_gpu,
+                                    r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None, with_entropy=True)
         mask = data["response_mask"].to(logp.device)
         return Batch.from_dict(tensors={"old_log_probs": logp.cpu()}, meta={"metrics": {"actor/entropy": float(masked_mean(ent, mask))}})
 
     @register(Dispatch.DP_COMPUTE)
     @torch.no_grad()
     def compute_ref_log_prob(self, data: Batch) -> Batch:
-        logp, _ = self._log_probs(self.ref, data, self.cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu)
+        r = self.cfg.actor_rollout_ref.ref
+        logp, _ = self._log_probs(self.ref, data, r.log_prob_micro_batch_size_per_gpu, r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None)
         return Batch.from_dict(tensors={"ref_log_prob": logp.cpu()})
 
     # ------------------------------------------------------------------ training
@@ -189,9 +194,9 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
         data = data.to(self.device)
         for _ in range(acfg.ppo_epochs):
             for mini in data.split(mini_size):
-                for mb in micro_batches(mini, acfg.ppo_micro_batch_size_per_gpu):
+                for mb in micro_batches(mini, acfg.ppo_micro_batch_size_per_gpu, acfg.ppo_max_token_len_per_gpu if acfg.use_dynamic_bsz else None):
                     mask = mb["response_mask"]
-                    logits = response_logits(self.actor, mb, temperature)
+                    logits = response_logits(self.actor, mb, temperature, self.remove_padding)
                     log_prob = logprobs_from_logits(logits, mb["responses"])
                     entropy = agg_loss(entropy_from_logits(logits), mask, acfg.loss_agg_mode)
                     pg_loss, clipfrac, ppo_kl, clipfrac_lower = compute_policy_loss(
@@ -204,8 +209,8 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
                         kl = kl_loss(log_prob, mb["ref_log_prob"], mask, acfg.kl_loss_type, acfg.loss_agg_mode)
                         loss = loss + acfg.kl_loss_coef * kl
                         add("actor/kl_loss", kl.item())
-                    # Scale so the accumulated gradient is the mini-batch mean.
-                    (loss * len(mb) / len(mini) * loss_scale).backward()
+                    # Scale so the accumulated gradient is the mini-batch's loss (fixed or dynamic micro-batches alike).
+                    (loss * micro_weight(mask, mini["response_mask"], acfg.loss_agg_mode) * loss_scale).backward()
                     add("actor/pg_loss", pg_loss.item())
                     add("actor/pg_clipfrac", clipfrac.item())
                     add("actor/pg_clipfrac_lower", clipfrac_lower.item())

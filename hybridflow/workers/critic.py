@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from hybridflow.algorithms import compute_value_loss
+from hybridflow.algorithms import compute_value_loss, micro_weight
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.controller.decorator import Dispatch, register
 from hybridflow.controller.worker import Worker, pick_device
@@ -41,7 +41,7 @@ class CriticWorker(Worker):
         self.scheduler = build_scheduler(self.optimizer, ccfg.optim, self.total_training_steps)
 
     def _values(self, mb: Batch) -> torch.Tensor:
-        return response_logits(self.critic, mb).squeeze(-1) * mb["response_mask"]  # [b, R]
+        return response_logits(self.critic, mb, remove_padding=self.cfg.critic.model.use_remove_padding).squeeze(-1) * mb["response_mask"]  # [b, R]
 
     @register(Dispatch.DP_COMPUTE)
     @torch.no_grad()
@@ -70,7 +70,7 @@ class CriticWorker(Worker):
                 for mb in micro_batches(mini, ccfg.ppo_micro_batch_size_per_gpu):
                     vpreds = self._values(mb)
                     vf_loss, clipfrac = compute_value_loss(vpreds, mb["returns"], mb["values"], mb["response_mask"], ccfg.cliprange_value, ccfg.loss_agg_mode)
-                    (vf_loss * len(mb) / len(mini) * loss_scale).backward()
+                    (vf_loss * micro_weight(mb["response_mask"], mini["response_mask"], ccfg.loss_agg_mode) * loss_scale).backward()
                     losses.append(vf_loss.item())
                     clipfracs.append(clipfrac.item())
                 if optimizer_step:

@@ -45,16 +45,39 @@ def load_hf_model(cfg: ModelConfig, device: str, kind: str = "causal_lm", pad_to
     return model.to(device)
 
 
-def response_logits(model: nn.Module, mb: Batch, temperature: float = 1.0) -> torch.Tensor:
-    """Logits [b, R, V] (or [b, R, 1] for a value head) at the positions that predict the response."""
+def response_logits(model: nn.Module, mb: Batch, temperature: float = 1.0, remove_padding: bool = False) -> torch.Tensor:
+    """Logits [b, R, V] (or [b, R, 1] for a value head) at the positions that predict the response.
+
+    remove_padding: the micro-batch's valid tokens run as one packed row [1, T] whose position ids
+    restart at 0 per sequence (transformers then masks attention across sequences), and the logits
+    are gathered back to [b, R, V]; positions after a response's end (masked out) get row 0's."""
     resp_len = mb["responses"].shape[1]
-    out = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], position_ids=mb["position_ids"], use_cache=False)
-    logits = out.logits[:, -resp_len - 1 : -1, :].float()
+    if remove_padding:
+        mask = mb["attention_mask"].bool()  # [b, P+R]
+        row = torch.full(mask.shape, -1, dtype=torch.long, device=mask.device)
+        row[mask] = torch.arange(int(mask.sum()), device=mask.device)  # packed position of each valid token
+        out = model(input_ids=mb["input_ids"][mask][None], position_ids=mb["position_ids"][mask][None], use_cache=False)
+        logits = out.logits[0][row[:, -resp_len - 1 : -1].clamp(min=0)].float()  # [T, V] -> [b, R, V]
+    else:
+        out = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], position_ids=mb["position_ids"], use_cache=False)
+        logits = out.logits[:, -resp_len - 1 : -1, :].float()
     return logits / temperature if temperature != 1.0 else logits
 
 
-def micro_batches(batch: Batch, size: int) -> list[Batch]:
-    return batch.split(max(1, size))
+def micro_batches(batch: Batch, size: int, max_tokens: int | None = None) -> list[Batch]:
+    """Consecutive micro-batches of `size` sequences, or (max_tokens) as many consecutive sequences
+    as fit `max_tokens` valid tokens (at least one each): the dynamic batch size."""
+    if max_tokens is None:
+        return batch.split(max(1, size))
+    lengths = batch["attention_mask"].sum(-1).tolist()
+    out, start, tokens = [], 0, 0
+    for i, n in enumerate(lengths):
+        if i > start and tokens + n > max_tokens:
+            out.append(batch.index(slice(start, i)))
+            start, tokens = i, 0
+        tokens += n
+    out.append(batch.index(slice(start, len(lengths))))
+    return out
 
 
 def save_hf_checkpoint(model: nn.Module, tokenizer, out_dir: str, rank: int) -> str:
