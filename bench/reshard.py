@@ -7,7 +7,8 @@ bytes received (measured) against the planner's theoretical minimum and the naiv
 median wall time, and the peak extra resident memory against the engine's theory. Every reshard is
 checked bit-exact (`engine.max_abs_diff() == 0.0`).
 
-`optimized` keeps the generation buffers between switches (`keep_generation_buffers`, what the
+`frozen` is `optimized` with the embeddings and lm_head frozen (`actor.freeze_modules`): after the
+first switch they are skipped, 0 bytes. `optimized` keeps the generation buffers between switches (`keep_generation_buffers`, what the
 trainer picks when memory allows); `released` is the same path freeing them after every rollout
 (so every switch re-allocates and page-faults them), as with `keep_generation_buffers: false`.
 Next to them: a `floor` row per layout -- the raw collectives of the same bytes with pre-allocated
@@ -87,8 +88,15 @@ def worker(rank: int, world: int, port: int, path: str, repeats: int, out_file: 
         results.append(dict(world_size=world, gen_tp=tp, mode="floor", rank=rank, seconds=floor_s, bytes_received=floor_bytes,
                             peak_extra_bytes=0, theory_extra_bytes=0, min_bytes=engine.plan.min_bytes(rank), naive_bytes=engine.plan.naive_bytes(rank),
                             planner_bytes=planned.min_bytes(rank), predicted_seconds=predicted["optimized"].predicted_seconds))
-        for mode in ("optimized", "released", "naive"):
+        for mode in ("optimized", "released", "naive", "frozen"):
             runs = []
+            skip = frozenset()
+            if mode == "frozen":  # embeddings and lm_head frozen (actor.freeze_modules): moved once, then skipped
+                for n, p in actor.named_parameters():
+                    p.requires_grad_(not ("embed_tokens" in n or "lm_head" in n))
+                engine.release()
+                engine = HybridEngine(actor, rollout, dims, tp, HybridEngineConfig(granularity="layer", keep_generation_buffers=True), "cpu")
+                skip = engine.frozen
             engine.cfg.keep_generation_buffers = mode != "released"
             for i in range(1 + repeats):  # the first one is a warm-up
                 engine.release()
@@ -106,11 +114,12 @@ def worker(rank: int, world: int, port: int, path: str, repeats: int, out_file: 
                 bytes_received=max(s["bytes_received"] for s in runs),
                 peak_extra_bytes=max(s["peak_extra_bytes"] for s in runs),
                 theory_extra_bytes=max(s["theory_extra_bytes"] for s in runs),
-                min_bytes=engine.plan.min_bytes(rank), naive_bytes=engine.plan.naive_bytes(rank),
-                planner_bytes=(planned.naive_bytes if mode == "naive" else planned.min_bytes)(rank),
+                min_bytes=engine.plan.min_bytes(rank, skip), naive_bytes=engine.plan.naive_bytes(rank),
+                planner_bytes=planned.naive_bytes(rank) if mode == "naive" else planned.min_bytes(rank, skip),
                 predicted_seconds=predicted["naive" if mode == "naive" else "optimized"].predicted_seconds,
             ))
         engine.release()
+        actor.requires_grad_(True)
         del engine, rollout
     gathered = [None] * world
     dist.all_gather_object(gathered, results)
@@ -157,7 +166,7 @@ def floor_seconds(engine, repeats: int) -> tuple[float, int]:
     return statistics.median(times), received
 
 
-MODES = ("optimized", "released", "naive", "floor")
+MODES = ("optimized", "released", "frozen", "naive", "floor")
 
 
 def rows_from(per_rank: list[dict]) -> list[dict]:
@@ -175,7 +184,7 @@ def rows_from(per_rank: list[dict]) -> list[dict]:
         ))
     for row in rows:
         same = {r["mode"]: r for r in rows if (r["world_size"], r["gen_tp"]) == (row["world_size"], row["gen_tp"])}
-        if row["mode"] in ("optimized", "released"):
+        if row["mode"] in ("optimized", "released", "frozen"):
             row["speedup"] = same["naive"]["seconds"] / row["seconds"] if row["seconds"] > 0 else float("inf")
             row["ratio_vs_floor"] = row["seconds"] / same["floor"]["seconds"] if same["floor"]["seconds"] > 0 else float("inf")
     return rows
@@ -194,7 +203,7 @@ def print_table(rows: list[dict]) -> None:
     opt = [r for r in rows if r["mode"] == "optimized"]
     yes = lambda ok: "yes" if ok else "no"  # noqa: E731
     print(f"bytes == theoretical minimum in every optimized layout: "
-          f"{yes(all(r['bytes_per_rank'] == r['min_bytes_per_rank'] for r in rows if r['mode'] in ('optimized', 'released')))}")
+          f"{yes(all(r['bytes_per_rank'] == r['min_bytes_per_rank'] for r in rows if r['mode'] in ('optimized', 'released', 'frozen')))}")
     print(f"hybridflow plan's bytes (config.json only) == measured in every layout and mode: "
           f"{yes(all(r['bytes_per_rank'] == r['planner_bytes_per_rank'] for r in rows))}")
     target = [r for r in opt if (r["world_size"], r["gen_tp"]) == (4, 2)]

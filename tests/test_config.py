@@ -196,12 +196,27 @@ def _set(cfg, dotted, value):
     ({"data.val_files": ["/nonexistent/v.parquet"]}, "data.val_files: file '/nonexistent/v.parquet'"),
     ({"custom_reward_function.path": "/nonexistent/r.py"}, "custom_reward_function.path: file '/nonexistent/r.py'"),
     ({"data.val_batch_size": 0}, "data.val_batch_size must be a positive integer"),
+    ({"actor_rollout_ref.actor.use_dynamic_bsz": True, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 10},
+     "actor_rollout_ref.actor.ppo_max_token_len_per_gpu (10) must hold one whole sequence"),
+    ({"actor_rollout_ref.rollout.log_prob_use_dynamic_bsz": True, "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": 10},
+     "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu (10) must hold one whole sequence"),
+    ({"trainer.memory_budget_gib": 0.0}, "trainer.memory_budget_gib must be > 0"),
     ({"actor_rollout_ref.model.dtype": "float8"}, "actor_rollout_ref.model.dtype must be one of ['float32', 'fp32', 'bfloat16', 'bf16', 'float16', 'fp16'], got 'float8'"),
 ])
 def test_validator_rules(world, changes, expected):
     for k, v in changes.items():
         _set(world, k, v)
     assert expected in _problems(world)
+
+
+def test_freeze_modules_name_parameters_of_the_model(world, tiny_model_dir):
+    _set(world, "actor_rollout_ref.model.path", str(tiny_model_dir))
+    _set(world, "actor_rollout_ref.actor.freeze_modules", ["*embed_tokens*"])
+    validate_config(world)
+    _set(world, "actor_rollout_ref.actor.freeze_modules", ["*embed*", "*wte*"])
+    assert "freeze_modules: '*wte*' matches no parameter of the model (names look like 'model.embed_tokens.weight'" in _problems(world)
+    _set(world, "actor_rollout_ref.actor.freeze_modules", ["*"])
+    assert "freeze_modules freezes every parameter: nothing would train" in _problems(world)
 
 
 def test_gen_tp_valid(world):

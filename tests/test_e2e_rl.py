@@ -229,3 +229,22 @@ def test_padding_free_and_token_budget_updates_equal_the_plain_ones(ray_cluster,
             assert abs(b["actor/ppo_kl"]) < 1e-6
         for key in ("actor/pg_loss", "actor/grad_norm", "actor/kl_loss", "actor/entropy", "critic/score/mean"):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+
+
+def test_frozen_embeddings_sync_once(ray_cluster, tiny_model_dir, task_dir, varied_reward, tmp_path):
+    """actor.freeze_modules: the vocabulary tables get no update, and after the first switch the
+    engine skips them (0 bytes): every later step receives the plan's minimum without them, and the
+    rollout weights still equal the trained ones exactly (check_weight_sync)."""
+    trainer = make_trainer(tiny_model_dir, task_dir, tmp_path, f"custom_reward_function.path={varied_reward}", "trainer.check_weight_sync=true",
+                           "actor_rollout_ref.actor.freeze_modules=['*embed_tokens*','*lm_head*']", "trainer.total_training_steps=3")
+    try:
+        hist = steps(trainer.fit())
+        summary = trainer.plan_summary
+    finally:
+        trainer.shutdown()
+    assert summary["frozen_params"] == ["lm_head.weight", "model.embed_tokens.weight"]
+    skipped = max(summary["first_switch_bytes_per_rank"]) - max(summary["min_bytes_per_rank"])
+    assert skipped > 0
+    for h in hist[1:]:
+        assert h["reshard/weight_max_diff"] == 0.0
+        assert h["reshard/skipped_bytes_per_rank"] == skipped and h["reshard/bytes_per_rank"] == max(summary["min_bytes_per_rank"])

@@ -155,3 +155,52 @@ def test_every_layout_is_bit_exact_and_minimal(world, engine_models):
         "replicated": (str(engine_models["even"]), [2], "NO_SHARD"),
     }
     mp.spawn(_layouts_worker, args=(world, _free_port(), models), nprocs=world)
+
+
+def _frozen_worker(rank: int, world: int, port: int, path: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", HF_HUB_OFFLINE="1")
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from hybridflow.config.schema import HybridEngineConfig
+    from hybridflow.hybrid_engine.executor import HybridEngine, local
+    from hybridflow.parallel.fsdp import apply_fsdp2, make_mesh
+    from hybridflow.parallel.tensor_parallel import fsdp_shard_placement_fn, gen_shard_dims
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    actor = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    for name, p in actor.named_parameters():
+        if "embed_tokens" in name or "lm_head" in name:
+            p.requires_grad_(False)
+    dims = gen_shard_dims(actor)
+    apply_fsdp2(actor, make_mesh("cpu", world), shard_placement_fn=fsdp_shard_placement_fn(actor, world))
+    opt = torch.optim.SGD([p for p in actor.parameters() if p.requires_grad], lr=0.1)
+    frozen_before = {n: local(p.data).clone() for n, p in actor.named_parameters() if not p.requires_grad}
+    ids = torch.randint(3, 200, (2, 7))
+    # gen_tp 1: every rank needs the whole vocabulary tables (with gen_tp = N they would not move at all)
+    rollout = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
+    engine = HybridEngine(actor, rollout, dims, 1, HybridEngineConfig(), "cpu")
+    assert engine.frozen == {"model.embed_tokens.weight", "lm_head.weight"}
+    frozen_bytes = engine.plan.min_bytes(rank) - engine.plan.min_bytes(rank, engine.frozen)
+    assert frozen_bytes > 0
+    for step in range(3):
+        actor(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        engine.release()
+        stats = engine.reshard()
+        assert engine.max_abs_diff() == 0.0, step  # bit-exact, frozen slices included
+        skipped = 0 if step == 0 else frozen_bytes  # the first switch moves them, later ones skip them
+        assert stats["bytes_received"] == engine.plan.min_bytes(rank) - skipped and stats["skipped_bytes"] == skipped, step
+    assert all(torch.equal(frozen_before[n], local(p.data)) for n, p in actor.named_parameters() if not p.requires_grad)
+    summary = engine.plan.summary(engine.frozen)
+    assert summary["min_bytes_per_rank"][rank] == engine.plan.min_bytes(rank) - frozen_bytes
+    assert summary["first_switch_bytes_per_rank"][rank] == engine.plan.min_bytes(rank)
+    dist.destroy_process_group()
+
+
+def test_frozen_parameters_move_once_then_zero_bytes(engine_models):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_frozen_worker, args=(2, _free_port(), str(engine_models["even"])), nprocs=2)

@@ -91,6 +91,9 @@ class ActorConfig:
     # share of the mini-batch's sequences or, for token-mean, tokens).
     use_dynamic_bsz: bool = False
     ppo_max_token_len_per_gpu: int = 16384
+    # Parameters (fnmatch patterns over FQNs, e.g. "*embed_tokens*") kept frozen: no gradient or
+    # optimizer state, and the weight switch moves them once, then skips them (0 bytes).
+    freeze_modules: list[str] = field(default_factory=list)
     ppo_epochs: int = 1
     shuffle: bool = False
     clip_ratio: float = 0.2

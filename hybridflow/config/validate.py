@@ -283,6 +283,24 @@ def _dpo_problems(p: _Problems, cfg: HybridFlowConfig, n_workers: int) -> None:
     _batch_checks(p, A, actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu, d.train_batch_size, 2, n_workers)
 
 
+def _freeze_problems(p: "_Problems", path: str, patterns: list[str]) -> None:
+    """Each actor.freeze_modules pattern names parameters of the model, and something stays trainable."""
+    import fnmatch
+
+    from hybridflow.planning.arch import load_arch
+
+    try:
+        names = list(load_arch(path).param_shapes())
+    except (ValueError, KeyError, OSError):
+        return  # the model checks report a missing or unknown checkpoint
+    for pattern in patterns:
+        if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
+            p.append(f"{A}.freeze_modules: {pattern!r} matches no parameter of the model (names look like {names[0]!r}, "
+                     f"{names[-1]!r}); use fnmatch patterns such as '*embed_tokens*'")
+    if all(any(fnmatch.fnmatchcase(n, pattern) for pattern in patterns) for n in names):
+        p.append(f"{A}.freeze_modules freezes every parameter: nothing would train")
+
+
 def validate_config(cfg: HybridFlowConfig, kind: Literal["rl", "dpo"] = "rl") -> None:
     """Raise one ConfigError listing every problem in ``cfg`` (no-op when it is fine).
     kind: "rl" (`hybridflow train`) or "dpo" (`hybridflow dpo`, offline or online)."""
@@ -363,6 +381,8 @@ def validate_config(cfg: HybridFlowConfig, kind: Literal["rl", "dpo"] = "rl") ->
     p.enum("data.truncation", d.truncation, ["error", "left", "right"])
     p.optim(f"{A}.optim", actor.optim)
     p.optim("critic.optim", critic.optim)
+    if actor.freeze_modules:
+        _freeze_problems(p, arr.model.path, actor.freeze_modules)
     seq_len = d.max_prompt_length + d.max_response_length
     for key, on, budget in [(f"{A}.ppo_max_token_len_per_gpu", actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu),
                             (f"{R}.log_prob_max_token_len_per_gpu", roll.log_prob_use_dynamic_bsz, roll.log_prob_max_token_len_per_gpu),

@@ -101,6 +101,10 @@ class HybridEngine:
             group = dist.new_group(ranks)
             if self.rank in ranks:
                 self.micro_group = group
+        # Frozen training parameters never change: after the first switch their generation slices
+        # stay allocated and are skipped (0 bytes), by the optimized path.
+        self.frozen = frozenset(n for n, p in self.train.items() if not p.requires_grad)
+        self.frozen_synced = False
         self.trace = TraceRecorder(self.rank)
         self.acquired = True
         # The reusable staging buffer: resharding_buffer_percent of the model, and at least the
@@ -137,8 +141,9 @@ class HybridEngine:
         freed unless `keep_generation_buffers` (then the next reshard writes into the same pages: no
         re-allocation, no page faults). Moves nothing: returns bytes moved (0)."""
         if not self.cfg.keep_generation_buffers:
-            for t in self.gen_buffers():
-                t.untyped_storage().resize_(0)
+            for name, p in self.gen.items():
+                if name not in self.frozen or not self.frozen_synced:  # frozen slices stay: they never change
+                    local(p.data).untyped_storage().resize_(0)
         self.acquired = False
         return 0
 
@@ -265,9 +270,11 @@ class HybridEngine:
         start = time.perf_counter()
         self.train = self._sharded_params()
         received = 0
+        skip = self.frozen if optimized and self.frozen_synced else frozenset()
         by_layer: dict[str, list[ParamPlan]] = {}
         for p in self.plan.params:
-            by_layer.setdefault(p.layer, []).append(p)
+            if p.name not in skip:
+                by_layer.setdefault(p.layer, []).append(p)
         layers = list(by_layer)
         with PeakMemory(self.device) as mem:  # includes (re-)allocating the generation buffers
             self.acquire()
@@ -301,9 +308,12 @@ class HybridEngine:
                         dst.copy_(src)
             copies.clear()
             keep.clear()
+        self.frozen_synced = True
         return {
             "seconds": time.perf_counter() - start,
             "layers": layers,
+            "skipped_params": len(skip),
+            "skipped_bytes": self.plan.min_bytes(self.rank) - self.plan.min_bytes(self.rank, skip),
             "bytes_received": received,
             "peak_extra_bytes": mem.extra_bytes,
             # Theory: the generation slices themselves, plus (optimized) at most one layer's staging
@@ -316,6 +326,8 @@ class HybridEngine:
         """Layer granularity, optimized: layer i+1's coalesced gathers are in flight while layer i
         is copied into place (two staging slots, alternating)."""
         received = 0
+        if not layers:
+            return 0
         pending, _ = self._launch_layer(layers[0][1], 0)
         for i, (layer, params) in enumerate(layers):
             base = (i % 2) * self.slot_numel

@@ -246,8 +246,10 @@ class ReshardPlan:
         return plan
 
     # ---- per-rank volumes ----
-    def min_bytes(self, r: int) -> int:
-        return sum(p.recv_bytes(r) for p in self.params)
+    def min_bytes(self, r: int, skip: frozenset[str] | set[str] = frozenset()) -> int:
+        """What rank r lacks of its generation slices (parameters in `skip`, e.g. frozen ones
+        already synced, move nothing)."""
+        return sum(p.recv_bytes(r) for p in self.params if p.name not in skip)
 
     def naive_bytes(self, r: int) -> int:
         return sum(p.naive_recv_bytes(r) for p in self.params)
@@ -296,9 +298,10 @@ class ReshardPlan:
             total += per_boxes[key] * p.itemsize
         return total
 
-    def summary(self) -> dict:
+    def summary(self, frozen: frozenset[str] | set[str] = frozenset()) -> dict:
+        """Per-rank volumes; `frozen` parameters move once (the first switch), 0 bytes after."""
         n = self.world_size
-        per_rank = [self.min_bytes(r) for r in range(n)]
+        per_rank = [self.min_bytes(r, frozen) for r in range(n)]
         naive = [self.naive_bytes(r) for r in range(n)]
         return {
             "world_size": n,
@@ -314,4 +317,6 @@ class ReshardPlan:
             "cross_node_bytes": self.cross_node_bytes(),
             "aligned_params": sum(p.aligned for p in self.params),
             "unaligned_params": [p.name for p in self.params if not p.aligned],
+            "frozen_params": sorted(frozen),
+            "first_switch_bytes_per_rank": [self.min_bytes(r) for r in range(n)],  # frozen ones included
         }

@@ -307,6 +307,7 @@ class RLTrainer:
             "timing_s/reshard": seconds,
             "reshard/bytes_per_rank": float(max(r["bytes_received"] for r in per_rank)),
             "reshard/min_bytes_per_rank": float(max(self.plan_summary["min_bytes_per_rank"])),
+            "reshard/skipped_bytes_per_rank": float(max(r.get("skipped_bytes", 0) for r in per_rank)),  # frozen parameters
             "reshard/naive_bytes_per_rank": float(max(self.plan_summary["naive_bytes_per_rank"])),
             "reshard/cross_node_bytes": float(self.plan_summary["cross_node_bytes"]),
             "reshard/peak_extra_gb": max(r["peak_extra_bytes"] for r in per_rank) / 2**30,

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import os
 
 import torch
@@ -72,12 +73,15 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
     def _init_actor(self, mcfg, mesh) -> None:
         acfg = self.cfg.actor_rollout_ref.actor
         model = load_hf_model(mcfg, self.device)
+        for name, p in model.named_parameters():  # frozen: no gradient, no optimizer state, synced once
+            if any(fnmatch.fnmatchcase(name, pattern) for pattern in acfg.freeze_modules):
+                p.requires_grad_(False)
         self.gen_dims = gen_shard_dims(model)
         # Training shards follow the generation TP dims, so resharding is a micro-DP all-gather.
         placement = fsdp_shard_placement_fn(model, self.world_size)
         fcfg = acfg.fsdp_config
         self.actor = apply_fsdp2(model, mesh, fcfg.reshard_after_forward, fcfg.param_offload, shard_placement_fn=placement, sharding_strategy=fcfg.sharding_strategy, mixed_precision=fcfg.mixed_precision)
-        self.optimizer = build_optimizer(self.actor.parameters(), acfg.optim)
+        self.optimizer = build_optimizer([p for p in self.actor.parameters() if p.requires_grad], acfg.optim)
         self.scheduler = build_scheduler(self.optimizer, acfg.optim, self.total_training_steps)
 
     def _init_rollout(self, mcfg) -> None:
@@ -120,7 +124,7 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
 
     @register(Dispatch.RANK_ZERO)
     def reshard_plan(self) -> dict:
-        return self.plan.summary()
+        return self.plan.summary(self.engine.frozen if hasattr(self, "engine") else frozenset())
 
     @register(Dispatch.ONE_TO_ALL)
     def rollout_weight_max_diff(self) -> float:
