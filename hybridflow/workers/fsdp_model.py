@@ -7,6 +7,8 @@ at position P-1+j, so response logits are `logits[:, -R-1:-1]`.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn as nn
 
@@ -45,21 +47,31 @@ def load_hf_model(cfg: ModelConfig, device: str, kind: str = "causal_lm", pad_to
     return model.to(device)
 
 
+def _keeps_logits(model: nn.Module) -> bool:
+    """Whether the model's forward takes `logits_to_keep` (HF causal LMs; not value heads)."""
+    return "logits_to_keep" in inspect.signature(type(model).forward).parameters
+
+
 def response_logits(model: nn.Module, mb: Batch, temperature: float = 1.0, remove_padding: bool = False) -> torch.Tensor:
     """Logits [b, R, V] (or [b, R, 1] for a value head) at the positions that predict the response.
+    A causal LM projects only those positions onto the vocabulary (`logits_to_keep`), as TRL does.
 
     remove_padding: the micro-batch's valid tokens run as one packed row [1, T] whose position ids
     restart at 0 per sequence (transformers then masks attention across sequences), and the logits
     are gathered back to [b, R, V]; positions after a response's end (masked out) get row 0's."""
     resp_len = mb["responses"].shape[1]
+    keep = _keeps_logits(model)
     if remove_padding:
         mask = mb["attention_mask"].bool()  # [b, P+R]
         row = torch.full(mask.shape, -1, dtype=torch.long, device=mask.device)
         row[mask] = torch.arange(int(mask.sum()), device=mask.device)  # packed position of each valid token
-        out = model(input_ids=mb["input_ids"][mask][None], position_ids=mb["position_ids"][mask][None], use_cache=False)
-        logits = out.logits[0][row[:, -resp_len - 1 : -1].clamp(min=0)].float()  # [T, V] -> [b, R, V]
+        wanted = row[:, -resp_len - 1 : -1].clamp(min=0)  # [b, R]
+        kwargs = {"logits_to_keep": wanted.reshape(-1)} if keep else {}
+        out = model(input_ids=mb["input_ids"][mask][None], position_ids=mb["position_ids"][mask][None], use_cache=False, **kwargs)
+        logits = (out.logits[0].view(*wanted.shape, -1) if keep else out.logits[0][wanted]).float()  # [b, R, V]
     else:
-        out = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], position_ids=mb["position_ids"], use_cache=False)
+        kwargs = {"logits_to_keep": resp_len + 1} if keep else {}
+        out = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], position_ids=mb["position_ids"], use_cache=False, **kwargs)
         logits = out.logits[:, -resp_len - 1 : -1, :].float()
     return logits / temperature if temperature != 1.0 else logits
 

@@ -1,0 +1,155 @@
+"""One GRPO step, hybridflow vs TRL's GRPOTrainer, side by side in one run.
+
+    .venv/bin/pip install -e .[bench]                     # trl + gguf (bench only)
+    .venv/bin/python scripts/get_smollm2.py runs/models/smollm2-135m
+    .venv/bin/python bench/e2e.py --model runs/models/smollm2-135m --json runs/bench_e2e.json
+
+The same step for both: 8 arithmetic prompts x 4 samples, 16 new tokens at temperature 1, the
+exact-answer reward, lr 2e-6, no KL term, one on-policy update on all 32 sequences, fp32 on CPU.
+hybridflow runs 2 workers (Ray, FSDP2, HF rollout through the hybrid engine) with its speed
+switches on (prompts padded to the batch's longest, padding removed, no separate old-log-prob
+pass, generation buffers kept); TRL runs one process (its default). Also the pair on the demo's
+tiny model (`model: tiny`), where a step is mostly fixed overhead. Rows: system, model,
+step_seconds (median over the steps after the first), tokens_per_second (generated tokens / step
+seconds), and hybridflow's per-stage medians (timing_s/*).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import print_rows  # noqa: E402
+
+PROMPTS, SAMPLES, NEW_TOKENS, LR = 8, 4, 16, 2e-6
+REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return float(solution_str.strip().split("<")[0].strip() == str(ground_truth))
+'''
+STAGES = ("gen", "reward", "old_log_prob", "adv", "update_actor", "reshard")
+
+
+def arithmetic_rows(n: int, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        op = rng.choice("+-")
+        rows.append({"data_source": "arith", "prompt": [{"role": "user", "content": f"What is {a} {op} {b}? Reply with only the number."}],
+                     "reward_model": {"style": "rule", "ground_truth": str(a + b if op == "+" else a - b)}, "answer": str(a + b if op == "+" else a - b)})
+    return rows
+
+
+def run_hybridflow(model: str, train: str, reward: str, out: str, steps: int) -> dict:
+    from hybridflow.config import HybridFlowConfig, load_config
+    from hybridflow.trainer.rl import RLTrainer
+
+    cfg = load_config(None, [
+        f"data.train_files=[{train}]", f"data.train_batch_size={PROMPTS}", "data.max_prompt_length=96", f"data.max_response_length={NEW_TOKENS}",
+        "data.prompt_padding=longest", f"actor_rollout_ref.model.path={model}",
+        f"actor_rollout_ref.rollout.n={SAMPLES}", "actor_rollout_ref.rollout.temperature=1.0", f"actor_rollout_ref.actor.optim.lr={LR}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={PROMPTS}", f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={PROMPTS * SAMPLES // 2}",
+        "actor_rollout_ref.actor.recompute_old_log_prob=false", "actor_rollout_ref.actor.use_kl_loss=false", "algorithm.adv_estimator=grpo",
+        f"custom_reward_function.path={reward}", f"trainer.total_training_steps={steps}", "trainer.test_freq=-1", "trainer.val_before_train=false",
+        "trainer.progress_bar=false", "trainer.logger=[jsonl]", f"trainer.default_local_dir={out}", "trainer.device=cpu",
+        "actor_rollout_ref.hybrid_engine.measure_baseline=false",
+    ], schema=HybridFlowConfig)
+    trainer = RLTrainer(cfg)
+    try:
+        hist = [h for h in trainer.fit()["history"] if h["step"] > 0][1:]  # the first step warms up
+    finally:
+        trainer.shutdown()
+    step = statistics.median(h["timing_s/step"] for h in hist)
+    tokens = statistics.median(h["response_length/mean"] * PROMPTS * SAMPLES for h in hist)
+    row = {"system": "hybridflow", "step_seconds": step, "tokens_per_second": tokens / step}
+    for s in STAGES:
+        if f"timing_s/{s}" in hist[0]:
+            row[f"timing_s/{s}"] = statistics.median(h[f"timing_s/{s}"] for h in hist)
+    return row
+
+
+def run_trl(model: str, rows: list[dict], out: str, steps: int) -> dict:
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+    import torch
+
+    def exact(completions, answer, **_):
+        return [float(c[0]["content"].strip() == a) for c, a in zip(completions, answer)]
+
+    times, lengths = [], []
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            self.t = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            times.append(time.perf_counter() - self.t)
+
+        def on_log(self, args, state, control, logs=None, **k):
+            if logs and "completions/mean_length" in logs:
+                lengths.append(logs["completions/mean_length"])
+
+    tok = AutoTokenizer.from_pretrained(model)
+    policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    args = GRPOConfig(output_dir=out, use_cpu=True, bf16=False, report_to="none", learning_rate=LR, beta=0.0, num_generations=SAMPLES,
+                      per_device_train_batch_size=PROMPTS * SAMPLES, gradient_accumulation_steps=1, max_completion_length=NEW_TOKENS,
+                      temperature=1.0, max_steps=steps, logging_steps=1, save_strategy="no", seed=1, disable_tqdm=True)
+    data = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
+    trainer = GRPOTrainer(model=policy, reward_funcs=exact, args=args, train_dataset=data, processing_class=tok, callbacks=[Clock()])
+    trainer.train()
+    step = statistics.median(times[1:])
+    tokens = statistics.median(lengths[1:]) * PROMPTS * SAMPLES if lengths else float("nan")
+    return {"system": "trl", "step_seconds": step, "tokens_per_second": tokens / step}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="a real HF checkpoint (scripts/get_smollm2.py); omitted: tiny model only")
+    ap.add_argument("--steps", type=int, default=4, help="steps per system (the first is not timed)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    from hybridflow.data.tasks import write_parquet
+    from hybridflow.models.tiny import make_tiny_model
+
+    tmp = tempfile.mkdtemp(prefix="bench_e2e_")
+    reward = os.path.join(tmp, "exact.py")
+    with open(reward, "w") as f:
+        f.write(REWARD)
+    rows = arithmetic_rows(PROMPTS * (args.steps + 1))
+    train = str(write_parquet(rows, os.path.join(tmp, "train.parquet")))
+    models = {"tiny": make_tiny_model(os.path.join(tmp, "tiny"), hidden_size=128, intermediate_size=256, num_hidden_layers=2)}
+    if args.model:
+        models[os.path.basename(os.path.normpath(args.model))] = args.model
+    out = []
+    for name, path in models.items():
+        for system, run in (("hybridflow", lambda: run_hybridflow(str(path), train, reward, os.path.join(tmp, f"hf_{name}"), args.steps)),
+                            ("trl", lambda: run_trl(str(path), rows, os.path.join(tmp, f"trl_{name}"), args.steps))):
+            t = time.perf_counter()
+            row = {"model": name, **run()}
+            print(f"{system} on {name}: {row['step_seconds']:.2f} s/step ({time.perf_counter() - t:.0f} s)", flush=True)
+            out.append(row)
+    for name in models:
+        hf, trl = (next(r for r in out if r["model"] == name and r["system"] == s) for s in ("hybridflow", "trl"))
+        hf["vs_trl"] = hf["step_seconds"] / trl["step_seconds"]
+    for r in out:
+        r.setdefault("vs_trl", float("nan"))
+        for s in STAGES:
+            r.setdefault(f"timing_s/{s}", float("nan"))
+    columns = [("system", "system", "<11"), ("model", "model", "<14"), ("step_seconds", "step s", ">7.2f"),
+               ("tokens_per_second", "tok/s", ">7.1f"), ("vs_trl", "vs TRL", ">7.2f")]
+    columns += [(f"timing_s/{s}", s, f">{max(7, len(s))}.2f") for s in STAGES]
+    print_rows("one GRPO step (8 prompts x 4 samples, 16 new tokens), median over the timed steps", columns, out, args.json)
+
+
+if __name__ == "__main__":
+    main()
