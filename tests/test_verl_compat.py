@@ -16,13 +16,13 @@ def test_verl_only_keys_map_accept_or_refuse_with_the_reason():
                              "actor_rollout_ref.actor.fsdp_config.optimizer_offload=false", "trainer.critic_warmup=0",
                              "actor_rollout_ref.hybrid_engine=true", "data.reward_fn_key=data_source"])
     assert cfg.trainer.max_ckpt_to_keep == 3 and cfg.actor_rollout_ref.actor.optim.lr_scheduler_type == "cosine"
-    assert cfg.critic.fsdp_config.param_offload is True
+    assert cfg.critic.fsdp_config.param_offload is True and cfg.actor_rollout_ref.model.use_remove_padding is True  # a real switch now
     with pytest.raises(ConfigError) as e:
-        load_config(None, ["trainer.critic_warmup=5", "actor_rollout_ref.actor.use_dynamic_bsz=true",
+        load_config(None, ["trainer.critic_warmup=5", "critic.use_dynamic_bsz=true",
                            "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true", "actor_rollout_ref.rollout.multi_turn.enable=true"])
     msg = str(e.value)
     assert "cannot honour (4)" in msg
-    for line in ("trainer.critic_warmup=5: critic warm-up steps are not implemented", "use_dynamic_bsz=True: token-budget micro-batches",
+    for line in ("trainer.critic_warmup=5: critic warm-up steps are not implemented", "critic.use_dynamic_bsz=True: token-budget micro-batches are actor_rollout_ref.actor.use_dynamic_bsz",
                  "optimizer_offload=True: optimizer offload is not implemented in hybridflow yet; use fsdp_config.param_offload",
                  "multi_turn.enable=True: multi-turn rollouts with tools"):
         assert line in msg
