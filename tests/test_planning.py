@@ -61,7 +61,6 @@ def test_3d_training_boxes_partition_every_parameter_and_sit_inside_the_generati
         if m % gen_tp and (gen_tp % m or layout.pp % (gen_tp // m)):
             continue
         plan = plan_for(arch, layout, gen_tp, F32)
-        gen_index = {}
         for p in plan.params:
             boxes = {b for b in p.own if volume(b)}
             assert sum(volume(b) for b in boxes) == math.prod(p.shape), (label, gen_tp, p.name)
@@ -75,8 +74,6 @@ def test_3d_training_boxes_partition_every_parameter_and_sit_inside_the_generati
                     assert inside, (label, gen_tp, p.name, r)
                 if p.gen_dim is not None and gen_tp % m == 0:
                     assert contains, (label, gen_tp, p.name, r)
-                if p.gen_dim is not None:
-                    gen_index[r] = need
         # every generation TP group (same DP index) holds each TP slice exactly once
         assert len({plan.params[1].need[r] for r in range(layout.world)}) == gen_tp
 

@@ -18,7 +18,7 @@ from hybridflow.config.schema import FSDPConfig, HybridFlowConfig
 from hybridflow.controller import resource_pool as rp
 from hybridflow.hybrid_engine.plan import TrainLayout
 from hybridflow.planning.arch import Arch, load_arch
-from hybridflow.planning.cost import DTYPE_BYTES, GIB, MemoryInputs, human, memory_plan, plan_for
+from hybridflow.planning.cost import DTYPE_BYTES, GIB, MemoryInputs, human, plan_for, worst_memory
 
 log = logging.getLogger(__name__)
 BUDGET_KEY = "trainer.memory_budget_gib"
@@ -30,8 +30,7 @@ def _strategy(fc: FSDPConfig) -> str:
 
 def _role_memory(arch: Arch, n: int, gen_tp: int, fc: FSDPConfig, m: MemoryInputs, trains: bool) -> dict[str, int]:
     """The worst rank's memory plan of one role on a pool of `n` workers."""
-    plan = plan_for(arch, TrainLayout(dp=n), gen_tp, m.gen_bytes, m.strategy)
-    mem = max((memory_plan(plan, arch, TrainLayout(dp=n), m, r) for r in range(n)), key=lambda d: d["peak"])
+    mem = worst_memory(plan_for(arch, TrainLayout(dp=n), gen_tp, m.gen_bytes, m.strategy), arch, TrainLayout(dp=n), m)
     if not trains:  # forward only: no gradients, optimizer state or generation
         mem = dict(mem, grads=0, optimizer=0, gen_weights=0, kv_cache=0, activations=2 * m.micro_batch * m.seq_len * arch.vocab * 4)
     return mem
