@@ -94,6 +94,13 @@ class ActorConfig:
     # Parameters (fnmatch patterns over FQNs, e.g. "*embed_tokens*") kept frozen: no gradient or
     # optimizer state, and the weight switch moves them once, then skips them (0 bytes).
     freeze_modules: list[str] = field(default_factory=list)
+    # 3D training layout (pp x dp x tp = the actor's workers; dp is what is left): TP = DTensor
+    # Colwise/Rowwise on the decoder layers (the parallel config's model_parallel_size sets it),
+    # PP = torch.distributed.pipelining stages of whole decoder layers. The colocated reference
+    # policy uses the same layout (it shares the actor's workers and their data split).
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    pipeline_schedule: Literal["gpipe", "1f1b"] = "1f1b"
     ppo_epochs: int = 1
     shuffle: bool = False
     clip_ratio: float = 0.2

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from hybridflow.config.schema import HybridEngineConfig
 from hybridflow.hybrid_engine.memory import PeakMemory, allocation_bytes
-from hybridflow.hybrid_engine.plan import Box, ParamPlan, ReshardPlan, intersect, volume
+from hybridflow.hybrid_engine.plan import Box, ParamPlan, ReshardPlan, TrainLayout, intersect, volume
 from hybridflow.hybrid_engine.trace import TraceRecorder
 
 logger = logging.getLogger("hybridflow")
@@ -70,8 +70,16 @@ def train_shard_dim(p: torch.Tensor) -> int | None:
     return shard[0] if shard else None
 
 
-def build_plan(train_model: nn.Module, gen_shard_dims: dict[str, int | None], gen_tp: int, procs_per_node: int | None = None) -> ReshardPlan:
-    """The plan for this FSDP2 model, with each parameter's training shard dim as FSDP2 placed it."""
+def build_plan(train_model: nn.Module, gen_shard_dims: dict[str, int | None], gen_tp: int, procs_per_node: int | None = None,
+               layout: TrainLayout | None = None, full_shapes: dict[str, tuple[tuple[int, ...], int]] | None = None) -> ReshardPlan:
+    """The plan for this FSDP2 model, with each parameter's training shard dim as FSDP2 placed it.
+
+    3D layouts (`layout` with pp or tp > 1): `full_shapes` = {FQN: (shape, itemsize)} of the WHOLE
+    model in module order (a pipeline stage holds only some of it); FSDP2 shards every TP slice
+    along dim 0 over dp (`parallel/layout.py` passes no placement fn)."""
+    if layout is not None and not (layout.pp == layout.tp == 1):
+        shapes = {n: (shape, itemsize, 0, gen_shard_dims[n]) for n, (shape, itemsize) in full_shapes.items()}
+        return ReshardPlan.build(shapes, dist.get_world_size(), gen_tp, procs_per_node, layout=layout)
     shapes = {}
     for n, p in train_model.named_parameters():
         shapes[n] = (tuple(p.shape), p.element_size(), train_shard_dim(p), gen_shard_dims[n])
@@ -79,8 +87,11 @@ def build_plan(train_model: nn.Module, gen_shard_dims: dict[str, int | None], ge
 
 
 class HybridEngine:
-    def __init__(self, train_model: nn.Module, gen_model: nn.Module, gen_shard_dims: dict[str, int | None], gen_tp: int, cfg: HybridEngineConfig, device: str, procs_per_node: int | None = None):
+    def __init__(self, train_model: nn.Module, gen_model: nn.Module, gen_shard_dims: dict[str, int | None], gen_tp: int, cfg: HybridEngineConfig, device: str,
+                 procs_per_node: int | None = None, layout: TrainLayout | None = None, full_shapes: dict | None = None):
+        """layout / full_shapes: a 3D training layout (see `build_plan`); None = FSDP over the group."""
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.layout = layout or TrainLayout(dp=self.world)
         self.cfg = cfg
         self.device = device
         self.train_model = train_model
@@ -88,7 +99,7 @@ class HybridEngine:
         self.gen = dict(gen_model.named_parameters())
         for p in self.gen.values():
             _own_storage(p)
-        self.plan = build_plan(train_model, gen_shard_dims, gen_tp, procs_per_node)
+        self.plan = build_plan(train_model, gen_shard_dims, gen_tp, procs_per_node, self.layout, full_shapes)
         dtypes = {p.dtype for p in self.train.values()}
         if len(dtypes) != 1:
             raise ValueError(f"the hybrid engine expects one parameter dtype, found {dtypes}")
@@ -167,9 +178,8 @@ class HybridEngine:
             if self.cfg.granularity == "layer":  # coalesced: packed send + gathered receive
                 return (1 + size) * volume(p.own[r])
             return 0 if p.train_dim == 0 else volume(p.need[r])
-        send = sum(volume(intersect(p.own[r], p.need[d])) for d in range(self.world) if d != r)
-        recv = sum(volume(intersect(p.own[s], p.need[r])) for s in range(self.world) if s != r)
-        return send + recv
+        sends, recvs = self.plan.exchange(p)
+        return sum(volume(b) for _, b in sends[r]) + sum(volume(b) for _, b in recvs[r])
 
     def _take(self, numel: int, pool: list[int]) -> torch.Tensor:
         """A staging slice: from the reusable buffer (layer mode) or a fresh tensor (full mode)."""
@@ -195,17 +205,22 @@ class HybridEngine:
             copies.append((gen.view(out_rows, size, c), stage.view(size, out_rows, c).transpose(0, 1)))
         return (size - 1) * train.numel() * train.element_size()
 
-    def _exchange(self, p: ParamPlan, train: torch.Tensor, gen: torch.Tensor, pool: list[int], copies: list) -> int:
-        """General case: every rank sends exactly what others lack and receives what it lacks."""
+    def _exchange(self, p: ParamPlan, train: torch.Tensor | None, gen: torch.Tensor, pool: list[int], copies: list) -> int:
+        """General case: every rank sends exactly what others lack and receives what it lacks, each
+        piece from one holder (`plan.exchange`: replicas across TP or PP groups send it once).
+        `train` is None on a pipeline stage that does not hold the parameter."""
         r = self.rank
         own, need = p.own[r], p.need[r]
+        sends, recvs = self.plan.exchange(p)
+        send_box = dict(sends[r])
         send_pieces, send_sizes = [], []
         for dst in range(self.world):
-            box = intersect(own, p.need[dst]) if dst != r else None
+            box = send_box.get(dst)
             send_sizes.append(volume(box))
             if box:
                 send_pieces.append(crop(train, box, own).reshape(-1))
-        recv_boxes = [intersect(p.own[src], need) if src != r else None for src in range(self.world)]
+        recv_box = dict(recvs[r])
+        recv_boxes = [recv_box.get(src) for src in range(self.world)]
         recv_sizes = [volume(b) for b in recv_boxes]
         send = self._take(sum(send_sizes), pool)
         if send_pieces:
@@ -257,11 +272,28 @@ class HybridEngine:
                 received += (size - 1) * n * gen.element_size()
         return received
 
-    def _naive(self, p: ParamPlan, train_param: torch.Tensor, gen: torch.Tensor, copies: list, keep: list) -> int:
-        full = train_param.full_tensor() if isinstance(train_param, DTensor) else train_param
+    def _train_local(self, p: ParamPlan) -> torch.Tensor | None:
+        """This rank's training shard of `p` (None: a pipeline stage that does not hold it)."""
+        t = self.train.get(p.name)
+        return None if t is None else local(t.data)
+
+    def _full(self, p: ParamPlan) -> torch.Tensor:
+        """The whole trained tensor on every rank (a collective): DTensor's gather over the owning
+        ranks' mesh, then, with pipeline stages, a broadcast from the owning stage's first rank."""
+        t = self.train.get(p.name)
+        full = None if t is None else (t.full_tensor() if isinstance(t, DTensor) else t.data)
+        if self.layout.pp == 1:
+            return full
+        src = next(r for r in range(self.world) if volume(p.own[r]))
+        full = full.contiguous() if full is not None else torch.empty(p.shape, dtype=self.dtype, device=self.device)
+        dist.broadcast(full, src)
+        return full
+
+    def _naive(self, p: ParamPlan, gen: torch.Tensor, copies: list, keep: list) -> int:
+        full = self._full(p)
         keep.append(full)  # full granularity holds every gathered tensor until the copies
         copies.append((gen, crop(full, p.need[self.rank], tuple((0, n) for n in full.shape))))
-        return (full.numel() - local(train_param).numel()) * full.element_size()
+        return (full.numel() - volume(p.own[self.rank])) * full.element_size()
 
     # ------------------------------------------------------------------ the switch
     @torch.no_grad()
@@ -287,15 +319,15 @@ class HybridEngine:
                 pool = [0]  # staging offset, reset per layer
                 with self.trace.span(f"gather {layer}", "gather", optimized=optimized):
                     for p in params:
-                        train_param, gen = self.train[p.name], local(self.gen[p.name].data)
+                        train, gen = self._train_local(p), local(self.gen[p.name].data)
                         if not optimized:
-                            received += self._naive(p, train_param, gen, copies, keep)
+                            received += self._naive(p, gen, copies, keep)
                         elif not p.moves:  # e.g. gen_tp = N, or replicated training weights
-                            copies.append((gen, crop(local(train_param.data), p.need[self.rank], p.own[self.rank])))
+                            copies.append((gen, crop(train, p.need[self.rank], p.own[self.rank])))
                         elif p.aligned:
-                            received += self._aligned(p, local(train_param.data), gen, pool, copies)
+                            received += self._aligned(p, train, gen, pool, copies)
                         else:
-                            received += self._exchange(p, local(train_param.data), gen, pool, copies)
+                            received += self._exchange(p, train, gen, pool, copies)
                 if self.cfg.granularity == "layer":
                     with self.trace.span(f"copy {layer}", "copy"):
                         for dst, src in copies:
@@ -338,7 +370,7 @@ class HybridEngine:
                 for p in params:
                     if p.moves and p.aligned and len(p.group[self.rank]) > 1:
                         continue  # in `pending`
-                    train, gen = local(self.train[p.name].data), local(self.gen[p.name].data)
+                    train, gen = self._train_local(p), local(self.gen[p.name].data)
                     if p.moves:
                         pool = [offset]
                         received += self._exchange(p, train, gen, pool, copies) if not p.aligned else 0
@@ -364,8 +396,7 @@ class HybridEngine:
         worst = 0.0
         self.train = self._sharded_params()
         for p in self.plan.params:
-            train = self.train[p.name]
-            full = train.full_tensor() if isinstance(train, DTensor) else train
+            full = self._full(p)
             expect = crop(full, p.need[self.rank], tuple((0, n) for n in full.shape))
             gen = local(self.gen[p.name].data)
             if gen.shape != expect.shape:  # keep going: every rank must run every full_tensor()

@@ -263,12 +263,41 @@ class ReshardPlan:
     def node(self, r: int) -> int:
         return r // self.procs_per_node
 
+    def _source(self, ranks: list[int], r: int) -> int:
+        near = [s for s in ranks if self.node(s) == self.node(r)] or ranks
+        return min(near, key=lambda s: abs(s - r))
+
+    def exchange(self, p: ParamPlan) -> tuple[list[list[tuple[int, Box]]], list[list[tuple[int, Box]]]]:
+        """(sends, recvs): per rank, (destination, box) it sends and (source, box) it receives so
+        that every rank gets exactly what it lacks of its generation box, each piece once. Training
+        boxes of two ranks are identical (replicas) or disjoint; a box is fetched from one holder,
+        on the rank's own node when there is one (else the nearest), none when the rank holds it."""
+        key = (id(p.own), id(p.need), "exchange")
+        if key not in self._routes:
+            holders: dict[Box, list[int]] = {}
+            for s, box in enumerate(p.own):
+                if volume(box):
+                    holders.setdefault(box, []).append(s)
+            sends: list[list[tuple[int, Box]]] = [[] for _ in range(self.world_size)]
+            recvs: list[list[tuple[int, Box]]] = [[] for _ in range(self.world_size)]
+            for r in range(self.world_size):
+                for box, ranks in holders.items():
+                    piece = None if r in ranks else intersect(p.need[r], box)
+                    if piece:
+                        src = self._source(ranks, r)
+                        recvs[r].append((src, piece))
+                        sends[src].append((r, piece))
+            self._routes[key] = (sends, recvs)
+        return self._routes[key]
+
     def routes(self, p: ParamPlan, naive: bool = False) -> list[list[tuple[int, int]]]:
         """Per rank, (source rank, bytes) of every piece it lacks (naive: of the whole tensor).
 
         Training boxes of two ranks are identical (replicas) or disjoint, so each distinct box is
         fetched once, from a holder on the rank's own node when there is one (else the nearest)."""
-        key = (id(p.own), id(p.need), naive)
+        if not naive:
+            return [[(src, volume(box) * p.itemsize) for src, box in recv] for recv in self.exchange(p)[1]]
+        key = (id(p.own), id(p.need), "naive")
         if key not in self._routes:
             full = shard_box(p.shape, None, 1, 0)
             holders: dict[Box, list[int]] = {}
@@ -277,12 +306,11 @@ class ReshardPlan:
                     holders.setdefault(box, []).append(s)
             out = []
             for r in range(self.world_size):
-                need, recv = full if naive else p.need[r], []
+                recv = []
                 for box, ranks in holders.items():
-                    v = 0 if r in ranks else volume(intersect(need, box))
+                    v = 0 if r in ranks else volume(intersect(full, box))
                     if v:
-                        near = [s for s in ranks if self.node(s) == self.node(r)] or ranks
-                        recv.append((min(near, key=lambda s: abs(s - r)), v * p.itemsize))
+                        recv.append((self._source(ranks, r), v * p.itemsize))
                 out.append(recv)
             self._routes[key] = out
         return self._routes[key]

@@ -81,23 +81,33 @@ def validate_gen_tp(gen_tp: int, world_size: int, num_attention_heads: int, num_
     return out
 
 
-def gen_ranks(rank: int, world_size: int, gen_tp: int) -> tuple[int, int]:
-    """(generation TP index, generation DP index) of ``rank``."""
-    k = world_size // gen_tp
-    return rank // k, rank % k
+def gen_ranks(rank: int, world_size: int, gen_tp: int, layout=None) -> tuple[int, int]:
+    """(generation TP index, generation DP index) of ``rank``; `layout` (a `TrainLayout`, None =
+    FSDP over all ranks) picks HybridFlow's grouping for a 3D training layout (`plan.gen_coords`)."""
+    if layout is None:
+        k = world_size // gen_tp
+        return rank // k, rank % k
+    from hybridflow.hybrid_engine.plan import gen_coords
+
+    return gen_coords(layout, gen_tp)[rank]
 
 
-def gen_mesh(device: str, world_size: int, gen_tp: int) -> DeviceMesh:
-    """The 2-D (tp, dp) mesh ``arange(N).reshape(gen_tp, k)``: ``mesh["tp"]`` = strided TP groups.
+def gen_mesh(device: str, world_size: int, gen_tp: int, layout=None) -> DeviceMesh:
+    """The 2-D (tp, dp) mesh whose entry [t, d] is the rank with generation coordinates (t, d):
+    ``arange(N).reshape(gen_tp, k)`` for the FSDP layout, so ``mesh["tp"]`` = strided TP groups.
 
     Collective over the default process group (every rank must call it; slicing creates sub-groups).
     """
-    from torch.distributed.device_mesh import init_device_mesh
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
 
     problems = validate_gen_tp(gen_tp, world_size, 0, 0)
     if problems:
         raise ValueError("; ".join(problems))
-    return init_device_mesh(device, (gen_tp, world_size // gen_tp), mesh_dim_names=("tp", "dp"))
+    grid = torch.empty(gen_tp, world_size // gen_tp, dtype=torch.int)
+    for r in range(world_size):
+        grid[gen_ranks(r, world_size, gen_tp, layout)] = r
+    return DeviceMesh(device, grid, mesh_dim_names=("tp", "dp"))
 
 
 def _check_heads(model: nn.Module, tp: int) -> None:
@@ -145,15 +155,16 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
         # src_data_rank=None: every rank already holds the full weights; each keeps its own slice
         # (no broadcast from TP rank 0).
         parallelize_module(layer, tp_mesh, plan, src_data_rank=None)
-    if not is_tied(model):
-        names = {id(m): n for n, m in model.named_modules()}
+    if not is_tied(model):  # by name: a pipeline stage (`pipeline.StageLM`) may hold either or neither
         plan = {}
-        emb, head = model.get_input_embeddings(), model.get_output_embeddings()
-        if emb is not None:
-            plan[names[id(emb)]] = RowwiseParallel(input_layouts=Replicate())
-        if head is not None:
-            plan[names[id(head)]] = ColwiseParallel(output_layouts=Replicate())
-        parallelize_module(model, tp_mesh, plan, src_data_rank=None)
+        for name, mod in model.named_modules():
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf == EMBED and isinstance(mod, nn.Embedding):
+                plan[name] = RowwiseParallel(input_layouts=Replicate())
+            elif leaf == LM_HEAD and isinstance(mod, nn.Linear):
+                plan[name] = ColwiseParallel(output_layouts=Replicate())
+        if plan:
+            parallelize_module(model, tp_mesh, plan, src_data_rank=None)
     return model
 
 

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import fnmatch
+import math
 import os
 
 import torch
@@ -27,7 +28,9 @@ from hybridflow.controller.decorator import Dispatch, register
 from hybridflow.controller.worker import Worker, pick_device
 from hybridflow.hybrid_engine import cross_pool
 from hybridflow.hybrid_engine.executor import HybridEngine, build_plan
+from hybridflow.hybrid_engine.plan import TrainLayout
 from hybridflow.parallel.fsdp import apply_fsdp2, make_mesh, shard_numel
+from hybridflow.parallel.layout import build_train_model, grad_norm_and_clip, parallel_dims
 from hybridflow.parallel.tensor_parallel import fsdp_shard_placement_fn, gen_shard_dims
 from hybridflow.protocol import Batch
 from hybridflow.rollout.base import position_ids_from, response_lengths  # noqa: F401  (re-exported)
@@ -52,6 +55,33 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
         self.has_rollout = "rollout" in role
         self.has_ref = role.endswith("ref")
         self.remove_padding = config.actor_rollout_ref.model.use_remove_padding
+        acfg = config.actor_rollout_ref.actor
+        pp, tp = acfg.pipeline_model_parallel_size, acfg.tensor_model_parallel_size
+        self.train_layout = TrainLayout(pp=pp, tp=tp, dp=self.world_size // (pp * tp))
+        self.dims = None  # ParallelDims, set by init_model
+        self.pipe = self.ref_pipe = None  # Pipelines of the actor / reference stage (pp > 1)
+
+    def dispatch_layout(self, layout: str | None) -> tuple[int, int, bool]:
+        """Training calls split the batch over dp; a pipeline x TP group shares one micro-batch."""
+        if layout is None and not (self.train_layout.pp == self.train_layout.tp == 1):
+            pp_i, dp_i, tp_i = self.train_layout.coords(self.rank)
+            return dp_i, self.train_layout.dp, pp_i == self.train_layout.pp - 1 and tp_i == 0
+        return super().dispatch_layout(layout)
+
+    @property
+    def dp_size(self) -> int:
+        return self.train_layout.dp
+
+    def _build(self, model, fcfg, placement=None):
+        """(model in the training layout, its Pipeline or None): FSDP2 over the group (1-D mesh),
+        or the 3D layout's stage x TP x FSDP (`parallel/layout.py`)."""
+        def fsdp(m, mesh):
+            return apply_fsdp2(m, mesh, fcfg.reshard_after_forward, fcfg.param_offload, shard_placement_fn=placement,
+                               sharding_strategy=fcfg.sharding_strategy, mixed_precision=fcfg.mixed_precision)
+
+        if self.dims.trivial:
+            return fsdp(model, make_mesh(self.device, self.world_size)), None
+        return build_train_model(model, self.dims, self.device, fsdp, self.cfg.actor_rollout_ref.actor.pipeline_schedule)
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
@@ -59,35 +89,34 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
         torch.manual_seed(self.cfg.trainer.seed)
         mcfg = self.cfg.actor_rollout_ref.model
         self.tokenizer = AutoTokenizer.from_pretrained(mcfg.tokenizer_path or mcfg.path)
-        mesh = make_mesh(self.device, self.world_size)
+        self.dims = parallel_dims(self.train_layout, self.device)
         if self.has_actor:
-            self._init_actor(mcfg, mesh)
+            self._init_actor(mcfg)
         if self.has_rollout:
             self._init_rollout(mcfg)
         if self.has_ref:
-            rcfg = self.cfg.actor_rollout_ref.ref
-            self.ref = apply_fsdp2(load_hf_model(mcfg, self.device), mesh, rcfg.fsdp_config.reshard_after_forward, rcfg.fsdp_config.param_offload,
-                                   sharding_strategy=rcfg.fsdp_config.sharding_strategy, mixed_precision=rcfg.fsdp_config.mixed_precision)
+            self.ref, self.ref_pipe = self._build(load_hf_model(mcfg, self.device), self.cfg.actor_rollout_ref.ref.fsdp_config)
             self.ref.eval().requires_grad_(False)
 
-    def _init_actor(self, mcfg, mesh) -> None:
+    def _init_actor(self, mcfg) -> None:
         acfg = self.cfg.actor_rollout_ref.actor
         model = load_hf_model(mcfg, self.device)
         for name, p in model.named_parameters():  # frozen: no gradient, no optimizer state, synced once
             if any(fnmatch.fnmatchcase(name, pattern) for pattern in acfg.freeze_modules):
                 p.requires_grad_(False)
         self.gen_dims = gen_shard_dims(model)
-        # Training shards follow the generation TP dims, so resharding is a micro-DP all-gather.
-        placement = fsdp_shard_placement_fn(model, self.world_size)
-        fcfg = acfg.fsdp_config
-        self.actor = apply_fsdp2(model, mesh, fcfg.reshard_after_forward, fcfg.param_offload, shard_placement_fn=placement, sharding_strategy=fcfg.sharding_strategy, mixed_precision=fcfg.mixed_precision)
+        # The whole model's parameters (a pipeline stage keeps only its own): the resharding plan's.
+        self.full_shapes = {n: (tuple(p.shape), p.element_size()) for n, p in model.named_parameters()}
+        # FSDP layout: training shards follow the generation TP dims, so resharding is a micro-DP all-gather.
+        placement = fsdp_shard_placement_fn(model, self.world_size) if self.dims.trivial else None
+        self.actor, self.pipe = self._build(model, acfg.fsdp_config, placement)
         self.optimizer = build_optimizer([p for p in self.actor.parameters() if p.requires_grad], acfg.optim)
         self.scheduler = build_scheduler(self.optimizer, acfg.optim, self.total_training_steps)
 
     def _init_rollout(self, mcfg) -> None:
         """The colocated rollout backend (the worker calls only its interface)."""
         rcfg = self.cfg.actor_rollout_ref.rollout
-        self._set_gen_layout(rcfg.tensor_model_parallel_size)
+        self._set_gen_layout(rcfg.tensor_model_parallel_size, self.train_layout)
         procs_per_node = int(os.environ.get("HYBRIDFLOW_PROCS_PER_NODE", self.world_size))
         if rcfg.name == "vllm":
             from hybridflow.rollout.vllm_rollout import VLLMRollout
@@ -101,7 +130,7 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
 
             he = self.cfg.actor_rollout_ref.hybrid_engine
             model = self._tp_model(mcfg, self.device)
-            self.engine = HybridEngine(self.actor, model, self.gen_dims, self.gen_tp, he, self.device, procs_per_node)
+            self.engine = HybridEngine(self.actor, model, self.gen_dims, self.gen_tp, he, self.device, procs_per_node, self.train_layout, self.full_shapes)
             self.plan = self.engine.plan
             self.rollout = HFRollout(model, self.tokenizer, self.device, self.dp_index, self.engine, he.enable_resharding_opt)
 
@@ -138,11 +167,19 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
 
     # ------------------------------------------------------------------ log-probs
     def _log_probs(self, model, data: Batch, micro_bs: int, max_tokens: int | None = None,
-                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   with_entropy: bool = False, pipe=None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Response log-probs [b, R] (and entropies) under `model`; with a pipeline only the last
+        stage gets them (None elsewhere: its result is not collected)."""
         model.eval()
         temperature = float(data.meta.get("temperature", 1.0))
+        data = data.to(self.device)
+        if pipe is not None:
+            rows = len(data)
+            padded = data.index(torch.arange(-(-rows // micro_bs) * micro_bs).clamp(max=rows - 1))  # whole micro-batches
+            out = pipe.run(padded["input_ids"], padded["attention_mask"], padded["position_ids"], padded["responses"], micro_bs, temperature)
+            return (None, None) if out is None else (out[:rows, :, 0], out[:rows, :, 1] if with_entropy else None)
         logps, ents = [], []
-        for mb in micro_batches(data.to(self.device), micro_bs, max_tokens):
+        for mb in micro_batches(data, micro_bs, max_tokens):
             logits = response_logits(model, mb, temperature, self.remove_padding)
             logps.append(logprobs_from_logits(logits, mb["responses"]))
             if with_entropy:
@@ -155,7 +192,9 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
         """old_log_probs [b, R] under the current policy (before this step's update)."""
         r = self.cfg.actor_rollout_ref.rollout
         logp, ent = self._log_probs(self.actor, data, r.log_prob_micro_batch_size_per_gpu,
-                                    r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None, with_entropy=True)
+                                    r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None, with_entropy=True, pipe=self.pipe)
+        if logp is None:  # an earlier pipeline stage: nothing to report
+            return Batch.from_dict(tensors={"old_log_probs": torch.zeros(data["responses"].shape)})
         mask = data["response_mask"].to(logp.device)
         return Batch.from_dict(tensors={"old_log_probs": logp.cpu()}, meta={"metrics": {"actor/entropy": float(masked_mean(ent, mask))}})
 
@@ -163,23 +202,35 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
     @torch.no_grad()
     def compute_ref_log_prob(self, data: Batch) -> Batch:
         r = self.cfg.actor_rollout_ref.ref
-        logp, _ = self._log_probs(self.ref, data, r.log_prob_micro_batch_size_per_gpu, r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None)
-        return Batch.from_dict(tensors={"ref_log_prob": logp.cpu()})
+        logp, _ = self._log_probs(self.ref, data, r.log_prob_micro_batch_size_per_gpu, r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None,
+                                  pipe=self.ref_pipe)
+        return Batch.from_dict(tensors={"ref_log_prob": (torch.zeros(data["responses"].shape) if logp is None else logp.cpu())})
 
     # ------------------------------------------------------------------ training
+    def _clip_and_step(self, grad_clip: float) -> float:
+        if self.dims.trivial:
+            return clip_and_step(self.actor, self.optimizer, grad_clip)
+        # TP x FSDP DTensors on two meshes, and pipeline stages: the global norm over all of them.
+        norm = grad_norm_and_clip([p for p in self.actor.parameters() if p.requires_grad], grad_clip,
+                                  self.dims.pp_group if self.train_layout.pp > 1 else None)
+        if math.isfinite(norm):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
     @register(Dispatch.DP_COMPUTE)
     def update_actor(self, data: Batch, optimizer_step: bool = True, loss_scale: float = 1.0) -> dict[str, float]:
         """PPO-style update on this rank's share of the step's sequences.
 
         data: input_ids/attention_mask/position_ids [b, P+R], responses/response_mask/
         old_log_probs/advantages [b, R] (+ ref_log_prob when use_kl_loss). Mini-batches of
-        ppo_mini_batch_size * n / world sequences per rank, each one optimizer step.
+        ppo_mini_batch_size * n / dp sequences per data-parallel rank, each one optimizer step.
         Gradient accumulation across calls (DataFlow grad_accum_steps): optimizer_step=False only
         accumulates (loss x loss_scale); the next call with optimizer_step=True steps on the sum.
         """
         acfg = self.cfg.actor_rollout_ref.actor
         n = self.cfg.actor_rollout_ref.rollout.n
-        mini_size = acfg.ppo_mini_batch_size * n // self.world_size
+        mini_size = acfg.ppo_mini_batch_size * n // self.dp_size
         temperature = float(data.meta.get("temperature", 1.0))
         low = acfg.clip_ratio_low if acfg.clip_ratio_low is not None else acfg.clip_ratio
         high = acfg.clip_ratio_high if acfg.clip_ratio_high is not None else acfg.clip_ratio
@@ -188,8 +239,32 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
         counts: dict[str, int] = {}
 
         def add(k: str, v: float) -> None:
+            if self.pipe is not None and self.pipe.inferring:  # the schedule's shape-inference call
+                return
             sums[k] = sums.get(k, 0.0) + float(v)
             counts[k] = counts.get(k, 0) + 1
+
+        def micro_loss(log_prob: torch.Tensor, entropy_tok: torch.Tensor, mb: dict, mini_mask: torch.Tensor) -> torch.Tensor:
+            """The micro-batch's share of the mini-batch loss (x loss_scale); log_prob/entropy_tok [b, R]."""
+            mask = mb["response_mask"]
+            entropy = agg_loss(entropy_tok, mask, acfg.loss_agg_mode)
+            pg_loss, clipfrac, ppo_kl, clipfrac_lower = compute_policy_loss(
+                # no old_log_probs (recompute_old_log_prob=false, one on-policy pass): this forward's own, detached
+                mb["old_log_probs"] if "old_log_probs" in mb else log_prob.detach(), log_prob, mb["advantages"], mask, low, high,
+                acfg.clip_ratio_c, acfg.loss_agg_mode
+            )
+            loss = pg_loss - acfg.entropy_coeff * entropy
+            if acfg.use_kl_loss:
+                kl = kl_loss(log_prob, mb["ref_log_prob"], mask, acfg.kl_loss_type, acfg.loss_agg_mode)
+                loss = loss + acfg.kl_loss_coef * kl
+                add("actor/kl_loss", kl.item())
+            add("actor/pg_loss", pg_loss.item())
+            add("actor/pg_clipfrac", clipfrac.item())
+            add("actor/pg_clipfrac_lower", clipfrac_lower.item())
+            add("actor/ppo_kl", ppo_kl.item())
+            add("actor/entropy", entropy.item())
+            # Scale so the accumulated gradient is the mini-batch's loss (fixed or dynamic micro-batches alike).
+            return loss * micro_weight(mask, mini_mask, acfg.loss_agg_mode) * loss_scale
 
         if not optimizer_step and (acfg.ppo_epochs > 1 or len(data) > mini_size):
             raise ValueError(f"gradient accumulation across calls needs each call to be at most one mini-batch "
@@ -198,35 +273,37 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
         data = data.to(self.device)
         for _ in range(acfg.ppo_epochs):
             for mini in data.split(mini_size):
-                for mb in micro_batches(mini, acfg.ppo_micro_batch_size_per_gpu, acfg.ppo_max_token_len_per_gpu if acfg.use_dynamic_bsz else None):
-                    mask = mb["response_mask"]
-                    logits = response_logits(self.actor, mb, temperature, self.remove_padding)
-                    log_prob = logprobs_from_logits(logits, mb["responses"])
-                    entropy = agg_loss(entropy_from_logits(logits), mask, acfg.loss_agg_mode)
-                    pg_loss, clipfrac, ppo_kl, clipfrac_lower = compute_policy_loss(
-                        # no old_log_probs (recompute_old_log_prob=false, one on-policy pass): this forward's own, detached
-                        mb["old_log_probs"] if "old_log_probs" in mb else log_prob.detach(), log_prob, mb["advantages"], mask, low, high,
-                        acfg.clip_ratio_c, acfg.loss_agg_mode
-                    )
-                    loss = pg_loss - acfg.entropy_coeff * entropy
-                    if acfg.use_kl_loss:
-                        kl = kl_loss(log_prob, mb["ref_log_prob"], mask, acfg.kl_loss_type, acfg.loss_agg_mode)
-                        loss = loss + acfg.kl_loss_coef * kl
-                        add("actor/kl_loss", kl.item())
-                    # Scale so the accumulated gradient is the mini-batch's loss (fixed or dynamic micro-batches alike).
-                    (loss * micro_weight(mask, mini["response_mask"], acfg.loss_agg_mode) * loss_scale).backward()
-                    add("actor/pg_loss", pg_loss.item())
-                    add("actor/pg_clipfrac", clipfrac.item())
-                    add("actor/pg_clipfrac_lower", clipfrac_lower.item())
-                    add("actor/ppo_kl", ppo_kl.item())
-                    add("actor/entropy", entropy.item())
+                if self.pipe is not None:
+                    self._pipe_ppo(mini, temperature, micro_loss)
+                else:
+                    for mb in micro_batches(mini, acfg.ppo_micro_batch_size_per_gpu, acfg.ppo_max_token_len_per_gpu if acfg.use_dynamic_bsz else None):
+                        logits = response_logits(self.actor, mb, temperature, self.remove_padding)
+                        micro_loss(logprobs_from_logits(logits, mb["responses"]), entropy_from_logits(logits), mb, mini["response_mask"]).backward()
                 if optimizer_step:
-                    add("actor/grad_norm", clip_and_step(self.actor, self.optimizer, acfg.grad_clip))
+                    add("actor/grad_norm", self._clip_and_step(acfg.grad_clip))
         metrics = {k: sums[k] / counts[k] for k in sums}
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
         if optimizer_step:
             self.scheduler.step()
         return metrics
+
+    # The per-token fields the PPO loss reads, packed as the pipeline's loss target [b, R, 4].
+    _PPO_FIELDS = ("old_log_probs", "advantages", "response_mask", "ref_log_prob")
+
+    def _pipe_ppo(self, mini: Batch, temperature: float, micro_loss) -> None:
+        """One mini-batch's forward + backward through the pipeline schedule; `micro_loss` runs on
+        the last stage per micro-batch, on the fields unpacked from the target."""
+        has = [k in mini for k in self._PPO_FIELDS]
+        zeros = torch.zeros(mini["responses"].shape, device=self.device)
+        target = torch.stack([mini[k].float() if h else zeros for k, h in zip(self._PPO_FIELDS, has)], dim=-1)
+
+        def loss(out: torch.Tensor, tgt: torch.Tensor, mini_mask: torch.Tensor) -> torch.Tensor:
+            mb = {k: tgt[..., i] for i, (k, h) in enumerate(zip(self._PPO_FIELDS, has)) if h}
+            return micro_loss(out[..., 0], out[..., 1], mb, mini_mask)
+
+        self.pipe.run(mini["input_ids"], mini["attention_mask"], mini["position_ids"], mini["responses"],
+                      self.cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu, temperature, loss=loss, target=target,
+                      loss_kwargs={"mini_mask": mini["response_mask"]})
 
     @register(Dispatch.DP_COMPUTE)
     def sft_step(self, data: Batch) -> dict[str, float]:
@@ -237,20 +314,28 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
         # Normalise by the GLOBAL number of loss tokens so every token weighs the same.
         local_tokens = data["loss_mask"][:, 1:].sum().float()
         global_tokens = local_tokens.clone()
-        dist.all_reduce(global_tokens)
-        total_loss = 0.0
-        for mb in micro_batches(data, acfg.ppo_micro_batch_size_per_gpu):
-            out = self.actor(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], position_ids=mb["position_ids"], use_cache=False)
-            # logits at t predict token t+1: [b, L-1, V] vs labels [b, L-1]
-            nll = -logprobs_from_logits(out.logits[:, :-1], mb["input_ids"][:, 1:])
-            loss_sum = (nll * mb["loss_mask"][:, 1:]).sum()
-            # FSDP2 averages gradients over ranks; scale by world so the result is sum / global_tokens.
-            (loss_sum * self.world_size / global_tokens).backward()
-            total_loss += loss_sum.item()
+        dist.all_reduce(global_tokens, group=self.dims.dp_group)
+        total_loss = [0.0]
+
+        def loss(nll: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+            """nll, loss_mask [b, L-1]: logits at t predict token t+1."""
+            loss_sum = (nll * loss_mask).sum()
+            if self.pipe is None or not self.pipe.inferring:  # not the schedule's shape-inference call
+                total_loss[0] += loss_sum.item()
+            # FSDP2 averages gradients over dp ranks; scale by dp so the result is sum / global_tokens.
+            return loss_sum * self.dp_size / global_tokens
+
+        if self.pipe is not None:
+            self.pipe.run(data["input_ids"], data["attention_mask"], data["position_ids"], data["input_ids"][:, 1:], acfg.ppo_micro_batch_size_per_gpu,
+                          loss=lambda out, mask: loss(-out[..., 0], mask), target=data["loss_mask"][:, 1:].float())
+        else:
+            for mb in micro_batches(data, acfg.ppo_micro_batch_size_per_gpu):
+                out = self.actor(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], position_ids=mb["position_ids"], use_cache=False)
+                loss(-logprobs_from_logits(out.logits[:, :-1], mb["input_ids"][:, 1:]), mb["loss_mask"][:, 1:]).backward()
         lr = self.scheduler.get_last_lr()[0]
-        grad_norm = clip_and_step(self.actor, self.optimizer, acfg.grad_clip)
+        grad_norm = self._clip_and_step(acfg.grad_clip)
         self.scheduler.step()
-        return {"train/loss": total_loss / max(float(local_tokens), 1.0), "train/grad_norm": grad_norm, "train/lr": lr}
+        return {"train/loss": total_loss[0] / max(float(local_tokens), 1.0), "train/grad_norm": grad_norm, "train/lr": lr}
 
     # ------------------------------------------------------------------ checkpoints
     @register(Dispatch.ONE_TO_ALL)

@@ -26,16 +26,19 @@ class RolloutMixin:
     rank: int
     world_size: int
 
-    def _set_gen_layout(self, gen_tp: int) -> None:
+    def _set_gen_layout(self, gen_tp: int, train_layout=None) -> None:
+        """train_layout: the colocated actor's `TrainLayout` (None: FSDP over the group), which
+        decides the generation groups (HybridFlow's grouping, `plan.gen_coords`)."""
         self.gen_tp = gen_tp
         self.gen_dp_size = self.world_size // gen_tp
-        self.tp_index, self.dp_index = gen_ranks(self.rank, self.world_size, gen_tp)
+        self.gen_train_layout = train_layout
+        self.tp_index, self.dp_index = gen_ranks(self.rank, self.world_size, gen_tp, train_layout)
 
     def _tp_model(self, mcfg, device: str) -> torch.nn.Module:
         """The policy's HF model in the generation layout (tensor-parallel over gen_tp ranks)."""
         model = load_hf_model(mcfg, device).eval().requires_grad_(False)
         if self.gen_tp > 1:
-            apply_tensor_parallel(model, gen_mesh(device, self.world_size, self.gen_tp)["tp"])
+            apply_tensor_parallel(model, gen_mesh(device, self.world_size, self.gen_tp, self.gen_train_layout)["tp"])
         return model
 
     def dispatch_layout(self, layout: str | None) -> tuple[int, int, bool]:

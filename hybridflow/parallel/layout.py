@@ -1,0 +1,119 @@
+"""3D training layout on the workers: the (pp, dp, tp) DeviceMesh and the model built on it.
+
+Rank r = (pp_i * dp + dp_i) * tp + tp_i (tp innermost, as `hybrid_engine.plan.TrainLayout`), so a
+TP group is tp consecutive ranks and a pipeline is the ranks that share (dp_i, tp_i).
+
+Build order (torchtitan's): pipeline stage first (the stage keeps only its decoder layers,
+`parallel/pipeline.py`), then the TP plan on the tp mesh (the generation plan's table: the same
+`parallel/tensor_parallel.py` Colwise/Rowwise split; lm_head's logits come out whole, the
+"gathered logits" path), then FSDP2 over the dp mesh (each TP slice sharded over dp).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from hybridflow.hybrid_engine.plan import TrainLayout
+
+
+@dataclass
+class ParallelDims:
+    """This rank's place in the training layout, and the process groups it trains with."""
+
+    layout: TrainLayout
+    pp_i: int
+    dp_i: int
+    tp_i: int
+    mesh: DeviceMesh | None  # (pp, dp, tp); None for the plain FSDP layout (1-D mesh built by the worker)
+
+    @property
+    def trivial(self) -> bool:
+        return self.layout.pp == self.layout.tp == 1
+
+    @property
+    def dp_mesh(self) -> DeviceMesh:
+        return self.mesh["dp"]
+
+    @property
+    def tp_mesh(self) -> DeviceMesh:
+        return self.mesh["tp"]
+
+    @property
+    def pp_group(self):
+        return self.mesh["pp"].get_group()
+
+    @property
+    def dp_group(self):
+        return None if self.mesh is None else self.mesh["dp"].get_group()
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_i == self.layout.pp - 1
+
+    def dispatch(self) -> tuple[int, int, bool]:
+        """(dp index, dp size, collect?): the ranks of one pipeline x TP group share a micro-batch;
+        the last stage's TP rank 0 holds the result."""
+        return self.dp_i, self.layout.dp, self.is_last_stage and self.tp_i == 0
+
+
+def parallel_dims(layout: TrainLayout, device: str) -> ParallelDims:
+    """Every rank calls this (building the mesh creates process groups)."""
+    rank = dist.get_rank()
+    if layout.world != dist.get_world_size():
+        raise ValueError(f"training layout {layout.label} needs {layout.world} ranks, the group has {dist.get_world_size()}")
+    pp_i, dp_i, tp_i = layout.coords(rank)
+    mesh = None
+    if layout.pp > 1 or layout.tp > 1:
+        mesh = init_device_mesh(device, (layout.pp, layout.dp, layout.tp), mesh_dim_names=("pp", "dp", "tp"))
+    return ParallelDims(layout, pp_i, dp_i, tp_i, mesh)
+
+
+def grad_norm_and_clip(params: list[nn.Parameter], max_norm: float, pp_group=None) -> float:
+    """Global L2 gradient norm over every mesh the parameters live on (TP x FSDP DTensors, plain
+    FSDP ones) and every pipeline stage (`pp_group`), then clip in place; returns the norm.
+
+    Per parameter the squared norm of its DTensor gradient is reduced over its own mesh
+    (`full_tensor`), so replicated TP parameters count once and sharded ones in full."""
+    grads = [p.grad for p in params if p.grad is not None]
+    device = grads[0].device if grads else torch.device("cpu")
+    by_mesh: dict = {}
+    for g in grads:
+        by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for mesh, gs in by_mesh.items():
+        sq = torch.stack([torch.linalg.vector_norm(g.float()) ** 2 for g in gs]).sum() if mesh is None else \
+            torch.stack([(torch.linalg.vector_norm(g.float()) ** 2).full_tensor() for g in gs]).sum()
+        total = total + sq
+    if pp_group is not None:
+        dist.all_reduce(total, group=pp_group)
+    norm = float(total.sqrt())
+    if math.isfinite(norm) and norm > max_norm > 0:
+        coef = max_norm / (norm + 1e-6)
+        for g in grads:
+            g.mul_(coef)
+    return norm
+
+
+def build_train_model(model: nn.Module, dims: ParallelDims, device: str, fsdp: Callable[[nn.Module, DeviceMesh], nn.Module],
+                      schedule: str = "1f1b"):
+    """(the model as this rank trains it, its `Pipeline` or None): stage split, TP plan, then
+    `fsdp(module, dp_mesh)` (the worker's `apply_fsdp2` call with its FSDP settings)."""
+    from hybridflow.parallel.pipeline import Pipeline, StageLM
+    from hybridflow.parallel.tensor_parallel import apply_tensor_parallel
+
+    layout = dims.layout
+    if layout.pp > 1:
+        model = StageLM(model, dims.pp_i, layout.pp)
+    if layout.tp > 1:
+        apply_tensor_parallel(model, dims.tp_mesh)
+    model = fsdp(model, dims.dp_mesh)
+    pipe = Pipeline(model, dims.pp_i, layout.pp, dims.pp_group, device, schedule) if layout.pp > 1 else None
+    return model, pipe
