@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from hybridflow.config.schema import HybridEngineConfig
 from hybridflow.hybrid_engine.memory import PeakMemory, allocation_bytes
-from hybridflow.hybrid_engine.plan import Box, ParamPlan, ReshardPlan, TrainLayout, intersect, volume
+from hybridflow.hybrid_engine.plan import Box, ParamPlan, ReshardPlan, TrainLayout, fsdp_dim, intersect, volume
 from hybridflow.hybrid_engine.trace import TraceRecorder
 
 logger = logging.getLogger("hybridflow")
@@ -76,9 +76,9 @@ def build_plan(train_model: nn.Module, gen_shard_dims: dict[str, int | None], ge
 
     3D layouts (`layout` with pp or tp > 1): `full_shapes` = {FQN: (shape, itemsize)} of the WHOLE
     model in module order (a pipeline stage holds only some of it); FSDP2 shards every TP slice
-    along dim 0 over dp (`parallel/layout.py` passes no placement fn)."""
+    over dp along `plan.fsdp_dim` (`parallel/layout.py` places it there)."""
     if layout is not None and not (layout.pp == layout.tp == 1):
-        shapes = {n: (shape, itemsize, 0, gen_shard_dims[n]) for n, (shape, itemsize) in full_shapes.items()}
+        shapes = {n: (shape, itemsize, fsdp_dim(shape, gen_shard_dims[n], layout), gen_shard_dims[n]) for n, (shape, itemsize) in full_shapes.items()}
         return ReshardPlan.build(shapes, dist.get_world_size(), gen_tp, procs_per_node, layout=layout)
     shapes = {}
     for n, p in train_model.named_parameters():
@@ -235,7 +235,7 @@ class HybridEngine:
         mine = intersect(own, need)
         if mine:
             copies.append((crop(gen, mine, need), crop(train, mine, own)))
-        return sum(recv_sizes) * train.element_size()
+        return sum(recv_sizes) * p.itemsize
 
     def _launch_layer(self, params: list[ParamPlan], base: int) -> tuple[list, int]:
         """Start one coalesced all-gather per process group for the layer's aligned, moving

@@ -119,6 +119,14 @@ def gen_coords(layout: TrainLayout, gen_tp: int) -> list[tuple[int, int]]:
     return out
 
 
+def fsdp_dim(shape: tuple[int, ...], gen_dim: int | None, layout: TrainLayout) -> int:
+    """The dim FSDP2 shards a parameter's TP slice along over dp: its generation TP dim when the
+    slice divides evenly there (`tensor_parallel.fsdp_shard_placement_fn`), else dim 0."""
+    dim = gen_dim or 0
+    size = math.ceil(shape[dim] / layout.tp) if gen_dim is not None and layout.tp > 1 else shape[dim]
+    return 0 if dim and size % layout.dp else dim
+
+
 def layer_stage(layer: str, num_layers: int, pp: int) -> int:
     """The PP stage owning `layer` (a `layer_of` name): embeddings first, norm/head last."""
     if layer.startswith("layers."):
@@ -295,9 +303,9 @@ class ReshardPlan:
 
         Training boxes of two ranks are identical (replicas) or disjoint, so each distinct box is
         fetched once, from a holder on the rank's own node when there is one (else the nearest)."""
-        if not naive:
-            return [[(src, volume(box) * p.itemsize) for src, box in recv] for recv in self.exchange(p)[1]]
-        key = (id(p.own), id(p.need), "naive")
+        key = (id(p.own), id(p.need), naive)
+        if key not in self._routes and not naive:
+            self._routes[key] = [[(src, volume(box) * p.itemsize) for src, box in recv] for recv in self.exchange(p)[1]]
         if key not in self._routes:
             full = shard_box(p.shape, None, 1, 0)
             holders: dict[Box, list[int]] = {}

@@ -102,18 +102,19 @@ def grad_norm_and_clip(params: list[nn.Parameter], max_norm: float, pp_group=Non
     return norm
 
 
-def build_train_model(model: nn.Module, dims: ParallelDims, device: str, fsdp: Callable[[nn.Module, DeviceMesh], nn.Module],
+def build_train_model(model: nn.Module, dims: ParallelDims, device: str, fsdp: Callable[..., nn.Module],
                       schedule: str = "1f1b"):
     """(the model as this rank trains it, its `Pipeline` or None): stage split, TP plan, then
-    `fsdp(module, dp_mesh)` (the worker's `apply_fsdp2` call with its FSDP settings)."""
+    `fsdp(module, dp_mesh, placement)` (the worker's `apply_fsdp2` call with its FSDP settings)."""
     from hybridflow.parallel.pipeline import Pipeline, StageLM
-    from hybridflow.parallel.tensor_parallel import apply_tensor_parallel
+    from hybridflow.parallel.tensor_parallel import apply_tensor_parallel, fsdp_shard_placement_fn
 
     layout = dims.layout
     if layout.pp > 1:
         model = StageLM(model, dims.pp_i, layout.pp)
     if layout.tp > 1:
         apply_tensor_parallel(model, dims.tp_mesh)
-    model = fsdp(model, dims.dp_mesh)
+    # FSDP along the generation TP dim where the slice divides (`plan.fsdp_dim`): fewer bytes to move.
+    model = fsdp(model, dims.dp_mesh, fsdp_shard_placement_fn(model, layout.dp))
     pipe = Pipeline(model, dims.pp_i, layout.pp, dims.pp_group, device, schedule) if layout.pp > 1 else None
     return model, pipe

@@ -175,7 +175,8 @@ def fsdp_shard_placement_fn(model: nn.Module, world_size: int | None = None) -> 
     FSDP2 cannot shard unevenly along a dim other than 0: a row-parallel weight whose dim 1 does not
     divide by ``world_size`` falls back to Shard(0) (the resharding planner then moves boxes
     between the two layouts). FSDP2 calls the fn with the Parameter object, so the dims are keyed
-    by ``id(param)``: build this BEFORE ``fully_shard`` replaces the parameters.
+    by ``id(param)``: build this BEFORE ``fully_shard`` replaces the parameters (and after a
+    training TP plan, which does too); ``world_size`` = the FSDP (dp) size.
     """
     from torch.distributed.tensor import Shard
 
@@ -184,7 +185,8 @@ def fsdp_shard_placement_fn(model: nn.Module, world_size: int | None = None) -> 
 
     def placement(param: nn.Parameter) -> Shard:
         dim = dims.get(id(param)) or 0
-        if dim and world_size and param.shape[dim] % world_size:
+        local = param.to_local() if hasattr(param, "to_local") else param  # a training-TP DTensor: its TP slice
+        if dim and world_size and local.shape[dim] % world_size:
             dim = 0
         return Shard(dim)
 

@@ -25,6 +25,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from hybridflow.hybrid_engine.plan import ParamPlan, ReshardPlan, TrainLayout, layer_stage, volume
+from hybridflow.hybrid_engine.plan import fsdp_dim as _fsdp_dim
 from hybridflow.parallel.tensor_parallel import gen_shard_dim
 from hybridflow.planning.arch import Arch
 
@@ -76,10 +77,7 @@ def fsdp_dim(name: str, shape: tuple[int, ...], arch: Arch, layout: TrainLayout,
     """The dim FSDP2 shards a parameter's TP slice along (`fsdp_shard_placement_fn`), None = NO_SHARD."""
     if strategy == "NO_SHARD" or layout.dp == 1:
         return None
-    gdim = gen_shard_dim(name, arch.tied)
-    dim = gdim or 0
-    size = math.ceil(shape[dim] / layout.tp) if gdim is not None and layout.tp > 1 else shape[dim]
-    return 0 if dim and size % layout.dp else dim
+    return _fsdp_dim(shape, gen_shard_dim(name, arch.tied), layout)
 
 
 def plan_for(arch: Arch, layout: TrainLayout, gen_tp: int, itemsize: int, strategy: str = "FULL_SHARD",

@@ -75,12 +75,12 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
     def _build(self, model, fcfg, placement=None):
         """(model in the training layout, its Pipeline or None): FSDP2 over the group (1-D mesh),
         or the 3D layout's stage x TP x FSDP (`parallel/layout.py`)."""
-        def fsdp(m, mesh):
+        def fsdp(m, mesh, placement=None):
             return apply_fsdp2(m, mesh, fcfg.reshard_after_forward, fcfg.param_offload, shard_placement_fn=placement,
                                sharding_strategy=fcfg.sharding_strategy, mixed_precision=fcfg.mixed_precision)
 
         if self.dims.trivial:
-            return fsdp(model, make_mesh(self.device, self.world_size)), None
+            return fsdp(model, make_mesh(self.device, self.world_size), placement), None
         return build_train_model(model, self.dims, self.device, fsdp, self.cfg.actor_rollout_ref.actor.pipeline_schedule)
 
     @register(Dispatch.ONE_TO_ALL)
