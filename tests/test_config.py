@@ -341,3 +341,38 @@ def test_cross_pool_pieces_cover_each_generation_slice_exactly():
             assert sum(volume(p) for p in pieces) == volume(need)  # exactly its slice, nothing twice
             if gen_dim is not None:
                 assert [bool(p) for p in pieces] == [d == 0, d == 1]  # aligned: one source each
+
+
+def test_3d_training_layout_is_checked_before_workers_start(world):
+    """pp x tp x dp vs the workers, heads / KV heads vs tp, layers vs pp, gen_tp vs the layout."""
+    model = world.actor_rollout_ref.model.path
+    with open(os.path.join(model, "config.json"), "w") as f:
+        json.dump({"max_position_embeddings": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2}, f)
+    a = world.actor_rollout_ref
+    world.trainer.n_gpus_per_node, world.data.train_batch_size = 4, 8
+    a.actor.ppo_mini_batch_size, a.actor.ppo_micro_batch_size_per_gpu = 8, 2
+    for tp, pp, gen_tp in [(2, 1, 2), (1, 2, 2), (2, 2, 2), (2, 1, 1)]:
+        a.actor.tensor_model_parallel_size, a.actor.pipeline_model_parallel_size, a.rollout.tensor_model_parallel_size = tp, pp, gen_tp
+        validate_config(world)
+    a.actor.tensor_model_parallel_size, a.actor.pipeline_model_parallel_size, a.rollout.tensor_model_parallel_size = 3, 1, 1
+    assert ("pp x tp x dp must equal the actor's 4 workers (trainer.nnodes * trainer.n_gpus_per_node): "
+            "actor_rollout_ref.actor.pipeline_model_parallel_size (1) x actor_rollout_ref.actor.tensor_model_parallel_size (3) = 3 "
+            "does not divide 4") in _problems(world)
+    a.actor.tensor_model_parallel_size = 4
+    assert "actor_rollout_ref.actor.tensor_model_parallel_size (4) must divide the model's num_key_value_heads (2)" in _problems(world)
+    a.actor.tensor_model_parallel_size, a.actor.pipeline_model_parallel_size = 1, 4
+    assert ("actor_rollout_ref.actor.pipeline_model_parallel_size (4) must divide the model's num_hidden_layers (2): "
+            "stages hold equal blocks of decoder layers; set it to one of [1, 2]") in _problems(world)
+    # 6 workers as pp2 x dp3: a generation TP of 2 would split a training shard across two generation ranks
+    world.trainer.n_gpus_per_node, world.data.train_batch_size, a.actor.ppo_mini_batch_size = 6, 6, 6
+    a.actor.pipeline_model_parallel_size, a.rollout.tensor_model_parallel_size = 2, 2
+    msg = _problems(world)
+    assert ("actor_rollout_ref.rollout.tensor_model_parallel_size (2) does not fit the training layout pp2 x tp1 x dp3: it must divide "
+            "tp x dp = 3 or be 3 times a divisor of pp") in msg and "set it to one of [1, 3, 6]" in msg
+    world.trainer.n_gpus_per_node, world.data.train_batch_size, a.actor.ppo_mini_batch_size = 4, 8, 8
+    a.rollout.tensor_model_parallel_size, a.actor.ppo_micro_batch_size_per_gpu = 1, 32  # 8 prompts x n=8 / dp 2 = one micro-batch
+    assert "pipeline_schedule=1f1b needs at least 2 micro-batches per mini-batch (one per stage), got 1" in _problems(world)
+    a.actor.pipeline_schedule = "gpipe"
+    validate_config(world)
+    a.actor.use_dynamic_bsz = True
+    assert "not supported with dynamic batch sizes" in _problems(world)

@@ -41,19 +41,23 @@ def test_defaults_and_example_files():
     cfg = apply_parallel_config(HybridFlowConfig(), p)
     assert all(fc.sharding_strategy == "FULL_SHARD" and fc.mixed_precision is None for fc in _fsdp_cfgs(cfg))
 
-    for name, tp, dp, mp in [("parallel_dp2_tp2.yaml", 2, 2, None), ("parallel_dp4_tp2.yaml", 2, 4, "bf16")]:
+    for name, (pp, tp, dp, gen_tp), mp in [("parallel_dp2_tp2.yaml", (1, 1, 2, 2), None), ("parallel_dp4_tp2.yaml", (1, 1, 4, 2), "bf16"),
+                                            ("parallel_tp2xdp2.yaml", (1, 2, 2, 2), None), ("parallel_pp2xdp2.yaml", (2, 1, 2, 2), None)]:
         p = load_parallel_config(os.path.join(ROOT, "configs", name))
-        assert (p.model_parallel_size, p.data_parallel_size) == (tp, dp)
-        cfg = apply_parallel_config(load_config(None, [f"trainer.n_gpus_per_node={dp}"]), p)
-        assert cfg.actor_rollout_ref.rollout.tensor_model_parallel_size == tp
-        assert cfg.actor_rollout_ref.actor.fsdp_config.mixed_precision == mp
+        assert (p.pipeline_parallel_size, p.model_parallel_size, p.data_parallel_size) == (pp, tp, dp)
+        cfg = apply_parallel_config(load_config(None, [f"trainer.n_gpus_per_node={pp * tp * dp}"]), p)
+        a = cfg.actor_rollout_ref.actor
+        assert (a.pipeline_model_parallel_size, a.tensor_model_parallel_size) == (pp, tp)
+        assert cfg.actor_rollout_ref.rollout.tensor_model_parallel_size == gen_tp
+        assert a.fsdp_config.mixed_precision == mp
 
 
 def test_every_key_is_mapped(tmp_path):
     f = _write(tmp_path, """
 model_parallel_size: 2
 pipeline_parallel_size: 1
-data_parallel_size: 4
+data_parallel_size: 2
+generation_tensor_parallel_size: 4
 fsdp_enabled: true
 fsdp_config:
   mixed_precision: true
@@ -66,7 +70,8 @@ resharding_buffer_percent: 0.25
     base = load_config(None, ["trainer.nnodes=2", "trainer.n_gpus_per_node=2"])
     cfg = apply_parallel_config(base, load_parallel_config(f))
     assert base == load_config(None, ["trainer.nnodes=2", "trainer.n_gpus_per_node=2"])  # input not modified
-    assert cfg.actor_rollout_ref.rollout.tensor_model_parallel_size == 2
+    assert cfg.actor_rollout_ref.actor.tensor_model_parallel_size == 2
+    assert cfg.actor_rollout_ref.rollout.tensor_model_parallel_size == 4
     for fc in _fsdp_cfgs(cfg):  # actor, ref and critic
         assert (fc.sharding_strategy, fc.mixed_precision, fc.param_offload, fc.reshard_after_forward) == (
             "SHARD_GRAD_OP", "bf16", True, False)
@@ -84,14 +89,20 @@ resharding_buffer_percent: 0.25
         apply_parallel_config(HybridFlowConfig(), ParallelConfig(fsdp_config=ParallelFSDPConfig(sharding_strategy="HYBRID")))
 
 
-def test_pipeline_parallel_is_rejected():
-    with pytest.raises(ConfigError, match=r"pipeline_parallel_size=2 is not supported.*FSDP2.*set pipeline_parallel_size: 1"):
-        apply_parallel_config(HybridFlowConfig(), ParallelConfig(pipeline_parallel_size=2))
+def test_pipeline_and_tensor_parallel_map_to_the_actor():
+    cfg = apply_parallel_config(load_config(None, ["trainer.n_gpus_per_node=8"]), ParallelConfig(pipeline_parallel_size=2, model_parallel_size=2,
+                                                                                                 generation_tensor_parallel_size=4))
+    a = cfg.actor_rollout_ref.actor
+    assert (a.pipeline_model_parallel_size, a.tensor_model_parallel_size, cfg.actor_rollout_ref.rollout.tensor_model_parallel_size) == (2, 2, 4)
+    with pytest.raises(ConfigError, match="pipeline_parallel_size must be a positive integer"):
+        apply_parallel_config(HybridFlowConfig(), ParallelConfig(pipeline_parallel_size=0))
 
 
 def test_data_parallel_size_must_match_world_size():
-    with pytest.raises(ConfigError, match=r"data_parallel_size=4 .*= 2.*trainer\.n_gpus_per_node"):
+    with pytest.raises(ConfigError, match=r"1 x 1 x 4 = 4 does not match .* = 2.*trainer\.n_gpus_per_node"):
         apply_parallel_config(HybridFlowConfig(), ParallelConfig(data_parallel_size=4))  # default 1 node x 2
+    with pytest.raises(ConfigError, match=r"2 x 2 x 2 = 8 does not match .* = 4.*data_parallel_size: 1"):
+        apply_parallel_config(load_config(None, ["trainer.n_gpus_per_node=4"]), ParallelConfig(2, 2, 2))
     cfg = apply_parallel_config(load_config(None, ["trainer.n_gpus_per_node=4"]), ParallelConfig(data_parallel_size=4))
     assert cfg.trainer.n_gpus_per_node == 4
 
@@ -144,10 +155,10 @@ def test_trainer_applies_before_validation(tmp_path):
         RLTrainer(HybridFlowConfig(), resharding_buffer_percent=1.5)
     with pytest.raises(TypeError, match="valid hybrid-engine keyword arguments"):
         RLTrainer(HybridFlowConfig(), granularty="full")
-    f = _write(tmp_path, "pipeline_parallel_size: 2\n")
-    with pytest.raises(ConfigError, match="pipeline_parallel_size=2 is not supported"):
+    f = _write(tmp_path, "data_parallel_size: 3\n")
+    with pytest.raises(ConfigError, match="1 x 1 x 3 = 3 does not match"):
         RLTrainer(HybridFlowConfig(), parallel_config=f)
-    with pytest.raises(SystemExit, match="config error: .*pipeline_parallel_size=2"):
+    with pytest.raises(SystemExit, match="config error: .*1 x 1 x 3 = 3 does not match"):
         main(["train", "--parallel-config", f])
 
 

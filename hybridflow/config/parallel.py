@@ -2,9 +2,10 @@
 
 A parallel config describes how HybridFlow lays the models out on the workers::
 
-    model_parallel_size: 2        # generation tensor-parallel size
-    pipeline_parallel_size: 1     # must be 1 (FSDP2 training, no pipeline stages)
-    data_parallel_size: 4         # FSDP ranks of the actor (= trainer.nnodes * trainer.n_gpus_per_node)
+    model_parallel_size: 2        # training tensor-parallel size (DTensor TP x FSDP2)
+    pipeline_parallel_size: 1     # training pipeline stages (torch.distributed.pipelining)
+    data_parallel_size: 2         # FSDP ranks per TP x PP group: pp x tp x dp = the actor's workers
+    generation_tensor_parallel_size: null   # the rollout's TP; null = model_parallel_size
     fsdp_enabled: true            # false = the actor is replicated (NO_SHARD)
     fsdp_config:
       mixed_precision: false      # or bf16 / fp16 / true (= bf16)
@@ -47,9 +48,10 @@ class ParallelFSDPConfig:
 
 @dataclass
 class ParallelConfig:
-    model_parallel_size: int = 1  # generation tensor-parallel size
-    pipeline_parallel_size: int = 1  # only 1 is supported
-    data_parallel_size: Optional[int] = None  # None = the number of workers
+    model_parallel_size: int = 1  # training tensor-parallel size
+    pipeline_parallel_size: int = 1  # training pipeline stages
+    data_parallel_size: Optional[int] = None  # None = workers / (model_parallel_size * pipeline_parallel_size)
+    generation_tensor_parallel_size: Optional[int] = None  # the rollout's TP; None = model_parallel_size
     fsdp_enabled: bool = True  # False = replicated actor (NO_SHARD)
     fsdp_config: ParallelFSDPConfig = field(default_factory=ParallelFSDPConfig)
     enable_resharding_opt: bool = True
@@ -83,10 +85,12 @@ def _fsdp_configs(cfg: HybridFlowConfig) -> list[FSDPConfig]:
 def apply_parallel_config(cfg: HybridFlowConfig, pcfg: ParallelConfig) -> HybridFlowConfig:
     """Return a copy of ``cfg`` with ``pcfg`` applied (``cfg`` itself is not modified).
 
-    - ``model_parallel_size`` -> ``actor_rollout_ref.rollout.tensor_model_parallel_size``.
-    - ``pipeline_parallel_size`` must be 1 (ConfigError otherwise; never silently ignored).
-    - ``data_parallel_size`` must equal ``trainer.nnodes * trainer.n_gpus_per_node`` (the actor's
-      world size: every worker is one FSDP rank); None = that number.
+    - ``model_parallel_size`` -> ``actor_rollout_ref.actor.tensor_model_parallel_size`` (training TP).
+    - ``pipeline_parallel_size`` -> ``actor_rollout_ref.actor.pipeline_model_parallel_size``.
+    - ``data_parallel_size``: pp x tp x dp must equal ``trainer.nnodes * trainer.n_gpus_per_node``
+      (the actor's workers); None = what is left.
+    - ``generation_tensor_parallel_size`` -> ``actor_rollout_ref.rollout.tensor_model_parallel_size``
+      (None = ``model_parallel_size``).
     - ``fsdp_enabled: false`` means the actor (and ref / critic) are *replicated*: sharding strategy
       NO_SHARD (every rank holds the whole model, gradients are all-reduced), whatever
       ``fsdp_config.sharding_strategy`` says.
@@ -96,26 +100,30 @@ def apply_parallel_config(cfg: HybridFlowConfig, pcfg: ParallelConfig) -> Hybrid
     - ``enable_resharding_opt``, ``resharding_overlap_with_compute``, ``resharding_buffer_percent``
       -> ``actor_rollout_ref.hybrid_engine.*``.
     """
-    if pcfg.pipeline_parallel_size != 1:
-        raise ConfigError(f"pipeline_parallel_size={pcfg.pipeline_parallel_size} is not supported: hybridflow trains "
-                          f"with FSDP2 (+ tensor-parallel generation); set pipeline_parallel_size: 1")
-    if not (isinstance(pcfg.model_parallel_size, int) and pcfg.model_parallel_size >= 1):
-        raise ConfigError(f"model_parallel_size must be a positive integer, got {pcfg.model_parallel_size!r}")
+    for key in ("model_parallel_size", "pipeline_parallel_size", "generation_tensor_parallel_size"):
+        v = getattr(pcfg, key)
+        if v is not None and not (isinstance(v, int) and v >= 1):
+            raise ConfigError(f"{key} must be a positive integer, got {v!r}")
+    tp, pp = pcfg.model_parallel_size, pcfg.pipeline_parallel_size
     t = cfg.trainer
     world = t.nnodes * t.n_gpus_per_node
-    if pcfg.data_parallel_size is not None and pcfg.data_parallel_size != world:
+    if pcfg.data_parallel_size is not None and pcfg.data_parallel_size * tp * pp != world:
         raise ConfigError(
-            f"data_parallel_size={pcfg.data_parallel_size} does not match the actor's world size trainer.nnodes * "
-            f"trainer.n_gpus_per_node = {t.nnodes} * {t.n_gpus_per_node} = {world} (every worker is one FSDP rank); "
-            f"set trainer.n_gpus_per_node so that trainer.nnodes * trainer.n_gpus_per_node = {pcfg.data_parallel_size} "
-            f"(or set data_parallel_size: {world}) accordingly")
+            f"pipeline_parallel_size x model_parallel_size x data_parallel_size = {pp} x {tp} x {pcfg.data_parallel_size} = "
+            f"{pp * tp * pcfg.data_parallel_size} does not match the actor's workers trainer.nnodes * trainer.n_gpus_per_node = "
+            f"{t.nnodes} * {t.n_gpus_per_node} = {world}; set trainer.n_gpus_per_node so that trainer.nnodes * "
+            f"trainer.n_gpus_per_node = {pp * tp * pcfg.data_parallel_size}, or data_parallel_size: "
+            f"{world // (pp * tp) if world % (pp * tp) == 0 else 'null'} accordingly")
     strategy = pcfg.fsdp_config.sharding_strategy if pcfg.fsdp_enabled else "NO_SHARD"
     if strategy not in SHARDING_STRATEGIES:
         raise ConfigError(f"fsdp_config.sharding_strategy must be one of {list(SHARDING_STRATEGIES)}, got {strategy!r}")
     mp = _mixed_precision(pcfg.fsdp_config.mixed_precision)
 
     cfg = copy.deepcopy(cfg)
-    cfg.actor_rollout_ref.rollout.tensor_model_parallel_size = pcfg.model_parallel_size
+    actor = cfg.actor_rollout_ref.actor
+    actor.tensor_model_parallel_size, actor.pipeline_model_parallel_size = tp, pp
+    gen_tp = pcfg.generation_tensor_parallel_size
+    cfg.actor_rollout_ref.rollout.tensor_model_parallel_size = tp if gen_tp is None else gen_tp
     for fc in _fsdp_configs(cfg):
         fc.sharding_strategy = strategy
         fc.reshard_after_forward = strategy == "FULL_SHARD"  # kept consistent for readers of the old field

@@ -140,8 +140,9 @@ def _model_json(path: str) -> dict:
         return {}
 
 
-def _batch_checks(p: _Problems, who: str, mini: int, micro: int, train_bs: int, n: int, n_workers: int):
-    """Mini-batch (prompts, global) vs train batch, workers and micro-batch (sequences, per worker)."""
+def _batch_checks(p: _Problems, who: str, mini: int, micro: int, train_bs: int, n: int, n_workers: int, unit: str = "workers"):
+    """Mini-batch (prompts, global) vs train batch, workers and micro-batch (sequences, per worker).
+    n_workers: the data-parallel ranks (`unit` names them: with TP/PP training, the dp groups)."""
     mini_key, micro_key = f"{who}.ppo_mini_batch_size", f"{who}.ppo_micro_batch_size_per_gpu"
     if not (p.positive(mini_key, mini) & p.positive(micro_key, micro)):
         return
@@ -151,7 +152,7 @@ def _batch_checks(p: _Problems, who: str, mini: int, micro: int, train_bs: int, 
         p.append(f"data.train_batch_size ({train_bs}) must be a multiple of {mini_key} ({mini})")
     if (mini * n) % n_workers:
         p.append(f"{mini_key} * {R}.n ({mini}*{n}={mini * n}) must be divisible by the {n_workers} "
-                 f"workers; set {mini_key} so that the product is a multiple of {n_workers}")
+                 f"{unit}; set {mini_key} so that the product is a multiple of {n_workers}")
         return
     per_worker = mini * n // n_workers
     if micro > per_worker:
@@ -301,6 +302,64 @@ def _freeze_problems(p: "_Problems", path: str, patterns: list[str]) -> None:
         p.append(f"{A}.freeze_modules freezes every parameter: nothing would train")
 
 
+def _train_layout_problems(p: _Problems, cfg: HybridFlowConfig, n_workers: int, kind: str) -> int:
+    """The actor's 3D training layout (pp x tp x dp) against the workers, the model and the
+    generation TP; returns dp (the data-parallel ranks the batch is split over)."""
+    arr = cfg.actor_rollout_ref
+    actor, roll = arr.actor, arr.rollout
+    tp_key, pp_key, gen_key = f"{A}.tensor_model_parallel_size", f"{A}.pipeline_model_parallel_size", f"{R}.tensor_model_parallel_size"
+    tp, pp = actor.tensor_model_parallel_size, actor.pipeline_model_parallel_size
+    if not (p.positive(tp_key, tp) & p.positive(pp_key, pp)) or n_workers < 1:
+        return n_workers
+    if tp == pp == 1:
+        return n_workers
+    if n_workers % (tp * pp):
+        ok = [(a, b) for a in range(1, n_workers + 1) for b in range(1, n_workers + 1) if n_workers % (a * b) == 0 and a * b > 1]
+        p.append(f"pp x tp x dp must equal the actor's {n_workers} workers (trainer.nnodes * trainer.n_gpus_per_node): "
+                 f"{pp_key} ({pp}) x {tp_key} ({tp}) = {pp * tp} does not divide {n_workers}; use (pp, tp) such as {ok[:4]}")
+        return n_workers
+    dp = n_workers // (tp * pp)
+    mj = _model_json(arr.model.path)
+    heads = mj.get("num_attention_heads") or 0
+    kv = mj.get("num_key_value_heads") or heads
+    layers = mj.get("num_hidden_layers") or 0
+    for what, n in (("num_attention_heads", heads), ("num_key_value_heads", kv)):
+        if n and n % tp:
+            p.append(f"{tp_key} ({tp}) must divide the model's {what} ({n}): each TP rank holds whole heads; "
+                     f"set it to one of {[d for d in range(1, n + 1) if n % d == 0]}")
+    if layers and layers % pp:
+        p.append(f"{pp_key} ({pp}) must divide the model's num_hidden_layers ({layers}): stages hold equal blocks of "
+                 f"decoder layers; set it to one of {[d for d in range(1, layers + 1) if layers % d == 0]}")
+    if pp > 1 and mj.get("tie_word_embeddings"):
+        p.append(f"{pp_key} ({pp}) > 1 needs untied embeddings: the model ties lm_head to embed_tokens, which live on "
+                 f"the first and the last stage; use {pp_key}=1 or a model with tie_word_embeddings=false")
+    gen_tp, m = roll.tensor_model_parallel_size, tp * dp
+    if isinstance(gen_tp, int) and gen_tp >= 1 and m % gen_tp and (gen_tp % m or pp % (gen_tp // m)):
+        ok = sorted({g for g in range(1, n_workers + 1) if m % g == 0 or (g % m == 0 and pp % (g // m) == 0)})
+        p.append(f"{gen_key} ({gen_tp}) does not fit the training layout pp{pp} x tp{tp} x dp{dp}: it must divide tp x dp = {m} "
+                 f"or be {m} times a divisor of pp, so that every generation slice is built from whole training shards; "
+                 f"set it to one of {ok}")
+    if actor.fsdp_config.sharding_strategy == "NO_SHARD" or arr.ref.fsdp_config.sharding_strategy == "NO_SHARD":
+        p.append(f"fsdp_config.sharding_strategy=NO_SHARD is not supported with {tp_key} or {pp_key} > 1: use FULL_SHARD or SHARD_GRAD_OP")
+    unsupported = [(roll.name == "vllm", f"{R}.name=vllm (the vLLM weight sync reads the FSDP layout; use the hf backend)"),
+                   (cfg.trainer.async_rollout, "trainer.async_rollout (the rollout pool receives FSDP shards)"),
+                   (kind == "dpo", "DPO (hybridflow dpo trains with FSDP)")]
+    if pp > 1:
+        unsupported += [(actor.use_dynamic_bsz or roll.log_prob_use_dynamic_bsz or arr.ref.log_prob_use_dynamic_bsz,
+                         "dynamic batch sizes (use_dynamic_bsz / log_prob_use_dynamic_bsz: pipeline micro-batches have one shape)"),
+                        (arr.model.use_remove_padding, "actor_rollout_ref.model.use_remove_padding (pipeline stages run padded micro-batches)")]
+    for bad, what in unsupported:
+        if bad:
+            p.append(f"{tp_key}={tp}, {pp_key}={pp}: not supported with {what}")
+    if pp > 1 and actor.pipeline_schedule == "1f1b" and isinstance(actor.ppo_mini_batch_size, int) and isinstance(actor.ppo_micro_batch_size_per_gpu, int) \
+            and actor.ppo_micro_batch_size_per_gpu > 0:
+        micro = actor.ppo_mini_batch_size * roll.n // dp // actor.ppo_micro_batch_size_per_gpu
+        if 0 < micro < pp:
+            p.append(f"{A}.pipeline_schedule=1f1b needs at least {pp} micro-batches per mini-batch (one per stage), got {micro}: "
+                     f"lower {A}.ppo_micro_batch_size_per_gpu or use pipeline_schedule=gpipe")
+    return dp
+
+
 def validate_config(cfg: HybridFlowConfig, kind: Literal["rl", "dpo"] = "rl") -> None:
     """Raise one ConfigError listing every problem in ``cfg`` (no-op when it is fine).
     kind: "rl" (`hybridflow train`) or "dpo" (`hybridflow dpo`, offline or online)."""
@@ -326,6 +385,7 @@ def validate_config(cfg: HybridFlowConfig, kind: Literal["rl", "dpo"] = "rl") ->
     critic_workers = rp.role_world_size(cfg, rp.Role.CRITIC, roles)
 
     ok = p.positive("data.train_batch_size", d.train_batch_size) & p.positive(f"{R}.n", roll.n)
+    dp = _train_layout_problems(p, cfg, n_workers, kind)
     if kind == "dpo":
         _dpo_problems(p, cfg, n_workers)
     elif ok and n_workers >= 1:
@@ -334,7 +394,7 @@ def validate_config(cfg: HybridFlowConfig, kind: Literal["rl", "dpo"] = "rl") ->
                      f"n_workers = trainer.nnodes * trainer.n_gpus_per_node = {n_workers}; set "
                      f"data.train_batch_size to a multiple of {n_workers}")
         _batch_checks(p, A, actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu,
-                      d.train_batch_size, roll.n, n_workers)
+                      d.train_batch_size, roll.n, dp, "workers" if dp == n_workers else "data-parallel groups (workers / (pp x tp))")
         if alg.adv_estimator == "gae":
             mini = actor.ppo_mini_batch_size if critic.ppo_mini_batch_size is None else critic.ppo_mini_batch_size
             _batch_checks(p, "critic", mini, critic.ppo_micro_batch_size_per_gpu,

@@ -28,9 +28,9 @@ def _strategy(fc: FSDPConfig) -> str:
     return fc.sharding_strategy or ("FULL_SHARD" if fc.reshard_after_forward else "SHARD_GRAD_OP")
 
 
-def _role_memory(arch: Arch, n: int, gen_tp: int, fc: FSDPConfig, m: MemoryInputs, trains: bool) -> dict[str, int]:
-    """The worst rank's memory plan of one role on a pool of `n` workers."""
-    mem = worst_memory(plan_for(arch, TrainLayout(dp=n), gen_tp, m.gen_bytes, m.strategy), arch, TrainLayout(dp=n), m)
+def _role_memory(arch: Arch, layout: TrainLayout, gen_tp: int, fc: FSDPConfig, m: MemoryInputs, trains: bool) -> dict[str, int]:
+    """The worst rank's memory plan of one role in its training `layout` (pp x tp x dp workers)."""
+    mem = worst_memory(plan_for(arch, layout, gen_tp, m.gen_bytes, m.strategy), arch, layout, m)
     if not trains:  # forward only: no gradients, optimizer state or generation
         mem = dict(mem, grads=0, optimizer=0, gen_weights=0, kv_cache=0, activations=2 * m.micro_batch * m.seq_len * arch.vocab * 4)
     return mem
@@ -55,7 +55,10 @@ def pool_memory(cfg: HybridFlowConfig, roles: list[rp.Role] | None = None) -> di
             role_arch = load_arch(cfg.reward_model.model.path)
         gen_tp = arr.rollout.tensor_model_parallel_size if role in (rp.Role.ACTOR_ROLLOUT, rp.Role.ROLLOUT) and n % arr.rollout.tensor_model_parallel_size == 0 else 1
         trains = role in (rp.Role.ACTOR_ROLLOUT, rp.Role.CRITIC)
-        mem = _role_memory(role_arch, n, gen_tp, fc, m, trains)
+        a = arr.actor  # the actor's 3D layout; other roles train or score with FSDP
+        pp, tp = (a.pipeline_model_parallel_size, a.tensor_model_parallel_size) if role == rp.Role.ACTOR_ROLLOUT else (1, 1)
+        layout = TrainLayout(pp, tp, n // (pp * tp)) if n % (pp * tp) == 0 else TrainLayout(dp=n)
+        mem = _role_memory(role_arch, layout, gen_tp, fc, m, trains)
         if role == rp.Role.ROLLOUT:  # generation only: no optimizer, no update
             mem = dict(mem, grads=0, optimizer=0, activations=0, fsdp_unshard=0)
         per_role.setdefault(pool, {})[role.value] = mem

@@ -56,7 +56,9 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
         self.has_ref = role.endswith("ref")
         self.remove_padding = config.actor_rollout_ref.model.use_remove_padding
         acfg = config.actor_rollout_ref.actor
-        pp, tp = acfg.pipeline_model_parallel_size, acfg.tensor_model_parallel_size
+        # The actor's 3D layout; the colocated reference shares it (same workers, same data split),
+        # a reference on a pool of its own ("ref") scores with FSDP over that pool.
+        pp, tp = (acfg.pipeline_model_parallel_size, acfg.tensor_model_parallel_size) if self.has_actor else (1, 1)
         self.train_layout = TrainLayout(pp=pp, tp=tp, dp=self.world_size // (pp * tp))
         self.dims = None  # ParallelDims, set by init_model
         self.pipe = self.ref_pipe = None  # Pipelines of the actor / reference stage (pp > 1)
