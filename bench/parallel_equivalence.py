@@ -77,7 +77,7 @@ def worker(rank: int, world: int, port: int, model: str, layout: str, out: str) 
 
     w = ActorRolloutRefWorker(config(model, layout), role="actor", total_training_steps=6)
     w.init_model()
-    dp_i, dp, collect = w.dispatch_layout(None)
+    dp_i, dp, collect = w.dispatch_layout("train")
     sft, ppo = make_data(len(w.tokenizer))
     steps, logps = [], []
     for _ in range(3):

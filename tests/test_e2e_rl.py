@@ -248,3 +248,30 @@ def test_frozen_embeddings_sync_once(ray_cluster, tiny_model_dir, task_dir, vari
     for h in hist[1:]:
         assert h["reshard/weight_max_diff"] == 0.0
         assert h["reshard/skipped_bytes_per_rank"] == skipped and h["reshard/bytes_per_rank"] == max(summary["min_bytes_per_rank"])
+
+
+@pytest.mark.parametrize("layout", [
+    # training TP 2 x FSDP 2; generation TP 2 in the same groups (each training shard is half a generation slice)
+    ["actor_rollout_ref.actor.tensor_model_parallel_size=2"],
+    # 2 pipeline stages (1F1B) x FSDP 2, the reference policy pipelined too (use_kl_loss); generation TP 2
+    ["actor_rollout_ref.actor.pipeline_model_parallel_size=2", "actor_rollout_ref.actor.use_kl_loss=true"],
+], ids=["tp2xdp2", "pp2xdp2"])
+def test_grpo_3d_training_on_4_workers(ray_cluster, tiny_model_dir, task_dir, varied_reward, tmp_path, layout):
+    trainer = make_trainer(
+        tiny_model_dir, task_dir, tmp_path, f"custom_reward_function.path={varied_reward}", "trainer.n_gpus_per_node=4",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "trainer.check_weight_sync=true", "trainer.total_training_steps=2", *layout,
+    )
+    try:
+        result = trainer.fit()
+        assert trainer.actor.rollout_weight_max_diff() == [0.0] * 4
+        plan = trainer.actor.reshard_plan()
+    finally:
+        trainer.shutdown()
+    hist = steps(result)
+    assert len(hist) == 2
+    for h in hist:
+        assert h["reshard/weight_max_diff"] == 0.0  # generation weights == trained weights, bit for bit
+        assert h["reshard/bytes_per_rank"] == h["reshard/min_bytes_per_rank"] == max(plan["min_bytes_per_rank"])
+        assert abs(h["actor/ppo_kl"]) < 1e-6  # first update of the step: the recomputed log-probs are the old ones
+        assert h["rollout/logprob_diff_max"] < 1e-4  # TP rollout vs the 3D-parallel trainer, fp32
+    assert hist[1]["actor/grad_norm"] > 0 and hist[0]["actor/pg_clipfrac"] == 0.0

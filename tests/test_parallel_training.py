@@ -57,7 +57,7 @@ def _switch_worker(rank: int, world: int, port: int, path: str) -> None:
             cfg.actor_rollout_ref.rollout.tensor_model_parallel_size = gen_tp
             w = ActorRolloutRefWorker(cfg, role="actor_rollout", total_training_steps=2)
             w.init_model()
-            dp_i, dp, _ = w.dispatch_layout(None)
+            dp_i, dp, _ = w.dispatch_layout("train")
             w.sft_step(make_data(len(w.tokenizer))[0].chunk(dp)[dp_i])  # trained weights != the checkpoint the rollout loaded
             planned = plan_for(load_arch(path), TrainLayout.parse(label), gen_tp, 4)
             where = f"{label} gen_tp={gen_tp} rank {rank}"

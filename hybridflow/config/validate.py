@@ -351,12 +351,6 @@ def _train_layout_problems(p: _Problems, cfg: HybridFlowConfig, n_workers: int, 
     for bad, what in unsupported:
         if bad:
             p.append(f"{tp_key}={tp}, {pp_key}={pp}: not supported with {what}")
-    if pp > 1 and actor.pipeline_schedule == "1f1b" and isinstance(actor.ppo_mini_batch_size, int) and isinstance(actor.ppo_micro_batch_size_per_gpu, int) \
-            and actor.ppo_micro_batch_size_per_gpu > 0:
-        micro = actor.ppo_mini_batch_size * roll.n // dp // actor.ppo_micro_batch_size_per_gpu
-        if 0 < micro < pp:
-            p.append(f"{A}.pipeline_schedule=1f1b needs at least {pp} micro-batches per mini-batch (one per stage), got {micro}: "
-                     f"lower {A}.ppo_micro_batch_size_per_gpu or use pipeline_schedule=gpipe")
     return dp
 
 

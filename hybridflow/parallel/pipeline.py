@@ -93,7 +93,8 @@ class Pipeline:
         key = (shape, n_micro, train)
         if key not in self._cache:
             stage = PipelineStage(self.stage, self.index, self.num_stages, self.device, group=self.group)
-            cls = SCHEDULES[self.schedule] if train else ScheduleGPipe
+            # 1F1B needs a micro-batch per stage in flight; a shorter batch runs GPipe (same math).
+            cls = SCHEDULES[self.schedule] if train and n_micro >= self.num_stages else ScheduleGPipe
             self._cache[key] = cls(stage, n_micro, loss_fn=self._loss_fn if train else None, scale_grads=False)
             self._pending_inference = train and self.stage.is_last
         return self._cache[key]
@@ -101,15 +102,14 @@ class Pipeline:
     def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, targets: torch.Tensor,
             micro_batch_size: int, temperature: float = 1.0, loss: Callable | None = None, target: torch.Tensor | None = None,
             loss_kwargs: dict | None = None) -> torch.Tensor | None:
-        """Forward (loss None) or forward + backward of a batch of B rows in B / micro_batch_size
-        micro-batches (B must divide). Returns [B, T, 2] (log-prob, entropy) on the last stage,
-        None elsewhere. `loss(output_mb, target_mb, **loss_kwargs)` -> scalar, on the last stage."""
+        """Forward (loss None) or forward + backward of a batch of B rows in equal micro-batches of
+        the largest size <= micro_batch_size that divides B (a schedule's micro-batches share one
+        shape). Returns [B, T, 2] (log-prob, entropy) on the last stage, None elsewhere.
+        `loss(output_mb, target_mb, **loss_kwargs)` -> scalar, on the last stage."""
         rows = input_ids.shape[0]
-        if rows % micro_batch_size:
-            raise ValueError(f"pipeline: {rows} rows do not split into micro-batches of {micro_batch_size}")
-        n_micro = rows // micro_batch_size
+        micro = max(d for d in range(1, min(micro_batch_size, rows) + 1) if rows % d == 0)
         self.stage.temperature = temperature
-        sched = self._schedule((micro_batch_size, *input_ids.shape[1:], targets.shape[1]), n_micro, loss is not None)
+        sched = self._schedule((micro, *input_ids.shape[1:], targets.shape[1]), rows // micro, loss is not None)
         args = (input_ids,) if self.index == 0 else ()
         kwargs = {"attention_mask": attention_mask, "position_ids": position_ids, "targets": targets}
         if loss is None:

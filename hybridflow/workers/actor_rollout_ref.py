@@ -64,8 +64,9 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
         self.pipe = self.ref_pipe = None  # Pipelines of the actor / reference stage (pp > 1)
 
     def dispatch_layout(self, layout: str | None) -> tuple[int, int, bool]:
-        """Training calls split the batch over dp; a pipeline x TP group shares one micro-batch."""
-        if layout is None and not (self.train_layout.pp == self.train_layout.tp == 1):
+        """"train": the batch is split over dp; the ranks of one pipeline x TP group share a chunk and
+        the last stage's TP rank 0 returns the result (FSDP layout: every rank its own chunk)."""
+        if layout == "train":
             pp_i, dp_i, tp_i = self.train_layout.coords(self.rank)
             return dp_i, self.train_layout.dp, pp_i == self.train_layout.pp - 1 and tp_i == 0
         return super().dispatch_layout(layout)
@@ -176,10 +177,8 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
         temperature = float(data.meta.get("temperature", 1.0))
         data = data.to(self.device)
         if pipe is not None:
-            rows = len(data)
-            padded = data.index(torch.arange(-(-rows // micro_bs) * micro_bs).clamp(max=rows - 1))  # whole micro-batches
-            out = pipe.run(padded["input_ids"], padded["attention_mask"], padded["position_ids"], padded["responses"], micro_bs, temperature)
-            return (None, None) if out is None else (out[:rows, :, 0], out[:rows, :, 1] if with_entropy else None)
+            out = pipe.run(data["input_ids"], data["attention_mask"], data["position_ids"], data["responses"], micro_bs, temperature)
+            return (None, None) if out is None else (out[..., 0], out[..., 1] if with_entropy else None)
         logps, ents = [], []
         for mb in micro_batches(data, micro_bs, max_tokens):
             logits = response_logits(model, mb, temperature, self.remove_padding)
@@ -188,7 +187,7 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
                 ents.append(entropy_from_logits(logits))
         return torch.cat(logps), (torch.cat(ents) if with_entropy else None)
 
-    @register(Dispatch.DP_COMPUTE)
+    @register(Dispatch.DP_COMPUTE, layout="train")
     @torch.no_grad()
     def compute_log_prob(self, data: Batch) -> Batch:
         """old_log_probs [b, R] under the current policy (before this step's update)."""
@@ -200,7 +199,7 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
         mask = data["response_mask"].to(logp.device)
         return Batch.from_dict(tensors={"old_log_probs": logp.cpu()}, meta={"metrics": {"actor/entropy": float(masked_mean(ent, mask))}})
 
-    @register(Dispatch.DP_COMPUTE)
+    @register(Dispatch.DP_COMPUTE, layout="train")
     @torch.no_grad()
     def compute_ref_log_prob(self, data: Batch) -> Batch:
         r = self.cfg.actor_rollout_ref.ref
@@ -220,7 +219,7 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 
-    @register(Dispatch.DP_COMPUTE)
+    @register(Dispatch.DP_COMPUTE, layout="train")
     def update_actor(self, data: Batch, optimizer_step: bool = True, loss_scale: float = 1.0) -> dict[str, float]:
         """PPO-style update on this rank's share of the step's sequences.
 
@@ -307,7 +306,7 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
                       self.cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu, temperature, loss=loss, target=target,
                       loss_kwargs={"mini_mask": mini["response_mask"]})
 
-    @register(Dispatch.DP_COMPUTE)
+    @register(Dispatch.DP_COMPUTE, layout="train")
     def sft_step(self, data: Batch) -> dict[str, float]:
         """One SFT optimizer step: mean token NLL over response tokens (loss_mask [b, L])."""
         acfg = self.cfg.actor_rollout_ref.actor
