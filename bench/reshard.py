@@ -85,7 +85,7 @@ def worker(rank: int, world: int, port: int, path: str, repeats: int, out_file: 
         planned = plan_for(load_arch(path), TrainLayout(dp=world), tp, 4)  # from config.json alone
         predicted = predict_switch(planned, cluster)
         floor_s, floor_bytes = floor_seconds(engine, repeats)
-        results.append(dict(world_size=world, gen_tp=tp, mode="floor", rank=rank, seconds=floor_s, bytes_received=floor_bytes,
+        results.append(dict(world_size=world, train_layout=f"dp{world}", gen_tp=tp, mode="floor", rank=rank, seconds=floor_s, bytes_received=floor_bytes,
                             peak_extra_bytes=0, theory_extra_bytes=0, min_bytes=engine.plan.min_bytes(rank), naive_bytes=engine.plan.naive_bytes(rank),
                             planner_bytes=planned.min_bytes(rank), predicted_seconds=predicted["optimized"].predicted_seconds))
         for mode in ("optimized", "released", "naive", "frozen"):
@@ -109,7 +109,7 @@ def worker(rank: int, world: int, port: int, path: str, repeats: int, out_file: 
             if diff.item() != 0.0:
                 raise RuntimeError(f"N={world} gen_tp={tp} {mode}: generation weights differ from training (max |diff| = {diff.item()})")
             results.append(dict(
-                world_size=world, gen_tp=tp, mode=mode, rank=rank,
+                world_size=world, train_layout=f"dp{world}", gen_tp=tp, mode=mode, rank=rank,
                 seconds=statistics.median(s["seconds"] for s in runs),
                 bytes_received=max(s["bytes_received"] for s in runs),
                 peak_extra_bytes=max(s["peak_extra_bytes"] for s in runs),
@@ -121,6 +121,87 @@ def worker(rank: int, world: int, port: int, path: str, repeats: int, out_file: 
         engine.release()
         actor.requires_grad_(True)
         del engine, rollout
+    gathered = [None] * world
+    dist.all_gather_object(gathered, results)
+    if rank == 0:
+        with open(out_file, "wb") as f:
+            pickle.dump([r for per_rank in gathered for r in per_rank], f)
+    dist.destroy_process_group()
+
+
+LAYOUTS_3D = ("tp2xdp2", "pp2xdp2", "pp2xtp2")  # at N = 4, on MODEL_3D (16 layers: two equal stages)
+MODEL_3D = dict(MODEL, num_hidden_layers=16)
+
+
+def worker_3d(rank: int, world: int, port: int, path: str, repeats: int, out_file: str) -> None:
+    """3D training layouts (TP x FSDP2, pipeline stages) built as the actor worker builds them
+    (`parallel/layout.py`), into every generation TP the layout allows: optimized vs naive."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo", HF_HUB_OFFLINE="1")
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from hybridflow.config.schema import HybridEngineConfig
+    from hybridflow.hybrid_engine.executor import HybridEngine, local
+    from hybridflow.hybrid_engine.plan import TrainLayout
+    from hybridflow.parallel.fsdp import apply_fsdp2
+    from hybridflow.parallel.layout import build_train_model, parallel_dims
+    from hybridflow.parallel.tensor_parallel import apply_tensor_parallel, gen_mesh, gen_shard_dims
+    from hybridflow.planning.arch import load_arch
+    from hybridflow.planning.calibrate import measure
+    from hybridflow.planning.cost import Cluster, plan_for, predict_switch
+
+    hf_logging.disable_progress_bar()
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    cal = measure()
+    cluster = Cluster(nodes=1, gpus_per_node=world, intra_node_bw=cal["bandwidth"], inter_node_bw=cal["bandwidth"],
+                      latency_s=cal["latency_s"], copy_bw=cal["copy_bw"])
+    results = []
+    for label in LAYOUTS_3D:
+        layout = TrainLayout.parse(label)
+        dims = parallel_dims(layout, "cpu")
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        gdims = gen_shard_dims(model)
+        full_shapes = {n: (tuple(p.shape), p.element_size()) for n, p in model.named_parameters()}
+        actor, _ = build_train_model(model, dims, "cpu", lambda m, mesh, placement=None: apply_fsdp2(m, mesh, shard_placement_fn=placement))
+        with torch.no_grad():  # the trained weights differ from the checkpoint the rollout loads
+            gen = torch.Generator().manual_seed(rank)
+            for p in actor.parameters():
+                local(p.data).add_(torch.randn(local(p.data).shape, generator=gen) * 0.01)
+        cfg, m = model.config, layout.tp * layout.dp
+        for tp in (1, 2, 4):
+            if cfg.num_attention_heads % tp or cfg.num_key_value_heads % tp or (m % tp and (tp % m or layout.pp % (tp // m))):
+                continue
+            rollout = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
+            if tp > 1:
+                apply_tensor_parallel(rollout, gen_mesh("cpu", world, tp, layout)["tp"])
+            engine = HybridEngine(actor, rollout, gdims, tp, HybridEngineConfig(granularity="layer", keep_generation_buffers=True), "cpu",
+                                  None, layout, full_shapes)
+            planned = plan_for(load_arch(path), layout, tp, 4)
+            predicted = predict_switch(planned, cluster)
+            for mode in ("optimized", "naive"):
+                runs = []
+                for i in range(1 + repeats):
+                    engine.release()
+                    dist.barrier()
+                    stats = engine.reshard(optimized=mode == "optimized")
+                    if i:
+                        runs.append(stats)
+                diff = torch.tensor([engine.max_abs_diff()])
+                dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+                if diff.item() != 0.0:
+                    raise RuntimeError(f"{label} gen_tp={tp} {mode}: generation weights differ from training (max |diff| = {diff.item()})")
+                results.append(dict(
+                    world_size=world, train_layout=label, gen_tp=tp, mode=mode, rank=rank,
+                    seconds=statistics.median(s["seconds"] for s in runs), bytes_received=max(s["bytes_received"] for s in runs),
+                    peak_extra_bytes=max(s["peak_extra_bytes"] for s in runs), theory_extra_bytes=max(s["theory_extra_bytes"] for s in runs),
+                    min_bytes=engine.plan.min_bytes(rank), naive_bytes=engine.plan.naive_bytes(rank),
+                    planner_bytes=planned.naive_bytes(rank) if mode == "naive" else planned.min_bytes(rank),
+                    predicted_seconds=predicted[mode].predicted_seconds,
+                ))
+            engine.release()
+            del engine, rollout
+        del actor, model
     gathered = [None] * world
     dist.all_gather_object(gathered, results)
     if rank == 0:
@@ -171,33 +252,37 @@ MODES = ("optimized", "released", "frozen", "naive", "floor")
 
 def rows_from(per_rank: list[dict]) -> list[dict]:
     """One row per (world_size, gen_tp, mode): the worst rank of each quantity."""
-    keys = sorted({(r["world_size"], r["gen_tp"], MODES.index(r["mode"])) for r in per_rank})
+    order = {}  # FSDP rows first (by N), then the 3D layouts in the order they ran
+    for r in per_rank:
+        order.setdefault((r["world_size"], r["train_layout"]), len(order))
+    keys = sorted({(order[r["world_size"], r["train_layout"]], r["world_size"], r["train_layout"], r["gen_tp"], MODES.index(r["mode"])) for r in per_rank})
     rows = []
-    for n, tp, mode in keys:
-        rs = [r for r in per_rank if (r["world_size"], r["gen_tp"], r["mode"]) == (n, tp, MODES[mode])]
+    for _, n, lay, tp, mode in keys:
+        rs = [r for r in per_rank if (r["world_size"], r["train_layout"], r["gen_tp"], r["mode"]) == (n, lay, tp, MODES[mode])]
         rows.append(dict(
-            world_size=n, gen_tp=tp, mode=MODES[mode],
+            world_size=n, train_layout=lay, gen_tp=tp, mode=MODES[mode],
             bytes_per_rank=max(r["bytes_received"] for r in rs), min_bytes_per_rank=max(r["min_bytes"] for r in rs),
             naive_bytes_per_rank=max(r["naive_bytes"] for r in rs), seconds=max(r["seconds"] for r in rs),
             peak_extra_bytes=max(r["peak_extra_bytes"] for r in rs), theory_extra_bytes=max(r["theory_extra_bytes"] for r in rs),
             planner_bytes_per_rank=max(r["planner_bytes"] for r in rs), predicted_seconds=max(r["predicted_seconds"] for r in rs),
         ))
     for row in rows:
-        same = {r["mode"]: r for r in rows if (r["world_size"], r["gen_tp"]) == (row["world_size"], row["gen_tp"])}
+        same = {r["mode"]: r for r in rows if (r["world_size"], r["train_layout"], r["gen_tp"]) == (row["world_size"], row["train_layout"], row["gen_tp"])}
         if row["mode"] in ("optimized", "released", "frozen"):
             row["speedup"] = same["naive"]["seconds"] / row["seconds"] if row["seconds"] > 0 else float("inf")
-            row["ratio_vs_floor"] = row["seconds"] / same["floor"]["seconds"] if same["floor"]["seconds"] > 0 else float("inf")
+            if "floor" in same:
+                row["ratio_vs_floor"] = row["seconds"] / same["floor"]["seconds"] if same["floor"]["seconds"] > 0 else float("inf")
     return rows
 
 
 def print_table(rows: list[dict]) -> None:
-    head = (f"{'N':>2} {'gen_tp':>6} {'mode':<9} {'recv MB/rank':>12} {'min MB/rank':>11} {'naive MB/rank':>13} {'planned MB':>10} {'seconds':>8} "
+    head = (f"{'N':>2} {'train':<8} {'gen_tp':>6} {'mode':<9} {'recv MB/rank':>12} {'min MB/rank':>11} {'naive MB/rank':>13} {'planned MB':>10} {'seconds':>8} "
             f"{'predicted':>9} {'speedup':>7} {'vs floor':>8} {'peak extra MB':>13} {'theory MB':>9}")
     print(head + "\n" + "-" * len(head))
     for r in rows:
         speed = f"{r['speedup']:.2f}x" if "speedup" in r else ""
         floor = f"{r['ratio_vs_floor']:.2f}x" if "ratio_vs_floor" in r else ""
-        print(f"{r['world_size']:>2} {r['gen_tp']:>6} {r['mode']:<9} {r['bytes_per_rank'] / MB:>12.2f} {r['min_bytes_per_rank'] / MB:>11.2f} "
+        print(f"{r['world_size']:>2} {r['train_layout']:<8} {r['gen_tp']:>6} {r['mode']:<9} {r['bytes_per_rank'] / MB:>12.2f} {r['min_bytes_per_rank'] / MB:>11.2f} "
               f"{r['naive_bytes_per_rank'] / MB:>13.2f} {r['planner_bytes_per_rank'] / MB:>10.2f} {r['seconds']:>8.3f} {r['predicted_seconds']:>9.3f} "
               f"{speed:>7} {floor:>8} {r['peak_extra_bytes'] / MB:>13.2f} {r['theory_extra_bytes'] / MB:>9.2f}")
     opt = [r for r in rows if r["mode"] == "optimized"]
@@ -206,11 +291,13 @@ def print_table(rows: list[dict]) -> None:
           f"{yes(all(r['bytes_per_rank'] == r['min_bytes_per_rank'] for r in rows if r['mode'] in ('optimized', 'released', 'frozen')))}")
     print(f"hybridflow plan's bytes (config.json only) == measured in every layout and mode: "
           f"{yes(all(r['bytes_per_rank'] == r['planner_bytes_per_rank'] for r in rows))}")
-    target = [r for r in opt if (r["world_size"], r["gen_tp"]) == (4, 2)]
+    target = [r for r in opt if (r["train_layout"], r["gen_tp"]) == ("dp4", 2)]
     if target:
         print(f"N=4 gen_tp=2 speedup >= 2x: {yes(target[0]['speedup'] >= 2)} ({target[0]['speedup']:.2f})")
-    print(f"optimized <= 1.2x floor in every layout: {yes(all(r['ratio_vs_floor'] <= 1.2 for r in opt))} "
-          f"(worst {max(r['ratio_vs_floor'] for r in opt):.2f}x)")
+    floored = [r for r in opt if "ratio_vs_floor" in r]
+    if floored:
+        print(f"optimized <= 1.2x floor in every FSDP layout: {yes(all(r['ratio_vs_floor'] <= 1.2 for r in floored))} "
+              f"(worst {max(r['ratio_vs_floor'] for r in floored):.2f}x)")
     print(f"optimized peak extra <= theory in every layout: {yes(all(r['peak_extra_bytes'] <= r['theory_extra_bytes'] for r in opt))}")
 
 
@@ -220,6 +307,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="timed reshards per layout and mode (after 1 warm-up)")
     ap.add_argument("--model-dir", default=None, help="reuse (or build into) this directory instead of a temp dir")
     ap.add_argument("--json", default=None, help="write the rows as a JSON list to this path")
+    ap.add_argument("--no-3d", action="store_true", help=f"skip the 3D training layouts {LAYOUTS_3D} at N=4")
     args = ap.parse_args()
 
     from hybridflow.models.tiny import make_tiny_model
@@ -249,6 +337,16 @@ def main() -> None:
         with open(out_file, "rb") as f:
             per_rank += pickle.load(f)
         print(f"N={world}: done in {time.perf_counter() - t0:.1f}s")
+    if not args.no_3d:
+        path3 = path + "_16layers"
+        if not os.path.exists(os.path.join(path3, "config.json")):
+            make_tiny_model(path3, **MODEL_3D)
+        t0 = time.perf_counter()
+        out_file = os.path.join(tmp.name, "result_3d.pkl")
+        mp.spawn(worker_3d, args=(4, free_port(), path3, args.repeats, out_file), nprocs=4)
+        with open(out_file, "rb") as f:
+            per_rank += pickle.load(f)
+        print(f"3D layouts {', '.join(LAYOUTS_3D)} (N=4, {MODEL_3D['num_hidden_layers']} layers): done in {time.perf_counter() - t0:.1f}s")
     print(f"total {time.perf_counter() - start:.1f}s\n")
 
     rows = rows_from(per_rank)

@@ -96,7 +96,7 @@ def run_recipe(recipe: str, files: dict, sft_dir: str, out: str, steps: int, *ov
     extra: dict = {}
     if recipe == "grpo":
         cfg = demo_rl_config(files, sft_dir, f"{out}/grpo", steps, *overrides)
-        print(f"[demo] GRPO: {steps} steps, {cfg.data.train_batch_size} prompts x {cfg.actor_rollout_ref.rollout.n} samples, 2 FSDP2 workers", flush=True)
+        print(f"[demo] GRPO: {steps} steps, {cfg.data.train_batch_size} prompts x {cfg.actor_rollout_ref.rollout.n} samples, {_workers(cfg)}", flush=True)
         result = _fit(RLTrainer(cfg))
     elif recipe == "dpo":
         cfg = demo_dpo_config(files, sft_dir, f"{out}/dpo", steps, *overrides)
@@ -121,6 +121,13 @@ def run_recipe(recipe: str, files: dict, sft_dir: str, out: str, steps: int, *ov
         raise ValueError(f"unknown recipe {recipe!r}; expected one of {sorted(RECIPE_STEPS)}")
     history = result["history"]
     return {"val_curve": [(h["step"], h[VAL_KEY]) for h in history if VAL_KEY in h], "steps": result["steps"], "history": history, **extra}
+
+
+def _workers(cfg) -> str:
+    """"2 FSDP2 workers", or the 3D layout when the overrides set one ("4 workers: PP 1 x TP 2 x FSDP2 2")."""
+    a, n = cfg.actor_rollout_ref.actor, cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+    pp, tp = a.pipeline_model_parallel_size, a.tensor_model_parallel_size
+    return f"{n} FSDP2 workers" if pp == tp == 1 else f"{n} workers: PP {pp} x TP {tp} x FSDP2 {n // (pp * tp)}"
 
 
 def main(args) -> int:

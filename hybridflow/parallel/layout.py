@@ -76,24 +76,25 @@ def parallel_dims(layout: TrainLayout, device: str) -> ParallelDims:
     return ParallelDims(layout, pp_i, dp_i, tp_i, mesh)
 
 
-def grad_norm_and_clip(params: list[nn.Parameter], max_norm: float, pp_group=None) -> float:
-    """Global L2 gradient norm over every mesh the parameters live on (TP x FSDP DTensors, plain
-    FSDP ones) and every pipeline stage (`pp_group`), then clip in place; returns the norm.
+def grad_norm_and_clip(params: list[nn.Parameter], max_norm: float, ranks_per_stage: int) -> float:
+    """Global L2 gradient norm over the whole training layout (every TP x FSDP mesh and every
+    pipeline stage: ONE all-reduce over the default group), then clip in place; returns the norm.
 
-    Per parameter the squared norm of its DTensor gradient is reduced over its own mesh
-    (`full_tensor`), so replicated TP parameters count once and sharded ones in full."""
+    Each rank adds the squares of its local gradient shards divided by how many ranks hold the
+    same shard: within a stage (`ranks_per_stage` = tp x dp ranks) a DTensor on a mesh of M ranks
+    is held by ranks_per_stage / M copies of that mesh, times the sizes of its Replicate dims."""
     grads = [p.grad for p in params if p.grad is not None]
     device = grads[0].device if grads else torch.device("cpu")
-    by_mesh: dict = {}
-    for g in grads:
-        by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
     total = torch.zeros((), dtype=torch.float32, device=device)
-    for mesh, gs in by_mesh.items():
-        sq = torch.stack([torch.linalg.vector_norm(g.float()) ** 2 for g in gs]).sum() if mesh is None else \
-            torch.stack([(torch.linalg.vector_norm(g.float()) ** 2).full_tensor() for g in gs]).sum()
-        total = total + sq
-    if pp_group is not None:
-        dist.all_reduce(total, group=pp_group)
+    for g in grads:
+        copies = ranks_per_stage
+        if isinstance(g, DTensor):
+            mesh = g.device_mesh
+            copies //= mesh.size()
+            copies *= math.prod(mesh.size(i) for i, pl in enumerate(g.placements) if pl.is_replicate())
+            g = g.to_local()
+        total += g.float().pow(2).sum() / copies
+    dist.all_reduce(total)
     norm = float(total.sqrt())
     if math.isfinite(norm) and norm > max_norm > 0:
         coef = max_norm / (norm + 1e-6)

@@ -287,7 +287,10 @@ class RLTrainer:
         first = not self._reshard_logged
         if first:
             r = self.cfg.actor_rollout_ref.rollout
-            logger.info("Starting resharding from FSDP(dp=%d) to TP=%d x DP=%d...", self.actor.world_size, r.tensor_model_parallel_size, self.actor.world_size // r.tensor_model_parallel_size)
+            a, n = self.cfg.actor_rollout_ref.actor, self.actor.world_size
+            pp, tp = a.pipeline_model_parallel_size, a.tensor_model_parallel_size
+            train = f"FSDP(dp={n})" if pp == tp == 1 else f"PP={pp} x TP={tp} x FSDP(dp={n // (pp * tp)})"
+            logger.info("Starting resharding from %s to TP=%d x DP=%d...", train, r.tensor_model_parallel_size, n // r.tensor_model_parallel_size)
             logger.info("Resharding plan: %s per rank at minimum (naive: %s), %s crossing nodes (%d node(s) x %d workers)",
                         _human_bytes(max(self.plan_summary["min_bytes_per_rank"])), _human_bytes(max(self.plan_summary["naive_bytes_per_rank"])),
                         _human_bytes(self.plan_summary["cross_node_bytes"]), self.cfg.trainer.nnodes, self.cfg.trainer.n_gpus_per_node)

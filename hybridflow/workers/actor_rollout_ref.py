@@ -212,8 +212,7 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
         if self.dims.trivial:
             return clip_and_step(self.actor, self.optimizer, grad_clip)
         # TP x FSDP DTensors on two meshes, and pipeline stages: the global norm over all of them.
-        norm = grad_norm_and_clip([p for p in self.actor.parameters() if p.requires_grad], grad_clip,
-                                  self.dims.pp_group if self.train_layout.pp > 1 else None)
+        norm = grad_norm_and_clip([p for p in self.actor.parameters() if p.requires_grad], grad_clip, self.train_layout.tp * self.train_layout.dp)
         if math.isfinite(norm):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
