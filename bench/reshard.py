@@ -165,8 +165,9 @@ def worker_3d(rank: int, world: int, port: int, path: str, repeats: int, out_fil
         full_shapes = {n: (tuple(p.shape), p.element_size()) for n, p in model.named_parameters()}
         actor, _ = build_train_model(model, dims, "cpu", lambda m, mesh, placement=None: apply_fsdp2(m, mesh, shard_placement_fn=placement))
         with torch.no_grad():  # the trained weights differ from the checkpoint the rollout loads
-            gen = torch.Generator().manual_seed(rank)
-            for p in actor.parameters():
+            # one seed per (stage, dp rank, parameter): TP ranks holding replicas of a norm stay equal
+            for i, p in enumerate(actor.parameters()):
+                gen = torch.Generator().manual_seed((dims.pp_i * 1000 + dims.dp_i) * 1000 + i)
                 local(p.data).add_(torch.randn(local(p.data).shape, generator=gen) * 0.01)
         cfg, m = model.config, layout.tp * layout.dp
         for tp in (1, 2, 4):
