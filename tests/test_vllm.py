@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from conftest import rl_overrides
+from hybridflow.config import HybridFlowConfig, load_config
+from hybridflow.trainer.rl import RLTrainer
 from hybridflow.rollout.vllm_rollout import vllm_available
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")]
@@ -80,3 +82,20 @@ def test_vllm_generation_reflects_synced_weights(ray_cluster, vllm_model_dir, ta
         assert not torch.equal(after["responses"], before)
     finally:
         trainer.shutdown()
+
+
+def test_vllm_tensor_parallel_2_inside_the_workers(ray_cluster, vllm_model_dir, task_dir, varied_reward, tmp_path):
+    """vLLM TP=2 through its external launcher: the engine runs inside the 2 actor workers over
+    their process group (one replica, both ranks generate the same prompts); its log-probs match
+    the FSDP2 trainer's in fp32 and the weights it generates with follow every update."""
+    cfg = load_config(None, rl_overrides(vllm_model_dir, task_dir, tmp_path, "actor_rollout_ref.rollout.name=vllm", f"custom_reward_function.path={varied_reward}",
+                                         "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "trainer.total_training_steps=2"), schema=HybridFlowConfig)
+    trainer = RLTrainer(cfg)
+    try:
+        hist = [h for h in trainer.fit()["history"] if h["step"] > 0]
+    finally:
+        trainer.shutdown()
+    assert len(hist) == 2
+    for h in hist:
+        assert h["rollout/logprob_diff_max"] < 1e-3  # vLLM TP=2 vs the FSDP2 trainer, fp32, after each sync
+        assert abs(h["actor/ppo_kl"]) < 1e-6

@@ -175,9 +175,6 @@ def _vllm_problems(cfg: HybridFlowConfig, n_workers: int) -> list[str]:
     if importlib.util.find_spec("vllm") is None:
         return [f"{R}.name=vllm but vLLM is not installed in this environment; install it {VLLM_INSTALL}"]
     out = []
-    if roll.tensor_model_parallel_size != 1:
-        out.append(f"{R}.tensor_model_parallel_size must be 1 with {R}.name=vllm (one vLLM engine per worker; "
-                   f"tensor-parallel generation runs on the hf backend), got {roll.tensor_model_parallel_size}")
     device = cfg.trainer.device
     cuda = device == "cuda" or (device == "auto" and _cuda_available())
     if cuda:

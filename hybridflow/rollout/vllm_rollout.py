@@ -41,15 +41,34 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+def _remove_stale_cpu_shm(rank: int, tp: int) -> None:
+    """vLLM's CPU TP groups talk through named shared memory, one segment per rank:
+    /dev/shm/<ident>-tp:<i>-[<group ranks>]-cpushm_<index in group>, whose ident is "" under the
+    external launcher, so every run uses the same names. Ray kills workers without vLLM's cleanup,
+    and the segment a killed run leaves makes the next run fail ("create shm in SHMManager failed.
+    errno: 17"). Each rank removes its own stale segment before the engine creates it again."""
+    import glob
+
+    lo = rank // tp * tp
+    own = glob.escape(f"[{'-'.join(str(r) for r in range(lo, lo + tp))}]-cpushm_{rank - lo}")
+    for path in glob.glob(f"/dev/shm/*tp:*-{own}"):
+        os.unlink(path)
+
+
 class VLLMRollout:
     """`RolloutBackend` on vLLM; `train_model` is the FSDP2 actor whose weights `sync_weights` streams in."""
 
     def __init__(self, model_path: str, dtype: str, max_model_len: int, seed: int, device: str, gpu_memory_utilization: float, cpu_kv_cache_gb: float,
-                 tokenizer=None, train_model: torch.nn.Module | None = None, dp_index: int = 0):
+                 tokenizer=None, train_model: torch.nn.Module | None = None, dp_index: int = 0, tensor_parallel_size: int = 1):
+        """tensor_parallel_size > 1: vLLM's external launcher; the engine runs inside the calling
+        worker processes over their (already initialised) process group, TP groups of consecutive
+        ranks, each group one replica generating its own prompts."""
         for k, v in VLLM_ENV.items():
             os.environ.setdefault(k, v)
         if device == "cpu":
             os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+            if tensor_parallel_size > 1:
+                _remove_stale_cpu_shm(int(os.environ.get("RANK", "0")), tensor_parallel_size)
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(cpu_kv_cache_gb))))
         from vllm import LLM
 
@@ -63,7 +82,8 @@ class VLLMRollout:
             seed=seed,
             logprobs_mode="processed_logprobs",
             gpu_memory_utilization=gpu_memory_utilization,
-            tensor_parallel_size=1,
+            tensor_parallel_size=tensor_parallel_size,
+            distributed_executor_backend="external_launcher" if tensor_parallel_size > 1 else None,
             enable_prefix_caching=True,
         )
 
@@ -119,7 +139,9 @@ class VLLMRollout:
     def sync_weights(self, measure_baseline: bool = False, check: bool = False, trace: bool = False) -> dict:
         """Stream whole tensors from the FSDP2 shards into vLLM: each is gathered, loaded in place
         and dropped, so the extra memory is one parameter (vLLM holds the only full copy). vLLM
-        repacks its weights, so `check` is the log-prob agreement the trainer logs instead."""
+        repacks its weights, so `check` is the log-prob agreement the trainer logs instead. With
+        TP > 1 every rank streams whole tensors too and vLLM's loaders keep the rank's slice
+        (fused qkv_proj / gate_up_proj included): the naive volume, not the engine's minimum."""
         from hybridflow.hybrid_engine.executor import local
 
         received = 0

@@ -119,18 +119,20 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
     def _init_rollout(self, mcfg) -> None:
         """The colocated rollout backend (the worker calls only its interface)."""
         rcfg = self.cfg.actor_rollout_ref.rollout
-        self._set_gen_layout(rcfg.tensor_model_parallel_size, self.train_layout)
         procs_per_node = int(os.environ.get("HYBRIDFLOW_PROCS_PER_NODE", self.world_size))
         if rcfg.name == "vllm":
             from hybridflow.rollout.vllm_rollout import VLLMRollout
 
+            # vLLM's external launcher groups TP ranks consecutively: {0..tp-1}, {tp..2tp-1}, ...
+            self._set_gen_layout(rcfg.tensor_model_parallel_size, consecutive=True)
             max_len = self.cfg.data.max_prompt_length + self.cfg.data.max_response_length
             self.rollout = VLLMRollout(mcfg.path, mcfg.dtype, max_len, self.cfg.trainer.seed, self.device, rcfg.gpu_memory_utilization, rcfg.cpu_kv_cache_gb,
-                                       tokenizer=self.tokenizer, train_model=self.actor, dp_index=self.dp_index)
+                                       tokenizer=self.tokenizer, train_model=self.actor, dp_index=self.dp_index, tensor_parallel_size=self.gen_tp)
             self.plan = build_plan(self.actor, self.gen_dims, 1, procs_per_node)
         else:
             from hybridflow.rollout.hf_rollout import HFRollout
 
+            self._set_gen_layout(rcfg.tensor_model_parallel_size, self.train_layout)
             he = self.cfg.actor_rollout_ref.hybrid_engine
             model = self._tp_model(mcfg, self.device)
             self.engine = HybridEngine(self.actor, model, self.gen_dims, self.gen_tp, he, self.device, procs_per_node, self.train_layout, self.full_shapes)

@@ -26,13 +26,17 @@ class RolloutMixin:
     rank: int
     world_size: int
 
-    def _set_gen_layout(self, gen_tp: int, train_layout=None) -> None:
+    def _set_gen_layout(self, gen_tp: int, train_layout=None, consecutive: bool = False) -> None:
         """train_layout: the colocated actor's `TrainLayout` (None: FSDP over the group), which
-        decides the generation groups (HybridFlow's grouping, `plan.gen_coords`)."""
+        decides the generation groups (HybridFlow's grouping, `plan.gen_coords`); consecutive: TP
+        groups of consecutive ranks instead (vLLM's external launcher)."""
         self.gen_tp = gen_tp
         self.gen_dp_size = self.world_size // gen_tp
         self.gen_train_layout = train_layout
-        self.tp_index, self.dp_index = gen_ranks(self.rank, self.world_size, gen_tp, train_layout)
+        if consecutive:
+            self.tp_index, self.dp_index = self.rank % gen_tp, self.rank // gen_tp
+        else:
+            self.tp_index, self.dp_index = gen_ranks(self.rank, self.world_size, gen_tp, train_layout)
 
     def _tp_model(self, mcfg, device: str) -> torch.nn.Module:
         """The policy's HF model in the generation layout (tensor-parallel over gen_tp ranks)."""
