@@ -98,13 +98,16 @@ def worker(rank: int, world: int, port: int, model: str, layout: str, out: str) 
 
 def run_layout(model: str, layout: str, world: int, tmp: str) -> list[dict]:
     """Per collected rank (one per dp index, in dp order) its steps and old log-probs."""
+    import socket
+
     import torch.multiprocessing as mp
 
-    from bench.reshard import free_port
-
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     os.makedirs(tmp, exist_ok=True)
     out = os.path.join(tmp, layout)
-    mp.spawn(worker, args=(world, free_port(), model, layout, out), nprocs=world)
+    mp.spawn(worker, args=(world, port, model, layout, out), nprocs=world)
     found = [pickle.load(open(os.path.join(tmp, f), "rb")) for f in sorted(os.listdir(tmp)) if f.startswith(layout + ".")]
     return sorted(found, key=lambda r: r["dp_i"])
 

@@ -342,7 +342,9 @@ def _train_layout_problems(p: _Problems, cfg: HybridFlowConfig, n_workers: int, 
                    (cfg.trainer.async_rollout, "trainer.async_rollout (the rollout pool receives FSDP shards)"),
                    (kind == "dpo", "DPO (hybridflow dpo trains with FSDP)")]
     if pp > 1:
-        unsupported += [(actor.use_dynamic_bsz or roll.log_prob_use_dynamic_bsz or arr.ref.log_prob_use_dynamic_bsz,
+        unsupported += [(cfg.trainer.save_hf_model, "trainer.save_hf_model (each stage holds part of the model; write the HF "
+                                                    "checkpoint from a saved checkpoint with `hybridflow export CHECKPOINT_DIR OUT_DIR`)"),
+                        (actor.use_dynamic_bsz or roll.log_prob_use_dynamic_bsz or arr.ref.log_prob_use_dynamic_bsz,
                          "dynamic batch sizes (use_dynamic_bsz / log_prob_use_dynamic_bsz: pipeline micro-batches have one shape)"),
                         (arr.model.use_remove_padding, "actor_rollout_ref.model.use_remove_padding (pipeline stages run padded micro-batches)")]
     for bad, what in unsupported:
