@@ -342,11 +342,11 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
     # ------------------------------------------------------------------ checkpoints
     @register(Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:
-        save_sharded(os.path.join(path, "actor"), self.actor, self.optimizer, self.scheduler)
+        save_sharded(os.path.join(path, "actor"), self.actor, self.optimizer, self.scheduler, flatten_optimizer=self.train_layout.pp > 1)
 
     @register(Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> None:
-        load_sharded(os.path.join(path, "actor"), self.actor, self.optimizer, self.scheduler)
+        load_sharded(os.path.join(path, "actor"), self.actor, self.optimizer, self.scheduler, flatten_optimizer=self.train_layout.pp > 1)
         if self.has_rollout:
             self.reshard()
 
