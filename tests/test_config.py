@@ -374,3 +374,10 @@ def test_3d_training_layout_is_checked_before_workers_start(world):
     validate_config(world)
     a.actor.use_dynamic_bsz = True
     assert "not supported with dynamic batch sizes" in _problems(world)
+    a.actor.use_dynamic_bsz, a.actor.pipeline_model_parallel_size = False, 1
+    world.algorithm.adv_estimator, world.critic.tensor_model_parallel_size = "gae", 3
+    assert "critic.tensor_model_parallel_size (3) must divide the critic's 4 workers; set it to one of [1, 2, 4]" in _problems(world)
+    world.critic.tensor_model_parallel_size = 4
+    assert "critic.tensor_model_parallel_size (4) must divide the critic model's num_key_value_heads (2)" in _problems(world)
+    world.critic.tensor_model_parallel_size = 2
+    validate_config(world)

@@ -255,7 +255,9 @@ def test_frozen_embeddings_sync_once(ray_cluster, tiny_model_dir, task_dir, vari
     ["actor_rollout_ref.actor.tensor_model_parallel_size=2"],
     # 2 pipeline stages (1F1B) x FSDP 2, the reference policy pipelined too (use_kl_loss); generation TP 2
     ["actor_rollout_ref.actor.pipeline_model_parallel_size=2", "actor_rollout_ref.actor.use_kl_loss=true"],
-], ids=["tp2xdp2", "pp2xdp2"])
+    # PPO: the actor TP 2 x FSDP 2 and the critic (value head on the backbone) with its own TP 2 x FSDP 2
+    ["actor_rollout_ref.actor.tensor_model_parallel_size=2", "algorithm.adv_estimator=gae", "critic.tensor_model_parallel_size=2"],
+], ids=["tp2xdp2", "pp2xdp2", "ppo_critic_tp2"])
 def test_grpo_3d_training_on_4_workers(ray_cluster, tiny_model_dir, task_dir, varied_reward, tmp_path, layout):
     trainer = make_trainer(
         tiny_model_dir, task_dir, tmp_path, f"custom_reward_function.path={varied_reward}", "trainer.n_gpus_per_node=4",
@@ -275,3 +277,5 @@ def test_grpo_3d_training_on_4_workers(ray_cluster, tiny_model_dir, task_dir, va
         assert abs(h["actor/ppo_kl"]) < 1e-6  # first update of the step: the recomputed log-probs are the old ones
         assert h["rollout/logprob_diff_max"] < 1e-4  # TP rollout vs the 3D-parallel trainer, fp32
     assert hist[1]["actor/grad_norm"] > 0 and hist[0]["actor/pg_clipfrac"] == 0.0
+    if "algorithm.adv_estimator=gae" in layout:
+        assert all(h["critic/grad_norm"] > 0 and math.isfinite(h["critic/vf_loss"]) for h in hist)

@@ -189,6 +189,8 @@ class CriticConfig:
     cliprange_value: float = 0.5
     loss_agg_mode: str = "token-mean"
     grad_clip: float = 1.0
+    # The critic's own training TP (DTensor TP x FSDP2 over its workers; the value head replicated).
+    tensor_model_parallel_size: int = 1
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 
 

@@ -353,6 +353,22 @@ def _train_layout_problems(p: _Problems, cfg: HybridFlowConfig, n_workers: int, 
     return dp
 
 
+def _critic_tp_problems(p: _Problems, cfg: HybridFlowConfig, n_workers: int) -> int:
+    """critic.tensor_model_parallel_size against the critic's workers and its model's heads; returns its dp."""
+    tp, key = cfg.critic.tensor_model_parallel_size, "critic.tensor_model_parallel_size"
+    if not p.positive(key, tp) or tp == 1 or n_workers < 1:
+        return n_workers
+    if n_workers % tp:
+        p.append(f"{key} ({tp}) must divide the critic's {n_workers} workers; set it to one of {[d for d in range(1, n_workers + 1) if n_workers % d == 0]}")
+        return n_workers
+    mj = _model_json(cfg.critic.model.path or cfg.actor_rollout_ref.model.path)
+    heads = mj.get("num_attention_heads") or 0
+    for what, n in (("num_attention_heads", heads), ("num_key_value_heads", mj.get("num_key_value_heads") or heads)):
+        if n and n % tp:
+            p.append(f"{key} ({tp}) must divide the critic model's {what} ({n}); set it to one of {[d for d in range(1, n + 1) if n % d == 0]}")
+    return n_workers // tp
+
+
 def validate_config(cfg: HybridFlowConfig, kind: Literal["rl", "dpo"] = "rl") -> None:
     """Raise one ConfigError listing every problem in ``cfg`` (no-op when it is fine).
     kind: "rl" (`hybridflow train`) or "dpo" (`hybridflow dpo`, offline or online)."""
@@ -390,8 +406,9 @@ def validate_config(cfg: HybridFlowConfig, kind: Literal["rl", "dpo"] = "rl") ->
                       d.train_batch_size, roll.n, dp, "workers" if dp == n_workers else "data-parallel groups (workers / (pp x tp))")
         if alg.adv_estimator == "gae":
             mini = actor.ppo_mini_batch_size if critic.ppo_mini_batch_size is None else critic.ppo_mini_batch_size
-            _batch_checks(p, "critic", mini, critic.ppo_micro_batch_size_per_gpu,
-                          d.train_batch_size, roll.n, critic_workers)
+            critic_dp = _critic_tp_problems(p, cfg, critic_workers)
+            _batch_checks(p, "critic", mini, critic.ppo_micro_batch_size_per_gpu, d.train_batch_size, roll.n, critic_dp,
+                          "workers" if critic_dp == critic_workers else "critic data-parallel groups (workers / tp)")
 
     for key, v in [("data.max_prompt_length", d.max_prompt_length), ("data.max_response_length", d.max_response_length),
                    (f"{A}.ppo_epochs", actor.ppo_epochs), ("critic.ppo_epochs", critic.ppo_epochs),

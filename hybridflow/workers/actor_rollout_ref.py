@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import fnmatch
-import math
 import os
 
 import torch
@@ -30,7 +29,7 @@ from hybridflow.hybrid_engine import cross_pool
 from hybridflow.hybrid_engine.executor import HybridEngine, build_plan
 from hybridflow.hybrid_engine.plan import TrainLayout
 from hybridflow.parallel.fsdp import apply_fsdp2, make_mesh, shard_numel
-from hybridflow.parallel.layout import build_train_model, grad_norm_and_clip, parallel_dims
+from hybridflow.parallel.layout import build_train_model, parallel_dims
 from hybridflow.parallel.tensor_parallel import fsdp_shard_placement_fn, gen_shard_dims
 from hybridflow.protocol import Batch
 from hybridflow.rollout.base import position_ids_from, response_lengths  # noqa: F401  (re-exported)
@@ -211,14 +210,8 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
 
     # ------------------------------------------------------------------ training
     def _clip_and_step(self, grad_clip: float) -> float:
-        if self.dims.trivial:
-            return clip_and_step(self.actor, self.optimizer, grad_clip)
-        # TP x FSDP DTensors on two meshes, and pipeline stages: the global norm over all of them.
-        norm = grad_norm_and_clip([p for p in self.actor.parameters() if p.requires_grad], grad_clip, self.train_layout.tp * self.train_layout.dp)
-        if math.isfinite(norm):
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return norm
+        lay = self.train_layout
+        return clip_and_step(self.actor, self.optimizer, grad_clip, None if self.dims.trivial else lay.tp * lay.dp)
 
     @register(Dispatch.DP_COMPUTE, layout="train")
     def update_actor(self, data: Batch, optimizer_step: bool = True, loss_scale: float = 1.0) -> dict[str, float]:

@@ -14,7 +14,10 @@ from hybridflow.algorithms import compute_value_loss, micro_weight
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.controller.decorator import Dispatch, register
 from hybridflow.controller.worker import Worker, pick_device
+from hybridflow.hybrid_engine.plan import TrainLayout
 from hybridflow.parallel.fsdp import apply_fsdp2, make_mesh
+from hybridflow.parallel.layout import parallel_dims
+from hybridflow.parallel.tensor_parallel import apply_tensor_parallel
 from hybridflow.protocol import Batch
 from hybridflow.utils.checkpoint import load_sharded, save_sharded
 from hybridflow.workers.fsdp_model import load_hf_model, micro_batches, response_logits
@@ -27,6 +30,15 @@ class CriticWorker(Worker):
         self.cfg = config
         self.total_training_steps = total_training_steps
         self.device = pick_device(config.trainer.device)
+        tp = config.critic.tensor_model_parallel_size
+        self.layout = TrainLayout(tp=tp, dp=self.world_size // tp)  # critic.tensor_model_parallel_size x FSDP
+
+    def dispatch_layout(self, layout: str | None) -> tuple[int, int, bool]:
+        """"train": the batch is split over dp; the TP ranks of a dp group share a chunk, TP rank 0 returns it."""
+        if layout == "train":
+            _, dp_i, tp_i = self.layout.coords(self.rank)
+            return dp_i, self.layout.dp, tp_i == 0
+        return super().dispatch_layout(layout)
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
@@ -35,7 +47,12 @@ class CriticWorker(Worker):
         mcfg = ccfg.model if ccfg.model.path else self.cfg.actor_rollout_ref.model
         torch.manual_seed(self.cfg.trainer.seed)
         model = load_hf_model(mcfg, self.device, kind="value")
-        self.critic = apply_fsdp2(model, make_mesh(self.device, self.world_size), ccfg.fsdp_config.reshard_after_forward, ccfg.fsdp_config.param_offload,
+        mesh = make_mesh(self.device, self.world_size)
+        if self.layout.tp > 1:  # the TP plan on the backbone (the value head is not in its table: replicated), then FSDP over dp
+            dims = parallel_dims(self.layout, self.device)
+            apply_tensor_parallel(model, dims.tp_mesh)
+            mesh = dims.dp_mesh
+        self.critic = apply_fsdp2(model, mesh, ccfg.fsdp_config.reshard_after_forward, ccfg.fsdp_config.param_offload,
                                   sharding_strategy=ccfg.fsdp_config.sharding_strategy, mixed_precision=ccfg.fsdp_config.mixed_precision)
         self.optimizer = build_optimizer(self.critic.parameters(), ccfg.optim)
         self.scheduler = build_scheduler(self.optimizer, ccfg.optim, self.total_training_steps)
@@ -43,7 +60,7 @@ class CriticWorker(Worker):
     def _values(self, mb: Batch) -> torch.Tensor:
         return response_logits(self.critic, mb, remove_padding=self.cfg.critic.model.use_remove_padding).squeeze(-1) * mb["response_mask"]  # [b, R]
 
-    @register(Dispatch.DP_COMPUTE)
+    @register(Dispatch.DP_COMPUTE, layout="train")
     @torch.no_grad()
     def compute_values(self, data: Batch) -> Batch:
         self.critic.eval()
@@ -51,14 +68,14 @@ class CriticWorker(Worker):
         values = torch.cat([self._values(mb) for mb in micro_batches(data, self.cfg.critic.ppo_micro_batch_size_per_gpu)])
         return Batch.from_dict(tensors={"values": values.cpu()})
 
-    @register(Dispatch.DP_COMPUTE)
+    @register(Dispatch.DP_COMPUTE, layout="train")
     def update_critic(self, data: Batch, optimizer_step: bool = True, loss_scale: float = 1.0) -> dict[str, float]:
         """Clipped value regression towards `returns` [b, R]; mini/micro batching and gradient
         accumulation across calls (optimizer_step / loss_scale) as the actor."""
         ccfg = self.cfg.critic
         n = self.cfg.actor_rollout_ref.rollout.n
         mini_prompts = ccfg.ppo_mini_batch_size or self.cfg.actor_rollout_ref.actor.ppo_mini_batch_size
-        mini_size = mini_prompts * n // self.world_size
+        mini_size = mini_prompts * n // self.layout.dp
         if not optimizer_step and (ccfg.ppo_epochs > 1 or len(data) > mini_size):
             raise ValueError(f"gradient accumulation across calls needs each call to be at most one mini-batch "
                              f"({mini_size} sequences per rank) and critic.ppo_epochs == 1; lower the stage's batch_size")
@@ -74,7 +91,7 @@ class CriticWorker(Worker):
                     losses.append(vf_loss.item())
                     clipfracs.append(clipfrac.item())
                 if optimizer_step:
-                    norms.append(clip_and_step(self.critic, self.optimizer, ccfg.grad_clip))
+                    norms.append(clip_and_step(self.critic, self.optimizer, ccfg.grad_clip, self.world_size if self.layout.tp > 1 else None))
         lr = self.scheduler.get_last_lr()[0]
         metrics = {"critic/vf_loss": sum(losses) / len(losses), "critic/vf_clipfrac": sum(clipfracs) / len(clipfracs), "critic/lr": lr}
         if optimizer_step:
