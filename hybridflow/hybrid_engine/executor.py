@@ -238,9 +238,10 @@ class HybridEngine:
         return sum(recv_sizes) * p.itemsize
 
     def _launch_layer(self, params: list[ParamPlan], base: int) -> tuple[list, int]:
-        """Start one coalesced all-gather per process group for the layer's aligned, moving
-        parameters: their shards packed into one flat send slice of the staging slot at `base`,
-        gathered asynchronously into a flat receive slice after it. Returns (pending, next offset)."""
+        """Start the layer's collectives into the staging slot at `base`: one coalesced all-gather
+        per process group for its aligned, moving parameters (their shards packed into one flat
+        send slice, gathered asynchronously into a flat receive slice after it), and one coalesced
+        all_to_all for the others (`_launch_exchange`). Returns (pending, next offset)."""
         r = self.rank
         by_group: dict[bool, list[ParamPlan]] = {}
         for p in params:
@@ -253,15 +254,52 @@ class HybridEngine:
             offset += (1 + size) * c
             torch.cat([local(self.train[p.name].data).reshape(-1) for p in ps], out=send)
             work = _all_gather(recv, send, group=self.micro_group if tp_sharded else None, async_op=True)
-            pending.append((ps, size, c, recv, work))
-        return pending, offset
+            pending.append(("gather", (ps, size, c, recv), work))
+        exchange, offset = self._launch_exchange([p for p in params if p.moves and not p.aligned], offset)
+        return pending + exchange, offset
+
+    def _launch_exchange(self, ps: list[ParamPlan], offset: int) -> tuple[list, int]:
+        """ONE all_to_all for every parameter in `ps` (the same list on every rank): per destination
+        the pieces of each parameter it lacks (`plan.exchange`: each from one holder), packed in
+        (rank, parameter) order into the staging buffer at `offset`."""
+        if not ps:
+            return [], offset
+        r, world = self.rank, self.world
+        routes = [self.plan.exchange(p) for p in ps]
+        send_to = [dict(sends[r]) for sends, _ in routes]
+        recv_from = [dict(recvs[r]) for _, recvs in routes]
+        send_sizes = [sum(volume(d.get(dst)) for d in send_to) for dst in range(world)]
+        recv_sizes = [sum(volume(d.get(src)) for d in recv_from) for src in range(world)]
+        send = self.staging[offset : offset + sum(send_sizes)]
+        recv = self.staging[offset + sum(send_sizes) : offset + sum(send_sizes) + sum(recv_sizes)]
+        pieces = [crop(self._train_local(p), d[dst], p.own[r]).reshape(-1) for dst in range(world) for p, d in zip(ps, send_to) if dst in d]
+        if pieces:
+            torch.cat(pieces, out=send)
+        work = dist.all_to_all_single(recv, send, output_split_sizes=recv_sizes, input_split_sizes=send_sizes, async_op=True)
+        layout = [(p, d[src]) for src in range(world) for p, d in zip(ps, recv_from) if src in d]
+        return [("exchange", (ps, layout, recv), work)], offset + sum(send_sizes) + sum(recv_sizes)
 
     def _finish_layer(self, pending: list) -> int:
-        """Wait for the layer's gathers and copy each parameter's pieces into its generation buffer:
-        piece j of every parameter came from group rank j and lands at slot j of its shard dim."""
+        """Wait for the layer's collectives and copy every piece into its generation buffer: an
+        all-gather's piece j of every parameter came from group rank j and lands at slot j of its
+        shard dim; an exchange's pieces land at their boxes, next to the rank's own part."""
         received = 0
-        for ps, size, c, recv, work in pending:
+        for kind, item, work in pending:
             work.wait()
+            if kind == "exchange":
+                ps, layout, recv = item
+                offset = 0
+                for p, box in layout:
+                    n = volume(box)
+                    crop(local(self.gen[p.name].data), box, p.need[self.rank]).copy_(recv[offset : offset + n].view([hi - lo for lo, hi in box]))
+                    offset += n
+                for p in ps:  # what the rank holds itself
+                    mine = intersect(p.own[self.rank], p.need[self.rank])
+                    if mine:
+                        crop(local(self.gen[p.name].data), mine, p.need[self.rank]).copy_(crop(self._train_local(p), mine, p.own[self.rank]))
+                received += offset * ps[0].itemsize
+                continue
+            ps, size, c, recv = item
             flat, offset = recv.view(size, c), 0
             for p in ps:
                 shape = tuple(hi - lo for lo, hi in p.own[self.rank])
@@ -355,28 +393,21 @@ class HybridEngine:
         }
 
     def _reshard_layers(self, layers: list[tuple[str, list[ParamPlan]]], optimized: bool) -> int:
-        """Layer granularity, optimized: layer i+1's coalesced gathers are in flight while layer i
-        is copied into place (two staging slots, alternating)."""
+        """Layer granularity, optimized: layer i+1's coalesced collectives (all-gathers and the
+        exchange) are in flight while layer i is copied into place (two staging slots, alternating)."""
         received = 0
         if not layers:
             return 0
         pending, _ = self._launch_layer(layers[0][1], 0)
         for i, (layer, params) in enumerate(layers):
-            base = (i % 2) * self.slot_numel
             with self.trace.span(f"gather {layer}", "gather", optimized=optimized):
-                offset = base + sum((1 + size) * c for _, size, c, _, _ in pending)
                 nxt = self._launch_layer(layers[i + 1][1], ((i + 1) % 2) * self.slot_numel)[0] if i + 1 < len(layers) else []
                 copies: list = []
                 for p in params:
-                    if p.moves and p.aligned and len(p.group[self.rank]) > 1:
+                    if p.moves and not (p.aligned and len(p.group[self.rank]) == 1):
                         continue  # in `pending`
-                    train, gen = self._train_local(p), local(self.gen[p.name].data)
-                    if p.moves:
-                        pool = [offset]
-                        received += self._exchange(p, train, gen, pool, copies) if not p.aligned else 0
-                        offset = pool[0]
-                    if not p.moves or p.aligned:  # nothing to fetch (size-1 group, or gen_tp = N)
-                        copies.append((gen, crop(train, p.need[self.rank], p.own[self.rank])))
+                    # nothing to fetch (a size-1 group, or gen_tp = N): the rank's own slice
+                    copies.append((local(self.gen[p.name].data), crop(self._train_local(p), p.need[self.rank], p.own[self.rank])))
             with self.trace.span(f"copy {layer}", "copy"):
                 for dst, src in copies:
                     dst.copy_(src)
