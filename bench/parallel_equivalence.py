@@ -1,5 +1,6 @@
 """Parallelism does not change the math: 3 SFT steps and 3 PPO updates of a tiny fp32 model under
-dp4, tp2xdp2, pp2xdp2 and pp2xtp2 on 4 processes against the single-process run.
+dp4, tp2xdp2, pp2xdp2 and pp2xtp2 (1F1B; pp2xdp2 also with GPipe) on 4 processes against the
+single-process run.
 
 Every run goes through the real actor worker (`ActorRolloutRefWorker`, role "actor") exactly as
 the trainer calls it: each data-parallel rank gets its chunk (the controller's split), a pipeline
@@ -25,7 +26,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-LAYOUTS = ("dp4", "tp2xdp2", "pp2xdp2", "pp2xtp2")
+LAYOUTS = ("dp4", "tp2xdp2", "pp2xdp2", "pp2xtp2", "pp2xdp2-gpipe")  # "-gpipe": that schedule instead of 1F1B
 ROWS, PROMPT, RESPONSE, MICRO = 16, 6, 5, 2
 
 
@@ -53,8 +54,10 @@ def config(model: str, layout: str):
     from hybridflow.config.schema import HybridFlowConfig
     from hybridflow.hybrid_engine.plan import TrainLayout
 
+    layout, _, schedule = layout.partition("-")
     lay = TrainLayout.parse(layout)
     cfg = HybridFlowConfig()
+    cfg.actor_rollout_ref.actor.pipeline_schedule = schedule or "1f1b"
     arr = cfg.actor_rollout_ref
     arr.model.path = model
     a = arr.actor
@@ -128,7 +131,7 @@ def compare(ref: list[dict], got: list[dict]) -> dict:
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--json", default=None, help="write the rows here")
-    p.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated training layouts on 4 processes")
+    p.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated training layouts on 4 processes (suffix -gpipe: GPipe)")
     p.add_argument("--model-dir", default=None, help="an HF causal LM (default: a tiny Qwen2 built here)")
     args = p.parse_args(argv)
     from bench.common import print_rows

@@ -22,7 +22,7 @@ def test_layouts_match_the_single_process_run(tmp_path):
     sys.path.insert(0, ROOT)
     from bench.parallel_equivalence import main
 
-    rows = main(["--json", str(tmp_path / "eq.json")])
+    rows = main(["--json", str(tmp_path / "eq.json"), "--layouts", "dp4,tp2xdp2,pp2xdp2,pp2xtp2"])
     assert [r["layout"] for r in rows] == ["dp4", "tp2xdp2", "pp2xdp2", "pp2xtp2"]
     for r in rows:
         assert r["max_loss_diff"] < 1e-5 and r["max_grad_norm_diff"] < 1e-5 and r["max_logprob_diff"] < 1e-5, r

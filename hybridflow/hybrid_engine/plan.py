@@ -15,7 +15,7 @@ training slices of ranks t*k .. t*k+k-1 (the *micro-DP group*), so one all-gathe
 group delivers it (`aligned`); the executor falls back to a general exchange otherwise. The naive
 baseline (gather the full tensor, then slice) receives size - own on every rank.
 
-3D training layouts (`TrainLayout`, planning only: the executor runs the FSDP layout above). Rank
+3D training layouts (`TrainLayout`; the executor moves them with one exchange per layer). Rank
 r = (pp_i * dp + dp_i) * tp + tp_i: PP stage pp_i owns a contiguous block of decoder layers
 (embeddings on the first stage, final norm and lm_head on the last), TP shards a parameter along
 its generation TP dim (the same table), FSDP then shards that TP slice over dp (along the same dim
@@ -198,7 +198,7 @@ def _boxes(shape, train_dim, gen_dim, stage, layout, coords, gen, gen_tp, fsdp_o
             and len({own[s][dim][1] - own[s][dim][0] for s in group[r]}) == 1  # equal pieces: one all-gather
             for r in range(n)
         )
-    else:  # planning only: the ranks whose training boxes overlap the need
+    else:  # 3D layouts (the general exchange): the ranks whose training boxes overlap the need
         holders: dict[Box, list[int]] = {}
         for s, box in enumerate(own):
             if volume(box):
