@@ -150,7 +150,7 @@ def main(argv=None) -> list[dict]:
             print(f"{layout}: steps (loss, grad_norm) per dp rank: " + "; ".join(", ".join(f"({a:.5f}, {b:.5f})" for a, b in r["steps"]) for r in got))
             rows.append({"layout": layout, **compare(ref, got), "seconds": time.perf_counter() - t0})
     print_rows("Training layouts on 4 processes vs one process (fp32, 3 SFT steps + 3 PPO updates)",
-               [("layout", "layout", "<10"), ("max_loss_diff", "max_loss_diff", ">14.2e"), ("max_grad_norm_diff", "max_grad_norm_diff", ">19.2e"),
+               [("layout", "layout", "<14"), ("max_loss_diff", "max_loss_diff", ">14.2e"), ("max_grad_norm_diff", "max_grad_norm_diff", ">19.2e"),
                 ("max_logprob_diff", "max_logprob_diff", ">17.2e"), ("seconds", "seconds", ">8.1f")], rows, args.json)
     return rows
 
