@@ -89,7 +89,6 @@ def worker(rank: int, world: int, port: int, path: str, repeats: int, out_file: 
                             peak_extra_bytes=0, theory_extra_bytes=0, min_bytes=engine.plan.min_bytes(rank), naive_bytes=engine.plan.naive_bytes(rank),
                             planner_bytes=planned.min_bytes(rank), predicted_seconds=predicted["optimized"].predicted_seconds))
         for mode in ("optimized", "released", "naive", "frozen"):
-            runs = []
             skip = frozenset()
             if mode == "frozen":  # embeddings and lm_head frozen (actor.freeze_modules): moved once, then skipped
                 for n, p in actor.named_parameters():
@@ -98,22 +97,9 @@ def worker(rank: int, world: int, port: int, path: str, repeats: int, out_file: 
                 engine = HybridEngine(actor, rollout, dims, tp, HybridEngineConfig(granularity="layer", keep_generation_buffers=True), "cpu")
                 skip = engine.frozen
             engine.cfg.keep_generation_buffers = mode != "released"
-            for i in range(1 + repeats):  # the first one is a warm-up
-                engine.release()
-                dist.barrier()
-                stats = engine.reshard(optimized=mode != "naive")
-                if i:
-                    runs.append(stats)
-            diff = torch.tensor([engine.max_abs_diff()])
-            dist.all_reduce(diff, op=dist.ReduceOp.MAX)  # every rank aborts together
-            if diff.item() != 0.0:
-                raise RuntimeError(f"N={world} gen_tp={tp} {mode}: generation weights differ from training (max |diff| = {diff.item()})")
             results.append(dict(
                 world_size=world, train_layout=f"dp{world}", gen_tp=tp, mode=mode, rank=rank,
-                seconds=statistics.median(s["seconds"] for s in runs),
-                bytes_received=max(s["bytes_received"] for s in runs),
-                peak_extra_bytes=max(s["peak_extra_bytes"] for s in runs),
-                theory_extra_bytes=max(s["theory_extra_bytes"] for s in runs),
+                **timed_switches(engine, mode != "naive", repeats, f"N={world} gen_tp={tp} {mode}"),
                 min_bytes=engine.plan.min_bytes(rank, skip), naive_bytes=engine.plan.naive_bytes(rank),
                 planner_bytes=planned.naive_bytes(rank) if mode == "naive" else planned.min_bytes(rank, skip),
                 predicted_seconds=predicted["naive" if mode == "naive" else "optimized"].predicted_seconds,
@@ -121,12 +107,39 @@ def worker(rank: int, world: int, port: int, path: str, repeats: int, out_file: 
         engine.release()
         actor.requires_grad_(True)
         del engine, rollout
+    write_gathered(results, world, rank, out_file)
+    dist.destroy_process_group()
+
+
+def timed_switches(engine, optimized: bool, repeats: int, what: str) -> dict:
+    """`repeats` timed switches after one warm-up, checked bit-exact (every rank aborts together):
+    median seconds and the worst bytes and memory of this rank."""
+    import torch.distributed as dist
+
+    runs = []
+    for i in range(1 + repeats):
+        engine.release()
+        dist.barrier()
+        stats = engine.reshard(optimized=optimized)
+        if i:
+            runs.append(stats)
+    diff = torch.tensor([engine.max_abs_diff()])
+    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+    if diff.item() != 0.0:
+        raise RuntimeError(f"{what}: generation weights differ from training (max |diff| = {diff.item()})")
+    return dict(seconds=statistics.median(s["seconds"] for s in runs), bytes_received=max(s["bytes_received"] for s in runs),
+                peak_extra_bytes=max(s["peak_extra_bytes"] for s in runs), theory_extra_bytes=max(s["theory_extra_bytes"] for s in runs))
+
+
+def write_gathered(results: list[dict], world: int, rank: int, out_file: str) -> None:
+    """Every rank's rows, pickled by rank 0 (a collective)."""
+    import torch.distributed as dist
+
     gathered = [None] * world
     dist.all_gather_object(gathered, results)
     if rank == 0:
         with open(out_file, "wb") as f:
             pickle.dump([r for per_rank in gathered for r in per_rank], f)
-    dist.destroy_process_group()
 
 
 LAYOUTS_3D = ("tp2xdp2", "pp2xdp2", "pp2xtp2")  # at N = 4, on MODEL_3D (16 layers: two equal stages)
@@ -141,10 +154,9 @@ def worker_3d(rank: int, world: int, port: int, path: str, repeats: int, out_fil
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from hybridflow.config.schema import HybridEngineConfig
+    from hybridflow.config.schema import FSDPConfig, HybridEngineConfig
     from hybridflow.hybrid_engine.executor import HybridEngine, local
     from hybridflow.hybrid_engine.plan import TrainLayout
-    from hybridflow.parallel.fsdp import apply_fsdp2
     from hybridflow.parallel.layout import build_train_model, parallel_dims
     from hybridflow.parallel.tensor_parallel import apply_tensor_parallel, gen_mesh, gen_shard_dims
     from hybridflow.planning.arch import load_arch
@@ -163,7 +175,7 @@ def worker_3d(rank: int, world: int, port: int, path: str, repeats: int, out_fil
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         gdims = gen_shard_dims(model)
         full_shapes = {n: (tuple(p.shape), p.element_size()) for n, p in model.named_parameters()}
-        actor, _ = build_train_model(model, dims, "cpu", lambda m, mesh, placement=None: apply_fsdp2(m, mesh, shard_placement_fn=placement))
+        actor, _ = build_train_model(model, dims, "cpu", FSDPConfig())
         with torch.no_grad():  # the trained weights differ from the checkpoint the rollout loads
             # one seed per (stage, dp rank, parameter): TP ranks holding replicas of a norm stay equal
             for i, p in enumerate(actor.parameters()):
@@ -181,21 +193,9 @@ def worker_3d(rank: int, world: int, port: int, path: str, repeats: int, out_fil
             planned = plan_for(load_arch(path), layout, tp, 4)
             predicted = predict_switch(planned, cluster)
             for mode in ("optimized", "naive"):
-                runs = []
-                for i in range(1 + repeats):
-                    engine.release()
-                    dist.barrier()
-                    stats = engine.reshard(optimized=mode == "optimized")
-                    if i:
-                        runs.append(stats)
-                diff = torch.tensor([engine.max_abs_diff()])
-                dist.all_reduce(diff, op=dist.ReduceOp.MAX)
-                if diff.item() != 0.0:
-                    raise RuntimeError(f"{label} gen_tp={tp} {mode}: generation weights differ from training (max |diff| = {diff.item()})")
                 results.append(dict(
                     world_size=world, train_layout=label, gen_tp=tp, mode=mode, rank=rank,
-                    seconds=statistics.median(s["seconds"] for s in runs), bytes_received=max(s["bytes_received"] for s in runs),
-                    peak_extra_bytes=max(s["peak_extra_bytes"] for s in runs), theory_extra_bytes=max(s["theory_extra_bytes"] for s in runs),
+                    **timed_switches(engine, mode == "optimized", repeats, f"{label} gen_tp={tp} {mode}"),
                     min_bytes=engine.plan.min_bytes(rank), naive_bytes=engine.plan.naive_bytes(rank),
                     planner_bytes=planned.naive_bytes(rank) if mode == "naive" else planned.min_bytes(rank),
                     predicted_seconds=predicted[mode].predicted_seconds,
@@ -203,11 +203,7 @@ def worker_3d(rank: int, world: int, port: int, path: str, repeats: int, out_fil
             engine.release()
             del engine, rollout
         del actor, model
-    gathered = [None] * world
-    dist.all_gather_object(gathered, results)
-    if rank == 0:
-        with open(out_file, "wb") as f:
-            pickle.dump([r for per_rank in gathered for r in per_rank], f)
+    write_gathered(results, world, rank, out_file)
     dist.destroy_process_group()
 
 

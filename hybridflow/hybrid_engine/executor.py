@@ -205,38 +205,6 @@ class HybridEngine:
             copies.append((gen.view(out_rows, size, c), stage.view(size, out_rows, c).transpose(0, 1)))
         return (size - 1) * train.numel() * train.element_size()
 
-    def _exchange(self, p: ParamPlan, train: torch.Tensor | None, gen: torch.Tensor, pool: list[int], copies: list) -> int:
-        """General case: every rank sends exactly what others lack and receives what it lacks, each
-        piece from one holder (`plan.exchange`: replicas across TP or PP groups send it once).
-        `train` is None on a pipeline stage that does not hold the parameter."""
-        r = self.rank
-        own, need = p.own[r], p.need[r]
-        sends, recvs = self.plan.exchange(p)
-        send_box = dict(sends[r])
-        send_pieces, send_sizes = [], []
-        for dst in range(self.world):
-            box = send_box.get(dst)
-            send_sizes.append(volume(box))
-            if box:
-                send_pieces.append(crop(train, box, own).reshape(-1))
-        recv_box = dict(recvs[r])
-        recv_boxes = [recv_box.get(src) for src in range(self.world)]
-        recv_sizes = [volume(b) for b in recv_boxes]
-        send = self._take(sum(send_sizes), pool)
-        if send_pieces:
-            torch.cat(send_pieces, out=send)
-        recv = self._take(sum(recv_sizes), pool)
-        dist.all_to_all_single(recv, send, output_split_sizes=recv_sizes, input_split_sizes=send_sizes)
-        offset = 0
-        for box, size in zip(recv_boxes, recv_sizes):
-            if box:
-                copies.append((crop(gen, box, need), recv[offset : offset + size].view([hi - lo for lo, hi in box])))
-            offset += size
-        mine = intersect(own, need)
-        if mine:
-            copies.append((crop(gen, mine, need), crop(train, mine, own)))
-        return sum(recv_sizes) * p.itemsize
-
     def _launch_layer(self, params: list[ParamPlan], base: int) -> tuple[list, int]:
         """Start the layer's collectives into the staging slot at `base`: one coalesced all-gather
         per process group for its aligned, moving parameters (their shards packed into one flat
@@ -255,29 +223,45 @@ class HybridEngine:
             torch.cat([local(self.train[p.name].data).reshape(-1) for p in ps], out=send)
             work = _all_gather(recv, send, group=self.micro_group if tp_sharded else None, async_op=True)
             pending.append(("gather", (ps, size, c, recv), work))
-        exchange, offset = self._launch_exchange([p for p in params if p.moves and not p.aligned], offset)
-        return pending + exchange, offset
+        pool = [offset]
+        exchange = self._launch_exchange([p for p in params if p.moves and not p.aligned], pool)
+        return pending + exchange, pool[0]
 
-    def _launch_exchange(self, ps: list[ParamPlan], offset: int) -> tuple[list, int]:
-        """ONE all_to_all for every parameter in `ps` (the same list on every rank): per destination
-        the pieces of each parameter it lacks (`plan.exchange`: each from one holder), packed in
-        (rank, parameter) order into the staging buffer at `offset`."""
+    def _launch_exchange(self, ps: list[ParamPlan], pool: list[int]) -> list:
+        """General case, ONE all_to_all for every parameter in `ps` (the same list on every rank):
+        every rank sends exactly what others lack and receives what it lacks, each piece from one
+        holder (`plan.exchange`: replicas across TP or PP groups send it once), packed in (rank,
+        parameter) order into staging slices (`_take`). Returns the pending exchange ([] if none)."""
         if not ps:
-            return [], offset
+            return []
         r, world = self.rank, self.world
         routes = [self.plan.exchange(p) for p in ps]
         send_to = [dict(sends[r]) for sends, _ in routes]
         recv_from = [dict(recvs[r]) for _, recvs in routes]
         send_sizes = [sum(volume(d.get(dst)) for d in send_to) for dst in range(world)]
         recv_sizes = [sum(volume(d.get(src)) for d in recv_from) for src in range(world)]
-        send = self.staging[offset : offset + sum(send_sizes)]
-        recv = self.staging[offset + sum(send_sizes) : offset + sum(send_sizes) + sum(recv_sizes)]
+        send, recv = self._take(sum(send_sizes), pool), self._take(sum(recv_sizes), pool)
         pieces = [crop(self._train_local(p), d[dst], p.own[r]).reshape(-1) for dst in range(world) for p, d in zip(ps, send_to) if dst in d]
         if pieces:
             torch.cat(pieces, out=send)
         work = dist.all_to_all_single(recv, send, output_split_sizes=recv_sizes, input_split_sizes=send_sizes, async_op=True)
         layout = [(p, d[src]) for src in range(world) for p, d in zip(ps, recv_from) if src in d]
-        return [("exchange", (ps, layout, recv), work)], offset + sum(send_sizes) + sum(recv_sizes)
+        return [("exchange", (ps, layout, recv), work)]
+
+    def _exchange_copies(self, item: tuple, copies: list) -> int:
+        """(destination, source) copies of a finished exchange: the received pieces at their boxes,
+        the rank's own part next to them. Returns bytes received."""
+        ps, layout, recv = item
+        r, offset = self.rank, 0
+        for p, box in layout:
+            n = volume(box)
+            copies.append((crop(local(self.gen[p.name].data), box, p.need[r]), recv[offset : offset + n].view([hi - lo for lo, hi in box])))
+            offset += n
+        for p in ps:
+            mine = intersect(p.own[r], p.need[r])
+            if mine:
+                copies.append((crop(local(self.gen[p.name].data), mine, p.need[r]), crop(self._train_local(p), mine, p.own[r])))
+        return offset * ps[0].itemsize
 
     def _finish_layer(self, pending: list) -> int:
         """Wait for the layer's collectives and copy every piece into its generation buffer: an
@@ -287,17 +271,10 @@ class HybridEngine:
         for kind, item, work in pending:
             work.wait()
             if kind == "exchange":
-                ps, layout, recv = item
-                offset = 0
-                for p, box in layout:
-                    n = volume(box)
-                    crop(local(self.gen[p.name].data), box, p.need[self.rank]).copy_(recv[offset : offset + n].view([hi - lo for lo, hi in box]))
-                    offset += n
-                for p in ps:  # what the rank holds itself
-                    mine = intersect(p.own[self.rank], p.need[self.rank])
-                    if mine:
-                        crop(local(self.gen[p.name].data), mine, p.need[self.rank]).copy_(crop(self._train_local(p), mine, p.own[self.rank]))
-                received += offset * ps[0].itemsize
+                copies: list = []
+                received += self._exchange_copies(item, copies)
+                for dst, src in copies:
+                    dst.copy_(src)
                 continue
             ps, size, c, recv = item
             flat, offset = recv.view(size, c), 0
@@ -364,8 +341,10 @@ class HybridEngine:
                             copies.append((gen, crop(train, p.need[self.rank], p.own[self.rank])))
                         elif p.aligned:
                             received += self._aligned(p, train, gen, pool, copies)
-                        else:
-                            received += self._exchange(p, train, gen, pool, copies)
+                        else:  # full granularity: its own all_to_all, copied with the others at the end
+                            ((_, item, work),) = self._launch_exchange([p], pool)
+                            work.wait()
+                            received += self._exchange_copies(item, copies)
                 if self.cfg.granularity == "layer":
                     with self.trace.span(f"copy {layer}", "copy"):
                         for dst, src in copies:

@@ -102,6 +102,12 @@ class TrainLayout:
         """(pp_i, dp_i, tp_i) of rank r (tp innermost, then dp, then pp)."""
         return r // (self.dp * self.tp), (r // self.tp) % self.dp, r % self.tp
 
+    def dispatch(self, r: int) -> tuple[int, int, bool]:
+        """Rank r's training data split (dp index, dp size, collect?): the pp x tp ranks of a dp
+        group share a chunk; the last stage's TP rank 0 returns the result."""
+        pp_i, dp_i, tp_i = self.coords(r)
+        return dp_i, self.dp, pp_i == self.pp - 1 and tp_i == 0
+
 
 def gen_coords(layout: TrainLayout, gen_tp: int) -> list[tuple[int, int]]:
     """(generation TP index, generation DP index) per rank, HybridFlow's grouping (module docstring)."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -21,6 +20,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from hybridflow.config.schema import FSDPConfig
 from hybridflow.hybrid_engine.plan import TrainLayout
 
 
@@ -53,15 +53,6 @@ class ParallelDims:
     @property
     def dp_group(self):
         return None if self.mesh is None else self.mesh["dp"].get_group()
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp_i == self.layout.pp - 1
-
-    def dispatch(self) -> tuple[int, int, bool]:
-        """(dp index, dp size, collect?): the ranks of one pipeline x TP group share a micro-batch;
-        the last stage's TP rank 0 holds the result."""
-        return self.dp_i, self.layout.dp, self.is_last_stage and self.tp_i == 0
 
 
 def parallel_dims(layout: TrainLayout, device: str) -> ParallelDims:
@@ -103,10 +94,10 @@ def grad_norm_and_clip(params: list[nn.Parameter], max_norm: float, ranks_per_st
     return norm
 
 
-def build_train_model(model: nn.Module, dims: ParallelDims, device: str, fsdp: Callable[..., nn.Module],
-                      schedule: str = "1f1b"):
-    """(the model as this rank trains it, its `Pipeline` or None): stage split, TP plan, then
-    `fsdp(module, dp_mesh, placement)` (the worker's `apply_fsdp2` call with its FSDP settings)."""
+def build_train_model(model: nn.Module, dims: ParallelDims, device: str, fcfg: FSDPConfig, schedule: str = "1f1b"):
+    """(the model as this rank trains it, its `Pipeline` or None): stage split, TP plan, then FSDP2
+    over dp with `fcfg`'s settings; the plain FSDP layout is FSDP over all ranks."""
+    from hybridflow.parallel.fsdp import apply_fsdp2, make_mesh
     from hybridflow.parallel.pipeline import Pipeline, StageLM
     from hybridflow.parallel.tensor_parallel import apply_tensor_parallel, fsdp_shard_placement_fn
 
@@ -115,7 +106,10 @@ def build_train_model(model: nn.Module, dims: ParallelDims, device: str, fsdp: C
         model = StageLM(model, dims.pp_i, layout.pp)
     if layout.tp > 1:
         apply_tensor_parallel(model, dims.tp_mesh)
-    # FSDP along the generation TP dim where the slice divides (`plan.fsdp_dim`): fewer bytes to move.
-    model = fsdp(model, dims.dp_mesh, fsdp_shard_placement_fn(model, layout.dp))
+    # FSDP along the generation TP dim where the slice divides (`plan.fsdp_dim`): the switch to the
+    # generation layout is then a micro-DP all-gather (FSDP layout) or moves the fewest bytes (3D).
+    mesh = make_mesh(device, layout.dp) if dims.mesh is None else dims.dp_mesh
+    model = apply_fsdp2(model, mesh, fcfg.reshard_after_forward, fcfg.param_offload, shard_placement_fn=fsdp_shard_placement_fn(model, layout.dp),
+                        sharding_strategy=fcfg.sharding_strategy, mixed_precision=fcfg.mixed_precision)
     pipe = Pipeline(model, dims.pp_i, layout.pp, dims.pp_group, device, schedule) if layout.pp > 1 else None
     return model, pipe

@@ -28,9 +28,9 @@ from hybridflow.controller.worker import Worker, pick_device
 from hybridflow.hybrid_engine import cross_pool
 from hybridflow.hybrid_engine.executor import HybridEngine, build_plan
 from hybridflow.hybrid_engine.plan import TrainLayout
-from hybridflow.parallel.fsdp import apply_fsdp2, make_mesh, shard_numel
+from hybridflow.parallel.fsdp import shard_numel
 from hybridflow.parallel.layout import build_train_model, parallel_dims
-from hybridflow.parallel.tensor_parallel import fsdp_shard_placement_fn, gen_shard_dims
+from hybridflow.parallel.tensor_parallel import gen_shard_dims
 from hybridflow.protocol import Batch
 from hybridflow.rollout.base import position_ids_from, response_lengths  # noqa: F401  (re-exported)
 from hybridflow.utils.checkpoint import load_sharded, save_sharded
@@ -63,27 +63,19 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
         self.pipe = self.ref_pipe = None  # Pipelines of the actor / reference stage (pp > 1)
 
     def dispatch_layout(self, layout: str | None) -> tuple[int, int, bool]:
-        """"train": the batch is split over dp; the ranks of one pipeline x TP group share a chunk and
-        the last stage's TP rank 0 returns the result (FSDP layout: every rank its own chunk)."""
+        """"train": split over dp (FSDP layout: every rank its own chunk), `TrainLayout.dispatch`."""
         if layout == "train":
-            pp_i, dp_i, tp_i = self.train_layout.coords(self.rank)
-            return dp_i, self.train_layout.dp, pp_i == self.train_layout.pp - 1 and tp_i == 0
+            return self.train_layout.dispatch(self.rank)
         return super().dispatch_layout(layout)
 
     @property
     def dp_size(self) -> int:
         return self.train_layout.dp
 
-    def _build(self, model, fcfg, placement=None):
-        """(model in the training layout, its Pipeline or None): FSDP2 over the group (1-D mesh),
-        or the 3D layout's stage x TP x FSDP (`parallel/layout.py`)."""
-        def fsdp(m, mesh, placement=None):
-            return apply_fsdp2(m, mesh, fcfg.reshard_after_forward, fcfg.param_offload, shard_placement_fn=placement,
-                               sharding_strategy=fcfg.sharding_strategy, mixed_precision=fcfg.mixed_precision)
-
-        if self.dims.trivial:
-            return fsdp(model, make_mesh(self.device, self.world_size), placement), None
-        return build_train_model(model, self.dims, self.device, fsdp, self.cfg.actor_rollout_ref.actor.pipeline_schedule)
+    def _build(self, model, fcfg):
+        """(model in the training layout, its Pipeline or None): FSDP2 over the group, or the 3D
+        layout's stage x TP x FSDP (`parallel/layout.py`), with `fcfg`'s FSDP settings."""
+        return build_train_model(model, self.dims, self.device, fcfg, self.cfg.actor_rollout_ref.actor.pipeline_schedule)
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
@@ -109,9 +101,7 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
         self.gen_dims = gen_shard_dims(model)
         # The whole model's parameters (a pipeline stage keeps only its own): the resharding plan's.
         self.full_shapes = {n: (tuple(p.shape), p.element_size()) for n, p in model.named_parameters()}
-        # FSDP layout: training shards follow the generation TP dims, so resharding is a micro-DP all-gather.
-        placement = fsdp_shard_placement_fn(model, self.world_size) if self.dims.trivial else None
-        self.actor, self.pipe = self._build(model, acfg.fsdp_config, placement)
+        self.actor, self.pipe = self._build(model, acfg.fsdp_config)
         self.optimizer = build_optimizer([p for p in self.actor.parameters() if p.requires_grad], acfg.optim)
         self.scheduler = build_scheduler(self.optimizer, acfg.optim, self.total_training_steps)
 

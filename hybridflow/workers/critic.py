@@ -15,9 +15,7 @@ from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.controller.decorator import Dispatch, register
 from hybridflow.controller.worker import Worker, pick_device
 from hybridflow.hybrid_engine.plan import TrainLayout
-from hybridflow.parallel.fsdp import apply_fsdp2, make_mesh
-from hybridflow.parallel.layout import parallel_dims
-from hybridflow.parallel.tensor_parallel import apply_tensor_parallel
+from hybridflow.parallel.layout import build_train_model, parallel_dims
 from hybridflow.protocol import Batch
 from hybridflow.utils.checkpoint import load_sharded, save_sharded
 from hybridflow.workers.fsdp_model import load_hf_model, micro_batches, response_logits
@@ -34,10 +32,9 @@ class CriticWorker(Worker):
         self.layout = TrainLayout(tp=tp, dp=self.world_size // tp)  # critic.tensor_model_parallel_size x FSDP
 
     def dispatch_layout(self, layout: str | None) -> tuple[int, int, bool]:
-        """"train": the batch is split over dp; the TP ranks of a dp group share a chunk, TP rank 0 returns it."""
+        """"train": split over dp, the TP ranks of a dp group share a chunk (`TrainLayout.dispatch`)."""
         if layout == "train":
-            _, dp_i, tp_i = self.layout.coords(self.rank)
-            return dp_i, self.layout.dp, tp_i == 0
+            return self.layout.dispatch(self.rank)
         return super().dispatch_layout(layout)
 
     @register(Dispatch.ONE_TO_ALL)
@@ -47,13 +44,8 @@ class CriticWorker(Worker):
         mcfg = ccfg.model if ccfg.model.path else self.cfg.actor_rollout_ref.model
         torch.manual_seed(self.cfg.trainer.seed)
         model = load_hf_model(mcfg, self.device, kind="value")
-        mesh = make_mesh(self.device, self.world_size)
-        if self.layout.tp > 1:  # the TP plan on the backbone (the value head is not in its table: replicated), then FSDP over dp
-            dims = parallel_dims(self.layout, self.device)
-            apply_tensor_parallel(model, dims.tp_mesh)
-            mesh = dims.dp_mesh
-        self.critic = apply_fsdp2(model, mesh, ccfg.fsdp_config.reshard_after_forward, ccfg.fsdp_config.param_offload,
-                                  sharding_strategy=ccfg.fsdp_config.sharding_strategy, mixed_precision=ccfg.fsdp_config.mixed_precision)
+        # TP on the backbone (the value head is not in the TP table: replicated), then FSDP over dp
+        self.critic, _ = build_train_model(model, parallel_dims(self.layout, self.device), self.device, ccfg.fsdp_config)
         self.optimizer = build_optimizer(self.critic.parameters(), ccfg.optim)
         self.scheduler = build_scheduler(self.optimizer, ccfg.optim, self.total_training_steps)
 
