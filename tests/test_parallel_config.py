@@ -33,13 +33,13 @@ def _problems(cfg) -> str:
 
 # ---------------------------------------------------------------- loading + mapping
 def test_defaults_and_example_files():
-    p = ParallelConfig()
-    assert (p.model_parallel_size, p.pipeline_parallel_size, p.data_parallel_size, p.fsdp_enabled) == (1, 1, None, True)
-    assert p.fsdp_config == ParallelFSDPConfig(False, False, "FULL_SHARD")
-    assert (p.enable_resharding_opt, p.resharding_overlap_with_compute, p.resharding_buffer_percent) == (True, False, 0.1)
-    # applying the defaults changes nothing but making the strategy explicit
-    cfg = apply_parallel_config(HybridFlowConfig(), p)
-    assert all(fc.sharding_strategy == "FULL_SHARD" and fc.mixed_precision is None for fc in _fsdp_cfgs(cfg))
+    p = ParallelConfig()  # every key unset
+    assert (p.model_parallel_size, p.pipeline_parallel_size, p.data_parallel_size, p.fsdp_enabled) == (None, None, None, None)
+    assert p.fsdp_config == ParallelFSDPConfig(None, None, None)
+    assert (p.enable_resharding_opt, p.resharding_overlap_with_compute, p.resharding_buffer_percent) == (None, None, None)
+    # applying the defaults changes nothing
+    base = load_config(None, ["actor_rollout_ref.actor.fsdp_config.mixed_precision=bf16", "actor_rollout_ref.hybrid_engine.resharding_buffer_percent=0.3"])
+    assert apply_parallel_config(base, p) == base
 
     for name, (pp, tp, dp, gen_tp), mp in [("parallel_dp2_tp2.yaml", (1, 1, 2, 2), None), ("parallel_dp4_tp2.yaml", (1, 1, 4, 2), "bf16"),
                                             ("parallel_tp2xdp2.yaml", (1, 2, 2, 2), None), ("parallel_pp2xdp2.yaml", (2, 1, 2, 2), None)]:
@@ -87,6 +87,44 @@ resharding_buffer_percent: 0.25
         apply_parallel_config(HybridFlowConfig(), ParallelConfig(fsdp_config=ParallelFSDPConfig(mixed_precision="fp8")))
     with pytest.raises(ConfigError, match="sharding_strategy"):
         apply_parallel_config(HybridFlowConfig(), ParallelConfig(fsdp_config=ParallelFSDPConfig(sharding_strategy="HYBRID")))
+
+
+def test_a_parallel_file_sets_only_the_keys_it_contains(tmp_path):
+    """A file naming only model_parallel_size leaves everything else in the run config as written
+    (it used to reset a YAML's mixed_precision: bf16 to fp32)."""
+    run = _write(tmp_path, """
+trainer:
+  n_gpus_per_node: 4
+actor_rollout_ref:
+  actor:
+    fsdp_config:
+      mixed_precision: bf16
+      sharding_strategy: SHARD_GRAD_OP
+  hybrid_engine:
+    enable_resharding_opt: false
+""", "run.yaml")
+    base = load_config(run)
+    cfg = apply_parallel_config(base, load_parallel_config(_write(tmp_path, "model_parallel_size: 2\n")))
+    a = cfg.actor_rollout_ref.actor
+    assert a.tensor_model_parallel_size == 2 and cfg.actor_rollout_ref.rollout.tensor_model_parallel_size == 2
+    assert (a.fsdp_config.mixed_precision, a.fsdp_config.sharding_strategy) == ("bf16", "SHARD_GRAD_OP")
+    assert cfg.actor_rollout_ref.hybrid_engine.enable_resharding_opt is False
+    # everything but the two TP sizes is as the YAML wrote it
+    a.tensor_model_parallel_size = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size = 1
+    assert cfg == base
+
+
+def test_parallel_config_as_a_dict_a_path_or_a_dataclass(tmp_path):
+    from hybridflow.config.parallel import as_parallel_config
+
+    f = _write(tmp_path, "model_parallel_size: 2\nfsdp_config:\n  mixed_precision: bf16\n")
+    want = ParallelConfig(model_parallel_size=2, fsdp_config=ParallelFSDPConfig(mixed_precision="bf16"))
+    assert as_parallel_config(f) == as_parallel_config({"model_parallel_size": 2, "fsdp_config": {"mixed_precision": "bf16"}}) == want
+    assert as_parallel_config(want) is want
+    with pytest.raises(ConfigError, match=r"parallel_config: unknown config key 'model_paralel_size'; did you mean 'model_parallel_size'"):
+        as_parallel_config({"model_paralel_size": 2})
+    with pytest.raises(ConfigError, match="parallel_config must be a file path, a dict or a ParallelConfig"):
+        as_parallel_config(2)
 
 
 def test_pipeline_and_tensor_parallel_map_to_the_actor():

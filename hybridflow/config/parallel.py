@@ -19,18 +19,21 @@ A parallel config describes how HybridFlow lays the models out on the workers::
     cfg = apply_parallel_config(cfg, load_parallel_config("configs/parallel_dp2_tp2.yaml"))
 
 It is loaded with the same loader as the run config (typed, unknown keys get a "did you mean").
-:func:`apply_parallel_config` writes it into ``HybridFlowConfig``; ``validate_config`` then checks
-the result as usual. :func:`apply_engine_kwargs` is the Python-API equivalent for the hybrid-engine
+:func:`apply_parallel_config` writes into ``HybridFlowConfig`` only the keys the file (or dict, or
+``ParallelConfig``) sets: every field defaults to None = "not set, keep the run config's value",
+so a file that names only ``model_parallel_size`` leaves a YAML's ``mixed_precision`` as written.
+``validate_config`` then checks the result as usual. :func:`apply_engine_kwargs` is the Python-API equivalent for the hybrid-engine
 switches (``RLTrainer(cfg, enable_resharding_opt=False)``).
 """
 
 from __future__ import annotations
 
 import copy
+import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
-from hybridflow.config.loader import ConfigError, load_config
+from hybridflow.config.loader import ConfigError, from_dict, load_config
 from hybridflow.config.schema import FSDPConfig, HybridFlowConfig
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
@@ -41,22 +44,25 @@ ENGINE_KWARGS = ("enable_resharding_opt", "resharding_overlap_with_compute", "re
 
 @dataclass
 class ParallelFSDPConfig:
-    mixed_precision: Any = False  # false | true (= bf16) | bf16 | fp16
-    offload_params: bool = False
-    sharding_strategy: str = "FULL_SHARD"  # FULL_SHARD | SHARD_GRAD_OP | NO_SHARD
+    # None = not set (the run config's value stays)
+    mixed_precision: Any = None  # false | true (= bf16) | bf16 | fp16
+    offload_params: Optional[bool] = None
+    sharding_strategy: Optional[str] = None  # FULL_SHARD | SHARD_GRAD_OP | NO_SHARD
 
 
 @dataclass
 class ParallelConfig:
-    model_parallel_size: int = 1  # training tensor-parallel size
-    pipeline_parallel_size: int = 1  # training pipeline stages
-    data_parallel_size: Optional[int] = None  # None = workers / (model_parallel_size * pipeline_parallel_size)
-    generation_tensor_parallel_size: Optional[int] = None  # the rollout's TP; None = model_parallel_size
-    fsdp_enabled: bool = True  # False = replicated actor (NO_SHARD)
+    """Every field None = not set: applying it keeps the run config's value."""
+
+    model_parallel_size: Optional[int] = None  # training tensor-parallel size
+    pipeline_parallel_size: Optional[int] = None  # training pipeline stages
+    data_parallel_size: Optional[int] = None  # checked: pp x tp x dp = the actor's workers
+    generation_tensor_parallel_size: Optional[int] = None  # the rollout's TP; None = model_parallel_size when that is set
+    fsdp_enabled: Optional[bool] = None  # False = replicated actor (NO_SHARD)
     fsdp_config: ParallelFSDPConfig = field(default_factory=ParallelFSDPConfig)
-    enable_resharding_opt: bool = True
-    resharding_overlap_with_compute: bool = False
-    resharding_buffer_percent: float = 0.1
+    enable_resharding_opt: Optional[bool] = None
+    resharding_overlap_with_compute: Optional[bool] = None
+    resharding_buffer_percent: Optional[float] = None
 
 
 def load_parallel_config(path: str, overrides: Iterable[str] = ()) -> ParallelConfig:
@@ -65,6 +71,20 @@ def load_parallel_config(path: str, overrides: Iterable[str] = ()) -> ParallelCo
         return load_config(path, overrides, schema=ParallelConfig)
     except ConfigError as e:
         raise ConfigError(f"parallel config {path}: {e}") from None
+
+
+def as_parallel_config(value: "str | os.PathLike | dict | ParallelConfig") -> ParallelConfig:
+    """A parallel config given as a file path, a dict (the file's keys) or a ParallelConfig."""
+    if isinstance(value, ParallelConfig):
+        return value
+    if isinstance(value, dict):
+        try:
+            return from_dict(ParallelConfig, value)
+        except ConfigError as e:
+            raise ConfigError(f"parallel_config: {e}") from None
+    if isinstance(value, (str, os.PathLike)):
+        return load_parallel_config(os.fspath(value))
+    raise ConfigError(f"parallel_config must be a file path, a dict or a ParallelConfig, got {type(value).__name__}")
 
 
 def _mixed_precision(value: Any) -> Optional[str]:
@@ -83,20 +103,21 @@ def _fsdp_configs(cfg: HybridFlowConfig) -> list[FSDPConfig]:
 
 
 def apply_parallel_config(cfg: HybridFlowConfig, pcfg: ParallelConfig) -> HybridFlowConfig:
-    """Return a copy of ``cfg`` with ``pcfg`` applied (``cfg`` itself is not modified).
+    """Return a copy of ``cfg`` with the keys ``pcfg`` sets applied (``cfg`` itself is not
+    modified; a None field is not set and leaves ``cfg``'s value).
 
     - ``model_parallel_size`` -> ``actor_rollout_ref.actor.tensor_model_parallel_size`` (training TP).
     - ``pipeline_parallel_size`` -> ``actor_rollout_ref.actor.pipeline_model_parallel_size``.
     - ``data_parallel_size``: pp x tp x dp must equal ``trainer.nnodes * trainer.n_gpus_per_node``
-      (the actor's workers); None = what is left.
+      (the actor's workers; pp and tp as set here or in ``cfg``).
     - ``generation_tensor_parallel_size`` -> ``actor_rollout_ref.rollout.tensor_model_parallel_size``
-      (None = ``model_parallel_size``).
+      (not set: ``model_parallel_size`` when that is set).
     - ``fsdp_enabled: false`` means the actor (and ref / critic) are *replicated*: sharding strategy
       NO_SHARD (every rank holds the whole model, gradients are all-reduced), whatever
       ``fsdp_config.sharding_strategy`` says.
     - ``fsdp_config.{sharding_strategy, mixed_precision, offload_params}`` ->
       ``{actor_rollout_ref.actor, actor_rollout_ref.ref, critic}.fsdp_config.{sharding_strategy,
-      mixed_precision, param_offload}``; mixed_precision true -> "bf16", false -> None.
+      mixed_precision, param_offload}``; mixed_precision true -> "bf16", false -> None (fp32).
     - ``enable_resharding_opt``, ``resharding_overlap_with_compute``, ``resharding_buffer_percent``
       -> ``actor_rollout_ref.hybrid_engine.*``.
     """
@@ -104,7 +125,9 @@ def apply_parallel_config(cfg: HybridFlowConfig, pcfg: ParallelConfig) -> Hybrid
         v = getattr(pcfg, key)
         if v is not None and not (isinstance(v, int) and v >= 1):
             raise ConfigError(f"{key} must be a positive integer, got {v!r}")
-    tp, pp = pcfg.model_parallel_size, pcfg.pipeline_parallel_size
+    a = cfg.actor_rollout_ref.actor
+    tp = a.tensor_model_parallel_size if pcfg.model_parallel_size is None else pcfg.model_parallel_size
+    pp = a.pipeline_model_parallel_size if pcfg.pipeline_parallel_size is None else pcfg.pipeline_parallel_size
     t = cfg.trainer
     world = t.nnodes * t.n_gpus_per_node
     if pcfg.data_parallel_size is not None and pcfg.data_parallel_size * tp * pp != world:
@@ -114,25 +137,30 @@ def apply_parallel_config(cfg: HybridFlowConfig, pcfg: ParallelConfig) -> Hybrid
             f"{t.nnodes} * {t.n_gpus_per_node} = {world}; set trainer.n_gpus_per_node so that trainer.nnodes * "
             f"trainer.n_gpus_per_node = {pp * tp * pcfg.data_parallel_size}, or data_parallel_size: "
             f"{world // (pp * tp) if world % (pp * tp) == 0 else 'null'} accordingly")
-    strategy = pcfg.fsdp_config.sharding_strategy if pcfg.fsdp_enabled else "NO_SHARD"
-    if strategy not in SHARDING_STRATEGIES:
+    fcfg = pcfg.fsdp_config
+    strategy = "NO_SHARD" if pcfg.fsdp_enabled is False else fcfg.sharding_strategy
+    if strategy is not None and strategy not in SHARDING_STRATEGIES:
         raise ConfigError(f"fsdp_config.sharding_strategy must be one of {list(SHARDING_STRATEGIES)}, got {strategy!r}")
-    mp = _mixed_precision(pcfg.fsdp_config.mixed_precision)
+    mp = _mixed_precision(fcfg.mixed_precision)
 
     cfg = copy.deepcopy(cfg)
     actor = cfg.actor_rollout_ref.actor
     actor.tensor_model_parallel_size, actor.pipeline_model_parallel_size = tp, pp
-    gen_tp = pcfg.generation_tensor_parallel_size
-    cfg.actor_rollout_ref.rollout.tensor_model_parallel_size = tp if gen_tp is None else gen_tp
+    gen_tp = pcfg.generation_tensor_parallel_size if pcfg.generation_tensor_parallel_size is not None else pcfg.model_parallel_size
+    if gen_tp is not None:
+        cfg.actor_rollout_ref.rollout.tensor_model_parallel_size = gen_tp
     for fc in _fsdp_configs(cfg):
-        fc.sharding_strategy = strategy
-        fc.reshard_after_forward = strategy == "FULL_SHARD"  # kept consistent for readers of the old field
-        fc.mixed_precision = mp
-        fc.param_offload = pcfg.fsdp_config.offload_params
+        if strategy is not None:
+            fc.sharding_strategy = strategy
+            fc.reshard_after_forward = strategy == "FULL_SHARD"  # kept consistent for readers of the old field
+        if fcfg.mixed_precision is not None:
+            fc.mixed_precision = mp
+        if fcfg.offload_params is not None:
+            fc.param_offload = fcfg.offload_params
     he = cfg.actor_rollout_ref.hybrid_engine
-    he.enable_resharding_opt = pcfg.enable_resharding_opt
-    he.resharding_overlap_with_compute = pcfg.resharding_overlap_with_compute
-    he.resharding_buffer_percent = pcfg.resharding_buffer_percent
+    for key in ("enable_resharding_opt", "resharding_overlap_with_compute", "resharding_buffer_percent"):
+        if getattr(pcfg, key) is not None:
+            setattr(he, key, getattr(pcfg, key))
     return cfg
 
 

@@ -67,15 +67,15 @@ class RLTrainer:
     KIND = "rl"  # which checks `validate_config` runs (`trainer/dpo.py` sets "dpo")
     CONSOLE_COLUMNS = CONSOLE_COLUMNS
 
-    def __init__(self, cfg: HybridFlowConfig, parallel_config: str | ParallelConfig | None = None, **engine_kwargs):
-        """parallel_config: a parallel config file (or a loaded ParallelConfig) mapped onto `cfg`;
-        engine_kwargs: hybrid-engine switches (enable_resharding_opt, resharding_overlap_with_compute,
-        resharding_buffer_percent, granularity). Both are applied before validation."""
-        from hybridflow.config.parallel import ParallelConfig, apply_engine_kwargs, apply_parallel_config, load_parallel_config
+    def __init__(self, cfg: HybridFlowConfig, parallel_config: str | dict | ParallelConfig | None = None, **engine_kwargs):
+        """parallel_config: a parallel config file, a dict of its keys or a ParallelConfig, mapped
+        onto `cfg` (only the keys it sets); engine_kwargs: hybrid-engine switches
+        (enable_resharding_opt, resharding_overlap_with_compute, resharding_buffer_percent,
+        granularity). Both are applied before validation."""
+        from hybridflow.config.parallel import apply_engine_kwargs, apply_parallel_config, as_parallel_config
 
         if parallel_config is not None:
-            pcfg = parallel_config if isinstance(parallel_config, ParallelConfig) else load_parallel_config(str(parallel_config))
-            cfg = apply_parallel_config(cfg, pcfg)
+            cfg = apply_parallel_config(cfg, as_parallel_config(parallel_config))
         if engine_kwargs:
             cfg = apply_engine_kwargs(cfg, **engine_kwargs)
         validate_config(cfg, self.KIND)  # before any worker (or Ray) starts

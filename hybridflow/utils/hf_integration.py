@@ -4,8 +4,10 @@
                                     {"mixed_precision": None, "offload_params": False, "sharding_strategy": "FULL_SHARD"})
     model = prepare_fsdp_model(model, accelerator, fsdp_config)
 
-Both shard every decoder layer and then the root over all ranks of the default process group
-(`init_distributed()` first), like the trainer's workers (`parallel/fsdp.py`).
+Both shard every decoder layer and then the root over all ranks of the default process group, like
+the trainer's workers (`parallel/fsdp.py`). Without one they start it as `init_distributed()` does:
+under torchrun / accelerate launch from its environment, in a plain `python script.py` a
+one-process group.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from hybridflow.parallel.fsdp import apply_fsdp2, decoder_layers, make_mesh
+from hybridflow.utils.distributed import init_distributed
 
 FSDP_KEYS = ("mixed_precision", "offload_params", "sharding_strategy", "reshard_after_forward")
 
@@ -36,7 +39,7 @@ def _options(fsdp_config: Any) -> dict:
 def wrap_hf_model_with_fsdp(model: nn.Module, fsdp_config: Any = None) -> nn.Module:
     """FSDP2 (`fully_shard`) over every rank: each holds ~1/world of every parameter."""
     if not dist.is_initialized():
-        raise RuntimeError("no process group: call hybridflow.utils.distributed.init_distributed() first")
+        init_distributed()
     o = _options(fsdp_config)
     device = next(model.parameters()).device.type
     return apply_fsdp2(model, make_mesh(device, dist.get_world_size()), o.get("reshard_after_forward", True), o.get("offload_params", False),
@@ -58,6 +61,4 @@ def prepare_fsdp_model(model: nn.Module, accelerator=None, fsdp_config: Any = No
         accelerator = Accelerator(fsdp_plugin=plugin)
     if getattr(accelerator, "is_fsdp2", False):
         return accelerator.prepare(model)
-    if not dist.is_initialized():
-        raise RuntimeError("no process group: launch with torchrun / accelerate launch, or call init_distributed() first")
     return wrap_hf_model_with_fsdp(model, fsdp_config)
