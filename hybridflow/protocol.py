@@ -8,17 +8,80 @@ All row operations (``index``, ``chunk``, ``repeat``, ...) act on whole columns 
 / numpy call per key), never with a Python loop over rows of a tensor. Slicing returns views; to
 keep Ray/pickle transfers small, ``__getstate__`` copies a tensor that is a view into a larger
 storage, because torch pickles the *whole* storage of a view.
+
+The typed messages the driver and the rollout backends share live here too, so the driver never
+imports a backend: ``SamplingParams`` (how to sample), ``Request`` (one prompt's token ids and its
+sampling settings) and ``Completion`` (the generated token ids, their log-probs and why it ended).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional, Sequence, Union
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable, Literal, Optional, Sequence, Union
 
 import numpy as np
 import torch
 
 Index = Union[int, slice, Sequence[int], Sequence[bool], torch.Tensor, np.ndarray]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one generation call (the driver builds it from actor_rollout_ref.rollout)."""
+
+    max_new_tokens: int
+    do_sample: bool = True
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # <= 0: off
+    stop: tuple[str, ...] = ()  # stop strings, kept in the response
+    stop_token_ids: tuple[int, ...] = ()  # besides the tokenizer's EOS
+    seed: int = 0  # per call; backends derive per-replica / per-request seeds from it
+
+    @classmethod
+    def from_config(cls, cfg, greedy: bool = False, seed: int = 0) -> "SamplingParams":
+        """From a HybridFlowConfig: actor_rollout_ref.rollout (or its val_kwargs when greedy)."""
+        r = cfg.actor_rollout_ref.rollout
+        s = r.val_kwargs if greedy else r
+        return cls(cfg.data.max_response_length, s.do_sample, s.temperature, s.top_p, s.top_k, tuple(r.stop), tuple(r.stop_token_ids), seed)
+
+    def with_(self, **changes: Any) -> "SamplingParams":
+        """A copy with some fields changed (e.g. a request's own max_new_tokens)."""
+        return replace(self, **changes)
+
+    @property
+    def sampling(self) -> bool:
+        return self.do_sample and self.temperature > 0
+
+    @property
+    def effective_temperature(self) -> float:
+        """The temperature log-probs are computed under (1.0 for greedy decoding)."""
+        return self.temperature if self.sampling else 1.0
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation request: the prompt's token ids (no padding) and its own sampling settings
+    (max new tokens, stop strings and stop token ids included)."""
+
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
+        if not self.prompt_ids:
+            raise ValueError("a Request needs at least one prompt token")
+
+
+@dataclass(frozen=True)
+class Completion:
+    """What a backend returns per request: the generated token ids (a stop token or stop string
+    included), each one's log-prob under the sampling temperature, and why generation ended:
+    "stop" (EOS, a stop token id or a stop string) or "length" (max_new_tokens reached)."""
+
+    token_ids: tuple[int, ...]
+    log_probs: tuple[float, ...]
+    finish_reason: Literal["stop", "length"]
 
 
 def _to_object_array(key: str, value: Any) -> np.ndarray:

@@ -81,6 +81,21 @@ def test_grpo_fsdp2_sharding_weight_sync_and_invariants(ray_cluster, tiny_model_
         trainer.actor.reshard()
         out = trainer.actor.generate_sequences(prompts.select(PROMPT_KEYS), params)
         assert out["response_mask"].sum(-1).tolist() == [1] * 8
+
+        # Request-level generation through the worker group (split over the 2 replicas): each
+        # request its own max_new_tokens; greedy completions = the batch API's rows.
+        from hybridflow.protocol import Batch, Request
+        from hybridflow.rollout.base import batch_requests
+
+        greedy = trainer._sampling(greedy=True)
+        rows = trainer.actor.generate_sequences(prompts.select(PROMPT_KEYS), greedy)
+        reqs = [Request(r.prompt_ids, r.params.with_(max_new_tokens=1 + i % 4)) for i, r in enumerate(batch_requests(prompts, greedy))]
+        got = trainer.actor.generate_requests(Batch.from_dict(non_tensors={"request": reqs}))["completion"]
+        assert len(got) == 8
+        for i, c in enumerate(got):
+            n = int(rows["response_mask"][i].sum())
+            assert list(c.token_ids) == rows["responses"][i, : min(n, 1 + i % 4)].tolist(), i
+            assert c.finish_reason == ("length" if len(c.token_ids) == 1 + i % 4 and c.token_ids[-1] != trainer.tokenizer.eos_token_id else "stop")
     finally:
         trainer.shutdown()
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()

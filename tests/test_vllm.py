@@ -80,6 +80,13 @@ def test_vllm_generation_reflects_synced_weights(ray_cluster, vllm_model_dir, ta
         seven = trainer.tokenizer.encode("7", add_special_tokens=False)[0]
         assert (after["responses"][:, 0] == seven).all()  # the first generation after the sync uses the new weights
         assert not torch.equal(after["responses"], before)
+
+        # Request-level generation through the worker group: greedy completions = the batch rows
+        from hybridflow.protocol import Batch
+        from hybridflow.rollout.base import batch_requests
+
+        got = trainer.actor.generate_requests(Batch.from_dict(non_tensors={"request": batch_requests(prompts, greedy)}))["completion"]
+        assert [list(c.token_ids) for c in got] == [after["responses"][i, : int(after["response_mask"][i].sum())].tolist() for i in range(8)]
     finally:
         trainer.shutdown()
 

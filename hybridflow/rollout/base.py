@@ -1,6 +1,7 @@
-"""The rollout backend interface and the typed sampling settings every backend takes.
+"""The rollout backend interface.
 
-    backend.generate(prompts, SamplingParams(...)) -> Batch   # responses, masks, rollout log-probs
+    backend.generate_requests([Request(prompt_ids, SamplingParams(...)), ...]) -> [Completion, ...]
+    backend.generate(prompts, SamplingParams(...)) -> Batch   # the batch API, built on requests
     backend.sync_weights(...) -> dict                         # trained weights -> generation weights
     backend.release()                                         # free generation memory until the next sync
 
@@ -11,45 +12,16 @@ which: `hf_rollout.HFRollout` (HF generate, tensor-parallel, fed by the 3D-Hybri
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, Sequence
 
 import torch
 
-from hybridflow.protocol import Batch
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to sample one generation call (the driver builds it from actor_rollout_ref.rollout)."""
-
-    max_new_tokens: int
-    do_sample: bool = True
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1  # <= 0: off
-    stop: tuple[str, ...] = ()  # stop strings, kept in the response
-    stop_token_ids: tuple[int, ...] = ()  # besides the tokenizer's EOS
-    seed: int = 0  # per step; backends derive per-replica / per-row seeds from it
-
-    @classmethod
-    def from_config(cls, cfg, greedy: bool = False, seed: int = 0) -> "SamplingParams":
-        """From a HybridFlowConfig: actor_rollout_ref.rollout (or its val_kwargs when greedy)."""
-        r = cfg.actor_rollout_ref.rollout
-        s = r.val_kwargs if greedy else r
-        return cls(cfg.data.max_response_length, s.do_sample, s.temperature, s.top_p, s.top_k, tuple(r.stop), tuple(r.stop_token_ids), seed)
-
-    @property
-    def sampling(self) -> bool:
-        return self.do_sample and self.temperature > 0
-
-    @property
-    def effective_temperature(self) -> float:
-        """The temperature log-probs are computed under (1.0 for greedy decoding)."""
-        return self.temperature if self.sampling else 1.0
+from hybridflow.protocol import Batch, Completion, Request, SamplingParams
 
 
 class RolloutBackend(Protocol):
+    def generate_requests(self, requests: Sequence[Request]) -> list[Completion]: ...
+
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch: ...
 
     def sync_weights(self, measure_baseline: bool = False, check: bool = False, trace: bool = False) -> dict: ...
@@ -92,3 +64,26 @@ def rollout_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, respons
         },
         meta={"temperature": params.effective_temperature},
     )
+
+
+def batch_requests(prompts: Batch, params: SamplingParams) -> list[Request]:
+    """Left-padded prompts [b, P] -> one Request per row (its unpadded token ids), all sharing
+    `params` (backends derive per-request seeds from the position in the call)."""
+    return [Request(tuple(t for t, m in zip(ids, mask) if m), params)
+            for ids, mask in zip(prompts["input_ids"].tolist(), prompts["attention_mask"].tolist())]
+
+
+def generate_batch(backend, prompts: Batch, params: SamplingParams, pad_id: int) -> Batch:
+    """The batch API on top of `generate_requests`: completions are right-padded to
+    max_new_tokens next to the prompts as given ([b, P], left-padded)."""
+    completions = backend.generate_requests(batch_requests(prompts, params))
+    b, R = len(completions), params.max_new_tokens
+    responses = torch.full((b, R), pad_id, dtype=torch.long)
+    logps = torch.zeros((b, R), dtype=torch.float32)
+    lengths = torch.zeros(b, dtype=torch.long)
+    for i, c in enumerate(completions):
+        n = len(c.token_ids)
+        lengths[i] = n
+        responses[i, :n] = torch.tensor(c.token_ids, dtype=torch.long)
+        logps[i, :n] = torch.tensor(c.log_probs, dtype=torch.float32)
+    return rollout_batch(prompts["input_ids"], prompts["attention_mask"], responses, logps, lengths, params)

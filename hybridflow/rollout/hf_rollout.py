@@ -9,13 +9,15 @@ or a cross-pool receiver (a generation-only pool: `hybrid_engine/cross_pool.py`)
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 from transformers import GenerationConfig
 
 from hybridflow.algorithms import logprobs_from_logits
 from hybridflow.hybrid_engine.memory import rss_bytes
-from hybridflow.protocol import Batch
-from hybridflow.rollout.base import SamplingParams, response_lengths, rollout_batch
+from hybridflow.protocol import Batch, Completion, Request, SamplingParams
+from hybridflow.rollout.base import generate_batch, response_lengths
 
 
 class HFRollout:
@@ -25,14 +27,36 @@ class HFRollout:
         self.source = source
         self.optimized = enable_resharding_opt
 
-    @torch.no_grad()
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
+        return generate_batch(self, prompts, params, self.tokenizer.pad_token_id)
+
+    @torch.no_grad()
+    def generate_requests(self, requests: Sequence[Request]) -> list[Completion]:
+        """Requests that share their SamplingParams run as one left-padded `generate` call (seeded
+        by params.seed and this replica), the groups one after another; completions in order."""
         if not self.source.acquired:
             raise RuntimeError("generation buffers are released: sync the weights (reshard) before generating")
+        pad = self.tokenizer.pad_token_id
+        groups: dict[SamplingParams, list[int]] = {}
+        for i, r in enumerate(requests):
+            groups.setdefault(r.params, []).append(i)
+        out: list[Completion | None] = [None] * len(requests)
+        for params, rows in groups.items():
+            P = max(len(requests[i].prompt_ids) for i in rows)
+            input_ids = torch.full((len(rows), P), pad, dtype=torch.long)
+            attention_mask = torch.zeros((len(rows), P), dtype=torch.long)
+            for j, i in enumerate(rows):  # left padding: the prompts end where generation starts
+                ids = requests[i].prompt_ids
+                input_ids[j, P - len(ids):] = torch.tensor(ids)
+                attention_mask[j, P - len(ids):] = 1
+            for i, c in zip(rows, self._generate(input_ids.to(self.device), attention_mask.to(self.device), params)):
+                out[i] = c
+        return out
+
+    def _generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, params: SamplingParams) -> list[Completion]:
+        """One HF `generate` over left-padded prompts [b, P] -> one Completion per row."""
         tok = self.tokenizer
         torch.manual_seed(params.seed * 1000 + self.dp_index)
-        input_ids = prompts["input_ids"].to(self.device)
-        attention_mask = prompts["attention_mask"].to(self.device)
         stop_ids = [tok.eos_token_id, *params.stop_token_ids]
         sample = params.sampling
         temperature = params.effective_temperature
@@ -51,11 +75,16 @@ class HFRollout:
         out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=gen_cfg, tokenizer=tok)
         gen = out.sequences[:, input_ids.shape[1] :]  # [b, R'] with R' <= R
         logits = torch.stack(out.logits, dim=1).float() / temperature  # [b, R', V]
-        logp = logprobs_from_logits(logits, gen)
-        pad = params.max_new_tokens - gen.shape[1]
-        responses = torch.nn.functional.pad(gen, (0, pad), value=tok.pad_token_id)
-        logp = torch.nn.functional.pad(logp, (0, pad), value=0.0)
-        return rollout_batch(input_ids, attention_mask, responses, logp, response_lengths(responses, stop_ids, tok.pad_token_id), params)
+        logp = logprobs_from_logits(logits, gen).cpu()  # [b, R']
+        lengths = response_lengths(gen, stop_ids, tok.pad_token_id).tolist()  # [b]
+        completions = []
+        for row, n in zip(gen.tolist(), lengths):
+            toks = row[:n]
+            # "length" only when the limit cut it: the last token is no stop id and no stop string ends it
+            stopped = n < params.max_new_tokens or (n > 0 and toks[-1] in stop_ids) or (
+                bool(params.stop) and tok.decode(toks).endswith(tuple(params.stop)))
+            completions.append(Completion(tuple(toks), tuple(logp[len(completions), :n].tolist()), "stop" if stopped else "length"))
+        return completions
 
     def sync_weights(self, measure_baseline: bool = False, check: bool = False, trace: bool = False) -> dict:
         """Training -> generation layout. measure_baseline also runs (and times) the naive path

@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import torch
 
 from hybridflow.hybrid_engine.memory import PeakMemory, rss_bytes
 from hybridflow.hybrid_engine.plan import layer_of
-from hybridflow.protocol import Batch
-from hybridflow.rollout.base import SamplingParams, rollout_batch
+from hybridflow.protocol import Batch, Completion, Request, SamplingParams
+from hybridflow.rollout.base import generate_batch
 
 VLLM_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core in this process
@@ -88,52 +88,41 @@ class VLLMRollout:
         )
 
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
-        self.wake_up()
-        tok = self.tokenizer
-        input_ids, attention_mask = prompts["input_ids"], prompts["attention_mask"]
-        stop_ids = [tok.eos_token_id, *params.stop_token_ids]
-        responses, logps, lengths = self.generate_tokens(input_ids, attention_mask, params, stop_ids, tok.pad_token_id)
-        return rollout_batch(input_ids, attention_mask, responses, logps, lengths, params)
+        return generate_batch(self, prompts, params, self.tokenizer.pad_token_id)
 
-    def generate_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, sp: SamplingParams, stop_ids: list[int], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Left-padded prompts [b, P] -> responses [b, R] (padded), their log-probs [b, R] and the
-        number of generated tokens per row [b] (a stop token or stop string included)."""
+    def generate_requests(self, requests: Sequence[Request]) -> list[Completion]:
+        """One vLLM call for all requests, each with its own sampling settings; per-request seeds
+        distinct per call seed, replica and position (samples of one prompt may sit at the same
+        position of different replicas' chunks)."""
         from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
 
-        do_sample = sp.sampling
-        max_new_tokens = sp.max_new_tokens
-        # Distinct per step, replica and row: samples of one prompt may sit at the same row of
-        # different replicas' chunks.
-        base_seed = sp.seed * 100_003 + self.dp_index * 10_007
+        self.wake_up()
+        eos = self.tokenizer.eos_token_id
         prompts, params = [], []
-        for i, (ids, mask) in enumerate(zip(input_ids.tolist(), attention_mask.tolist())):
-            prompts.append(TokensPrompt(prompt_token_ids=[t for t, m in zip(ids, mask) if m]))
+        for i, req in enumerate(requests):
+            sp = req.params
+            do_sample = sp.sampling
+            prompts.append(TokensPrompt(prompt_token_ids=list(req.prompt_ids)))
             params.append(VSamplingParams(
                 n=1,
                 temperature=sp.temperature if do_sample else 0.0,
                 top_p=sp.top_p if do_sample else 1.0,
                 top_k=sp.top_k if (do_sample and sp.top_k > 0) else -1,
-                max_tokens=max_new_tokens,
-                stop_token_ids=list(stop_ids),
+                max_tokens=sp.max_new_tokens,
+                stop_token_ids=[eos, *sp.stop_token_ids],
                 stop=list(sp.stop) or None,
                 include_stop_str_in_output=True,  # train on the stop string, as the HF backend does
-                seed=base_seed + i if do_sample else None,
+                seed=sp.seed * 100_003 + self.dp_index * 10_007 + i if do_sample else None,
                 logprobs=0,
             ))
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        b = len(prompts)
-        responses = torch.full((b, max_new_tokens), pad_id, dtype=torch.long)
-        logps = torch.zeros((b, max_new_tokens), dtype=torch.float32)
-        lengths = torch.zeros(b, dtype=torch.long)
-        for i, out in enumerate(outputs):
-            completion = out.outputs[0]
-            toks = list(completion.token_ids)[:max_new_tokens]
-            lengths[i] = len(toks)
-            responses[i, : len(toks)] = torch.tensor(toks, dtype=torch.long)
-            for j, (tok, lp) in enumerate(zip(toks, completion.logprobs or [])):
-                logps[i, j] = lp[tok].logprob
-        return responses, logps, lengths
+        completions = []
+        for out in self.llm.generate(prompts, params, use_tqdm=False):
+            c = out.outputs[0]
+            toks = tuple(c.token_ids)
+            logps = tuple(lp[t].logprob for t, lp in zip(toks, c.logprobs or []))
+            completions.append(Completion(toks, logps, "length" if c.finish_reason == "length" else "stop"))
+        return completions
 
     @torch.no_grad()
     def sync_weights(self, measure_baseline: bool = False, check: bool = False, trace: bool = False) -> dict:

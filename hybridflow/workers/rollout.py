@@ -62,6 +62,13 @@ class RolloutMixin:
         return out
 
 
+    @register(Dispatch.DP_COMPUTE, layout="rollout")
+    def generate_requests(self, data: Batch) -> Batch:
+        """Request-level generation (the agent loop's entry point): data holds one `Request` per
+        row in its "request" column; returns the `Completion`s in a "completion" column."""
+        return Batch.from_dict(non_tensors={"completion": self.rollout.generate_requests(list(data["request"]))})
+
+
 class RolloutWorker(RolloutMixin, Worker):
     """A generation-only pool (trainer.async_rollout): the HF backend whose weight source is a
     `PoolReceiver`; the actor's pool publishes its shards after every update."""

@@ -1,0 +1,95 @@
+"""Request-level generation (`Request` -> `Completion`) on the HF backend, checked against
+independent oracles: HF `generate` on each prompt alone (no padding, no grouping) for the tokens,
+a plain forward pass over prompt + completion for the log-probs, and the request's own limits for
+the finish reason; the batch API is the same requests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from hybridflow.protocol import Batch, Completion, Request, SamplingParams
+from hybridflow.rollout.hf_rollout import HFRollout
+
+
+class _Acquired:
+    """The weight source of a backend whose model already holds its weights."""
+
+    acquired = True
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_model_dir):
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    return HFRollout(model, tok, "cpu", 0, _Acquired()), model, tok
+
+
+def _alone(model, tok, ids, max_new) -> list[int]:
+    """Greedy tokens of one unpadded prompt through HF generate (stops at EOS)."""
+    out = model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), do_sample=False,
+                         max_new_tokens=max_new, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    return out[0, len(ids):].tolist()
+
+
+def _forward_logprobs(model, ids, completion) -> list[float]:
+    full = torch.tensor([list(ids) + list(completion)])
+    logits = model(input_ids=full).logits[0, len(ids) - 1 : -1].float()  # position t predicts token t+1
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0].tolist()
+
+
+def test_requests_with_their_own_lengths_and_limits(backend):
+    rollout, model, tok = backend
+    greedy = SamplingParams(max_new_tokens=6, do_sample=False)
+    prompts = [tok.encode(t) for t in ("max 3 8 1", "max 9 2", "max 1 1 1 1 4", "max 5")]
+    # different prompt lengths in one group; one request with its own (shorter) max_new_tokens
+    reqs = [Request(p, greedy) for p in prompts] + [Request(prompts[0], greedy.with_(max_new_tokens=2))]
+    got = rollout.generate_requests(reqs)
+    assert len(got) == len(reqs) and all(isinstance(c, Completion) for c in got)
+    with torch.no_grad():
+        for r, c in zip(reqs, got):
+            assert list(c.token_ids) == _alone(model, tok, list(r.prompt_ids), r.params.max_new_tokens), r
+            assert len(c.log_probs) == len(c.token_ids) > 0
+            want = _forward_logprobs(model, r.prompt_ids, c.token_ids)
+            assert max(abs(a - b) for a, b in zip(c.log_probs, want)) < 1e-4
+            ended = c.token_ids[-1] == tok.eos_token_id
+            assert c.finish_reason == ("stop" if ended else "length"), c
+            assert len(c.token_ids) == r.params.max_new_tokens or ended
+    assert len(got[-1].token_ids) <= 2
+
+
+def test_stop_strings_and_sampling_temperature(backend):
+    rollout, model, tok = backend
+    ids = tok.encode("max 3 8 1")
+    free = rollout.generate_requests([Request(ids, SamplingParams(max_new_tokens=8, do_sample=False))])[0]
+    # a stop string: the first later token that decodes to a printable character not written before
+    j, stop = next((j, tok.decode([t])) for j, t in enumerate(free.token_ids) if j > 0 and tok.decode([t]).isascii()
+                   and tok.decode([t]).isprintable() and tok.decode([t]).strip() and tok.decode([t]) not in tok.decode(free.token_ids[:j]))
+    cut = rollout.generate_requests([Request(ids, SamplingParams(max_new_tokens=8, do_sample=False, stop=(stop,)))])[0]
+    assert cut.token_ids == free.token_ids[: j + 1] and cut.finish_reason == "stop", (stop, cut, free)
+    # sampling at T = 0.5: the log-probs are of the tempered distribution (logits / T)
+    hot = rollout.generate_requests([Request(ids, SamplingParams(max_new_tokens=4, temperature=0.5, seed=3))])[0]
+    with torch.no_grad():
+        full = torch.tensor([ids + list(hot.token_ids)])
+        logits = model(input_ids=full).logits[0, len(ids) - 1 : -1].float() / 0.5
+        want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(hot.token_ids)[:, None])[:, 0]
+    assert (torch.tensor(hot.log_probs) - want).abs().max() < 1e-4
+
+
+def test_the_batch_api_is_the_same_requests(backend):
+    rollout, _, tok = backend
+    params = SamplingParams(max_new_tokens=5, do_sample=False)
+    texts = ["max 3 8 1", "max 9 2", "max 4 4 7"]
+    P = 12
+    rows = [tok.encode(t) for t in texts]
+    ids = torch.tensor([[tok.pad_token_id] * (P - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (P - len(r)) + [1] * len(r) for r in rows])
+    out = rollout.generate(Batch.from_dict(tensors={"input_ids": ids, "attention_mask": mask}), params)
+    want = rollout.generate_requests([Request(r, params) for r in rows])
+    for i, c in enumerate(want):
+        n = len(c.token_ids)
+        assert int(out["response_mask"][i].sum()) == n
+        assert out["responses"][i, :n].tolist() == list(c.token_ids)
+        assert torch.allclose(out["rollout_log_probs"][i, :n], torch.tensor(c.log_probs))
+    assert torch.equal(out["prompts"], ids) and out["input_ids"].shape == (3, P + 5)
