@@ -335,3 +335,38 @@ def test_group_of_equal_fractional_scores_gets_zero_advantage(estimator):
     assert adv.dtype == torch.float32
     assert torch.equal(adv[:8], torch.zeros(8, 3))
     assert adv[8:].abs().max() > 0.1
+
+
+def test_policy_losses_are_registered_by_name():
+    from hybridflow.algorithms import POLICY_LOSSES, get_policy_loss, register_policy_loss
+    from hybridflow.config import ConfigError, load_config, validate_config
+
+    torch.manual_seed(0)
+    old, new, adv = torch.randn(3, 5), torch.randn(3, 5), torch.randn(3, 5)
+    mask = (torch.rand(3, 5) > 0.3).float()
+    loss, metrics = get_policy_loss("vanilla")(old, new, adv, mask, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0,
+                                               loss_agg_mode="seq-mean-token-mean", unused_by_this_loss=1)
+    want = compute_policy_loss(old, new, adv, mask, 0.2, 0.28, 3.0, "seq-mean-token-mean")
+    assert torch.equal(loss, want[0]) and [metrics[k] for k in ("pg_clipfrac", "ppo_kl", "pg_clipfrac_lower")] == list(want[1:])
+    with pytest.raises(ValueError, match=r"unknown policy loss 'nope'.*registered: \['vanilla'"):
+        get_policy_loss("nope")
+    with pytest.raises(ValueError, match="already registered"):
+        register_policy_loss("vanilla")(lambda *a, **k: None)
+
+    # the config key is validated against the registry (a new loss is one registered function)
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref\.actor\.policy_loss\.loss_mode must be one of .*'vanilla'.*got 'reinforce'"):
+        validate_config(load_config(None, ["actor_rollout_ref.actor.policy_loss.loss_mode=reinforce", "actor_rollout_ref.model.path=x"]))
+
+    @register_policy_loss("reinforce")
+    def reinforce(old_log_prob, log_prob, advantages, response_mask, *, loss_agg_mode="token-mean", **_):
+        return agg_loss(-advantages * log_prob, response_mask, loss_agg_mode), {}
+
+    try:
+        problems = ""
+        try:
+            validate_config(load_config(None, ["actor_rollout_ref.actor.policy_loss.loss_mode=reinforce", "actor_rollout_ref.model.path=x"]))
+        except ConfigError as e:
+            problems = str(e)
+        assert "policy_loss" not in problems, problems
+    finally:
+        POLICY_LOSSES.pop("reinforce")

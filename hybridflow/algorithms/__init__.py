@@ -1,4 +1,4 @@
-"""RL algorithms as small pure functions: advantage estimators, PPO losses, KL penalties."""
+"""RL algorithms as small pure functions: advantage estimators, policy losses (a registry by name), KL penalties."""
 
 from hybridflow.algorithms.advantages import (
     ADV_ESTIMATORS,
@@ -16,28 +16,32 @@ from hybridflow.algorithms.kl import (
     FixedKLController,
     KLController,
     apply_kl_penalty,
+    kl_loss,
     kl_penalty,
     make_kl_controller,
 )
 from hybridflow.algorithms.losses import (
     LOSS_AGG_MODES,
+    POLICY_LOSSES,
     agg_loss,
     compute_policy_loss,
     compute_value_loss,
     entropy_from_logits,
-    kl_loss,
+    get_policy_loss,
     logprobs_from_logits,
     masked_mean,
     masked_sum,
     masked_var,
     masked_whiten,
     micro_weight,
+    register_policy_loss,
 )
 
 __all__ = [
     "ADV_ESTIMATORS",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
+    "POLICY_LOSSES",
     "AdaptiveKLController",
     "FixedKLController",
     "KLController",
@@ -52,6 +56,7 @@ __all__ = [
     "compute_value_loss",
     "entropy_from_logits",
     "get_adv_estimator",
+    "get_policy_loss",
     "kl_loss",
     "kl_penalty",
     "logprobs_from_logits",
@@ -62,4 +67,5 @@ __all__ = [
     "micro_weight",
     "masked_whiten",
     "register_adv_estimator",
+    "register_policy_loss",
 ]

@@ -19,7 +19,7 @@ from typing import Any, Callable, Union
 import numpy as np
 import torch
 
-from hybridflow.algorithms.losses import masked_mean
+from hybridflow.algorithms.losses import agg_loss, masked_mean
 
 
 def _k1(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
@@ -133,3 +133,14 @@ def apply_kl_penalty(
     kl_ctrl.update(current_kl=current_kl, n_steps=int(token_level_scores.shape[0]))
     metrics = {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}
     return token_level_rewards, metrics
+
+
+def kl_loss(
+    log_prob: torch.Tensor,
+    ref_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    kind: str = "low_var_kl",
+    loss_agg_mode: str = "token-mean",
+) -> torch.Tensor:
+    """KL-to-reference loss term (``use_kl_loss``): per-token estimate [B, T] aggregated to a scalar."""
+    return agg_loss(kl_penalty(log_prob, ref_log_prob, kind), response_mask, loss_agg_mode)

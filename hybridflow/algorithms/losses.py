@@ -6,7 +6,7 @@ generated tokens and 0 on padding; every statistic ignores the masked positions.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -105,6 +105,42 @@ def compute_policy_loss(
     return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
 
 
+# ---------------------------------------------------------------- policy losses, by name
+# A policy loss is a pure function (old_log_prob, log_prob, advantages, response_mask, *,
+# clip_ratio_low, clip_ratio_high, clip_ratio_c, loss_agg_mode) -> (pg_loss, metrics), all inputs
+# [B, T], pg_loss a scalar, metrics {name: scalar tensor} logged as actor/<name>. It takes the keyword
+# arguments it needs and ignores the rest (**_). `actor_rollout_ref.actor.policy_loss.loss_mode`
+# (verl's key) chooses one; a new loss is one registered function.
+PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+POLICY_LOSSES: dict[str, PolicyLossFn] = {}
+
+
+def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    def deco(fn: PolicyLossFn) -> PolicyLossFn:
+        if name in POLICY_LOSSES:
+            raise ValueError(f"policy loss {name!r} is already registered")
+        POLICY_LOSSES[name] = fn
+        return fn
+
+    return deco
+
+
+def get_policy_loss(name: str) -> PolicyLossFn:
+    if name not in POLICY_LOSSES:
+        raise ValueError(f"unknown policy loss {name!r} (actor_rollout_ref.actor.policy_loss.loss_mode); registered: {sorted(POLICY_LOSSES)}")
+    return POLICY_LOSSES[name]
+
+
+@register_policy_loss("vanilla")
+def vanilla_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor, *,
+                        clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2, clip_ratio_c: float = 3.0,
+                        loss_agg_mode: str = "token-mean", **_) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO's clipped surrogate with clip-higher and dual clip (`compute_policy_loss`)."""
+    pg_loss, clipfrac, ppo_kl, clipfrac_lower = compute_policy_loss(old_log_prob, log_prob, advantages, response_mask, clip_ratio_low,
+                                                                    clip_ratio_high, clip_ratio_c, loss_agg_mode)
+    return pg_loss, {"pg_clipfrac": clipfrac, "ppo_kl": ppo_kl, "pg_clipfrac_lower": clipfrac_lower}
+
+
 def compute_value_loss(
     vpreds: torch.Tensor,
     returns: torch.Tensor,
@@ -136,16 +172,3 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
     """log p(labels) [B, T] from logits [B, T, V], computed in fp32 for accuracy."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     return logp.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
-
-
-def kl_loss(
-    log_prob: torch.Tensor,
-    ref_log_prob: torch.Tensor,
-    response_mask: torch.Tensor,
-    kind: str = "low_var_kl",
-    loss_agg_mode: str = "token-mean",
-) -> torch.Tensor:
-    """KL-to-reference loss term (``use_kl_loss``): per-token estimate aggregated to a scalar."""
-    from hybridflow.algorithms.kl import kl_penalty  # kl imports masked_mean from here
-
-    return agg_loss(kl_penalty(log_prob, ref_log_prob, kind), response_mask, loss_agg_mode)

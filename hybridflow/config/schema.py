@@ -82,6 +82,13 @@ class FSDPConfig:
 
 
 @dataclass
+class PolicyLossConfig:
+    # verl's key: the registered policy loss (`algorithms/losses.py` POLICY_LOSSES) the actor's
+    # update calls; "vanilla" = PPO's clipped surrogate with clip-higher and dual clip.
+    loss_mode: str = "vanilla"
+
+
+@dataclass
 class ActorConfig:
     strategy: str = "fsdp2"
     ppo_mini_batch_size: int = 8  # prompts per optimizer step, global (x rollout.n inside)
@@ -107,6 +114,7 @@ class ActorConfig:
     clip_ratio_low: Optional[float] = None  # None = clip_ratio
     clip_ratio_high: Optional[float] = None  # None = clip_ratio; > low gives DAPO clip-higher
     clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False

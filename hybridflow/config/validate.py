@@ -33,6 +33,12 @@ def _adv_estimators() -> list[str]:
         return sorted(_ADV_FALLBACK)
 
 
+def _policy_losses() -> list[str]:
+    from hybridflow.algorithms.losses import POLICY_LOSSES  # pure torch functions; no workers
+
+    return sorted(POLICY_LOSSES)
+
+
 class _Problems(list):
     def enum(self, key, value, allowed, extra=""):
         if value not in allowed:
@@ -443,6 +449,7 @@ def validate_config(cfg: HybridFlowConfig, kind: Literal["rl", "dpo"] = "rl") ->
                  f"shards with NCCL on the GPU; set it to false")
     p.enum(f"{A}.strategy", actor.strategy, ["fsdp2", "fsdp"])
     p.enum(f"{A}.loss_agg_mode", actor.loss_agg_mode, _LOSS_AGG)
+    p.enum(f"{A}.policy_loss.loss_mode", actor.policy_loss.loss_mode, _policy_losses())
     p.enum("critic.loss_agg_mode", critic.loss_agg_mode, _LOSS_AGG)
     p.enum(f"{A}.kl_loss_type", actor.kl_loss_type, _KL_TYPES)
     p.enum("algorithm.kl_penalty", alg.kl_penalty, _KL_TYPES)

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoTokenizer
 
-from hybridflow.algorithms import agg_loss, compute_policy_loss, entropy_from_logits, kl_loss, logprobs_from_logits, masked_mean, micro_weight
+from hybridflow.algorithms import agg_loss, entropy_from_logits, get_policy_loss, kl_loss, logprobs_from_logits, masked_mean, micro_weight
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.controller.decorator import Dispatch, register
 from hybridflow.controller.worker import Worker, pick_device
@@ -219,6 +219,7 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
         temperature = float(data.meta.get("temperature", 1.0))
         low = acfg.clip_ratio_low if acfg.clip_ratio_low is not None else acfg.clip_ratio
         high = acfg.clip_ratio_high if acfg.clip_ratio_high is not None else acfg.clip_ratio
+        policy_loss = get_policy_loss(acfg.policy_loss.loss_mode)
         self.actor.train()
         sums: dict[str, float] = {}
         counts: dict[str, int] = {}
@@ -233,10 +234,10 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
             """The micro-batch's share of the mini-batch loss (x loss_scale); log_prob/entropy_tok [b, R]."""
             mask = mb["response_mask"]
             entropy = agg_loss(entropy_tok, mask, acfg.loss_agg_mode)
-            pg_loss, clipfrac, ppo_kl, clipfrac_lower = compute_policy_loss(
+            pg_loss, pg_metrics = policy_loss(
                 # no old_log_probs (recompute_old_log_prob=false, one on-policy pass): this forward's own, detached
-                mb["old_log_probs"] if "old_log_probs" in mb else log_prob.detach(), log_prob, mb["advantages"], mask, low, high,
-                acfg.clip_ratio_c, acfg.loss_agg_mode
+                mb["old_log_probs"] if "old_log_probs" in mb else log_prob.detach(), log_prob, mb["advantages"], mask,
+                clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=acfg.clip_ratio_c, loss_agg_mode=acfg.loss_agg_mode,
             )
             loss = pg_loss - acfg.entropy_coeff * entropy
             if acfg.use_kl_loss:
@@ -244,9 +245,8 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
                 loss = loss + acfg.kl_loss_coef * kl
                 add("actor/kl_loss", kl.item())
             add("actor/pg_loss", pg_loss.item())
-            add("actor/pg_clipfrac", clipfrac.item())
-            add("actor/pg_clipfrac_lower", clipfrac_lower.item())
-            add("actor/ppo_kl", ppo_kl.item())
+            for k, v in pg_metrics.items():
+                add(f"actor/{k}", v.item())
             add("actor/entropy", entropy.item())
             # Scale so the accumulated gradient is the mini-batch's loss (fixed or dynamic micro-batches alike).
             return loss * micro_weight(mask, mini_mask, acfg.loss_agg_mode) * loss_scale
