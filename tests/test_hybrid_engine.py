@@ -204,3 +204,52 @@ def test_frozen_parameters_move_once_then_zero_bytes(engine_models):
     import torch.multiprocessing as mp
 
     mp.spawn(_frozen_worker, args=(2, _free_port(), str(engine_models["even"])), nprocs=2)
+
+
+def _wrong_box_worker(rank: int, world: int, port: int, path: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", HF_HUB_OFFLINE="1")
+    import dataclasses
+
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from hybridflow.config.schema import HybridEngineConfig
+    from hybridflow.hybrid_engine.executor import HybridEngine, crop, local
+    from hybridflow.parallel.fsdp import apply_fsdp2, make_mesh
+    from hybridflow.parallel.tensor_parallel import apply_tensor_parallel, fsdp_shard_placement_fn, gen_mesh, gen_shard_dims
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    actor = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    dims = gen_shard_dims(actor)
+    apply_fsdp2(actor, make_mesh("cpu", world), shard_placement_fn=fsdp_shard_placement_fn(actor, world))
+    with torch.no_grad():  # trained weights that differ from what the rollout loads from disk
+        for p in actor.parameters():
+            local(p.data).add_(0.01 * (rank + 1))
+    for optimized in (True, False):
+        rollout = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
+        apply_tensor_parallel(rollout, gen_mesh("cpu", world, 2)["tp"])
+        engine = HybridEngine(actor, rollout, dims, 2, HybridEngineConfig(), "cpu")
+        engine.reshard(optimized=optimized)
+        assert engine.max_abs_diff() == 0.0  # the right plan: bit-exact
+        # A deliberately wrong plan box: the two TP ranks' generation boxes of up_proj swapped (the
+        # general exchange routes by these boxes), so each rank receives the other's slice.
+        name = "model.layers.0.mlp.up_proj.weight"
+        i = next(j for j, p in enumerate(engine.plan.params) if p.name == name)
+        p = engine.plan.params[i]
+        engine.plan.params[i] = dataclasses.replace(p, need=p.need[::-1], aligned=False)
+        engine.reshard(optimized=optimized)
+        diff = engine.max_abs_diff()
+        assert diff > 0, (optimized, diff)
+        # the old check (against slices cut by the same, wrong, plan) could not see it
+        wrong = engine.plan.params[i]
+        full = actor.get_parameter(name).full_tensor()
+        assert torch.equal(local(rollout.get_parameter(name).data), crop(full, wrong.need[rank], tuple((0, n) for n in full.shape)))
+    dist.destroy_process_group()
+
+
+def test_a_wrong_plan_box_fails_the_weight_check(engine_models):
+    """The weight check's oracle is the training module's gathered parameter sliced by the
+    generation parameter's own DTensor layout, not the plan: a wrong box is caught."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_wrong_box_worker, args=(2, _free_port(), str(engine_models["even"])), nprocs=2)

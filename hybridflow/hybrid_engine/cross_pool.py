@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from hybridflow.hybrid_engine.executor import crop, local, train_shard_dim
+from hybridflow.hybrid_engine.executor import crop, held_box, local, train_shard_dim
 from hybridflow.hybrid_engine.plan import Box, intersect, layer_of, shard_box, volume
 from hybridflow.hybrid_engine.trace import TraceRecorder
 
@@ -128,7 +128,9 @@ class PoolReceiver:
         return worst
 
     def fingerprints(self) -> dict[str, str]:
-        return {f"{n}@{self.need[n]}": fingerprint(local(p.data)) for n, p in self.gen.items()}
+        """Keyed by the slice each parameter holds by its own DTensor layout (`held_box`), not by
+        the plan's boxes: compared with the trainer's fingerprints of those slices, a wrong box fails."""
+        return {f"{n}@{held_box(p.data)}": fingerprint(local(p.data)) for n, p in self.gen.items()}
 
     def release(self) -> None:
         pass  # nothing to free: a generation-only pool keeps its weights between syncs

@@ -54,6 +54,17 @@ def _own_storage(p: nn.Parameter) -> None:
         p.data = p.data.clone()
 
 
+def held_box(t: torch.Tensor) -> Box:
+    """The box of the global tensor that this rank's piece of `t` covers, by `t`'s own layout
+    (a DTensor's mesh coordinate and placements; a plain tensor covers all of itself)."""
+    if not isinstance(t, DTensor):
+        return tuple((0, n) for n in t.shape)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return tuple((o, o + n) for o, n in zip(offset, shape))
+
+
 def crop(t: torch.Tensor, box: Box, origin: Box) -> torch.Tensor:
     """The view of `t` (which covers `origin`) over `box`."""
     for d, ((lo, hi), (o, _)) in enumerate(zip(box, origin)):
@@ -402,13 +413,18 @@ class HybridEngine:
 
     @torch.no_grad()
     def max_abs_diff(self) -> float:
-        """Debug check: max |generation buffer - matching slice of the trained weights| (0.0 = bit-exact)."""
+        """The weight check: max |generation parameter - the same slice of the trained weights|
+        (0.0 = bit-exact). Its oracle is independent of the plan that moved them: the trained
+        tensor is gathered from the training module (DTensor's full_tensor), and the slice this
+        rank must hold comes from the generation parameter's own DTensor layout (`held_box`), not
+        from the plan's boxes, so a wrong plan box fails it."""
         worst = 0.0
         self.train = self._sharded_params()
         for p in self.plan.params:
             full = self._full(p)
-            expect = crop(full, p.need[self.rank], tuple((0, n) for n in full.shape))
-            gen = local(self.gen[p.name].data)
+            gen_param = self.gen[p.name].data
+            expect = crop(full, held_box(gen_param), tuple((0, n) for n in full.shape))
+            gen = local(gen_param)
             if gen.shape != expect.shape:  # keep going: every rank must run every full_tensor()
                 worst = math.inf
             elif not torch.equal(gen, expect):
