@@ -30,7 +30,8 @@ def main(argv: list[str] | None = None) -> dict:
     trainer = PPOTrainer(
         actor_model=model,
         critic_model=model if a.critic else None,  # the critic starts from the policy's backbone
-        enable_resharding_opt=True, resharding_overlap_with_compute=True, resharding_buffer_percent=0.1,
+        # overlap: the driver prepares the next batch (data loading + collation) while the workers reshard
+        enable_resharding_opt=True, resharding_overlap_with_compute=True,
         data={"train_files": [str(files["train"])], "val_files": [str(files["val"])], "train_batch_size": 4,
               "max_prompt_length": 32, "max_response_length": 4},
         actor_rollout_ref={"rollout": {"n": 4}, "actor": {"ppo_mini_batch_size": 4, "ppo_micro_batch_size_per_gpu": 8}},

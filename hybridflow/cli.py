@@ -33,10 +33,11 @@ def _user_errors() -> dict[type, str]:
     from hybridflow.config import ConfigError
     from hybridflow.controller.worker_group import WorkerCallError, WorkerDiedError
     from hybridflow.data.dataset import DataError
+    from hybridflow.rewards.loader import RewardFunctionError
     from hybridflow.trainer.rl import NonFiniteError
 
-    return {ConfigError: "config error", DataError: "data error", WorkerDiedError: "worker died", WorkerCallError: "worker error",
-            NonFiniteError: "training diverged"}
+    return {ConfigError: "config error", DataError: "data error", RewardFunctionError: "reward function error",
+            WorkerDiedError: "worker died", WorkerCallError: "worker error", NonFiniteError: "training diverged"}
 
 
 def _run_reporting(fn, *args):

@@ -164,7 +164,6 @@ def _set(cfg, dotted, value):
     ({"actor_rollout_ref.rollout.temperature": -0.1}, "actor_rollout_ref.rollout.temperature must be >= 0"),
     ({"actor_rollout_ref.rollout.top_p": 0.0}, "actor_rollout_ref.rollout.top_p must be in (0, 1]"),
     ({"actor_rollout_ref.rollout.name": "sglang"}, "rollout.name must be one of ['hf', 'vllm']"),
-    ({"actor_rollout_ref.actor.strategy": "ddp"}, "actor_rollout_ref.actor.strategy must be one of"),
     ({"actor_rollout_ref.actor.loss_agg_mode": "sum"}, "actor_rollout_ref.actor.loss_agg_mode must be one of"),
     ({"actor_rollout_ref.actor.kl_loss_type": "k9"}, "actor_rollout_ref.actor.kl_loss_type must be one of"),
     ({"algorithm.kl_penalty": "k9"}, "algorithm.kl_penalty must be one of"),
@@ -381,3 +380,89 @@ def test_3d_training_layout_is_checked_before_workers_start(world):
     assert "critic.tensor_model_parallel_size (4) must divide the critic model's num_key_value_heads (2)" in _problems(world)
     world.critic.tensor_model_parallel_size = 2
     validate_config(world)
+
+
+# ---------------------------------------------------------------- one config route
+def test_measure_baseline_is_off_by_default():
+    """The naive full gather (every full parameter at once) is not budgeted by the memory pre-flight:
+    a run measures it only when asked."""
+    assert HybridFlowConfig().actor_rollout_ref.hybrid_engine.measure_baseline is False
+    assert load_config(None, ["actor_rollout_ref.hybrid_engine.measure_baseline=true"]).actor_rollout_ref.hybrid_engine.measure_baseline
+
+
+def test_a_reward_model_checkpoint_as_the_policy_is_refused(world, tmp_path, tiny_model_dir):
+    """A sequence classifier at actor_rollout_ref.model.path would train with a fresh LM head: refused
+    before Ray starts, naming the key, the path and the architecture found."""
+    from hybridflow.models.tiny import make_tiny_model
+
+    rm = str(make_tiny_model(tmp_path / "rm", reward=True, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                             intermediate_size=64, max_position_embeddings=64))
+    _set(world, "actor_rollout_ref.model.path", rm)
+    msg = _problems(world)
+    assert (f"actor_rollout_ref.model.path: {rm!r} is a Qwen2ForSequenceClassification checkpoint, not a causal LM; the policy "
+            f"needs a causal-LM checkpoint (architectures ...ForCausalLM) to generate and train; a reward model belongs in "
+            f"reward_model.model.path") in msg
+    assert "1 problem" in msg
+    _set(world, "actor_rollout_ref.model.path", str(tiny_model_dir))  # Qwen2ForCausalLM
+    validate_config(world)
+    # a critic may start from either: a reward model's backbone is a fine value-model start
+    world.algorithm.adv_estimator, world.critic.model.path = "gae", rm
+    validate_config(world)
+
+
+_OLD_WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+                   "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error", "MALLOC_MMAP_THRESHOLD_": "65536",
+                   "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def _worker_envs(monkeypatch, **group_kwargs) -> list[dict]:
+    """The env_vars RayWorkerGroup gives each worker's runtime_env, with Ray replaced by a recorder
+    (no cluster: the group's constructor only needs ray.remote/options and the rendezvous calls)."""
+    from types import SimpleNamespace
+
+    import hybridflow.controller.worker_group as wg
+    from hybridflow.controller.worker import Worker
+
+    envs = []
+
+    class Handle:  # a fake actor handle: every method's .remote() returns its result directly
+        def __getattr__(self, name):
+            results = {"_group_node_ip": "127.0.0.1", "_group_master_endpoint": ("127.0.0.1", 12345)}
+            return SimpleNamespace(remote=lambda *a, **k: results.get(name))
+
+    def options(**opts):
+        envs.append(opts["runtime_env"]["env_vars"])
+        return SimpleNamespace(remote=lambda **init_kwargs: Handle())
+
+    monkeypatch.setattr(wg, "ray", SimpleNamespace(remote=lambda cls: SimpleNamespace(options=options), get=lambda x: x))
+    monkeypatch.setattr(wg, "PlacementGroupSchedulingStrategy", lambda pg, **kw: None)
+    pool = SimpleNamespace(world_size=2, procs_per_node=2, bundle={"CPU": 0.5}, name="p", slots=lambda: [(None, 0, 0), (None, 1, 1)])
+    wg.RayWorkerGroup(pool, Worker, name="env_test", **group_kwargs)
+    return envs
+
+
+def test_worker_env_is_a_config_key_that_reaches_every_worker(monkeypatch):
+    from hybridflow.config.schema import TrainerConfig
+
+    assert TrainerConfig().worker_env == _OLD_WORKER_ENV  # the default: the worker environment as it was
+    assert SFTConfig().trainer.worker_env == RewardTrainConfig().trainer.worker_env == _OLD_WORKER_ENV
+    for rank, env in enumerate(_worker_envs(monkeypatch)):  # not given: the default
+        assert {k: env[k] for k in _OLD_WORKER_ENV} == _OLD_WORKER_ENV
+        assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"]) == (str(rank), "2", str(rank))  # per-worker variables stay
+    cfg = load_config(None, ['trainer.worker_env={OMP_NUM_THREADS: "4", MY_FLAG: "x"}'])
+    assert cfg.trainer.worker_env == {"OMP_NUM_THREADS": "4", "MY_FLAG": "x"}  # the whole mapping
+    for rank, env in enumerate(_worker_envs(monkeypatch, worker_env=cfg.trainer.worker_env)):
+        assert {k: env[k] for k in ("OMP_NUM_THREADS", "MY_FLAG", "RANK")} == {"OMP_NUM_THREADS": "4", "MY_FLAG": "x", "RANK": str(rank)}
+        assert "MALLOC_MMAP_THRESHOLD_" not in env  # replaced, not merged
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({"RANK": "3"}, "trainer.worker_env.RANK: set per worker by the worker group"),
+    ({"OMP_NUM_THREADS": 4}, "trainer.worker_env: 'OMP_NUM_THREADS': 4 is not an environment variable; names are non-empty strings without '=', values are strings"),
+    ({"A=B": "1"}, "trainer.worker_env: 'A=B': '1' is not an environment variable"),
+])
+def test_worker_env_is_validated(world, env, expected):
+    world.trainer.worker_env = env
+    assert expected in _problems(world)
+    with pytest.raises(ConfigError, match=r"trainer\.worker_env\.OMP_NUM_THREADS must be str, got 4 \(int\)"):
+        load_config(None, ["trainer.worker_env.OMP_NUM_THREADS=4"])

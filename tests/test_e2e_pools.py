@@ -49,8 +49,10 @@ def test_ppo_actor_and_critic_on_separate_pools_learns_and_overlaps(demo_sft_mod
     # critic stages ran alongside actor stages (the last step's recorded start/end times)
     assert overlap(t["values"], t["old_log_prob"]) > 0
     assert overlap(t["update_critic"], t["update_actor"]) > 0
+    # busy fractions are measured and in range (which pool is busier depends on the machine's load:
+    # a ratio of two wall-clock durations is not a correctness claim)
     last = result["history"][-1]
-    assert 0 < last["perf/pool_busy/critic_pool"] < last["perf/pool_busy/actor_pool"] <= 1
+    assert 0 < last["perf/pool_busy/critic_pool"] <= 1 and 0 < last["perf/pool_busy/actor_pool"] <= 1
 
 
 def test_unsatisfiable_label_is_a_clear_error_before_any_worker(demo_sft_model, tmp_path):
@@ -225,3 +227,4 @@ def test_reference_policy_on_its_own_pool(tiny_model_dir, task_dir, varied_rewar
     # the 1-worker reference is the initial policy: KL exactly 0 before the first update, then not
     assert abs(steps[0]["actor/kl_loss"]) < 1e-7 and steps[-1]["actor/kl_loss"] > 0
     assert steps[-1]["perf/pool_busy/ref_pool"] > 0
+

@@ -149,6 +149,7 @@ def test_grpo_tp2_generation_hybrid_engine_overlap_and_trace(ray_cluster, tiny_m
         tiny_model_dir, task_dir, tmp_path, f"custom_reward_function.path={varied_reward}",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "trainer.check_weight_sync=true",
         "actor_rollout_ref.hybrid_engine.resharding_overlap_with_compute=true",
+        "actor_rollout_ref.hybrid_engine.measure_baseline=true",  # the "vs ... baseline" log line below
     )
     trace_path = tmp_path / "trace.json"
     try:

@@ -225,25 +225,36 @@ def _wrong_box_worker(rank: int, world: int, port: int, path: str) -> None:
     with torch.no_grad():  # trained weights that differ from what the rollout loads from disk
         for p in actor.parameters():
             local(p.data).add_(0.01 * (rank + 1))
+    import hybridflow.hybrid_engine.executor as executor
+
+    name = "model.layers.0.mlp.up_proj.weight"
+    right_plan = executor.build_plan
+
+    def wrong_plan(*args, **kwargs):
+        """A deliberately wrong plan: the two TP ranks' generation boxes of up_proj swapped (the
+        general exchange routes by these boxes), so each rank receives the other's slice."""
+        plan = right_plan(*args, **kwargs)
+        i = next(j for j, p in enumerate(plan.params) if p.name == name)
+        plan.params[i] = dataclasses.replace(plan.params[i], need=plan.params[i].need[::-1], aligned=False)
+        return plan
+
     for optimized in (True, False):
-        rollout = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
-        apply_tensor_parallel(rollout, gen_mesh("cpu", world, 2)["tp"])
-        engine = HybridEngine(actor, rollout, dims, 2, HybridEngineConfig(), "cpu")
-        engine.reshard(optimized=optimized)
-        assert engine.max_abs_diff() == 0.0  # the right plan: bit-exact
-        # A deliberately wrong plan box: the two TP ranks' generation boxes of up_proj swapped (the
-        # general exchange routes by these boxes), so each rank receives the other's slice.
-        name = "model.layers.0.mlp.up_proj.weight"
-        i = next(j for j, p in enumerate(engine.plan.params) if p.name == name)
-        p = engine.plan.params[i]
-        engine.plan.params[i] = dataclasses.replace(p, need=p.need[::-1], aligned=False)
-        engine.reshard(optimized=optimized)
-        diff = engine.max_abs_diff()
-        assert diff > 0, (optimized, diff)
-        # the old check (against slices cut by the same, wrong, plan) could not see it
-        wrong = engine.plan.params[i]
-        full = actor.get_parameter(name).full_tensor()
-        assert torch.equal(local(rollout.get_parameter(name).data), crop(full, wrong.need[rank], tuple((0, n) for n in full.shape)))
+        for build, wrong in ((right_plan, False), (wrong_plan, True)):
+            executor.build_plan = build
+            rollout = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
+            apply_tensor_parallel(rollout, gen_mesh("cpu", world, 2)["tp"])
+            engine = HybridEngine(actor, rollout, dims, 2, HybridEngineConfig(), "cpu")
+            engine.reshard(optimized=optimized)
+            diff = engine.max_abs_diff()
+            if not wrong:
+                assert diff == 0.0  # the right plan: bit-exact
+                continue
+            assert diff > 0, (optimized, diff)
+            # the old check (against slices cut by the same, wrong, plan) could not see it
+            p = next(p for p in engine.plan.params if p.name == name)
+            full = actor.get_parameter(name).full_tensor()
+            assert torch.equal(local(rollout.get_parameter(name).data), crop(full, p.need[rank], tuple((0, n) for n in full.shape)))
+    executor.build_plan = right_plan
     dist.destroy_process_group()
 
 

@@ -10,7 +10,7 @@ import torch
 
 from hybridflow.config import ConfigError, HybridFlowConfig, load_config, validate_config
 from hybridflow.config.parallel import (ParallelConfig, ParallelFSDPConfig, apply_engine_kwargs, apply_parallel_config,
-                                        load_parallel_config)
+                                        as_parallel_config, load_parallel_config)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -38,7 +38,7 @@ def test_defaults_and_example_files():
     assert p.fsdp_config == ParallelFSDPConfig(None, None, None)
     assert (p.enable_resharding_opt, p.resharding_overlap_with_compute, p.resharding_buffer_percent) == (None, None, None)
     # applying the defaults changes nothing
-    base = load_config(None, ["actor_rollout_ref.actor.fsdp_config.mixed_precision=bf16", "actor_rollout_ref.hybrid_engine.resharding_buffer_percent=0.3"])
+    base = load_config(None, ["actor_rollout_ref.actor.fsdp_config.mixed_precision=bf16", "actor_rollout_ref.hybrid_engine.granularity=full"])
     assert apply_parallel_config(base, p) == base
 
     for name, (pp, tp, dp, gen_tp), mp in [("parallel_dp2_tp2.yaml", (1, 1, 2, 2), None), ("parallel_dp4_tp2.yaml", (1, 1, 4, 2), "bf16"),
@@ -65,7 +65,6 @@ fsdp_config:
   sharding_strategy: SHARD_GRAD_OP
 enable_resharding_opt: false
 resharding_overlap_with_compute: true
-resharding_buffer_percent: 0.25
 """)
     base = load_config(None, ["trainer.nnodes=2", "trainer.n_gpus_per_node=2"])
     cfg = apply_parallel_config(base, load_parallel_config(f))
@@ -76,7 +75,7 @@ resharding_buffer_percent: 0.25
         assert (fc.sharding_strategy, fc.mixed_precision, fc.param_offload, fc.reshard_after_forward) == (
             "SHARD_GRAD_OP", "bf16", True, False)
     he = cfg.actor_rollout_ref.hybrid_engine
-    assert (he.enable_resharding_opt, he.resharding_overlap_with_compute, he.resharding_buffer_percent) == (False, True, 0.25)
+    assert (he.enable_resharding_opt, he.resharding_overlap_with_compute, he.resharding_buffer_percent) == (False, True, None)
 
     # fsdp_enabled: false = replicated, whatever sharding_strategy says; mixed precision spellings
     for mp, want in [(False, None), ("fp16", "fp16"), ("bf16", "bf16")]:
@@ -155,12 +154,32 @@ def test_unknown_key_suggests_closest(tmp_path):
 
 
 # ---------------------------------------------------------------- validation, kwargs, wiring
-@pytest.mark.parametrize("bad", [0.0, 1.0, 1.5, -0.1])
-def test_buffer_percent_outside_open_interval(bad):
-    cfg = apply_parallel_config(HybridFlowConfig(), ParallelConfig(resharding_buffer_percent=bad))
-    msg = _problems(cfg)
-    assert "actor_rollout_ref.hybrid_engine.resharding_buffer_percent must be in (0, 1)" in msg
-    assert f"got {bad}" in msg and "10% of the model's bytes" in msg
+REFUSED = ("actor_rollout_ref.hybrid_engine.resharding_buffer_percent is not supported: the engine stages exactly two layers "
+           "(layer i+1 in flight while layer i is copied into place), so a larger buffer would never be used; remove the key")
+
+
+def test_resharding_buffer_percent_is_refused_with_the_reason(tmp_path):
+    """Every route that could set it -- the run config, a parallel config file or dict, the RLTrainer /
+    PPOTrainer keyword -- is refused before any worker starts, with the reason; unset (None) passes."""
+    from hybridflow.trainer.ppo_trainer import PPOTrainer
+    from hybridflow.trainer.rl import RLTrainer
+
+    assert HybridFlowConfig().actor_rollout_ref.hybrid_engine.resharding_buffer_percent is None
+    assert "resharding_buffer_percent" not in _problems(HybridFlowConfig())  # not set: no problem about it
+    routes = {
+        "run config": load_config(None, ["actor_rollout_ref.hybrid_engine.resharding_buffer_percent=0.1"]),
+        "parallel file": apply_parallel_config(HybridFlowConfig(), load_parallel_config(_write(tmp_path, "resharding_buffer_percent: 0.1\n"))),
+        "parallel dict": apply_parallel_config(HybridFlowConfig(), as_parallel_config({"resharding_buffer_percent": 0.5})),
+        "keyword": apply_engine_kwargs(HybridFlowConfig(), resharding_buffer_percent=0.1),
+    }
+    for route, cfg in routes.items():
+        assert REFUSED in _problems(cfg), route
+    for make in (lambda: RLTrainer(HybridFlowConfig(), resharding_buffer_percent=0.1),
+                 lambda: RLTrainer(HybridFlowConfig(), parallel_config={"resharding_buffer_percent": 0.1}),
+                 lambda: PPOTrainer(actor_model="/nonexistent/model", resharding_buffer_percent=0.1)):
+        with pytest.raises(ConfigError) as e:
+            make()
+        assert REFUSED in str(e.value)
 
 
 def test_engine_and_fsdp_enums_are_validated():
@@ -172,15 +191,14 @@ def test_engine_and_fsdp_enums_are_validated():
     assert "actor_rollout_ref.hybrid_engine.granularity must be one of ['layer', 'full'], got 'block'" in msg
     assert "actor_rollout_ref.ref.fsdp_config.sharding_strategy must be one of" in msg
     assert "critic.fsdp_config.mixed_precision must be one of [None, 'bf16', 'fp16'], got 'fp8'" in msg
-    assert "hybrid_engine.resharding_buffer_percent" not in _problems(HybridFlowConfig())  # defaults are fine
+    assert "hybrid_engine." not in _problems(HybridFlowConfig())  # defaults are fine
 
 
 def test_engine_kwargs():
-    cfg = apply_engine_kwargs(HybridFlowConfig(), enable_resharding_opt=False, resharding_overlap_with_compute=True,
-                              resharding_buffer_percent=0.5, granularity="full")
+    cfg = apply_engine_kwargs(HybridFlowConfig(), enable_resharding_opt=False, resharding_overlap_with_compute=True, granularity="full")
     he = cfg.actor_rollout_ref.hybrid_engine
     assert (he.enable_resharding_opt, he.resharding_overlap_with_compute, he.resharding_buffer_percent, he.granularity) == (
-        False, True, 0.5, "full")
+        False, True, None, "full")
     with pytest.raises(TypeError, match=r"resharding_bufer.*enable_resharding_opt.*granularity"):
         apply_engine_kwargs(HybridFlowConfig(), resharding_bufer=0.2)
 
@@ -189,8 +207,8 @@ def test_trainer_applies_before_validation(tmp_path):
     from hybridflow.cli import main
     from hybridflow.trainer.rl import RLTrainer
 
-    with pytest.raises(ConfigError, match="resharding_buffer_percent must be in"):
-        RLTrainer(HybridFlowConfig(), resharding_buffer_percent=1.5)
+    with pytest.raises(ConfigError, match="granularity must be one of"):
+        RLTrainer(HybridFlowConfig(), granularity="block")
     with pytest.raises(TypeError, match="valid hybrid-engine keyword arguments"):
         RLTrainer(HybridFlowConfig(), granularty="full")
     f = _write(tmp_path, "data_parallel_size: 3\n")

@@ -66,7 +66,7 @@ def _switch_worker(rank: int, world: int, port: int, path: str) -> None:
             assert stats["bytes_received"] == w.plan.min_bytes(rank) == planned.min_bytes(rank), where
             assert stats["baseline"]["bytes_received"] == w.plan.naive_bytes(rank) == planned.naive_bytes(rank), where
             assert stats["bytes_received"] <= stats["baseline"]["bytes_received"], where  # equal at gen_tp 1: everyone needs all
-            w.rollout.release()
+            w.rollout.sleep()
     dist.destroy_process_group()
 
 

@@ -75,6 +75,27 @@ def test_load_custom_reward_fn(tmp_path):
         load_custom_reward_fn(str(broken))
 
 
+def test_cli_reports_a_reward_file_with_a_syntax_error_in_one_line(tmp_path, tiny_model_dir, task_dir):
+    """`hybridflow train` with a custom reward file that does not parse: one line naming the file and
+    the SyntaxError, exit status 1, no traceback, before Ray starts."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    bad = tmp_path / "syntax.py"
+    bad.write_text("def compute_score(data_source, solution_str, ground_truth extra_info=None):\n    return 1.0\n")
+    proc = subprocess.run([sys.executable, "-m", "hybridflow.cli", "train", "configs/grpo_tiny.yaml",
+                           f"actor_rollout_ref.model.path={tiny_model_dir}", f"data.train_files=[{task_dir}/train.parquet]",
+                           f"data.val_files=[{task_dir}/val.parquet]", f"custom_reward_function.path={bad}",
+                           f"trainer.default_local_dir={tmp_path / 'run'}"],
+                          capture_output=True, text=True, timeout=300, cwd=root)
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr and "Ray" not in proc.stdout + proc.stderr
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if not line.startswith("[INFO]")]  # the memory plan's log line
+    assert lines == [f"reward function error: custom_reward_function.path: importing {bad} failed: SyntaxError: "
+                     f"invalid syntax (syntax.py, line 1)"], proc.stderr
+
+
 def make_batch(tok, texts, gts, data_source="arith_add", T=6, extra=True):
     rows = [tok.encode(t, add_special_tokens=False) + [tok.eos_token_id] for t in texts]
     responses = torch.full((len(rows), T), tok.pad_token_id, dtype=torch.long)

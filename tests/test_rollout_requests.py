@@ -13,17 +13,11 @@ from hybridflow.protocol import Batch, Completion, Request, SamplingParams
 from hybridflow.rollout.hf_rollout import HFRollout
 
 
-class _Acquired:
-    """The weight source of a backend whose model already holds its weights."""
-
-    acquired = True
-
-
 @pytest.fixture(scope="module")
 def backend(tiny_model_dir):
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    return HFRollout(model, tok, "cpu", 0, _Acquired()), model, tok
+    return HFRollout(model, tok, "cpu"), model, tok
 
 
 def _alone(model, tok, ids, max_new) -> list[int]:

@@ -30,6 +30,35 @@ def test_verl_only_keys_map_accept_or_refuse_with_the_reason():
         load_config(None, ["actor_rollout_ref.rollout.nn=5"])
 
 
+def test_dead_schema_fields_are_accepted_verl_keys_with_a_reason(caplog):
+    """actor.strategy, actor.shuffle and reward_model.reward_manager are no schema fields (nothing read
+    them): verl's values that mean what hybridflow does are accepted (logged), others refused naming the key."""
+    import dataclasses
+
+    from hybridflow.config import HybridFlowConfig
+    from hybridflow.config.schema import ActorConfig, RewardModelConfig
+
+    assert not {"strategy", "shuffle"} & {f.name for f in dataclasses.fields(ActorConfig)}
+    assert "reward_manager" not in {f.name for f in dataclasses.fields(RewardModelConfig)}
+    for strategy in ("fsdp", "fsdp2"):
+        with caplog.at_level("INFO", logger="hybridflow.config"):
+            cfg = load_config(None, [f"actor_rollout_ref.actor.strategy={strategy}", "actor_rollout_ref.actor.shuffle=false",
+                                     "reward_model.reward_manager=naive"])
+        assert cfg == HybridFlowConfig()
+        assert f"actor_rollout_ref.actor.strategy='{strategy}' (the actor trains with FSDP2)" in caplog.text
+        assert "actor_rollout_ref.actor.shuffle=False (mini-batch shuffling is not implemented" in caplog.text
+        assert "reward_model.reward_manager='naive' (rule rewards are scored one response at a time" in caplog.text
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["actor_rollout_ref.actor.strategy=megatron", "actor_rollout_ref.actor.shuffle=true",
+                           "reward_model.reward_manager=prime"])
+    msg = str(e.value)
+    assert "cannot honour (3)" in msg
+    for line in ("actor_rollout_ref.actor.strategy='megatron': the actor trains with FSDP2 (accepted: ['fsdp', 'fsdp2'])",
+                 "actor_rollout_ref.actor.shuffle=True: mini-batch shuffling is not implemented in hybridflow yet (accepted: [False])",
+                 "reward_model.reward_manager='prime': rule rewards are scored one response at a time"):
+        assert line in msg
+
+
 @pytest.mark.usefixtures("ray_cluster")
 def test_verl_grpo_quickstart_command_line_runs(tiny_model_dir, task_dir, tmp_path, monkeypatch):
     """verl's GSM8K GRPO quickstart (examples/grpo_trainer), key for key; changed: paths, sizes for the

@@ -103,6 +103,18 @@ def test_vllm_tensor_parallel_2_inside_the_workers(ray_cluster, vllm_model_dir, 
     finally:
         trainer.shutdown()
     assert len(hist) == 2
+    # Bytes received per rank: the engine's minimal pieces, not whole tensors. By hand: FSDP2 on 2
+    # ranks shards each TP-sharded weight along its TP dim, so rank r already holds its vLLM TP
+    # slice (vLLM's TP groups are consecutive ranks: rank r is TP rank r) and receives nothing of
+    # it; the tensors vLLM takes whole (norms; the vocab tables, which vLLM pads per partition)
+    # arrive whole, less the half the rank holds.
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(vllm_model_dir)
+    whole = [p for n, p in model.named_parameters() if "norm" in n or "embed_tokens" in n or "lm_head" in n]
+    expected = max(sum((p.numel() - p.chunk(2)[r].numel()) * 4 for p in whole) for r in range(2))
     for h in hist:
         assert h["rollout/logprob_diff_max"] < 1e-3  # vLLM TP=2 vs the FSDP2 trainer, fp32, after each sync
         assert abs(h["actor/ppo_kl"]) < 1e-6
+        assert h["reshard/bytes_per_rank"] == h["reshard/min_bytes_per_rank"] == expected, h
+        assert h["reshard/bytes_per_rank"] < h["reshard/naive_bytes_per_rank"]

@@ -12,8 +12,7 @@ A parallel config describes how HybridFlow lays the models out on the workers::
       offload_params: false
       sharding_strategy: FULL_SHARD   # FULL_SHARD | SHARD_GRAD_OP | NO_SHARD
     enable_resharding_opt: true
-    resharding_overlap_with_compute: false
-    resharding_buffer_percent: 0.1
+    resharding_overlap_with_compute: false   # true: the driver prepares the next batch while the workers reshard
 
     cfg = load_config("configs/grpo_tiny.yaml")
     cfg = apply_parallel_config(cfg, load_parallel_config("configs/parallel_dp2_tp2.yaml"))
@@ -61,7 +60,11 @@ class ParallelConfig:
     fsdp_enabled: Optional[bool] = None  # False = replicated actor (NO_SHARD)
     fsdp_config: ParallelFSDPConfig = field(default_factory=ParallelFSDPConfig)
     enable_resharding_opt: Optional[bool] = None
+    # True: while the workers reshard, the driver prepares the next batch (data loading + collation);
+    # not an overlap with model compute.
     resharding_overlap_with_compute: Optional[bool] = None
+    # Not supported: when set, it is copied into the run config and validate_config refuses it (the
+    # engine stages exactly two layers, so a larger buffer would never be used).
     resharding_buffer_percent: Optional[float] = None
 
 
@@ -118,8 +121,11 @@ def apply_parallel_config(cfg: HybridFlowConfig, pcfg: ParallelConfig) -> Hybrid
     - ``fsdp_config.{sharding_strategy, mixed_precision, offload_params}`` ->
       ``{actor_rollout_ref.actor, actor_rollout_ref.ref, critic}.fsdp_config.{sharding_strategy,
       mixed_precision, param_offload}``; mixed_precision true -> "bf16", false -> None (fp32).
-    - ``enable_resharding_opt``, ``resharding_overlap_with_compute``, ``resharding_buffer_percent``
-      -> ``actor_rollout_ref.hybrid_engine.*``.
+    - ``enable_resharding_opt``, ``resharding_overlap_with_compute`` (the driver prepares the next
+      batch -- data loading + collation -- while the workers reshard; not an overlap with model
+      compute) -> ``actor_rollout_ref.hybrid_engine.*``.
+    - ``resharding_buffer_percent`` is copied too, only so that ``validate_config`` refuses it with
+      the reason (not supported: the engine stages exactly two layers).
     """
     for key in ("model_parallel_size", "pipeline_parallel_size", "generation_tensor_parallel_size"):
         v = getattr(pcfg, key)
@@ -167,21 +173,23 @@ def apply_parallel_config(cfg: HybridFlowConfig, pcfg: ParallelConfig) -> Hybrid
 def apply_engine_kwargs(cfg: HybridFlowConfig, **kwargs: Any) -> HybridFlowConfig:
     """Return a copy of ``cfg`` with hybrid-engine switches set from keyword arguments.
 
-    Accepted: ``enable_resharding_opt`` (bool), ``resharding_overlap_with_compute`` (bool),
-    ``resharding_buffer_percent`` (float in (0, 1)), ``granularity`` ("layer" | "full"); they go to
-    ``actor_rollout_ref.hybrid_engine.*``. Values are range-checked by ``validate_config``.
+    Accepted: ``enable_resharding_opt`` (bool), ``resharding_overlap_with_compute`` (bool: the
+    driver prepares the next batch -- data loading + collation -- while the workers reshard),
+    ``granularity`` ("layer" | "full"); they go to ``actor_rollout_ref.hybrid_engine.*`` and are
+    checked by ``validate_config``. ``resharding_buffer_percent`` is passed on only so that
+    ``validate_config`` refuses it with the reason (not supported).
     """
     unknown = sorted(set(kwargs) - set(ENGINE_KWARGS))
     if unknown:
         raise TypeError(f"unexpected keyword argument(s) {unknown}; valid hybrid-engine keyword arguments: "
                         f"{list(ENGINE_KWARGS)}")
-    types = {"enable_resharding_opt": bool, "resharding_overlap_with_compute": bool,
-             "resharding_buffer_percent": (int, float), "granularity": str}
+    types = {"enable_resharding_opt": bool, "resharding_overlap_with_compute": bool, "resharding_buffer_percent": object,
+             "granularity": str}
     for k, v in kwargs.items():
-        if not isinstance(v, types[k]) or (k == "resharding_buffer_percent" and isinstance(v, bool)):
+        if not isinstance(v, types[k]):
             raise ConfigError(f"actor_rollout_ref.hybrid_engine.{k}: bad value {v!r} ({type(v).__name__})")
     cfg = copy.deepcopy(cfg)
     he = cfg.actor_rollout_ref.hybrid_engine
     for k, v in kwargs.items():
-        setattr(he, k, float(v) if k == "resharding_buffer_percent" else v)
+        setattr(he, k, v)
     return cfg

@@ -90,7 +90,7 @@ class PolicyLossConfig:
 
 @dataclass
 class ActorConfig:
-    strategy: str = "fsdp2"
+    # Training is FSDP2 (verl's `strategy: fsdp | fsdp2` is accepted as a verl key: config/verl_compat.py).
     ppo_mini_batch_size: int = 8  # prompts per optimizer step, global (x rollout.n inside)
     ppo_micro_batch_size_per_gpu: int = 8  # sequences per forward/backward per worker
     # Micro-batches by token budget instead of by count: consecutive sequences while their valid
@@ -109,7 +109,6 @@ class ActorConfig:
     pipeline_model_parallel_size: int = 1
     pipeline_schedule: Literal["gpipe", "1f1b"] = "1f1b"
     ppo_epochs: int = 1
-    shuffle: bool = False
     clip_ratio: float = 0.2
     clip_ratio_low: Optional[float] = None  # None = clip_ratio
     clip_ratio_high: Optional[float] = None  # None = clip_ratio; > low gives DAPO clip-higher
@@ -169,10 +168,17 @@ class HybridEngineConfig:
     """The 3D-HybridEngine: training (FSDP2) -> generation (TP x DP) resharding every step."""
 
     enable_resharding_opt: bool = True  # False = the naive baseline (gather full params, slice)
-    resharding_overlap_with_compute: bool = False  # reshard while the driver prepares the next batch
-    resharding_buffer_percent: float = 0.1  # reusable staging buffer, as a fraction of model bytes; in (0, 1)
+    # True: while the workers reshard, the driver prepares the next batch (data loading + collation),
+    # then collects the reshard; it does not overlap the reshard with model compute.
+    resharding_overlap_with_compute: bool = False
+    # Not supported (None = not set; validate_config refuses any value): the engine stages exactly two
+    # layers (layer i+1 in flight while layer i is copied into place), so a larger buffer is never used.
+    resharding_buffer_percent: Optional[float] = None
     granularity: str = "layer"  # layer (one decoder layer at a time) | full (the whole model at once)
-    measure_baseline: bool = True  # time the naive path once per run, for the comparison log line
+    # True: also run (and time) the naive full gather once, on the first reshard, for the
+    # "vs ... baseline" log line and reshard/baseline_seconds. Off by default: that gather holds
+    # every full parameter at once, which the pre-flight memory check does not budget.
+    measure_baseline: bool = False
     # Keep the generation buffers allocated between steps (no re-allocation and page faults per
     # switch). None = decided by the pre-flight memory plan: kept when they fit next to training.
     keep_generation_buffers: Optional[bool] = None
@@ -210,7 +216,6 @@ class RewardModelConfig:
     manager / custom_reward_function; rule_weight 0 skips it). Its pool: resource_pool.mapping.reward_model."""
 
     enable: bool = False
-    reward_manager: str = "naive"
     model: ModelConfig = field(default_factory=ModelConfig)  # path: an AutoModelForSequenceClassification checkpoint
     micro_batch_size_per_gpu: int = 16  # sequences per forward per worker
     score_weight: float = 1.0
@@ -267,6 +272,22 @@ class PrometheusConfig:
     host: str = "127.0.0.1"  # loopback by default; 0.0.0.0 to let a Prometheus on another machine scrape
 
 
+# trainer.worker_env's default, tuned for CPU workers: one BLAS thread per worker (N workers share
+# few cores), no hub access, quiet tokenizers and transformers, and every large tensor its own mmap,
+# returned to the OS when freed (so RSS measures what the hybrid engine really holds; see
+# hybrid_engine/memory.py).
+DEFAULT_WORKER_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "HF_HUB_OFFLINE": "1",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "MALLOC_MMAP_THRESHOLD_": "65536",
+    "RAY_USAGE_STATS_ENABLED": "0",
+}
+
+
 @dataclass
 class TrainerConfig:
     project_name: str = "hybridflow"
@@ -306,6 +327,12 @@ class TrainerConfig:
     # One-step off-policy: the rollout role on its own pool generates batch k+1 while the trainer
     # updates on batch k (needs resource_pool.mapping.rollout on a pool of its own).
     async_rollout: bool = False
+    # Environment variables of every Ray worker process (values are strings: quote numbers in YAML).
+    # The whole mapping: any value given (even one trainer.worker_env.NAME=... override) replaces the
+    # default (DEFAULT_WORKER_ENV above, tuned for CPU), so list every variable you want kept. The
+    # group adds RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT per worker. Ray launcher
+    # only (torchrun workers inherit torchrun's environment).
+    worker_env: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_WORKER_ENV))
 
 
 @dataclass

@@ -19,9 +19,16 @@ import hybridflow.controller.resource_pool as rp
 from hybridflow.parallel.tensor_parallel import validate_gen_tp  # pure Python (no torch import)
 
 A, R = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
+# The run config's key, the parallel config's key and the RLTrainer / PPOTrainer keyword all land here.
+BUFFER_PERCENT_REFUSED = ("actor_rollout_ref.hybrid_engine.resharding_buffer_percent is not supported: the engine stages "
+                          "exactly two layers (layer i+1 in flight while layer i is copied into place), so a larger buffer "
+                          "would never be used; remove the key")
+# Causal-LM checkpoints: config.json "architectures" of a model with a language-modelling head.
+_LM_HEADS = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
 _ADV_FALLBACK = {"gae", "grpo", "rloo", "reinforce_plus_plus", "remax"}
 _KL_TYPES = ["kl", "k1", "k2", "mse", "k3", "low_var_kl", "abs"]
 _LOSS_AGG = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+_PER_WORKER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 def _adv_estimators() -> list[str]:
@@ -127,6 +134,14 @@ class _Problems(list):
         self.enum("trainer.launcher", t.launcher, literal_choices(TrainerConfig, "launcher"))
         if not (isinstance(t.max_nonfinite_steps, int) and t.max_nonfinite_steps >= 1):
             self.append(f"trainer.max_nonfinite_steps must be a positive integer, got {t.max_nonfinite_steps!r}")
+        if not isinstance(t.worker_env, dict):
+            self.append(f"trainer.worker_env must be a mapping of environment variables to string values, got {t.worker_env!r}")
+        for k, v in (t.worker_env if isinstance(t.worker_env, dict) else {}).items():
+            if not (isinstance(k, str) and k and "=" not in k and isinstance(v, str)):
+                self.append(f"trainer.worker_env: {k!r}: {v!r} is not an environment variable; names are non-empty strings "
+                            f"without '=', values are strings (quote numbers: OMP_NUM_THREADS: \"4\")")
+            elif k in _PER_WORKER_ENV:
+                self.append(f"trainer.worker_env.{k}: set per worker by the worker group (one of {list(_PER_WORKER_ENV)}); remove it")
         return n_workers
 
     def raise_if_any(self, what: str):
@@ -447,7 +462,6 @@ def validate_config(cfg: HybridFlowConfig, kind: Literal["rl", "dpo"] = "rl") ->
     if actor.fsdp_config.param_offload and (cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and _cuda_available())):
         p.append(f"{A}.fsdp_config.param_offload is not supported with CUDA yet: the weight sync gathers the "
                  f"shards with NCCL on the GPU; set it to false")
-    p.enum(f"{A}.strategy", actor.strategy, ["fsdp2", "fsdp"])
     p.enum(f"{A}.loss_agg_mode", actor.loss_agg_mode, _LOSS_AGG)
     p.enum(f"{A}.policy_loss.loss_mode", actor.policy_loss.loss_mode, _policy_losses())
     p.enum("critic.loss_agg_mode", critic.loss_agg_mode, _LOSS_AGG)
@@ -477,9 +491,8 @@ def validate_config(cfg: HybridFlowConfig, kind: Literal["rl", "dpo"] = "rl") ->
         p.append(f"{R}.n must be >= 2 for algorithm.adv_estimator={alg.adv_estimator} (the group baseline "
                  f"needs several samples per prompt), got {roll.n}")
     he = arr.hybrid_engine
-    if not 0 < he.resharding_buffer_percent < 1:
-        p.append(f"actor_rollout_ref.hybrid_engine.resharding_buffer_percent must be in (0, 1) (exclusive), got "
-                 f"{he.resharding_buffer_percent}; e.g. 0.1 reserves 10% of the model's bytes for reusable staging buffers")
+    if he.resharding_buffer_percent is not None:
+        p.append(BUFFER_PERCENT_REFUSED)
     p.enum("actor_rollout_ref.hybrid_engine.granularity", he.granularity, ["layer", "full"])
     for key, fc in [(f"{A}.fsdp_config", actor.fsdp_config), ("actor_rollout_ref.ref.fsdp_config", arr.ref.fsdp_config),
                     ("critic.fsdp_config", critic.fsdp_config), ("reward_model.fsdp_config", cfg.reward_model.fsdp_config)]:
@@ -496,6 +509,12 @@ def validate_config(cfg: HybridFlowConfig, kind: Literal["rl", "dpo"] = "rl") ->
                      "with reward_model.enable=true (use grpo, rloo, reinforce_plus_plus or gae)")
 
     max_pos = p.model("actor_rollout_ref.model", arr.model)
+    archs = model_json.get("architectures")
+    archs = [str(a) for a in archs] if isinstance(archs, list) else []
+    if archs and not any(a.endswith(_LM_HEADS) for a in archs):
+        p.append(f"actor_rollout_ref.model.path: {arr.model.path!r} is a {', '.join(archs)} checkpoint, not a causal LM; the "
+                 f"policy needs a causal-LM checkpoint (architectures ...ForCausalLM) to generate and train; a reward model "
+                 f"belongs in reward_model.model.path")
     if max_pos is not None and d.max_prompt_length + d.max_response_length > max_pos:
         p.append(f"data.max_prompt_length + data.max_response_length ({d.max_prompt_length}+"
                  f"{d.max_response_length}) exceeds the model's max_position_embeddings ({max_pos}); lower them")

@@ -53,6 +53,7 @@ BEHAVIOUR: dict[str, tuple[Any, str]] = {
     "actor_rollout_ref.model.use_liger": ((False,), f"Liger kernels are {_NOT_IMPL}"),
     "actor_rollout_ref.model.return_last_hidden_state": ((False,), _NOT_IMPL),
     "actor_rollout_ref.model.use_fused_loss": ((False,), f"fused losses are {_NOT_IMPL}"),
+    "actor_rollout_ref.actor.strategy": (("fsdp", "fsdp2"), "the actor trains with FSDP2"),
     "*.strategy": (("fsdp", "fsdp2"), "training is FSDP2"),
     "*.ppo_micro_batch_size": ((None,), "deprecated in verl; set ppo_micro_batch_size_per_gpu"),
     "*.log_prob_micro_batch_size": ((None,), "deprecated in verl; set log_prob_micro_batch_size_per_gpu"),
@@ -92,6 +93,9 @@ BEHAVIOUR: dict[str, tuple[Any, str]] = {
     "actor_rollout_ref.rollout.multi_turn.format": (("chatml",), f"multi-turn rollouts are {_NOT_IMPL}"),
     "critic.rollout_n": (ANY, "the critic reads actor_rollout_ref.rollout.n"),
     "critic.shuffle": ((False,), f"mini-batch shuffling is {_NOT_IMPL}"),
+    "actor_rollout_ref.actor.shuffle": ((False,), f"mini-batch shuffling is {_NOT_IMPL}"),
+    "reward_model.reward_manager": (("naive",), "rule rewards are scored one response at a time (verl's naive manager) by "
+                                                "custom_reward_function or the data_source dispatcher"),
     "reward_model.model.input_tokenizer": (ANY, "responses are always decoded with the policy's tokenizer and re-tokenized with the reward model's"),
     "reward_model.max_length": ((None,), f"truncating reward-model inputs is {_NOT_IMPL}"),
     "reward_model.launch_reward_fn_async": ((False,), f"{_NOT_IMPL}; the reward stage already overlaps with old log-probs in the DataFlow"),

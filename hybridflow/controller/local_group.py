@@ -40,8 +40,6 @@ def init_torchrun(device: str, timeout_s: float) -> tuple[int, int]:
         if device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
-    # The hybrid engine's node boundary (ranks of a node are consecutive, as torchrun numbers them).
-    os.environ.setdefault("HYBRIDFLOW_PROCS_PER_NODE", os.environ.get("LOCAL_WORLD_SIZE", str(dist.get_world_size())))
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -74,7 +72,7 @@ class LocalColocatedGroup:
         self._layouts: dict[str, list | None] = {}
         for method in registered_methods(self.worker_cls):
             call = functools.partial(self._call, method)
-            call.hf_pool = name  # the DataFlow scheduler reads it
+            call.pool_name = name  # the DataFlow scheduler reads it
             setattr(self, method, call)
 
     def _layout(self, method: str) -> list | None:
@@ -83,7 +81,7 @@ class LocalColocatedGroup:
                 self._layouts[method] = None
             else:
                 layouts: list = [None] * self.world_size
-                dist.all_gather_object(layouts, self.worker._hf_layout(method))
+                dist.all_gather_object(layouts, self.worker._group_layout(method))
                 self._layouts[method] = layouts
         return self._layouts[method]
 

@@ -35,7 +35,7 @@ class Worker:
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
 
     # ---- called by the worker group, not by users ----
-    def _hf_master_endpoint(self, host: str) -> tuple[str, int]:
+    def _group_master_endpoint(self, host: str) -> tuple[str, int]:
         """Rank 0 opens the rendezvous socket on `host` (its node IP) and keeps it for the store.
 
         Binding it ourselves (instead of env://, whose TCPStore listens on every interface)
@@ -48,18 +48,18 @@ class Worker:
         _STORE_SOCKET.listen(128)
         return host, _STORE_SOCKET.getsockname()[1]
 
-    def _hf_node_ip(self) -> str:
+    def _group_node_ip(self) -> str:
         import ray
 
         return ray.util.get_node_ip_address()
 
-    def _hf_set_env(self, env: dict[str, str]) -> None:
+    def _group_set_env(self, env: dict[str, str]) -> None:
         os.environ.update(env)
 
-    def _hf_pid(self) -> int:
+    def _group_pid(self) -> int:
         return os.getpid()
 
-    def _hf_layout(self, method: str) -> tuple[int, int, bool]:
+    def _group_layout(self, method: str) -> tuple[int, int, bool]:
         """This rank's data-parallel layout for `method` (see `register(..., layout=...)`)."""
         fn = getattr(type(self), method)
         role = getattr(fn, ROLE_ATTR, None)

@@ -25,25 +25,10 @@ import ray  # noqa: E402
 from ray.util.placement_group import placement_group, remove_placement_group  # noqa: E402
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: E402
 
-from hybridflow.config.schema import PoolSpec
+from hybridflow.config.schema import DEFAULT_WORKER_ENV, PoolSpec
 from hybridflow.controller.decorator import LAYOUT_ATTR, Dispatch, collect_results, dispatch_args
 from hybridflow.controller.resource_pool import bundle, missing_resources
 from hybridflow.controller.worker import colocated_worker_cls, registered_methods
-
-# Environment every worker process gets: one BLAS thread per worker (N workers share few
-# cores), gloo over loopback on a single node, no hub access, quiet tokenizers.
-WORKER_ENV = {
-    "OMP_NUM_THREADS": "1",
-    "MKL_NUM_THREADS": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    "HF_HUB_OFFLINE": "1",
-    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-    "TRANSFORMERS_VERBOSITY": "error",
-    # Every large tensor its own mmap, returned to the OS when freed: RSS then measures what the
-    # hybrid engine really holds (see hybrid_engine/memory.py).
-    "MALLOC_MMAP_THRESHOLD_": "65536",
-    "RAY_USAGE_STATS_ENABLED": "0",
-}
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None, resources: dict[str, float] | None = None) -> None:
@@ -140,9 +125,12 @@ class RayWorkerGroup:
     """N Ray actors of one worker class, called by the driver like one object."""
 
     def __init__(self, pool: ResourcePool, worker_cls: type, *, name: str = "wg", device: str = "cpu", env: dict[str, str] | None = None,
-                 straggler_timeout_s: float | None = None, **init_kwargs):
-        """straggler_timeout_s: once one rank of a call has finished, how long the others may take
-        (SPMD ranks finish together; trainer.collective_timeout_s). None: no limit."""
+                 worker_env: dict[str, str] | None = None, straggler_timeout_s: float | None = None, **init_kwargs):
+        """worker_env: every worker's environment (trainer.worker_env; None = its default,
+        DEFAULT_WORKER_ENV); env: extra variables on top of it. straggler_timeout_s: once one rank of
+        a call has finished, how long the others may take (SPMD ranks finish together;
+        trainer.collective_timeout_s). None: no limit."""
+        base_env = DEFAULT_WORKER_ENV if worker_env is None else worker_env
         self.pool = pool
         self.straggler_timeout_s = straggler_timeout_s
         self.world_size = pool.world_size
@@ -150,8 +138,7 @@ class RayWorkerGroup:
         remote_cls = ray.remote(worker_cls)
         self.workers = []
         for rank, (pg, bundle_index, local_rank) in enumerate(pool.slots()):
-            worker_env = {**WORKER_ENV, **(env or {}), "RANK": str(rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(local_rank),
-                          "HYBRIDFLOW_PROCS_PER_NODE": str(pool.procs_per_node)}  # ranks of a node are consecutive
+            worker_env = {**base_env, **(env or {}), "RANK": str(rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(local_rank)}
             options = {
                 "num_cpus": pool.bundle["CPU"],
                 "num_gpus": pool.bundle.get("GPU", 0),
@@ -161,20 +148,20 @@ class RayWorkerGroup:
             }
             self.workers.append(remote_cls.options(**options).remote(**init_kwargs))
         # Rendezvous: rank 0 names an address and a free port; everyone gets it before init.
-        node_ip = ray.get(self.workers[0]._hf_node_ip.remote())
-        master_addr, master_port = ray.get(self.workers[0]._hf_master_endpoint.remote(node_ip))
-        ray.get([w._hf_set_env.remote({"MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}) for w in self.workers])
+        node_ip = ray.get(self.workers[0]._group_node_ip.remote())
+        master_addr, master_port = ray.get(self.workers[0]._group_master_endpoint.remote(node_ip))
+        ray.get([w._group_set_env.remote({"MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}) for w in self.workers])
         self._layouts: dict[str, list] = {}
         for method, mode in registered_methods(worker_cls).items():
             call = functools.partial(self._call, method, mode)
-            call.hf_pool = getattr(pool, "name", "global_pool")  # the DataFlow scheduler reads it
+            call.pool_name = getattr(pool, "name", "global_pool")  # the DataFlow scheduler reads it
             setattr(self, method, call)
 
     def _layout(self, method: str) -> list | None:
         if getattr(getattr(self.worker_cls, method), LAYOUT_ATTR, None) is None:
             return None
         if method not in self._layouts:
-            self._layouts[method] = ray.get([w._hf_layout.remote(method) for w in self.workers])
+            self._layouts[method] = ray.get([w._group_layout.remote(method) for w in self.workers])
         return self._layouts[method]
 
     def submit(self, method: str, *args, **kwargs) -> "Pending":
@@ -190,7 +177,7 @@ class RayWorkerGroup:
         return self.submit(method, *args, **kwargs).result()
 
     def pids(self) -> list[int]:
-        return ray.get([w._hf_pid.remote() for w in self.workers])
+        return ray.get([w._group_pid.remote() for w in self.workers])
 
     def shutdown(self) -> None:
         for w in self.workers:

@@ -6,8 +6,8 @@ along its FSDP2 shard dim; generation rank d needs chunk d // (M / gen_tp) of ge
 parameter's TP dim (all of it when generation replicates it). A generation rank owns nothing of
 the new weights, so what it lacks is its whole slice: each training rank cuts out exactly the
 pieces `intersect(own[s], need[d])`, puts one object per destination into Ray's object store
-(`publish`), and each generation rank fetches only its own objects and copies every piece straight
-into its parameter buffers (`PoolReceiver.reshard`). Bytes received per generation rank = the bytes
+(`publish`), and each generation rank fetches only its own objects and hands them to its rollout
+backend as `WeightPiece`s (`PoolReceiver.pieces`), which copies them into its parameters. Bytes received per generation rank = the bytes
 of its generation slice: the minimum. The two pools share no torch.distributed group, so the
 object store (shared memory on one node, Ray's transfer across nodes) carries the pieces.
 """
@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from hybridflow.hybrid_engine.executor import crop, held_box, local, train_shard_dim
 from hybridflow.hybrid_engine.plan import Box, intersect, layer_of, shard_box, volume
 from hybridflow.hybrid_engine.trace import TraceRecorder
+from hybridflow.rollout.base import WeightPiece
 
 
 def need_box(shape: tuple[int, ...], gen_dim: int | None, gen_tp: int, dst_world: int, dst: int) -> Box:
@@ -35,10 +36,10 @@ def need_box(shape: tuple[int, ...], gen_dim: int | None, gen_tp: int, dst_world
 @torch.no_grad()
 def publish(train_model: nn.Module, gen_dims: dict[str, int | None], rank: int, world: int, gen_tp: int, dst_world: int) -> list:
     """Training rank `rank`: one object-store ref per generation rank with exactly the pieces of
-    this rank's shards that it needs: {name: [(box, tensor)]} (CPU tensors)."""
+    this rank's shards that it needs: {name: (whole shape, [(box, tensor)])} (CPU tensors)."""
     import ray
 
-    per_dst: list[dict[str, list]] = [{} for _ in range(dst_world)]
+    per_dst: list[dict[str, tuple]] = [{} for _ in range(dst_world)]
     for name, p in train_model.named_parameters():
         dim = train_shard_dim(p)
         own, shard = shard_box(tuple(p.shape), dim, world, rank), local(p.data)
@@ -48,7 +49,7 @@ def publish(train_model: nn.Module, gen_dims: dict[str, int | None], rank: int, 
                 continue
             box = intersect(own, need_box(p.shape, gen_dims[name], gen_tp, dst_world, d))
             if box:
-                per_dst[d].setdefault(name, []).append((box, crop(shard, box, own).detach().to("cpu", copy=True).contiguous()))
+                per_dst[d].setdefault(name, (tuple(p.shape), []))[1].append((box, crop(shard, box, own).detach().to("cpu", copy=True).contiguous()))
     return [ray.put(pieces) for pieces in per_dst]
 
 
@@ -71,66 +72,67 @@ def trained_fingerprints(train_model: nn.Module, gen_dims: dict[str, int | None]
     return out
 
 
-class PoolReceiver:
-    """The weight source of a generation-only rollout rank: pieces staged by `stage(refs)` are
-    copied into the generation model's buffers by `reshard()`."""
+def generation_fingerprints(params: dict[str, nn.Parameter]) -> dict[str, str]:
+    """{"name@box": digest} of a generation model's parameters, keyed by the slice each holds by
+    its own DTensor layout (`held_box`), not by the plan's boxes: compared with the trainer's
+    fingerprints of those slices (`trained_fingerprints`), a wrong box fails."""
+    return {f"{n}@{held_box(p.data)}": fingerprint(local(p.data)) for n, p in params.items()}
 
-    def __init__(self, gen_model: nn.Module, gen_dims: dict[str, int | None], gen_tp: int, rank: int, world: int):
-        self.gen = dict(gen_model.named_parameters())
+
+@torch.no_grad()
+def max_piece_diff(params: dict[str, nn.Parameter], pieces: list[WeightPiece]) -> float:
+    """max |parameter slice - piece| over the pieces pushed last (0.0: every piece is in place)."""
+    worst = 0.0
+    for piece in pieces:
+        p = params[piece.name].data
+        got = crop(local(p), piece.box, held_box(p)).cpu()
+        if not torch.equal(got, piece.tensor):
+            worst = max(worst, float((got - piece.tensor).abs().max()))
+    return worst
+
+
+class PoolReceiver:
+    """The weight source of a generation-only rollout rank: the pieces staged by `stage(refs)`,
+    fetched and streamed by `pieces()` (each a `WeightPiece` for the rollout backend)."""
+
+    def __init__(self, gen_shapes: dict[str, tuple[int, ...]], gen_dims: dict[str, int | None], gen_tp: int, rank: int, world: int):
         self.rank, self.world, self.gen_tp = rank, world, gen_tp
-        self.need = {n: need_box(p.shape, gen_dims[n], gen_tp, world, rank) for n, p in self.gen.items()}
+        self.need = {n: need_box(shape, gen_dims[n], gen_tp, world, rank) for n, shape in gen_shapes.items()}
         self.trace = TraceRecorder(rank)
-        self.acquired = True  # this pool only generates: its weights stay resident
         self._refs: list = []
-        self._last: dict[str, list] = {}
+        self.last_pieces: list[WeightPiece] = []
+        self.last_stats: dict = {}
         self.version = 0  # policy version of the weights held (number of syncs)
 
     def stage(self, refs_by_src: list[list]) -> None:
         """refs_by_src[s][d]: source rank s's object for destination rank d; keep ours."""
         self._refs = [refs[self.rank] for refs in refs_by_src]
 
-    @torch.no_grad()
-    def reshard(self, optimized: bool = True) -> dict:
+    def pieces(self):
+        """Fetch this rank's objects and yield their pieces; checks that they cover every
+        generation slice once the stream is consumed (stats in `last_stats`)."""
         import ray
 
         start = time.perf_counter()
         received = 0
         layers: dict[str, None] = {}
-        self._last = {}
-        for pieces in ray.get(self._refs):
-            for name, items in pieces.items():
+        self.last_pieces = []
+        for objs in ray.get(self._refs):
+            for name, (shape, items) in objs.items():
                 layers.setdefault(layer_of(name), None)
-                buf = local(self.gen[name].data)
                 for box, t in items:
+                    piece = WeightPiece(name, shape, box, t)
                     with self.trace.span(f"copy {layer_of(name)}", "copy"):
-                        crop(buf, box, self.need[name]).copy_(t)
+                        yield piece
                     received += volume(box) * t.element_size()
-                    self._last.setdefault(name, []).append((box, t))
-        covered = {n: sum(volume(b) for b, _ in self._last.get(n, [])) for n in self.gen}
-        short = [n for n in self.gen if covered[n] != volume(self.need[n])]
+                    self.last_pieces.append(piece)
+        covered = {n: 0 for n in self.need}
+        for piece in self.last_pieces:
+            covered[piece.name] += volume(piece.box)
+        short = [n for n in self.need if covered[n] != volume(self.need[n])]
         if short:
             raise RuntimeError(f"cross-pool weight sync: pieces do not cover the generation slices of {short[:3]}")
         self._refs = []
         self.version += 1
-        return {"seconds": time.perf_counter() - start, "bytes_received": received, "peak_extra_bytes": 0,
-                "layers": list(layers), "optimized": True, "version": self.version}
-
-    @torch.no_grad()
-    def max_abs_diff(self) -> float:
-        """max |generation buffer - the published trained pieces| (0.0 = bit-exact)."""
-        worst = 0.0
-        for name, items in self._last.items():
-            buf = local(self.gen[name].data)
-            for box, t in items:
-                got = crop(buf, box, self.need[name])
-                if not torch.equal(got.cpu(), t):
-                    worst = max(worst, float((got.cpu() - t).abs().max()))
-        return worst
-
-    def fingerprints(self) -> dict[str, str]:
-        """Keyed by the slice each parameter holds by its own DTensor layout (`held_box`), not by
-        the plan's boxes: compared with the trainer's fingerprints of those slices, a wrong box fails."""
-        return {f"{n}@{held_box(p.data)}": fingerprint(local(p.data)) for n, p in self.gen.items()}
-
-    def release(self) -> None:
-        pass  # nothing to free: a generation-only pool keeps its weights between syncs
+        self.last_stats = {"seconds": time.perf_counter() - start, "bytes_received": received, "peak_extra_bytes": 0,
+                           "layers": list(layers), "optimized": True, "version": self.version}

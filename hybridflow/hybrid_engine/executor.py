@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -33,15 +34,13 @@ from hybridflow.config.schema import HybridEngineConfig
 from hybridflow.hybrid_engine.memory import PeakMemory, allocation_bytes
 from hybridflow.hybrid_engine.plan import Box, ParamPlan, ReshardPlan, TrainLayout, fsdp_dim, intersect, volume
 from hybridflow.hybrid_engine.trace import TraceRecorder
+from hybridflow.parallel.dtensor import held_box, local  # noqa: F401  (re-exported)
+from hybridflow.rollout.base import WeightPiece
 
 logger = logging.getLogger("hybridflow")
 
 # torch 2.13 renamed all_gather_into_tensor (same semantics); keep older releases working.
 _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _own_storage(p: nn.Parameter) -> None:
@@ -52,17 +51,6 @@ def _own_storage(p: nn.Parameter) -> None:
         p.data = DTensor.from_local(d.to_local().clone(), d.device_mesh, d.placements, run_check=False, shape=d.shape, stride=d.stride())
     else:
         p.data = p.data.clone()
-
-
-def held_box(t: torch.Tensor) -> Box:
-    """The box of the global tensor that this rank's piece of `t` covers, by `t`'s own layout
-    (a DTensor's mesh coordinate and placements; a plain tensor covers all of itself)."""
-    if not isinstance(t, DTensor):
-        return tuple((0, n) for n in t.shape)
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    return tuple((o, o + n) for o, n in zip(offset, shape))
 
 
 def crop(t: torch.Tensor, box: Box, origin: Box) -> torch.Tensor:
@@ -82,7 +70,8 @@ def train_shard_dim(p: torch.Tensor) -> int | None:
 
 
 def build_plan(train_model: nn.Module, gen_shard_dims: dict[str, int | None], gen_tp: int, procs_per_node: int | None = None,
-               layout: TrainLayout | None = None, full_shapes: dict[str, tuple[tuple[int, ...], int]] | None = None) -> ReshardPlan:
+               layout: TrainLayout | None = None, full_shapes: dict[str, tuple[tuple[int, ...], int]] | None = None,
+               consecutive: bool = False) -> ReshardPlan:
     """The plan for this FSDP2 model, with each parameter's training shard dim as FSDP2 placed it.
 
     3D layouts (`layout` with pp or tp > 1): `full_shapes` = {FQN: (shape, itemsize)} of the WHOLE
@@ -90,31 +79,41 @@ def build_plan(train_model: nn.Module, gen_shard_dims: dict[str, int | None], ge
     over dp along `plan.fsdp_dim` (`parallel/layout.py` places it there)."""
     if layout is not None and not (layout.pp == layout.tp == 1):
         shapes = {n: (shape, itemsize, fsdp_dim(shape, gen_shard_dims[n], layout), gen_shard_dims[n]) for n, (shape, itemsize) in full_shapes.items()}
-        return ReshardPlan.build(shapes, dist.get_world_size(), gen_tp, procs_per_node, layout=layout)
+        return ReshardPlan.build(shapes, dist.get_world_size(), gen_tp, procs_per_node, layout=layout, consecutive=consecutive)
     shapes = {}
     for n, p in train_model.named_parameters():
         shapes[n] = (tuple(p.shape), p.element_size(), train_shard_dim(p), gen_shard_dims[n])
-    return ReshardPlan.build(shapes, dist.get_world_size(), gen_tp, procs_per_node)
+    return ReshardPlan.build(shapes, dist.get_world_size(), gen_tp, procs_per_node, consecutive=consecutive)
 
 
 class HybridEngine:
-    def __init__(self, train_model: nn.Module, gen_model: nn.Module, gen_shard_dims: dict[str, int | None], gen_tp: int, cfg: HybridEngineConfig, device: str,
-                 procs_per_node: int | None = None, layout: TrainLayout | None = None, full_shapes: dict | None = None):
-        """layout / full_shapes: a 3D training layout (see `build_plan`); None = FSDP over the group."""
+    def __init__(self, train_model: nn.Module, gen_model: nn.Module | dict | None, gen_shard_dims: dict[str, int | None], gen_tp: int, cfg: HybridEngineConfig,
+                 device: str, procs_per_node: int | None = None, layout: TrainLayout | None = None, full_shapes: dict | None = None,
+                 consecutive: bool = False):
+        """gen_model: the generation model, or its {name: parameter} (the backend's own storages: the
+        switch writes there in place), or None: the engine keeps this rank's generation slices in
+        buffers of its own and `pieces()` hands them to the backend. layout / full_shapes: a 3D
+        training layout (see `build_plan`); None = FSDP over the group. consecutive: generation TP
+        groups of consecutive ranks (vLLM's launcher) instead of HybridFlow's strided grouping."""
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.layout = layout or TrainLayout(dp=self.world)
         self.cfg = cfg
         self.device = device
         self.train_model = train_model
         self.train = self._sharded_params()
-        self.gen = dict(gen_model.named_parameters())
-        for p in self.gen.values():
-            _own_storage(p)
-        self.plan = build_plan(train_model, gen_shard_dims, gen_tp, procs_per_node, self.layout, full_shapes)
+        self.plan = build_plan(train_model, gen_shard_dims, gen_tp, procs_per_node, self.layout, full_shapes, consecutive)
         dtypes = {p.dtype for p in self.train.values()}
         if len(dtypes) != 1:
             raise ValueError(f"the hybrid engine expects one parameter dtype, found {dtypes}")
         self.dtype = dtypes.pop()
+        if gen_model is None:  # staged: this rank's generation slice of every parameter
+            self.gen = {p.name: nn.Parameter(torch.empty([hi - lo for lo, hi in p.need[self.rank]], dtype=self.dtype, device=device), requires_grad=False)
+                        for p in self.plan.params}
+        else:
+            self.gen = dict(gen_model) if isinstance(gen_model, dict) else dict(gen_model.named_parameters())
+        self.staged = gen_model is None
+        for p in self.gen.values():
+            _own_storage(p)
         k = self.plan.k
         # Every rank creates every micro-DP group, in the same order (a torch.distributed rule).
         self.micro_group = None
@@ -129,8 +128,8 @@ class HybridEngine:
         self.frozen_synced = False
         self.trace = TraceRecorder(self.rank)
         self.acquired = True
-        # The reusable staging buffer: resharding_buffer_percent of the model, and at least the
-        # largest layer's staging need so layer granularity never allocates.
+        # The reusable staging buffer: exactly two slots of the largest layer's staging need, so
+        # layer granularity never allocates.
         itemsize = torch.empty(0, dtype=self.dtype).element_size()
         per_layer = {}
         for p in self.plan.params:
@@ -140,9 +139,8 @@ class HybridEngine:
         self.slot_numel = max([1, *per_layer.values()])
         self.layer_staging_bytes = (2 if cfg.granularity == "layer" else 1) * max(per_layer.values()) * itemsize
         self.gen_allocation_bytes = sum(allocation_bytes(p.gen_bytes(self.rank), device) for p in self.plan.params)
-        want = int(cfg.resharding_buffer_percent * self.plan.model_bytes() / itemsize)
         # Only layer granularity uses it; full granularity allocates its temporaries per switch.
-        size = max(want, 2 * self.slot_numel) if cfg.granularity == "layer" else 1
+        size = 2 * self.slot_numel if cfg.granularity == "layer" else 1
         self.staging = torch.empty(size, dtype=self.dtype, device=device)
 
     def _sharded_params(self) -> dict[str, nn.Parameter]:
@@ -170,8 +168,6 @@ class HybridEngine:
         return 0
 
     def acquire(self) -> None:
-        if self.acquired:
-            return
         for t in self.gen_buffers():
             if t.untyped_storage().nbytes() == 0:
                 t.untyped_storage().resize_(t.numel() * t.element_size())
@@ -382,6 +378,14 @@ class HybridEngine:
             "optimized": optimized,
         }
 
+    def pieces(self, optimized: bool = True) -> "Iterator[WeightPiece]":
+        """The weight stream for this rank's rollout backend: runs the switch (`reshard`; its
+        measured stats in `self.last_stats`), then yields one piece per parameter: its generation
+        slice (the plan's box). In place (the backend's own storages) the pieces alias them."""
+        self.last_stats = self.reshard(optimized=optimized)
+        for p in self.plan.params:
+            yield WeightPiece(p.name, p.shape, p.need[self.rank], local(self.gen[p.name].data))
+
     def _reshard_layers(self, layers: list[tuple[str, list[ParamPlan]]], optimized: bool) -> int:
         """Layer granularity, optimized: layer i+1's coalesced collectives (all-gathers and the
         exchange) are in flight while layer i is copied into place (two staging slots, alternating)."""
@@ -418,6 +422,9 @@ class HybridEngine:
         tensor is gathered from the training module (DTensor's full_tensor), and the slice this
         rank must hold comes from the generation parameter's own DTensor layout (`held_box`), not
         from the plan's boxes, so a wrong plan box fails it."""
+        if self.staged:
+            raise ValueError("the weight check needs the generation model's own parameters (the engine writes there in place); "
+                             "staged pieces are checked by the backend's log-prob agreement")
         worst = 0.0
         self.train = self._sharded_params()
         for p in self.plan.params:

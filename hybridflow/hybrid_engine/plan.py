@@ -228,10 +228,12 @@ class ReshardPlan:
 
     @classmethod
     def build(cls, shapes: dict[str, tuple[tuple[int, ...], int, int | None, int | None]], world_size: int, gen_tp: int,
-              procs_per_node: int | None = None, layout: TrainLayout | None = None) -> "ReshardPlan":
+              procs_per_node: int | None = None, layout: TrainLayout | None = None, consecutive: bool = False) -> "ReshardPlan":
         """shapes: name -> (shape, itemsize, training (FSDP) shard dim or None (replicated), generation
         shard dim or None (replicated)), in module order. `layout`: a 3D training layout over
-        `world_size` ranks (None: FSDP over all of them)."""
+        `world_size` ranks (None: FSDP over all of them). consecutive: generation TP groups of
+        consecutive ranks (rank r has TP index r % gen_tp: vLLM's launcher), moved by the general
+        exchange; default: HybridFlow's grouping (`gen_coords`)."""
         if gen_tp < 1 or world_size % gen_tp:
             raise ValueError(f"gen_tp={gen_tp} must divide the world size {world_size}")
         layout = layout or TrainLayout(dp=world_size)
@@ -242,12 +244,12 @@ class ReshardPlan:
             raise ValueError(f"gen_tp={gen_tp} does not fit the training layout {layout.label}: it must divide tp*dp={m} "
                              f"or be tp*dp times a divisor of pp={layout.pp}")
         plan = cls(world_size, gen_tp, procs_per_node or world_size)
-        fsdp_only = layout.pp == layout.tp == 1
+        fsdp_only = layout.pp == layout.tp == 1 and not consecutive
         num_layers = len({layer_of(n) for n in shapes if layer_of(n).startswith("layers.")})
         if num_layers % layout.pp:
             raise ValueError(f"{num_layers} decoder layers do not split into pp={layout.pp} equal stages")
         coords = [layout.coords(r) for r in range(world_size)]
-        gen = gen_coords(layout, gen_tp)
+        gen = [(r % gen_tp, r // gen_tp) for r in range(world_size)] if consecutive else gen_coords(layout, gen_tp)
         memo: dict[tuple, tuple] = {}  # every layer of one stage has the same boxes
         for name, (shape, itemsize, train_dim, gen_dim) in shapes.items():
             shape = tuple(shape) or (1,)

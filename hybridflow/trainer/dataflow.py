@@ -60,7 +60,7 @@ from hybridflow.protocol import Batch
 
 StageFn = Callable[..., Optional[object]]
 DRIVER = "driver"
-POOL_ATTR = "hf_pool"  # set on worker-group methods: the name of the pool they run on
+POOL_ATTR = "pool_name"  # set on worker-group methods: the name of the pool they run on
 
 
 @dataclass

@@ -80,7 +80,8 @@ class PolicyGroup:
         self.pool = place_pools({name: PoolSpec(workers_per_node=num_workers)}, cfg.ray_init.cpus_per_worker, device)[name]
         self.group = None
         try:
-            self.group = ColocatedWorkerGroup(self.pool, {"actor": (ActorRolloutRefWorker, {"config": cfg, "role": role})}, name=name, device=device)
+            self.group = ColocatedWorkerGroup(self.pool, {"actor": (ActorRolloutRefWorker, {"config": cfg, "role": role})}, name=name, device=device,
+                                             worker_env=cfg.trainer.worker_env)
             self.actor = self.group.role("actor")
             self.actor.init_model()
         except BaseException:
@@ -109,7 +110,7 @@ class PolicyGroup:
                 return self.actor.update_actor(batch, **kwargs)
         else:
             fn = getattr(self.actor, method)
-        fn.hf_pool = self.pool.name
+        fn.pool_name = self.pool.name
         return fn
 
     def close(self) -> None:

@@ -4,7 +4,7 @@
     trainer = PPOTrainer(actor_model="runs/sft_model", critic_model=None,          # None: GRPO (critic-free)
                          parallel_config="configs/parallel_dp2_tp2.yaml",  # or a dict of its keys
                          enable_resharding_opt=True,
-                         resharding_overlap_with_compute=True, resharding_buffer_percent=0.1,
+                         resharding_overlap_with_compute=True,  # next batch prepared while the workers reshard
                          data={"train_files": ["runs/data/train.parquet"]},         # a section as a dict
                          **{"trainer.total_training_steps": 20})                    # or dotted keys
     trainer.fit()

@@ -53,7 +53,7 @@ def run_rm(cfg: RewardTrainConfig, log_every: int = 25) -> dict:
         wg = RayWorkerGroup(pool, RewardModelWorker, name=f"rm_{os.getpid()}", model=cfg.model, fsdp=cfg.fsdp_config,
                             micro_batch_size=cfg.micro_batch_size_per_gpu, device=t.device, seed=t.seed, optim=cfg.optim,
                             grad_clip=cfg.grad_clip, total_training_steps=cfg.total_steps, margin=cfg.margin,
-                            collective_timeout_s=t.collective_timeout_s)
+                            collective_timeout_s=t.collective_timeout_s, worker_env=t.worker_env)
         tracker = Tracker([x for x in t.logger if x == "jsonl"], t.log_dir or cfg.save_dir)
         wg.init_model()
         first = validate()

@@ -70,8 +70,8 @@ class RLTrainer:
     def __init__(self, cfg: HybridFlowConfig, parallel_config: str | dict | ParallelConfig | None = None, **engine_kwargs):
         """parallel_config: a parallel config file, a dict of its keys or a ParallelConfig, mapped
         onto `cfg` (only the keys it sets); engine_kwargs: hybrid-engine switches
-        (enable_resharding_opt, resharding_overlap_with_compute, resharding_buffer_percent,
-        granularity). Both are applied before validation."""
+        (enable_resharding_opt, resharding_overlap_with_compute, granularity). Both are applied
+        before validation."""
         from hybridflow.config.parallel import apply_engine_kwargs, apply_parallel_config, as_parallel_config
 
         if parallel_config is not None:
@@ -151,17 +151,18 @@ class RLTrainer:
                 raise ConfigError(f"torchrun started {world} processes but trainer.nnodes * trainer.n_gpus_per_node = "
                                   f"{t.nnodes} * {t.n_gpus_per_node}; make them equal (--nnodes / --nproc_per_node)")
             name = self.role_pool[Role.ACTOR_ROLLOUT]
-            self.groups[name] = LocalColocatedGroup(self._role_classes(list(self.role_pool)), name=name)
+            # torchrun numbers the ranks of a node consecutively, n_gpus_per_node of them (checked above)
+            self.groups[name] = LocalColocatedGroup(self._role_classes(list(self.role_pool), t.n_gpus_per_node), name=name)
         else:
             init_ray(ri.address, ri.num_cpus, ri.resources or None)
             specs = pool_specs(self.cfg)
             # Checked against the cluster before any placement group or worker: never a hang.
             self.pools = place_pools({name: specs[name] for name in dict.fromkeys(self.role_pool.values())}, ri.cpus_per_worker, device)
         for name, pool in self.pools.items():
-            classes = self._role_classes([r for r, p in self.role_pool.items() if p == name])
+            classes = self._role_classes([r for r, p in self.role_pool.items() if p == name], pool.procs_per_node)
             try:
                 self.groups[name] = ColocatedWorkerGroup(pool, classes, name=f"{t.experiment_name}_{name}_{os.getpid()}", device=device,
-                                                         straggler_timeout_s=t.collective_timeout_s)
+                                                         worker_env=t.worker_env, straggler_timeout_s=t.collective_timeout_s)
             except BaseException:
                 self.shutdown()  # release every pool and the groups already started
                 raise
@@ -178,8 +179,9 @@ class RLTrainer:
             p.result()
         self.plan_summary = None if self.async_rollout else self.actor.reshard_plan()
 
-    def _role_classes(self, roles: list[Role]) -> dict[str, tuple[type, dict]]:
-        """The worker classes (and their arguments) that hold `roles` in one process."""
+    def _role_classes(self, roles: list[Role], procs_per_node: int) -> dict[str, tuple[type, dict]]:
+        """The worker classes (and their arguments) that hold `roles` in one process; procs_per_node:
+        the pool's ranks per node (consecutive), the hybrid engine's node boundary."""
         from hybridflow.workers.actor_rollout_ref import ActorRolloutRefWorker
         from hybridflow.workers.critic import CriticWorker
         from hybridflow.workers.reward_model import RewardModelWorker
@@ -189,7 +191,7 @@ class RLTrainer:
         classes: dict[str, tuple[type, dict]] = {}
         if Role.ACTOR_ROLLOUT in roles:
             role = "actor" + ("" if self.async_rollout else "_rollout") + ("_ref" if Role.REF in roles else "")
-            classes["actor"] = (ActorRolloutRefWorker, {"config": self.cfg, "role": role, "total_training_steps": steps})
+            classes["actor"] = (ActorRolloutRefWorker, {"config": self.cfg, "role": role, "total_training_steps": steps, "procs_per_node": procs_per_node})
         elif Role.REF in roles:
             classes["ref"] = (ActorRolloutRefWorker, {"config": self.cfg, "role": "ref"})
         if Role.ROLLOUT in roles:

@@ -45,7 +45,7 @@ def run_sft(cfg: SFTConfig, log_every: int = 50) -> dict:
     else:
         init_ray(cfg.ray_init.address, cfg.ray_init.num_cpus)
         pool = ResourcePool(t.nnodes, t.n_gpus_per_node, cfg.ray_init.cpus_per_worker)
-        wg = RayWorkerGroup(pool, ActorRolloutRefWorker, name=f"sft_{os.getpid()}", **kwargs)
+        wg = RayWorkerGroup(pool, ActorRolloutRefWorker, name=f"sft_{os.getpid()}", worker_env=t.worker_env, **kwargs)
     tracker = Tracker([x for x in t.logger if x == "jsonl"] if main else [], t.log_dir or cfg.save_dir)
     try:
         wg.init_model()

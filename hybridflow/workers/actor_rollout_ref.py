@@ -26,13 +26,14 @@ from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.controller.decorator import Dispatch, register
 from hybridflow.controller.worker import Worker, pick_device
 from hybridflow.hybrid_engine import cross_pool
-from hybridflow.hybrid_engine.executor import HybridEngine, build_plan
+from hybridflow.hybrid_engine.executor import HybridEngine
+from hybridflow.hybrid_engine.memory import rss_bytes
 from hybridflow.hybrid_engine.plan import TrainLayout
 from hybridflow.parallel.fsdp import shard_numel
 from hybridflow.parallel.layout import build_train_model, parallel_dims
 from hybridflow.parallel.tensor_parallel import gen_shard_dims
 from hybridflow.protocol import Batch
-from hybridflow.rollout.base import position_ids_from, response_lengths  # noqa: F401  (re-exported)
+from hybridflow.rollout.base import RolloutContext, make_rollout, position_ids_from, response_lengths  # noqa: F401  (re-exported)
 from hybridflow.utils.checkpoint import load_sharded, save_sharded
 from hybridflow.workers.fsdp_model import load_hf_model, micro_batches, response_logits, save_hf_checkpoint
 from hybridflow.workers.optim import build_optimizer, build_scheduler, clip_and_step
@@ -44,9 +45,12 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
     """role: "actor_rollout_ref" / "actor_rollout" (RL, with / without the reference), "actor_ref" /
     "actor" (the rollout on another pool; "actor" is also SFT), "ref" (the reference alone)."""
 
-    def __init__(self, config: HybridFlowConfig, role: str = "actor_rollout_ref", total_training_steps: int = 1):
+    def __init__(self, config: HybridFlowConfig, role: str = "actor_rollout_ref", total_training_steps: int = 1, procs_per_node: int | None = None):
+        """procs_per_node: ranks per node of this worker's pool (consecutive), the hybrid engine's
+        node boundary; None = all on one node."""
         super().__init__()
         self.cfg = config
+        self.procs_per_node = procs_per_node or self.world_size
         self.role = role
         self.total_training_steps = total_training_steps
         self.device = pick_device(config.trainer.device)
@@ -106,33 +110,43 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
         self.scheduler = build_scheduler(self.optimizer, acfg.optim, self.total_training_steps)
 
     def _init_rollout(self, mcfg) -> None:
-        """The colocated rollout backend (the worker calls only its interface)."""
+        """The colocated rollout backend, by name, and the hybrid engine that feeds it: the
+        engine writes into the backend's own storages when it offers them (HF), else stages this
+        rank's slices for it (vLLM); the worker calls only the backend's interface."""
         rcfg = self.cfg.actor_rollout_ref.rollout
-        procs_per_node = int(os.environ.get("HYBRIDFLOW_PROCS_PER_NODE", self.world_size))
-        if rcfg.name == "vllm":
-            from hybridflow.rollout.vllm_rollout import VLLMRollout
-
-            # vLLM's external launcher groups TP ranks consecutively: {0..tp-1}, {tp..2tp-1}, ...
-            self._set_gen_layout(rcfg.tensor_model_parallel_size, consecutive=True)
-            max_len = self.cfg.data.max_prompt_length + self.cfg.data.max_response_length
-            self.rollout = VLLMRollout(mcfg.path, mcfg.dtype, max_len, self.cfg.trainer.seed, self.device, rcfg.gpu_memory_utilization, rcfg.cpu_kv_cache_gb,
-                                       tokenizer=self.tokenizer, train_model=self.actor, dp_index=self.dp_index, tensor_parallel_size=self.gen_tp)
-            self.plan = build_plan(self.actor, self.gen_dims, 1, procs_per_node)
-        else:
-            from hybridflow.rollout.hf_rollout import HFRollout
-
-            self._set_gen_layout(rcfg.tensor_model_parallel_size, self.train_layout)
-            he = self.cfg.actor_rollout_ref.hybrid_engine
-            model = self._tp_model(mcfg, self.device)
-            self.engine = HybridEngine(self.actor, model, self.gen_dims, self.gen_tp, he, self.device, procs_per_node, self.train_layout, self.full_shapes)
-            self.plan = self.engine.plan
-            self.rollout = HFRollout(model, self.tokenizer, self.device, self.dp_index, self.engine, he.enable_resharding_opt)
+        ctx = RolloutContext(self.cfg, self.tokenizer, self.device, self.rank, self.world_size, self.train_layout, self.gen_dims)
+        self.rollout = make_rollout(rcfg.name, ctx)
+        lay = self.rollout.layout()
+        he = self.cfg.actor_rollout_ref.hybrid_engine
+        self.engine = HybridEngine(self.actor, lay.buffers, lay.shard_dims, lay.gen_tp, he, self.device, self.procs_per_node, self.train_layout,
+                                   self.full_shapes, consecutive=lay.consecutive)
+        if lay.buffers is not None:  # the engine writes into the backend's storages: it also frees / re-acquires them
+            self.rollout.memory = self.engine
+        self.plan = self.engine.plan
 
     # ------------------------------------------------------------------ weight sync
     @register(Dispatch.ONE_TO_ALL)
     def reshard(self, measure_baseline: bool = False, check: bool = False, trace: bool = False) -> dict:
-        """Training -> generation layout through the rollout backend; measured stats of this rank."""
-        return self.rollout.sync_weights(measure_baseline=measure_baseline, check=check, trace=trace)
+        """Training -> generation layout: the engine's pieces pushed into the rollout backend.
+        measure_baseline also runs (and times) the naive path first; check compares every
+        generation parameter with the trained weights (`HybridEngine.max_abs_diff`; not for staged
+        pieces: vLLM repacks them, its check is the log-prob agreement); trace returns Chrome-trace
+        events. Measured stats of this rank."""
+        engine = self.engine
+        engine.trace.enabled = trace
+        out: dict = {}
+        if measure_baseline:
+            out["baseline"] = engine.reshard(optimized=False)
+        self.rollout.wake()
+        loaded = self.rollout.update_weights(engine.pieces(optimized=self.cfg.actor_rollout_ref.hybrid_engine.enable_resharding_opt))
+        out.update(engine.last_stats)
+        out.update({f"load_{k}" if k in out else k: v for k, v in loaded.items()})
+        if check and not engine.staged:
+            out["max_diff"] = engine.max_abs_diff()
+        out["rss_bytes"] = rss_bytes()
+        if trace:
+            out["trace"] = engine.trace.drain()
+        return out
 
     @register(Dispatch.ONE_TO_ALL)
     def publish_weights(self, gen_tp: int, dst_world: int) -> list:
@@ -147,7 +161,7 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
 
     @register(Dispatch.RANK_ZERO)
     def reshard_plan(self) -> dict:
-        return self.plan.summary(self.engine.frozen if hasattr(self, "engine") else frozenset())
+        return self.plan.summary(self.engine.frozen)
 
     @register(Dispatch.ONE_TO_ALL)
     def rollout_weight_max_diff(self) -> float:

@@ -1,0 +1,24 @@
+"""Two small DTensor helpers shared by the weight sources and the rollout backends."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+Box = tuple[tuple[int, int], ...]  # per dim [lo, hi) of the whole tensor
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of `t` (a plain tensor is its own piece)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def held_box(t: torch.Tensor) -> Box:
+    """The box of the global tensor that this rank's piece of `t` covers, by `t`'s own layout
+    (a DTensor's mesh coordinate and placements; a plain tensor covers all of itself)."""
+    if not isinstance(t, DTensor):
+        return tuple((0, n) for n in t.shape)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return tuple((o, o + n) for o, n in zip(offset, shape))
