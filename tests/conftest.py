@@ -11,7 +11,51 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 _TESTS = os.path.dirname(os.path.abspath(__file__))
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_TESTS, os.environ.get("PYTHONPATH")) if p)
 
+import inspect  # noqa: E402
+
 import pytest  # noqa: E402
+
+# `slow` means: the test starts Ray, torchrun or a multi-process torch.distributed group. It is
+# computed here, not written by hand: a test is slow when it uses the session Ray cluster (directly
+# or through a fixture) or its source starts processes in one of these ways. `scripts/test.sh --fast`
+# runs the rest; `_fast_tests_start_no_processes` below fails a fast test that starts Ray or a
+# process group anyway, so the rule cannot drift.
+_STARTS_PROCESSES = ("mp.spawn", "start_processes", "run_torchrun", "torch.distributed.run", "_torchrun(", ".fit(", "init_workers(",
+                     "run_sft(", "run_reward_model(", "demo_main(", "quickstart", "bench.", "hybridflow.demo", "RewardModelTrainer(",
+                     "DPOTrainer(", "DataFlow(config=", "--calibrate", "_spawn(")
+
+
+def _starts_processes(item) -> bool:
+    if "ray_cluster" in getattr(item, "fixturenames", ()) or item.get_closest_marker("vllm"):
+        return True
+    try:
+        src = inspect.getsource(item.function)
+    except (OSError, TypeError):
+        return False
+    return any(p in src for p in _STARTS_PROCESSES)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _starts_processes(item):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(autouse=True)
+def _fast_tests_start_no_processes(request):
+    """A test not marked slow must not leave Ray or a torch.distributed group started."""
+    yield
+    if request.node.get_closest_marker("slow"):
+        return
+    import sys
+
+    ray = sys.modules.get("ray")
+    dist = sys.modules.get("torch.distributed")
+    started = [name for name, on in (("Ray", ray is not None and ray.is_initialized()),
+                                      ("a torch.distributed group", dist is not None and dist.is_available() and dist.is_initialized())) if on]
+    if started:
+        pytest.fail(f"{request.node.nodeid} is not marked slow but started {' and '.join(started)}: add its way of starting processes "
+                    f"to tests/conftest.py _STARTS_PROCESSES", pytrace=False)
 
 
 @pytest.fixture(scope="session")

@@ -466,3 +466,35 @@ def test_worker_env_is_validated(world, env, expected):
     assert expected in _problems(world)
     with pytest.raises(ConfigError, match=r"trainer\.worker_env\.OMP_NUM_THREADS must be str, got 4 \(int\)"):
         load_config(None, ["trainer.worker_env.OMP_NUM_THREADS=4"])
+
+
+def test_shipped_configs_validate_as_the_readme_uses_them(tmp_path, monkeypatch):
+    """Every shipped config, as written, over what `hybridflow make-data runs/data` and
+    `hybridflow make-model runs/tiny_model` (and the SFT model the README trains) create; each
+    parallel config over grpo_tiny.yaml with its worker count."""
+    import shutil
+
+    from hybridflow.config import validate_rm_config, validate_sft_config
+    from hybridflow.config.parallel import apply_parallel_config, load_parallel_config
+    from hybridflow.data.tasks import make_max_task
+    from hybridflow.models.tiny import make_tiny_model
+
+    make_max_task(tmp_path / "runs" / "data")
+    make_tiny_model(tmp_path / "runs" / "tiny_model")
+    shutil.copytree(tmp_path / "runs" / "tiny_model", tmp_path / "runs" / "sft_model")
+    monkeypatch.chdir(tmp_path)
+    configs = os.path.join(ROOT, "configs")
+    validate_config(load_config(os.path.join(configs, "grpo_tiny.yaml")))
+    validate_config(load_config(os.path.join(configs, "ppo_tiny.yaml")))
+    validate_config(load_config(os.path.join(configs, "dpo_tiny.yaml")), "dpo")
+    validate_sft_config(load_config(os.path.join(configs, "sft_tiny.yaml"), schema=SFTConfig))
+    validate_rm_config(load_config(os.path.join(configs, "rm_tiny.yaml"), schema=RewardTrainConfig))
+    parallel = sorted(glob.glob(os.path.join(configs, "parallel_*.yaml")))
+    assert len(parallel) >= 4
+    for path in parallel:
+        p = load_parallel_config(path)
+        world = (p.pipeline_parallel_size or 1) * (p.model_parallel_size or 1) * p.data_parallel_size
+        # grpo_tiny's 64 sequences per step over dp 4 is 16 per worker: its micro-batch of 32 must shrink
+        extra = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16"] if p.data_parallel_size == 4 else []
+        base = load_config(os.path.join(configs, "grpo_tiny.yaml"), [f"trainer.n_gpus_per_node={world}", *extra])
+        validate_config(apply_parallel_config(base, p))

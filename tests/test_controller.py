@@ -12,7 +12,6 @@ from hybridflow.controller.worker import Worker
 from hybridflow.controller.worker_group import ColocatedWorkerGroup, RayWorkerGroup, ResourcePool
 from hybridflow.protocol import Batch
 
-pytestmark = pytest.mark.slow
 
 
 class EchoWorker(Worker):

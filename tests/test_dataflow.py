@@ -170,6 +170,8 @@ def test_stages_on_disjoint_pools_overlap_same_pool_serialises():
     batch, metrics = flow.run(x)
     wall = time.perf_counter() - start
     t = {r.name: r for r in flow.timeline}
+    # Concurrency is shown by the order of recorded times (B starts before A ends), never by a
+    # wall-clock total, which a loaded machine stretches.
     assert {r.pool for r in flow.timeline} == {"actor", "critic", "driver"}
     assert overlaps(t["values"], t["old_log_prob"])
     assert overlaps(t["update_critic"], t["update_actor"])
@@ -178,9 +180,10 @@ def test_stages_on_disjoint_pools_overlap_same_pool_serialises():
     assert [r.name for r in actor] == ["old_log_prob", "ref", "update_actor", "reshard"]
     assert all(a.end <= b.start for a, b in zip(actor, actor[1:]))
     assert t["adv"].start >= max(t["old_log_prob"].end, t["values"].end, t["ref"].end)
-    assert wall < 1.2 * (0.3 * 3 + 0.05 * 2) + 0.3  # sequential would be 1.6 s
-    assert metrics["perf/pool_busy/actor"] > metrics["perf/pool_busy/critic"] > 0
-    assert metrics["timing_s/dataflow"] == pytest.approx(wall, abs=0.1)
+    assert metrics["perf/pool_busy/actor"] > 0 and metrics["perf/pool_busy/critic"] > 0
+    # the flow's own timing spans every stage and lies within the caller's measurement
+    span = max(r.end for r in flow.timeline) - min(r.start for r in flow.timeline)
+    assert span <= metrics["timing_s/dataflow"] <= wall
 
 
 def test_driver_stage_runs_while_worker_stage_in_flight():
@@ -287,11 +290,19 @@ def test_a_failing_stage_raises_without_waiting_for_other_pools():
     def boom(b):
         raise RuntimeError("reward function broke")
 
+    import threading
+
+    done = threading.Event()
+
+    def long(b):
+        time.sleep(3.0)
+        done.set()
+        return Batch.from_dict(tensors={"a": torch.zeros(len(b))})
+
     flow = DataFlow([
-        Stage("long", sleeper("long", 3.0, [], ["a"]), ["x"], ["a"], pool="critic"),
+        Stage("long", long, ["x"], ["a"], pool="critic"),
         Stage("reward", boom, ["x"], ["b"]),
     ])
-    start = time.perf_counter()
     with pytest.raises(RuntimeError, match="reward function broke"):
         flow.run(Batch.from_dict(tensors={"x": torch.zeros(2)}))
-    assert time.perf_counter() - start < 2.0
+    assert not done.is_set()  # raised while the other pool's stage was still running

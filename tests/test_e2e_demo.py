@@ -11,7 +11,6 @@ import pytest
 from hybridflow.cli import main as cli_main
 
 
-@pytest.mark.slow
 def test_demo_learns_on_held_out_prompts_with_gen_tp_1_and_2(ray_cluster, tmp_path):
     out = tmp_path / "demo"
     assert cli_main(["demo", "--output-dir", str(out), "--rl-steps", "40", "trainer.progress_bar=false"]) == 0

@@ -188,7 +188,9 @@ def test_an_actor_worker_killed_mid_training_stops_the_run_naming_it(tiny_model_
         pids = trainer.wg.pids()
         thread = threading.Thread(target=fit)
         thread.start()
+        deadline = time.time() + 300
         while trainer.global_step < 2:
+            assert thread.is_alive() and time.time() < deadline, f"the run stopped or stalled before step 2: {errors}"
             time.sleep(0.01)
         os.kill(pids[1], signal.SIGKILL)
         start = time.time()

@@ -15,7 +15,6 @@ from conftest import rl_overrides
 from hybridflow.config import HybridFlowConfig, load_config
 from hybridflow.trainer.rl import RLTrainer
 
-pytestmark = pytest.mark.slow
 
 
 def make_trainer(tiny_model_dir, task_dir, out_dir, *extra) -> RLTrainer:

@@ -15,7 +15,6 @@ import torch
 
 from hybridflow.hybrid_engine.plan import ReshardPlan, TrainLayout, chunk_interval
 
-pytestmark = pytest.mark.slow
 
 F32 = 4
 

@@ -150,7 +150,6 @@ def test_plan_cli_json(tmp_path, capsys):
         main_plan("--preset llama3-8b --nodes 8 --gpus-per-node 8 --train-layout tp8".split())
 
 
-@pytest.mark.slow
 def test_calibration_feeds_the_cli(tmp_path, capsys):
     from hybridflow.planning.cli import main_plan
 
