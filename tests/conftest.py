@@ -26,7 +26,8 @@ _STARTS_PROCESSES = ("mp.spawn", "start_processes", "run_torchrun", "torch.distr
 
 
 def _starts_processes(item) -> bool:
-    if "ray_cluster" in getattr(item, "fixturenames", ()) or item.get_closest_marker("vllm"):
+    """A module whose tests all start processes through a helper says so: STARTS_PROCESSES = True."""
+    if "ray_cluster" in getattr(item, "fixturenames", ()) or item.get_closest_marker("vllm") or getattr(item.module, "STARTS_PROCESSES", False):
         return True
     try:
         src = inspect.getsource(item.function)

@@ -21,8 +21,8 @@ def test_demo_learns_on_held_out_prompts_with_gen_tp_1_and_2(ray_cluster, tmp_pa
     # SFT learned the format and the wrong rule; RL fixed the rule on prompts neither saw.
     assert summary["sft_final_loss"] < 0.5
     assert summary["val_acc_after_sft"] < 0.3
-    assert summary["val_acc_final"] >= 0.6
-    assert summary["val_acc_final"] >= 2 * summary["val_acc_after_sft"]
+    # measured 0.014 -> 0.979 at 40 steps (0.958 at step 20) on this seed: a broken update cannot reach 0.9
+    assert summary["val_acc_final"] >= 0.9
     assert (out / "sft_model" / "config.json").exists()
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the demo's curves, a valid PNG
 

@@ -228,6 +228,15 @@ def test_nan_losses_skip_updates_then_abort(tiny_model_dir, task_dir, tmp_path):
         with pytest.raises(NonFiniteError, match=r"2 consecutive steps \(up to step 2\) had a nan/inf loss"):
             trainer.fit()
         assert trainer.global_step == 2
+        # both skipped updates left the weights exactly as loaded (no step on a nan gradient)
+        from safetensors.torch import load_file
+        from transformers import AutoModelForCausalLM
+
+        trainer.actor.save_hf_model(str(tmp_path / "after"))
+        after = load_file(str(tmp_path / "after" / "model.safetensors"))
+        initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+        assert after.keys() <= initial.keys() and len(after) > 0
+        assert all(torch.equal(after[k], initial[k]) for k in after)
     finally:
         trainer.shutdown()
 
@@ -240,8 +249,6 @@ def test_prometheus_during_a_run_tensorboard_and_hf_export(tiny_model_dir, task_
     from prometheus_client.parser import text_string_to_metric_families
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from transformers import AutoModelForCausalLM
-
-    from hybridflow.utils.export import export_checkpoint
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -282,8 +289,19 @@ def test_prometheus_during_a_run_tensorboard_and_hf_export(tiny_model_dir, task_
     events.Reload()
     assert [e.step for e in events.Scalars("critic/score/mean")] == [1, 2, 3, 4]
 
-    exported = export_checkpoint(str(run / "global_step_4"), str(tmp_path / "hf"))
+    # `hybridflow export` and `hybridflow plot` as a user types them
+    import subprocess
+    import sys
+
+    cli = [sys.executable, "-m", "hybridflow.cli"]
+    proc = subprocess.run(cli + ["export", str(run / "global_step_4"), str(tmp_path / "hf")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    exported = proc.stdout.strip().splitlines()[-1]
+    assert exported == str(tmp_path / "hf") or os.path.samefile(exported, tmp_path / "hf")
     assert os.path.isfile(os.path.join(exported, "model.safetensors"))
+    proc = subprocess.run(cli + ["plot", str(run / "metrics.jsonl"), "-o", str(tmp_path / "curves.png")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     model = AutoModelForCausalLM.from_pretrained(exported).eval()
     at_end = AutoModelForCausalLM.from_pretrained(run / "hf_model")  # trainer.save_hf_model
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)

@@ -303,3 +303,24 @@ def test_grpo_3d_training_on_4_workers(ray_cluster, tiny_model_dir, task_dir, va
     assert hist[1]["actor/grad_norm"] > 0 and hist[0]["actor/pg_clipfrac"] == 0.0
     if "algorithm.adv_estimator=gae" in layout:
         assert all(h["critic/grad_norm"] > 0 and math.isfinite(h["critic/vf_loss"]) for h in hist)
+
+
+def test_sampling_temperature_and_entropy_bonus_reach_the_trainer(ray_cluster, tiny_model_dir, task_dir, varied_reward, tmp_path):
+    """Sampling at T = 0.5: the trainer recomputes the rollout's log-probs under the same T (the
+    batch carries it), so they agree to fp32 noise; at T = 1 they would differ by far more. An
+    entropy bonus changes the first update's gradient, and only it (same samples, same PG loss)."""
+    runs = {}
+    for name, extra in (("plain", []), ("bonus", ["actor_rollout_ref.actor.entropy_coeff=1.0"])):
+        trainer = make_trainer(tiny_model_dir, task_dir, tmp_path / name, f"custom_reward_function.path={varied_reward}", "trainer.total_training_steps=1",
+                               "actor_rollout_ref.rollout.temperature=0.5", *extra)
+        try:
+            runs[name] = steps(trainer.fit())
+        finally:
+            trainer.shutdown()
+    (plain,), (bonus,) = runs["plain"], runs["bonus"]
+    for h in (plain, bonus):
+        assert h["rollout/logprob_diff_max"] < 1e-4, h["rollout/logprob_diff_max"]
+        assert abs(h["actor/ppo_kl"]) < 1e-6
+    # the same samples and PG loss (step 1 comes before any update), a different gradient
+    assert bonus["critic/score/mean"] == plain["critic/score/mean"] and bonus["actor/pg_loss"] == pytest.approx(plain["actor/pg_loss"], rel=1e-6)
+    assert abs(bonus["actor/grad_norm"] - plain["actor/grad_norm"]) > 1e-4 * plain["actor/grad_norm"]

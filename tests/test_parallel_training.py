@@ -22,8 +22,8 @@ def test_layouts_match_the_single_process_run(tmp_path):
     sys.path.insert(0, ROOT)
     from bench.parallel_equivalence import main
 
-    rows = main(["--json", str(tmp_path / "eq.json"), "--layouts", "dp4,tp2xdp2,pp2xdp2,pp2xtp2"])
-    assert [r["layout"] for r in rows] == ["dp4", "tp2xdp2", "pp2xdp2", "pp2xtp2"]
+    rows = main(["--json", str(tmp_path / "eq.json"), "--layouts", "dp4,tp2xdp2,pp2xdp2,pp2xdp2-gpipe,pp2xtp2"])
+    assert [r["layout"] for r in rows] == ["dp4", "tp2xdp2", "pp2xdp2", "pp2xdp2-gpipe", "pp2xtp2"]  # 1F1B and GPipe schedules
     for r in rows:
         assert r["max_loss_diff"] < 1e-5 and r["max_grad_norm_diff"] < 1e-5 and r["max_logprob_diff"] < 1e-5, r
 
