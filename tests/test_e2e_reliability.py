@@ -314,3 +314,23 @@ def test_prometheus_during_a_run_tensorboard_and_hf_export(tiny_model_dir, task_
     mask = rollout["response_mask"].bool()
     assert torch.equal(greedy[:, -R:][mask], rollout["responses"][mask])  # the same greedy tokens as the trained rollout
     assert math.isfinite(scraped["hybridflow_timing_s_reshard"])
+
+
+def test_resume_modes_disable_and_resume_path(tiny_model_dir, task_dir, varied_reward, tmp_path):
+    """trainer.resume_mode: `disable` starts from step 1 although checkpoints exist; `resume_path`
+    continues from the given global_step_<k>, not from the latest."""
+    base = [f"custom_reward_function.path={varied_reward}", "trainer.save_freq=1"]
+
+    def run(out, *extra):
+        trainer = RLTrainer(load_config(None, rl_overrides(tiny_model_dir, task_dir, out, *base, *extra), schema=HybridFlowConfig))
+        try:
+            return [h["step"] for h in trainer.fit()["history"] if h["step"] > 0]
+        finally:
+            trainer.shutdown()
+
+    first = tmp_path / "first"
+    assert run(first, "trainer.total_training_steps=2") == [1, 2]
+    assert (first / "global_step_1").is_dir() and (first / "global_step_2").is_dir()
+    assert run(first, "trainer.total_training_steps=3", "trainer.resume_mode=disable") == [1, 2, 3]
+    other = tmp_path / "other"
+    assert run(other, "trainer.total_training_steps=3", "trainer.resume_mode=resume_path", f"trainer.resume_from_path={first / 'global_step_1'}") == [2, 3]
