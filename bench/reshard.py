@@ -181,9 +181,9 @@ def worker_3d(rank: int, world: int, port: int, path: str, repeats: int, out_fil
             for i, p in enumerate(actor.parameters()):
                 gen = torch.Generator().manual_seed((dims.pp_i * 1000 + dims.dp_i) * 1000 + i)
                 local(p.data).add_(torch.randn(local(p.data).shape, generator=gen) * 0.01)
-        cfg, m = model.config, layout.tp * layout.dp
+        cfg = model.config
         for tp in (1, 2, 4):
-            if cfg.num_attention_heads % tp or cfg.num_key_value_heads % tp or (m % tp and (tp % m or layout.pp % (tp // m))):
+            if cfg.num_attention_heads % tp or cfg.num_key_value_heads % tp or not layout.fits_gen_tp(tp):  # the layout's rule (parallel/dims.py)
                 continue
             rollout = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
             if tp > 1:

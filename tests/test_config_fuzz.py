@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 
 import pytest
 
@@ -74,3 +75,35 @@ def test_a_thousand_mutations_give_clear_errors_or_a_valid_config(valid):
         except Exception as e:  # noqa: BLE001 - the point of the test
             pytest.fail(f"mutation {i} {changes} raised {type(e).__name__}: {e}")
     assert outcomes["config error"] > 500 and outcomes["valid"] > 50, outcomes
+
+
+def _float_leaves(cls, prefix=()) -> list[tuple]:
+    import dataclasses
+    import typing
+
+    out = []
+    for f in dataclasses.fields(cls):
+        tp = typing.get_type_hints(cls)[f.name]
+        inner = [a for a in typing.get_args(tp) if a is not type(None)] or [tp]
+        if dataclasses.is_dataclass(inner[0]):
+            out += _float_leaves(inner[0], prefix + (f.name,))
+        elif inner[0] is float:
+            out.append(prefix + (f.name,))
+    return out
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_non_finite_numbers_are_refused_naming_the_key(valid, bad):
+    """An oracle for the fuzz test's values: nan / inf in any float key is a config error that
+    names the key (never a config that validates)."""
+    leaves = _float_leaves(HybridFlowConfig)
+    assert len(leaves) > 20
+    for path in leaves:
+        tree = json.loads(json.dumps(valid))
+        node = tree
+        for k in path[:-1]:
+            node = node[k]
+        node[path[-1]] = bad
+        key = ".".join(path)
+        with pytest.raises(ConfigError, match=re.escape(key)):
+            validate_config(from_dict(HybridFlowConfig, tree))

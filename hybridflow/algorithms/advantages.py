@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from hybridflow.algorithms.losses import masked_whiten
+from hybridflow.config.validate import register_check
 
 AdvEstimator = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 ADV_ESTIMATORS: dict[str, AdvEstimator] = {}
@@ -40,6 +41,12 @@ def get_adv_estimator(name: str) -> AdvEstimator:
         return ADV_ESTIMATORS[name]
     except KeyError:
         raise KeyError(f"unknown advantage estimator {name!r}; registered: {sorted(ADV_ESTIMATORS)}") from None
+
+
+@register_check("adv_estimators")
+def adv_estimator_names() -> list[str]:
+    """algorithm.adv_estimator's choices, for the config validator."""
+    return sorted(ADV_ESTIMATORS)
 
 
 def _group_ids(index: Any, batch_size: int) -> torch.Tensor:

@@ -10,6 +10,8 @@ from typing import Callable, Optional
 
 import torch
 
+from hybridflow.config.validate import register_check
+
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 
 
@@ -129,6 +131,12 @@ def get_policy_loss(name: str) -> PolicyLossFn:
     if name not in POLICY_LOSSES:
         raise ValueError(f"unknown policy loss {name!r} (actor_rollout_ref.actor.policy_loss.loss_mode); registered: {sorted(POLICY_LOSSES)}")
     return POLICY_LOSSES[name]
+
+
+@register_check("policy_losses")
+def policy_loss_names() -> list[str]:
+    """actor_rollout_ref.actor.policy_loss.loss_mode's choices, for the config validator."""
+    return sorted(POLICY_LOSSES)
 
 
 @register_policy_loss("vanilla")

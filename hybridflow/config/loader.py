@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import types
 import typing
@@ -18,10 +19,10 @@ import yaml
 from omegaconf import OmegaConf
 
 from hybridflow.config.schema import HybridFlowConfig
-
-
-class ConfigError(ValueError):
-    """A config problem the user can fix; the message names the key and what to change."""
+# ConfigError, dotted_tree and _merge live in tree.py (shared with verl_compat.py); importable from here too.
+from hybridflow.config.tree import ConfigError, dotted_tree  # noqa: F401  (dotted_tree re-exported)
+from hybridflow.config.tree import merge as _merge
+from hybridflow.config.verl_compat import translate_verl_keys
 
 
 def _type_name(tp: Any) -> str:
@@ -77,6 +78,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         return value
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):  # no key means "unlimited" by inf: each has its own spelling (null / -1)
+                raise ConfigError(f"{key} must be a finite number, got {value!r}")
             return float(value)
         raise _bad(key, tp, value)
     if tp in (int, str):
@@ -135,31 +138,11 @@ def _read_yaml(path: str) -> dict:
     return data
 
 
-def dotted_tree(key: str, value: Any) -> dict:
-    """"a.b.c", v -> {"a": {"b": {"c": v}}}."""
-    tree: dict = {}
-    node = tree
-    *parents, leaf = key.split(".")
-    for part in parents:
-        node = node.setdefault(part, {})
-    node[leaf] = value
-    return tree
-
-
-def _merge(base: dict, over: dict) -> dict:
-    out = dict(base)
-    for k, v in over.items():
-        out[k] = _merge(out[k], v) if isinstance(out.get(k), dict) and isinstance(v, dict) else v
-    return out
-
-
 def load_config(path: str | None, overrides: Iterable[str] = (), schema: type = HybridFlowConfig) -> Any:
     """YAML file (optional) < dotlist overrides < ... into a ``schema`` instance (not validated)."""
     data = _read_yaml(path) if path else {}
     data = _merge(data, _parse_overrides(overrides))
     if schema is HybridFlowConfig:  # verl's keys: mapped, accepted or refused with the reason
-        from hybridflow.config.verl_compat import translate_verl_keys
-
         data = translate_verl_keys(data, schema)
     return from_dict(schema, data)
 

@@ -2,48 +2,91 @@
 
 Every problem is collected and reported at once, each with its key and what to change, so a user
 fixes a config in one round instead of one crash per worker start-up.
+
+Checks that need a component's knowledge (the resource pools, the parallel layout, the registries
+of advantage estimators and policy losses, a model's parameter names) live with that component,
+which registers them here on import (`register_check`). The validator imports the modules named in
+CHECK_MODULES -- by name, when it runs -- so hybridflow.config imports nothing above it (config is
+the bottom layer: docs/architecture.md, "Layers and imports") and this tuple is the one place that
+names them.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
+from dataclasses import dataclass
+from typing import Callable, Literal
 
-from hybridflow.config.loader import ConfigError
-from typing import Literal
-
-from hybridflow.config.loader import literal_choices
+from hybridflow.config.loader import ConfigError, literal_choices
 from hybridflow.config.schema import MODEL_DTYPES, DPOConfig, HybridFlowConfig, ModelConfig, OptimConfig, RewardTrainConfig, SFTConfig, TrainerConfig
-# A module reference, not names: resource_pool imports the schema, so this package may still be loading.
-import hybridflow.controller.resource_pool as rp
-from hybridflow.parallel.tensor_parallel import validate_gen_tp  # pure Python (no torch import)
 
 A, R = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
+
+# ---------------------------------------------------------------- checks registered by components
+CHECK_MODULES = (
+    "hybridflow.controller.checks",  # pools
+    "hybridflow.parallel.dims",  # actor_layout, critic_layout, gen_tp
+    "hybridflow.algorithms",  # adv_estimators, policy_losses
+    "hybridflow.planning.arch",  # freeze_modules
+)
+# name -> what the function registered under it takes and returns
+CHECKS = {
+    "pools": "(cfg, kind) -> (problems, Workers or None): the resource pools and how many ranks each role runs on",
+    "actor_layout": "(cfg, n_workers) -> (problems, dp or None): the actor's pp x tp x dp against its workers, the model and the generation TP",
+    "critic_layout": "(cfg, n_workers) -> (problems, dp or None): the critic's tp x dp against its workers and its model",
+    "gen_tp": "(gen_tp, world, heads, kv_heads) -> problems: the generation TP against its ranks and the model's heads",
+    "adv_estimators": "() -> the registered advantage estimators' names",
+    "policy_losses": "() -> the registered policy losses' names",
+    "freeze_modules": "(model_path, patterns) -> problems: actor.freeze_modules against the model's parameter names",
+}
+_REGISTERED: dict[str, Callable] = {}
+
+
+def register_check(name: str) -> Callable[[Callable], Callable]:
+    """Decorator: the function answers the validator's check `name` (one of CHECKS)."""
+    if name not in CHECKS:
+        raise ValueError(f"unknown config check {name!r}; the validator asks for {sorted(CHECKS)}")
+
+    def deco(fn: Callable) -> Callable:
+        old = _REGISTERED.get(name)
+        if old is not None and (old.__module__, old.__qualname__) != (fn.__module__, fn.__qualname__):
+            raise ValueError(f"config check {name!r} is already registered by {old.__module__}.{old.__qualname__}")
+        _REGISTERED[name] = fn
+        return fn
+
+    return deco
+
+
+def component_check(name: str) -> Callable:
+    """The function registered as check `name`, after importing CHECK_MODULES (they register on import)."""
+    for module in CHECK_MODULES:
+        importlib.import_module(module)
+    if name not in _REGISTERED:
+        raise RuntimeError(f"no component registered the config check {name!r} ({CHECKS[name]}); the modules in "
+                           f"hybridflow.config.validate.CHECK_MODULES register them on import")
+    return _REGISTERED[name]
+
+
+@dataclass(frozen=True)
+class Workers:
+    """How many ranks each role runs on (the "pools" check's answer)."""
+
+    actor: int  # the actor's pool
+    gen: int  # the ranks that generate: the rollout pool (trainer.async_rollout), else the actor's
+    critic: int
+
+
 # The run config's key, the parallel config's key and the RLTrainer / PPOTrainer keyword all land here.
 BUFFER_PERCENT_REFUSED = ("actor_rollout_ref.hybrid_engine.resharding_buffer_percent is not supported: the engine stages "
                           "exactly two layers (layer i+1 in flight while layer i is copied into place), so a larger buffer "
                           "would never be used; remove the key")
 # Causal-LM checkpoints: config.json "architectures" of a model with a language-modelling head.
 _LM_HEADS = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
-_ADV_FALLBACK = {"gae", "grpo", "rloo", "reinforce_plus_plus", "remax"}
 _KL_TYPES = ["kl", "k1", "k2", "mse", "k3", "low_var_kl", "abs"]
 _LOSS_AGG = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
 _PER_WORKER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-
-
-def _adv_estimators() -> list[str]:
-    try:
-        from hybridflow.algorithms.advantages import ADV_ESTIMATORS
-
-        return sorted(ADV_ESTIMATORS)
-    except Exception:  # the registry is not importable (yet): the documented names
-        return sorted(_ADV_FALLBACK)
-
-
-def _policy_losses() -> list[str]:
-    from hybridflow.algorithms.losses import POLICY_LOSSES  # pure torch functions; no workers
-
-    return sorted(POLICY_LOSSES)
 
 
 class _Problems(list):
@@ -150,7 +193,7 @@ class _Problems(list):
             raise ConfigError(f"invalid {what} config ({len(self)} problem{'s' * (len(self) > 1)}):\n{lines}")
 
 
-def _model_json(path: str) -> dict:
+def model_json(path: str) -> dict:
     """The model's config.json as a dict ({} when missing or unreadable: `_Problems.model` reports that)."""
     if not path:
         return {}
@@ -206,7 +249,7 @@ def _vllm_problems(cfg: HybridFlowConfig, n_workers: int) -> list[str]:
         out.append(f"actor_rollout_ref.model.dtype={model.dtype}: vLLM on CPU has no float16 kernels; use float32 (or bfloat16 on a CPU with AVX512-BF16)")
     if model.dtype in ("bfloat16", "bf16") and "avx512_bf16" not in _cpu_flags():
         out.append(f"actor_rollout_ref.model.dtype={model.dtype}: this CPU has no AVX512-BF16, which vLLM's CPU bfloat16 path needs; use float32")
-    mj = _model_json(model.path)
+    mj = model_json(model.path)
     if mj.get("num_attention_heads"):
         head_dim = mj.get("head_dim") or mj["hidden_size"] // mj["num_attention_heads"]
         sizes = _vllm_cpu_head_sizes()
@@ -264,7 +307,7 @@ def _reward_model_problems(p: _Problems, cfg: HybridFlowConfig) -> None:
     if p.model("reward_model.model", rm.model) is None and not os.path.isfile(os.path.join(rm.model.path, "config.json")):
         return
     p.tokenizer("reward_model.model", rm.model)
-    mj = _model_json(rm.model.path)
+    mj = model_json(rm.model.path)
     archs = mj.get("architectures") or []
     if not any(a.endswith("ForSequenceClassification") for a in archs):
         p.append(f"reward_model.model.path: {rm.model.path!r} is not a sequence classifier (architectures {archs}); "
@@ -302,61 +345,21 @@ def _dpo_problems(p: _Problems, cfg: HybridFlowConfig, n_workers: int) -> None:
     _batch_checks(p, A, actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu, d.train_batch_size, 2, n_workers)
 
 
-def _freeze_problems(p: "_Problems", path: str, patterns: list[str]) -> None:
-    """Each actor.freeze_modules pattern names parameters of the model, and something stays trainable."""
-    import fnmatch
-
-    from hybridflow.planning.arch import load_arch
-
-    try:
-        names = list(load_arch(path).param_shapes())
-    except (ValueError, KeyError, OSError):
-        return  # the model checks report a missing or unknown checkpoint
-    for pattern in patterns:
-        if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
-            p.append(f"{A}.freeze_modules: {pattern!r} matches no parameter of the model (names look like {names[0]!r}, "
-                     f"{names[-1]!r}); use fnmatch patterns such as '*embed_tokens*'")
-    if all(any(fnmatch.fnmatchcase(n, pattern) for pattern in patterns) for n in names):
-        p.append(f"{A}.freeze_modules freezes every parameter: nothing would train")
-
-
 def _train_layout_problems(p: _Problems, cfg: HybridFlowConfig, n_workers: int, kind: str) -> int:
     """The actor's 3D training layout (pp x tp x dp) against the workers, the model and the
     generation TP; returns dp (the data-parallel ranks the batch is split over)."""
     arr = cfg.actor_rollout_ref
     actor, roll = arr.actor, arr.rollout
-    tp_key, pp_key, gen_key = f"{A}.tensor_model_parallel_size", f"{A}.pipeline_model_parallel_size", f"{R}.tensor_model_parallel_size"
+    tp_key, pp_key = f"{A}.tensor_model_parallel_size", f"{A}.pipeline_model_parallel_size"
     tp, pp = actor.tensor_model_parallel_size, actor.pipeline_model_parallel_size
     if not (p.positive(tp_key, tp) & p.positive(pp_key, pp)) or n_workers < 1:
         return n_workers
     if tp == pp == 1:
         return n_workers
-    if n_workers % (tp * pp):
-        ok = [(a, b) for a in range(1, n_workers + 1) for b in range(1, n_workers + 1) if n_workers % (a * b) == 0 and a * b > 1]
-        p.append(f"pp x tp x dp must equal the actor's {n_workers} workers (trainer.nnodes * trainer.n_gpus_per_node): "
-                 f"{pp_key} ({pp}) x {tp_key} ({tp}) = {pp * tp} does not divide {n_workers}; use (pp, tp) such as {ok[:4]}")
+    problems, dp = component_check("actor_layout")(cfg, n_workers)  # hybridflow.parallel.dims
+    p.extend(problems)
+    if dp is None:
         return n_workers
-    dp = n_workers // (tp * pp)
-    mj = _model_json(arr.model.path)
-    heads = mj.get("num_attention_heads") or 0
-    kv = mj.get("num_key_value_heads") or heads
-    layers = mj.get("num_hidden_layers") or 0
-    for what, n in (("num_attention_heads", heads), ("num_key_value_heads", kv)):
-        if n and n % tp:
-            p.append(f"{tp_key} ({tp}) must divide the model's {what} ({n}): each TP rank holds whole heads; "
-                     f"set it to one of {[d for d in range(1, n + 1) if n % d == 0]}")
-    if layers and layers % pp:
-        p.append(f"{pp_key} ({pp}) must divide the model's num_hidden_layers ({layers}): stages hold equal blocks of "
-                 f"decoder layers; set it to one of {[d for d in range(1, layers + 1) if layers % d == 0]}")
-    if pp > 1 and mj.get("tie_word_embeddings"):
-        p.append(f"{pp_key} ({pp}) > 1 needs untied embeddings: the model ties lm_head to embed_tokens, which live on "
-                 f"the first and the last stage; use {pp_key}=1 or a model with tie_word_embeddings=false")
-    gen_tp, m = roll.tensor_model_parallel_size, tp * dp
-    if isinstance(gen_tp, int) and gen_tp >= 1 and m % gen_tp and (gen_tp % m or pp % (gen_tp // m)):
-        ok = sorted({g for g in range(1, n_workers + 1) if m % g == 0 or (g % m == 0 and pp % (g // m) == 0)})
-        p.append(f"{gen_key} ({gen_tp}) does not fit the training layout pp{pp} x tp{tp} x dp{dp}: it must divide tp x dp = {m} "
-                 f"or be {m} times a divisor of pp, so that every generation slice is built from whole training shards; "
-                 f"set it to one of {ok}")
     if actor.fsdp_config.sharding_strategy == "NO_SHARD" or arr.ref.fsdp_config.sharding_strategy == "NO_SHARD":
         p.append(f"fsdp_config.sharding_strategy=NO_SHARD is not supported with {tp_key} or {pp_key} > 1: use FULL_SHARD or SHARD_GRAD_OP")
     unsupported = [(roll.name == "vllm", f"{R}.name=vllm (the vLLM weight sync reads the FSDP layout; use the hf backend)"),
@@ -379,15 +382,9 @@ def _critic_tp_problems(p: _Problems, cfg: HybridFlowConfig, n_workers: int) -> 
     tp, key = cfg.critic.tensor_model_parallel_size, "critic.tensor_model_parallel_size"
     if not p.positive(key, tp) or tp == 1 or n_workers < 1:
         return n_workers
-    if n_workers % tp:
-        p.append(f"{key} ({tp}) must divide the critic's {n_workers} workers; set it to one of {[d for d in range(1, n_workers + 1) if n_workers % d == 0]}")
-        return n_workers
-    mj = _model_json(cfg.critic.model.path or cfg.actor_rollout_ref.model.path)
-    heads = mj.get("num_attention_heads") or 0
-    for what, n in (("num_attention_heads", heads), ("num_key_value_heads", mj.get("num_key_value_heads") or heads)):
-        if n and n % tp:
-            p.append(f"{key} ({tp}) must divide the critic model's {what} ({n}); set it to one of {[d for d in range(1, n + 1) if n % d == 0]}")
-    return n_workers // tp
+    problems, dp = component_check("critic_layout")(cfg, n_workers)  # hybridflow.parallel.dims
+    p.extend(problems)
+    return n_workers if dp is None else dp
 
 
 def validate_config(cfg: HybridFlowConfig, kind: Literal["rl", "dpo"] = "rl") -> None:
@@ -397,7 +394,6 @@ def validate_config(cfg: HybridFlowConfig, kind: Literal["rl", "dpo"] = "rl") ->
     d, arr, alg = cfg.data, cfg.actor_rollout_ref, cfg.algorithm
     actor, roll, critic = arr.actor, arr.rollout, cfg.critic
     what = "RL" if kind == "rl" else "DPO"
-    roles = rp.dpo_roles(cfg) if kind == "dpo" else None
     p.trainer(cfg.trainer)
     if cfg.trainer.launcher == "torchrun":
         if cfg.resource_pool.pools or cfg.resource_pool.mapping:
@@ -405,14 +401,12 @@ def validate_config(cfg: HybridFlowConfig, kind: Literal["rl", "dpo"] = "rl") ->
                      "or launch with Ray (trainer.launcher=ray)")
         if cfg.trainer.async_rollout:
             p.append("trainer.async_rollout needs a rollout pool of its own: it runs under trainer.launcher=ray only")
-    pool_errors = rp.pool_problems(cfg, roles)
+    pool_errors, workers = component_check("pools")(cfg, kind)  # hybridflow.controller.checks
     p.extend(pool_errors)
     if pool_errors:
         p.raise_if_any(what)
     # Each role's checks use its own pool's size (the default pool: trainer.nnodes x n_gpus_per_node).
-    n_workers = rp.role_world_size(cfg, rp.Role.ACTOR_ROLLOUT, roles)
-    gen_workers = rp.role_world_size(cfg, rp.Role.ROLLOUT if cfg.trainer.async_rollout else rp.Role.ACTOR_ROLLOUT, roles)
-    critic_workers = rp.role_world_size(cfg, rp.Role.CRITIC, roles)
+    n_workers, gen_workers, critic_workers = workers.actor, workers.gen, workers.critic
 
     ok = p.positive("data.train_batch_size", d.train_batch_size) & p.positive(f"{R}.n", roll.n)
     dp = _train_layout_problems(p, cfg, n_workers, kind)
@@ -463,17 +457,17 @@ def validate_config(cfg: HybridFlowConfig, kind: Literal["rl", "dpo"] = "rl") ->
         p.append(f"{A}.fsdp_config.param_offload is not supported with CUDA yet: the weight sync gathers the "
                  f"shards with NCCL on the GPU; set it to false")
     p.enum(f"{A}.loss_agg_mode", actor.loss_agg_mode, _LOSS_AGG)
-    p.enum(f"{A}.policy_loss.loss_mode", actor.policy_loss.loss_mode, _policy_losses())
+    p.enum(f"{A}.policy_loss.loss_mode", actor.policy_loss.loss_mode, component_check("policy_losses")())
     p.enum("critic.loss_agg_mode", critic.loss_agg_mode, _LOSS_AGG)
     p.enum(f"{A}.kl_loss_type", actor.kl_loss_type, _KL_TYPES)
     p.enum("algorithm.kl_penalty", alg.kl_penalty, _KL_TYPES)
     p.enum("algorithm.kl_ctrl.type", alg.kl_ctrl.type, ["fixed", "adaptive"])
-    p.enum("algorithm.adv_estimator", alg.adv_estimator, _adv_estimators())
+    p.enum("algorithm.adv_estimator", alg.adv_estimator, component_check("adv_estimators")())
     p.enum("data.truncation", d.truncation, ["error", "left", "right"])
     p.optim(f"{A}.optim", actor.optim)
     p.optim("critic.optim", critic.optim)
     if actor.freeze_modules:
-        _freeze_problems(p, arr.model.path, actor.freeze_modules)
+        p.extend(component_check("freeze_modules")(arr.model.path, actor.freeze_modules))  # hybridflow.planning.arch
     seq_len = d.max_prompt_length + d.max_response_length
     for key, on, budget in [(f"{A}.ppo_max_token_len_per_gpu", actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu),
                             (f"{R}.log_prob_max_token_len_per_gpu", roll.log_prob_use_dynamic_bsz, roll.log_prob_max_token_len_per_gpu),
@@ -498,10 +492,10 @@ def validate_config(cfg: HybridFlowConfig, kind: Literal["rl", "dpo"] = "rl") ->
                     ("critic.fsdp_config", critic.fsdp_config), ("reward_model.fsdp_config", cfg.reward_model.fsdp_config)]:
         p.fsdp(key, fc)
     # generation TP: divides the workers and the (KV) heads; heads read from config.json when it exists
-    model_json = _model_json(arr.model.path)
-    heads = model_json.get("num_attention_heads") or 0
-    kv_heads = model_json.get("num_key_value_heads") or heads
-    p.extend(validate_gen_tp(roll.tensor_model_parallel_size, gen_workers if gen_workers >= 1 else 1, heads, kv_heads))
+    policy_json = model_json(arr.model.path)
+    heads = policy_json.get("num_attention_heads") or 0
+    kv_heads = policy_json.get("num_key_value_heads") or heads
+    p.extend(component_check("gen_tp")(roll.tensor_model_parallel_size, gen_workers if gen_workers >= 1 else 1, heads, kv_heads))
     if cfg.reward_model.enable and (kind == "rl" or cfg.dpo.online):
         _reward_model_problems(p, cfg)
         if kind == "rl" and alg.adv_estimator == "remax":
@@ -509,7 +503,7 @@ def validate_config(cfg: HybridFlowConfig, kind: Literal["rl", "dpo"] = "rl") ->
                      "with reward_model.enable=true (use grpo, rloo, reinforce_plus_plus or gae)")
 
     max_pos = p.model("actor_rollout_ref.model", arr.model)
-    archs = model_json.get("architectures")
+    archs = policy_json.get("architectures")
     archs = [str(a) for a in archs] if isinstance(archs, list) else []
     if archs and not any(a.endswith(_LM_HEADS) for a in archs):
         p.append(f"actor_rollout_ref.model.path: {arr.model.path!r} is a {', '.join(archs)} checkpoint, not a causal LM; the "
@@ -569,7 +563,7 @@ def validate_rm_config(cfg: RewardTrainConfig) -> None:
     p.optim("optim", cfg.optim)
     p.fsdp("fsdp_config", cfg.fsdp_config)
     p.tokenizer("model", cfg.model)
-    mj = _model_json(cfg.model.path)
+    mj = model_json(cfg.model.path)
     max_pos = p.model("model", cfg.model)
     archs = mj.get("architectures") or []
     if archs and not any(a.endswith(("ForSequenceClassification", "ForCausalLM")) for a in archs):

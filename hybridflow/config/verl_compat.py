@@ -16,6 +16,8 @@ import fnmatch
 import logging
 from typing import Any
 
+from hybridflow.config.tree import ConfigError, dotted_tree, merge
+
 logger = logging.getLogger("hybridflow.config")
 
 ANY = object()  # every value is accepted (results do not depend on it here)
@@ -163,8 +165,6 @@ def _match(key: str, table: dict) -> str | None:
 def translate_verl_keys(tree: dict, schema) -> dict:
     """Map verl-only keys of a raw config tree onto hybridflow's, or raise one ConfigError listing
     every refused key with its reason."""
-    from hybridflow.config.loader import ConfigError, _merge, dotted_tree
-
     flat = _flatten(tree)
     kept: dict[str, Any] = {}
     refused, accepted = [], []
@@ -190,5 +190,5 @@ def translate_verl_keys(tree: dict, schema) -> dict:
         logger.info("verl keys accepted: %s", "; ".join(accepted))
     out: dict = {}
     for key, value in kept.items():
-        out = _merge(out, dotted_tree(key, value))
+        out = merge(out, dotted_tree(key, value))
     return out

@@ -32,8 +32,9 @@ from torch.distributed.tensor import DTensor
 
 from hybridflow.config.schema import HybridEngineConfig
 from hybridflow.hybrid_engine.memory import PeakMemory, allocation_bytes
-from hybridflow.hybrid_engine.plan import Box, ParamPlan, ReshardPlan, TrainLayout, fsdp_dim, intersect, volume
+from hybridflow.hybrid_engine.plan import Box, ParamPlan, ReshardPlan, fsdp_dim, intersect, volume
 from hybridflow.hybrid_engine.trace import TraceRecorder
+from hybridflow.parallel.dims import ParallelDims
 from hybridflow.parallel.dtensor import held_box, local  # noqa: F401  (re-exported)
 from hybridflow.rollout.base import WeightPiece
 
@@ -69,39 +70,38 @@ def train_shard_dim(p: torch.Tensor) -> int | None:
     return shard[0] if shard else None
 
 
-def build_plan(train_model: nn.Module, gen_shard_dims: dict[str, int | None], gen_tp: int, procs_per_node: int | None = None,
-               layout: TrainLayout | None = None, full_shapes: dict[str, tuple[tuple[int, ...], int]] | None = None,
-               consecutive: bool = False) -> ReshardPlan:
-    """The plan for this FSDP2 model, with each parameter's training shard dim as FSDP2 placed it.
+def build_plan(train_model: nn.Module, gen_shard_dims: dict[str, int | None], dims: ParallelDims,
+               full_shapes: dict[str, tuple[tuple[int, ...], int]] | None = None) -> ReshardPlan:
+    """The plan for this FSDP2 model in the layout `dims` (training and generation), with each
+    parameter's training shard dim as FSDP2 placed it.
 
-    3D layouts (`layout` with pp or tp > 1): `full_shapes` = {FQN: (shape, itemsize)} of the WHOLE
-    model in module order (a pipeline stage holds only some of it); FSDP2 shards every TP slice
-    over dp along `plan.fsdp_dim` (`parallel/layout.py` places it there)."""
-    if layout is not None and not (layout.pp == layout.tp == 1):
-        shapes = {n: (shape, itemsize, fsdp_dim(shape, gen_shard_dims[n], layout), gen_shard_dims[n]) for n, (shape, itemsize) in full_shapes.items()}
-        return ReshardPlan.build(shapes, dist.get_world_size(), gen_tp, procs_per_node, layout=layout, consecutive=consecutive)
-    shapes = {}
-    for n, p in train_model.named_parameters():
-        shapes[n] = (tuple(p.shape), p.element_size(), train_shard_dim(p), gen_shard_dims[n])
-    return ReshardPlan.build(shapes, dist.get_world_size(), gen_tp, procs_per_node, consecutive=consecutive)
+    3D layouts (pp or tp > 1): `full_shapes` = {FQN: (shape, itemsize)} of the WHOLE model in module
+    order (a pipeline stage holds only some of it); FSDP2 shards every TP slice over dp along
+    `plan.fsdp_dim` (`parallel/layout.py` places it there)."""
+    if not dims.trivial:
+        shapes = {n: (shape, itemsize, fsdp_dim(shape, gen_shard_dims[n], dims), gen_shard_dims[n]) for n, (shape, itemsize) in full_shapes.items()}
+    else:
+        shapes = {n: (tuple(p.shape), p.element_size(), train_shard_dim(p), gen_shard_dims[n]) for n, p in train_model.named_parameters()}
+    return ReshardPlan.build(shapes, dist.get_world_size(), dims.gen_tp, layout=dims)
 
 
 class HybridEngine:
     def __init__(self, train_model: nn.Module, gen_model: nn.Module | dict | None, gen_shard_dims: dict[str, int | None], gen_tp: int, cfg: HybridEngineConfig,
-                 device: str, procs_per_node: int | None = None, layout: TrainLayout | None = None, full_shapes: dict | None = None,
-                 consecutive: bool = False):
+                 device: str, procs_per_node: int | None = None, layout: ParallelDims | None = None, full_shapes: dict | None = None,
+                 consecutive: bool | None = None):
         """gen_model: the generation model, or its {name: parameter} (the backend's own storages: the
         switch writes there in place), or None: the engine keeps this rank's generation slices in
-        buffers of its own and `pieces()` hands them to the backend. layout / full_shapes: a 3D
-        training layout (see `build_plan`); None = FSDP over the group. consecutive: generation TP
-        groups of consecutive ranks (vLLM's launcher) instead of HybridFlow's strided grouping."""
+        buffers of its own and `pieces()` hands them to the backend. layout: the `ParallelDims` of
+        the group (None = FSDP over it), with gen_tp, procs_per_node and consecutive (generation TP
+        groups of consecutive ranks, vLLM's launcher, instead of HybridFlow's strided grouping) set
+        on it, None keeping the layout's; full_shapes: see `build_plan`."""
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.layout = layout or TrainLayout(dp=self.world)
+        self.layout = (layout or ParallelDims(dp=self.world)).with_gen(gen_tp, consecutive, procs_per_node)
         self.cfg = cfg
         self.device = device
         self.train_model = train_model
         self.train = self._sharded_params()
-        self.plan = build_plan(train_model, gen_shard_dims, gen_tp, procs_per_node, self.layout, full_shapes, consecutive)
+        self.plan = build_plan(train_model, gen_shard_dims, self.layout, full_shapes)
         dtypes = {p.dtype for p in self.train.values()}
         if len(dtypes) != 1:
             raise ValueError(f"the hybrid engine expects one parameter dtype, found {dtypes}")

@@ -15,15 +15,17 @@ training slices of ranks t*k .. t*k+k-1 (the *micro-DP group*), so one all-gathe
 group delivers it (`aligned`); the executor falls back to a general exchange otherwise. The naive
 baseline (gather the full tensor, then slice) receives size - own on every rank.
 
-3D training layouts (`TrainLayout`; the executor moves them with one exchange per layer). Rank
+3D training layouts (the executor moves them with one exchange per layer). The layout -- pp x tp x
+dp, the generation TP size and grouping, the ranks per node -- is one object, `ParallelDims`
+(`parallel/dims.py`, with its rules; `TrainLayout` here is the same class). Rank
 r = (pp_i * dp + dp_i) * tp + tp_i: PP stage pp_i owns a contiguous block of decoder layers
 (embeddings on the first stage, final norm and lm_head on the last), TP shards a parameter along
 its generation TP dim (the same table), FSDP then shards that TP slice over dp (along the same dim
 when it divides, as `fsdp_shard_placement_fn`). A layer of another stage is an empty box. Along a
 sharded dim the rank holds slice j = tp_i * dp + dp_i of M = tp * dp; generation indices follow
 HybridFlow's grouping, so the training box lies inside the generation box wherever they allow
-(`gen_coords`): gen_tp | M -> t = j // (M / gen_tp); M | gen_tp -> t = j * c + pp_i % c with
-c = gen_tp / M (the generation slice then lies inside the training slice).
+(`ParallelDims.gen_rank`): gen_tp | M -> t = j // (M / gen_tp); M | gen_tp -> t = j * c + pp_i % c
+with c = gen_tp / M (the generation slice then lies inside the training slice).
 """
 
 from __future__ import annotations
@@ -31,6 +33,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
+
+from hybridflow.parallel.dims import ParallelDims, gen_coords  # noqa: F401  (gen_coords re-exported)
+
+TrainLayout = ParallelDims  # the layout's name here before it moved to parallel/dims.py; importers keep it
 
 Interval = tuple[int, int]  # [start, stop) along one dim
 Box = tuple[Interval, ...]  # one interval per dim
@@ -70,62 +76,7 @@ def sub_box(outer: Box, dim: int | None, parts: int, index: int) -> Box:
     return outer[:dim] + ((lo + a, lo + b),) + outer[dim + 1 :]
 
 
-@dataclass(frozen=True)
-class TrainLayout:
-    """A training layout pp x tp x dp (FSDP2 over dp); `label` e.g. "pp2xtp8xdp4"."""
-
-    pp: int = 1
-    tp: int = 1
-    dp: int = 1
-
-    @property
-    def world(self) -> int:
-        return self.pp * self.tp * self.dp
-
-    @property
-    def label(self) -> str:
-        parts = [f"{n}{v}" for n, v in (("pp", self.pp), ("tp", self.tp)) if v > 1]
-        return "x".join([*parts, f"dp{self.dp}"])
-
-    @classmethod
-    def parse(cls, text: str) -> "TrainLayout":
-        """"pp2xtp8xdp4" / "tp2xdp2" / "dp4" (any order, missing factors 1)."""
-        sizes = {"pp": 1, "tp": 1, "dp": 1}
-        for part in text.lower().replace("*", "x").split("x"):
-            key, num = part[:2], part[2:]
-            if key not in sizes or not num.isdigit() or int(num) < 1:
-                raise ValueError(f"bad training layout {text!r}: expected factors like pp2, tp8, dp4 joined by 'x'")
-            sizes[key] = int(num)
-        return cls(**sizes)
-
-    def coords(self, r: int) -> tuple[int, int, int]:
-        """(pp_i, dp_i, tp_i) of rank r (tp innermost, then dp, then pp)."""
-        return r // (self.dp * self.tp), (r // self.tp) % self.dp, r % self.tp
-
-    def dispatch(self, r: int) -> tuple[int, int, bool]:
-        """Rank r's training data split (dp index, dp size, collect?): the pp x tp ranks of a dp
-        group share a chunk; the last stage's TP rank 0 returns the result."""
-        pp_i, dp_i, tp_i = self.coords(r)
-        return dp_i, self.dp, pp_i == self.pp - 1 and tp_i == 0
-
-
-def gen_coords(layout: TrainLayout, gen_tp: int) -> list[tuple[int, int]]:
-    """(generation TP index, generation DP index) per rank, HybridFlow's grouping (module docstring)."""
-    m = layout.tp * layout.dp
-    out = []
-    for r in range(layout.world):
-        pp_i, dp_i, tp_i = layout.coords(r)
-        j = tp_i * layout.dp + dp_i
-        if m % gen_tp == 0:
-            k = m // gen_tp
-            out.append((j // k, pp_i * k + j % k))
-        else:  # gen_tp = c * m with c | pp
-            c = gen_tp // m
-            out.append((j * c + pp_i % c, pp_i // c))
-    return out
-
-
-def fsdp_dim(shape: tuple[int, ...], gen_dim: int | None, layout: TrainLayout) -> int:
+def fsdp_dim(shape: tuple[int, ...], gen_dim: int | None, layout: ParallelDims) -> int:
     """The dim FSDP2 shards a parameter's TP slice along over dp: its generation TP dim when the
     slice divides evenly there (`tensor_parallel.fsdp_shard_placement_fn`), else dim 0."""
     dim = gen_dim or 0
@@ -221,6 +172,7 @@ class ReshardPlan:
     procs_per_node: int
     params: list[ParamPlan] = field(default_factory=list)
     _routes: dict = field(default_factory=dict, repr=False)  # routes() memo, keyed by the shared box lists
+    dims: ParallelDims | None = None  # the layout it was built for (training and generation)
 
     @property
     def k(self) -> int:
@@ -228,35 +180,30 @@ class ReshardPlan:
 
     @classmethod
     def build(cls, shapes: dict[str, tuple[tuple[int, ...], int, int | None, int | None]], world_size: int, gen_tp: int,
-              procs_per_node: int | None = None, layout: TrainLayout | None = None, consecutive: bool = False) -> "ReshardPlan":
+              procs_per_node: int | None = None, layout: ParallelDims | None = None, consecutive: bool | None = None) -> "ReshardPlan":
         """shapes: name -> (shape, itemsize, training (FSDP) shard dim or None (replicated), generation
-        shard dim or None (replicated)), in module order. `layout`: a 3D training layout over
-        `world_size` ranks (None: FSDP over all of them). consecutive: generation TP groups of
-        consecutive ranks (rank r has TP index r % gen_tp: vLLM's launcher), moved by the general
-        exchange; default: HybridFlow's grouping (`gen_coords`)."""
-        if gen_tp < 1 or world_size % gen_tp:
-            raise ValueError(f"gen_tp={gen_tp} must divide the world size {world_size}")
-        layout = layout or TrainLayout(dp=world_size)
-        if layout.world != world_size:
-            raise ValueError(f"training layout {layout.label} has {layout.world} ranks, not {world_size}")
-        m = layout.tp * layout.dp
-        if m % gen_tp and (gen_tp % m or layout.pp % (gen_tp // m)):
-            raise ValueError(f"gen_tp={gen_tp} does not fit the training layout {layout.label}: it must divide tp*dp={m} "
-                             f"or be tp*dp times a divisor of pp={layout.pp}")
-        plan = cls(world_size, gen_tp, procs_per_node or world_size)
-        fsdp_only = layout.pp == layout.tp == 1 and not consecutive
+        shard dim or None (replicated)), in module order. `layout`: the layout over `world_size` ranks
+        (None: FSDP over all of them); gen_tp, procs_per_node and consecutive (generation TP groups of
+        consecutive ranks, rank r has TP index r % gen_tp: vLLM's launcher, moved by the general
+        exchange; else HybridFlow's grouping) are set on it, None keeping the layout's. The layout
+        checks that they fit (ValueError)."""
+        dims = (layout or ParallelDims(dp=world_size)).with_gen(gen_tp, consecutive, procs_per_node)
+        if dims.world != world_size:
+            raise ValueError(f"training layout {dims.label} has {dims.world} ranks, not {world_size}")
+        plan = cls(world_size, dims.gen_tp, dims.node_size, dims=dims)
+        fsdp_only = dims.trivial and not dims.consecutive
         num_layers = len({layer_of(n) for n in shapes if layer_of(n).startswith("layers.")})
-        if num_layers % layout.pp:
-            raise ValueError(f"{num_layers} decoder layers do not split into pp={layout.pp} equal stages")
-        coords = [layout.coords(r) for r in range(world_size)]
-        gen = [(r % gen_tp, r // gen_tp) for r in range(world_size)] if consecutive else gen_coords(layout, gen_tp)
+        if num_layers % dims.pp:
+            raise ValueError(f"{num_layers} decoder layers do not split into pp={dims.pp} equal stages")
+        coords = [dims.coords(r) for r in range(world_size)]
+        gen = [dims.gen_rank(r) for r in range(world_size)]
         memo: dict[tuple, tuple] = {}  # every layer of one stage has the same boxes
         for name, (shape, itemsize, train_dim, gen_dim) in shapes.items():
             shape = tuple(shape) or (1,)
             layer = layer_of(name)
-            key = (shape, train_dim, gen_dim, layer_stage(layer, num_layers, layout.pp))
+            key = (shape, train_dim, gen_dim, layer_stage(layer, num_layers, dims.pp))
             if key not in memo:
-                memo[key] = _boxes(shape, train_dim, gen_dim, key[3], layout, coords, gen, gen_tp, fsdp_only)
+                memo[key] = _boxes(shape, train_dim, gen_dim, key[3], dims, coords, gen, dims.gen_tp, fsdp_only)
             own, need, group, aligned = memo[key]
             plan.params.append(ParamPlan(name, shape, itemsize, train_dim, gen_dim, layer, own, need, group, aligned))
         return plan

@@ -1,7 +1,9 @@
 """3D training layout on the workers: the (pp, dp, tp) DeviceMesh and the model built on it.
 
-Rank r = (pp_i * dp + dp_i) * tp + tp_i (tp innermost, as `hybrid_engine.plan.TrainLayout`), so a
-TP group is tp consecutive ranks and a pipeline is the ranks that share (dp_i, tp_i).
+The layout itself (sizes, rank coordinates, rules) is `parallel/dims.py::ParallelDims`; this module
+adds what needs torch.distributed: the mesh, built lazily by `parallel_dims` on every rank. Rank
+r = (pp_i * dp + dp_i) * tp + tp_i (tp innermost), so a TP group is tp consecutive ranks and a
+pipeline is the ranks that share (dp_i, tp_i).
 
 Build order (torchtitan's): pipeline stage first (the stage keeps only its decoder layers,
 `parallel/pipeline.py`), then the TP plan on the tp mesh (the generation plan's table: the same
@@ -21,14 +23,14 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from hybridflow.config.schema import FSDPConfig
-from hybridflow.hybrid_engine.plan import TrainLayout
+from hybridflow.parallel.dims import ParallelDims
 
 
 @dataclass
-class ParallelDims:
+class TrainMesh:
     """This rank's place in the training layout, and the process groups it trains with."""
 
-    layout: TrainLayout
+    layout: ParallelDims
     pp_i: int
     dp_i: int
     tp_i: int
@@ -36,7 +38,7 @@ class ParallelDims:
 
     @property
     def trivial(self) -> bool:
-        return self.layout.pp == self.layout.tp == 1
+        return self.layout.trivial
 
     @property
     def dp_mesh(self) -> DeviceMesh:
@@ -55,8 +57,8 @@ class ParallelDims:
         return None if self.mesh is None else self.mesh["dp"].get_group()
 
 
-def parallel_dims(layout: TrainLayout, device: str) -> ParallelDims:
-    """Every rank calls this (building the mesh creates process groups)."""
+def parallel_dims(layout: ParallelDims, device: str) -> TrainMesh:
+    """This rank's `TrainMesh` in `layout`. Every rank calls this (building the mesh creates process groups)."""
     rank = dist.get_rank()
     if layout.world != dist.get_world_size():
         raise ValueError(f"training layout {layout.label} needs {layout.world} ranks, the group has {dist.get_world_size()}")
@@ -64,7 +66,7 @@ def parallel_dims(layout: TrainLayout, device: str) -> ParallelDims:
     mesh = None
     if layout.pp > 1 or layout.tp > 1:
         mesh = init_device_mesh(device, (layout.pp, layout.dp, layout.tp), mesh_dim_names=("pp", "dp", "tp"))
-    return ParallelDims(layout, pp_i, dp_i, tp_i, mesh)
+    return TrainMesh(layout, pp_i, dp_i, tp_i, mesh)
 
 
 def grad_norm_and_clip(params: list[nn.Parameter], max_norm: float, ranks_per_stage: int) -> float:
@@ -94,7 +96,7 @@ def grad_norm_and_clip(params: list[nn.Parameter], max_norm: float, ranks_per_st
     return norm
 
 
-def build_train_model(model: nn.Module, dims: ParallelDims, device: str, fcfg: FSDPConfig, schedule: str = "1f1b"):
+def build_train_model(model: nn.Module, dims: TrainMesh, device: str, fcfg: FSDPConfig, schedule: str = "1f1b"):
     """(the model as this rank trains it, its `Pipeline` or None): stage split, TP plan, then FSDP2
     over dp with `fcfg`'s settings; the plain FSDP layout is FSDP over all ranks."""
     from hybridflow.parallel.fsdp import apply_fsdp2, make_mesh

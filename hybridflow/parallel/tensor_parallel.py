@@ -1,6 +1,7 @@
 """Tensor-parallel GENERATION layout for HF causal LMs (Qwen2 / Llama), and the shard-dim table.
 
-With N actor ranks and ``gen_tp`` dividing N, k = N // gen_tp:
+Which rank has which generation coordinates is the layout object's (`parallel/dims.py`,
+`ParallelDims.gen_rank`). With N actor ranks in the FSDP layout and ``gen_tp`` dividing N, k = N // gen_tp:
     rank r -> generation TP index r // k, generation DP index r % k;
     TP groups are the strided rank sets {j, j+k, j+2k, ...} (j < k).
 The (tp, dp) DeviceMesh ``arange(N).reshape(gen_tp, k)`` has exactly these groups as ``mesh["tp"]``.
@@ -13,13 +14,15 @@ the FSDP2 placement and the resharding planner all read it through :func:`gen_sh
 
 Simplifications: no sequence parallel, no fused qkv / gate_up (HF keeps them separate; a vLLM
 backend concatenates per TP rank on top of this table), tied embeddings stay replicated.
-torch is imported inside the functions that need it: the table and :func:`validate_gen_tp` are
-pure Python so the driver-side config validator can use them without importing torch.
+torch is imported inside the functions that need it: the table is pure Python. The generation TP
+rules (:func:`validate_gen_tp`, re-exported here) live with the layout in `parallel/dims.py`.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
+
+from hybridflow.parallel.dims import TP_KEY, ParallelDims, validate_gen_tp  # noqa: F401  (TP_KEY, validate_gen_tp re-exported)
 
 if TYPE_CHECKING:
     import torch.nn as nn
@@ -29,8 +32,6 @@ if TYPE_CHECKING:
 COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # weight [out, in]: dim 0; bias dim 0
 ROWWISE = ("o_proj", "down_proj")  # weight [out, in]: dim 1; bias replicated (added after the all-reduce)
 EMBED, LM_HEAD = "embed_tokens", "lm_head"  # vocab-parallel: weight dim 0, unless tied (then replicated)
-
-TP_KEY = "actor_rollout_ref.rollout.tensor_model_parallel_size"
 
 
 def gen_shard_dim(param_name: str, tied: bool) -> int | None:
@@ -64,35 +65,21 @@ def gen_shard_dims(model: nn.Module) -> dict[str, int | None]:
     return {name: gen_shard_dim(name, tied) for name, _ in model.named_parameters()}
 
 
-def validate_gen_tp(gen_tp: int, world_size: int, num_attention_heads: int, num_key_value_heads: int) -> list[str]:
-    """Problems with a generation TP size (empty when it is fine), each naming the key and the fix."""
-    if not (isinstance(gen_tp, int) and gen_tp >= 1):
-        return [f"{TP_KEY} must be an integer >= 1, got {gen_tp!r}"]
-    out = []
-    if world_size % gen_tp:
-        ok = [d for d in range(1, world_size + 1) if world_size % d == 0]
-        out.append(f"{TP_KEY} ({gen_tp}) must divide the number of actor workers ({world_size} = trainer.nnodes * "
-                   f"trainer.n_gpus_per_node); set it to one of {ok}")
-    for what, heads in (("num_attention_heads", num_attention_heads), ("num_key_value_heads", num_key_value_heads)):
-        if heads and heads % gen_tp:
-            ok = [d for d in range(1, heads + 1) if heads % d == 0]
-            out.append(f"{TP_KEY} ({gen_tp}) must divide the model's {what} ({heads}): each TP rank holds whole "
-                       f"heads; set it to one of {ok} (that also divides {world_size} workers)")
-    return out
+def _gen_dims(world_size: int, gen_tp: int, layout: ParallelDims | None) -> ParallelDims:
+    """`layout` (None: FSDP over all ranks) with the generation TP size `gen_tp` (checked)."""
+    dims = (layout or ParallelDims(dp=world_size)).with_gen(gen_tp)
+    if dims.world != world_size:
+        raise ValueError(f"training layout {dims.label} has {dims.world} ranks, not {world_size}")
+    return dims
 
 
-def gen_ranks(rank: int, world_size: int, gen_tp: int, layout=None) -> tuple[int, int]:
-    """(generation TP index, generation DP index) of ``rank``; `layout` (a `TrainLayout`, None =
-    FSDP over all ranks) picks HybridFlow's grouping for a 3D training layout (`plan.gen_coords`)."""
-    if layout is None:
-        k = world_size // gen_tp
-        return rank // k, rank % k
-    from hybridflow.hybrid_engine.plan import gen_coords
-
-    return gen_coords(layout, gen_tp)[rank]
+def gen_ranks(rank: int, world_size: int, gen_tp: int, layout: ParallelDims | None = None) -> tuple[int, int]:
+    """(generation TP index, generation DP index) of ``rank``: `ParallelDims.gen_rank` of `layout`
+    (None = FSDP over all ranks; HybridFlow's grouping for a 3D training layout)."""
+    return _gen_dims(world_size, gen_tp, layout).gen_rank(rank)
 
 
-def gen_mesh(device: str, world_size: int, gen_tp: int, layout=None) -> DeviceMesh:
+def gen_mesh(device: str, world_size: int, gen_tp: int, layout: ParallelDims | None = None) -> DeviceMesh:
     """The 2-D (tp, dp) mesh whose entry [t, d] is the rank with generation coordinates (t, d):
     ``arange(N).reshape(gen_tp, k)`` for the FSDP layout, so ``mesh["tp"]`` = strided TP groups.
 
@@ -101,12 +88,10 @@ def gen_mesh(device: str, world_size: int, gen_tp: int, layout=None) -> DeviceMe
     import torch
     from torch.distributed.device_mesh import DeviceMesh
 
-    problems = validate_gen_tp(gen_tp, world_size, 0, 0)
-    if problems:
-        raise ValueError("; ".join(problems))
-    grid = torch.empty(gen_tp, world_size // gen_tp, dtype=torch.int)
+    dims = _gen_dims(world_size, gen_tp, layout)
+    grid = torch.empty(gen_tp, dims.gen_dp, dtype=torch.int)
     for r in range(world_size):
-        grid[gen_ranks(r, world_size, gen_tp, layout)] = r
+        grid[dims.gen_rank(r)] = r
     return DeviceMesh(device, grid, mesh_dim_names=("tp", "dp"))
 
 

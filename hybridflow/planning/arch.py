@@ -7,9 +7,12 @@ Families: llama (Llama 2/3, SmolLM2), mistral, qwen2 (q/k/v biases), qwen3 (per-
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 from dataclasses import dataclass
+
+from hybridflow.config.validate import A, register_check
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -106,3 +109,19 @@ def load_arch(model: str) -> Arch:
         raise ValueError(f"model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint directory / config.json")
     with open(path) as f:
         return Arch.from_config(json.load(f), model)
+
+
+@register_check("freeze_modules")
+def freeze_problems(path: str, patterns: list[str]) -> list[str]:
+    """The config validator's check: each actor.freeze_modules pattern names parameters of the model
+    (from its config.json alone), and something stays trainable."""
+    try:
+        names = list(load_arch(path).param_shapes())
+    except (ValueError, KeyError, OSError):
+        return []  # the model checks report a missing or unknown checkpoint
+    out = [f"{A}.freeze_modules: {pattern!r} matches no parameter of the model (names look like {names[0]!r}, "
+           f"{names[-1]!r}); use fnmatch patterns such as '*embed_tokens*'"
+           for pattern in patterns if not any(fnmatch.fnmatchcase(n, pattern) for n in names)]
+    if all(any(fnmatch.fnmatchcase(n, pattern) for pattern in patterns) for n in names):
+        out.append(f"{A}.freeze_modules freezes every parameter: nothing would train")
+    return out

@@ -38,10 +38,9 @@ def gen_tp_problems(arch: Arch, layout: TrainLayout, gen_tp: int) -> list[str]:
     for what, heads in (("attention heads", arch.heads), ("KV heads", arch.kv_heads)):
         if heads % gen_tp:
             out.append(f"gen_tp={gen_tp} does not divide the {heads} {what}")
-    m = layout.tp * layout.dp
-    if m % gen_tp and (gen_tp % m or layout.pp % (gen_tp // m)):
-        out.append(f"gen_tp={gen_tp} must divide tp*dp={m} of {layout.label} (or be tp*dp times a divisor of pp={layout.pp}): "
-                   f"otherwise a generation slice is not made of whole training slices")
+    if not layout.fits_gen_tp(gen_tp):  # the layout's rule (parallel/dims.py)
+        out.append(f"gen_tp={gen_tp} must divide tp*dp={layout.tp * layout.dp} of {layout.label} (or be tp*dp times a divisor of "
+                   f"pp={layout.pp}): otherwise a generation slice is not made of whole training slices")
     return out
 
 

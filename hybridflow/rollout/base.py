@@ -75,7 +75,7 @@ class RolloutContext:
     device: str
     rank: int
     world_size: int
-    train_layout: Any = None  # the colocated actor's TrainLayout (None: FSDP over the group / no actor)
+    train_layout: Any = None  # the colocated actor's ParallelDims (parallel/dims.py; None: FSDP over the group / no actor)
     shard_dims: Optional[dict[str, Optional[int]]] = None  # the HF model's TP table: parameter -> TP dim (None = whole)
 
 

@@ -28,7 +28,7 @@ from hybridflow.controller.worker import Worker, pick_device
 from hybridflow.hybrid_engine import cross_pool
 from hybridflow.hybrid_engine.executor import HybridEngine
 from hybridflow.hybrid_engine.memory import rss_bytes
-from hybridflow.hybrid_engine.plan import TrainLayout
+from hybridflow.parallel.dims import ParallelDims
 from hybridflow.parallel.fsdp import shard_numel
 from hybridflow.parallel.layout import build_train_model, parallel_dims
 from hybridflow.parallel.tensor_parallel import gen_shard_dims
@@ -60,14 +60,15 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
         self.remove_padding = config.actor_rollout_ref.model.use_remove_padding
         acfg = config.actor_rollout_ref.actor
         # The actor's 3D layout; the colocated reference shares it (same workers, same data split),
-        # a reference on a pool of its own ("ref") scores with FSDP over that pool.
+        # a reference on a pool of its own ("ref") scores with FSDP over that pool. The rollout
+        # backend adds its generation layout (`_init_rollout`).
         pp, tp = (acfg.pipeline_model_parallel_size, acfg.tensor_model_parallel_size) if self.has_actor else (1, 1)
-        self.train_layout = TrainLayout(pp=pp, tp=tp, dp=self.world_size // (pp * tp))
-        self.dims = None  # ParallelDims, set by init_model
+        self.train_layout = ParallelDims.for_world(self.world_size, pp=pp, tp=tp, procs_per_node=self.procs_per_node)
+        self.dims = None  # this rank's TrainMesh (parallel/layout.py), set by init_model
         self.pipe = self.ref_pipe = None  # Pipelines of the actor / reference stage (pp > 1)
 
     def dispatch_layout(self, layout: str | None) -> tuple[int, int, bool]:
-        """"train": split over dp (FSDP layout: every rank its own chunk), `TrainLayout.dispatch`."""
+        """"train": split over dp (FSDP layout: every rank its own chunk), `ParallelDims.dispatch`."""
         if layout == "train":
             return self.train_layout.dispatch(self.rank)
         return super().dispatch_layout(layout)
@@ -118,8 +119,8 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
         self.rollout = make_rollout(rcfg.name, ctx)
         lay = self.rollout.layout()
         he = self.cfg.actor_rollout_ref.hybrid_engine
-        self.engine = HybridEngine(self.actor, lay.buffers, lay.shard_dims, lay.gen_tp, he, self.device, self.procs_per_node, self.train_layout,
-                                   self.full_shapes, consecutive=lay.consecutive)
+        self.engine = HybridEngine(self.actor, lay.buffers, lay.shard_dims, lay.gen_tp, he, self.device, layout=self.train_layout,
+                                   full_shapes=self.full_shapes, consecutive=lay.consecutive)
         if lay.buffers is not None:  # the engine writes into the backend's storages: it also frees / re-acquires them
             self.rollout.memory = self.engine
         self.plan = self.engine.plan

@@ -14,7 +14,7 @@ from hybridflow.algorithms import compute_value_loss, micro_weight
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.controller.decorator import Dispatch, register
 from hybridflow.controller.worker import Worker, pick_device
-from hybridflow.hybrid_engine.plan import TrainLayout
+from hybridflow.parallel.dims import ParallelDims
 from hybridflow.parallel.layout import build_train_model, parallel_dims
 from hybridflow.protocol import Batch
 from hybridflow.utils.checkpoint import load_sharded, save_sharded
@@ -29,10 +29,10 @@ class CriticWorker(Worker):
         self.total_training_steps = total_training_steps
         self.device = pick_device(config.trainer.device)
         tp = config.critic.tensor_model_parallel_size
-        self.layout = TrainLayout(tp=tp, dp=self.world_size // tp)  # critic.tensor_model_parallel_size x FSDP
+        self.layout = ParallelDims.for_world(self.world_size, tp=tp)  # critic.tensor_model_parallel_size x FSDP
 
     def dispatch_layout(self, layout: str | None) -> tuple[int, int, bool]:
-        """"train": split over dp, the TP ranks of a dp group share a chunk (`TrainLayout.dispatch`)."""
+        """"train": split over dp, the TP ranks of a dp group share a chunk (`ParallelDims.dispatch`)."""
         if layout == "train":
             return self.layout.dispatch(self.rank)
         return super().dispatch_layout(layout)
