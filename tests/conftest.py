@@ -42,18 +42,25 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
-@pytest.fixture(autouse=True)
-def _fast_tests_start_no_processes(request):
-    """A test not marked slow must not leave Ray or a torch.distributed group started."""
-    yield
-    if request.node.get_closest_marker("slow"):
-        return
+def _started() -> list[str]:
+    """What is up in this process now: the Ray client and / or a torch.distributed group."""
     import sys
 
     ray = sys.modules.get("ray")
     dist = sys.modules.get("torch.distributed")
-    started = [name for name, on in (("Ray", ray is not None and ray.is_initialized()),
-                                      ("a torch.distributed group", dist is not None and dist.is_available() and dist.is_initialized())) if on]
+    return [name for name, on in (("Ray", ray is not None and ray.is_initialized()),
+                                  ("a torch.distributed group", dist is not None and dist.is_available() and dist.is_initialized())) if on]
+
+
+@pytest.fixture(autouse=True)
+def _fast_tests_start_no_processes(request):
+    """A test not marked slow must not start Ray or a torch.distributed group (one that a slow
+    test started earlier in the session, like the session cluster, does not count)."""
+    before = set(_started())
+    yield
+    if request.node.get_closest_marker("slow"):
+        return
+    started = [s for s in _started() if s not in before]
     if started:
         pytest.fail(f"{request.node.nodeid} is not marked slow but started {' and '.join(started)}: add its way of starting processes "
                     f"to tests/conftest.py _STARTS_PROCESSES", pytrace=False)

@@ -224,3 +224,61 @@ def test_reference_policy_on_its_own_pool(tiny_model_dir, task_dir, varied_rewar
     assert abs(steps[0]["actor/kl_loss"]) < 1e-7 and steps[-1]["actor/kl_loss"] > 0
     assert steps[-1]["perf/pool_busy/ref_pool"] > 0
 
+
+
+def _sft_config(model_dir, task_dir, out_dir, *extra: str):
+    from hybridflow.config import SFTConfig, load_config
+
+    return load_config(None, [f"train_files=[{task_dir}/sft.parquet]", "max_length=32", "train_batch_size=16", "micro_batch_size_per_gpu=8",
+                              "total_steps=4", f"model.path={model_dir}", "optim.lr=1e-3", f"save_dir={out_dir}/sft_model",
+                              "trainer.logger=[jsonl]", *extra], schema=SFTConfig)
+
+
+def _rm_config(model_dir, task_dir, out_dir, *extra: str):
+    from hybridflow.config import RewardTrainConfig, load_config
+
+    return load_config(None, [f"train_files=[{task_dir}/pref_train.parquet]", f"val_files=[{task_dir}/pref_val.parquet]",
+                              "max_prompt_length=32", "max_response_length=4", "train_batch_size=8", "micro_batch_size_per_gpu=8",
+                              "total_steps=2", f"model.path={model_dir}", f"save_dir={out_dir}/reward_model", "trainer.logger=[jsonl]",
+                              *extra], schema=RewardTrainConfig)
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_sft_and_rm_reserve_their_workers_in_a_placement_group(tiny_model_dir, task_dir, tmp_path, monkeypatch):
+    """SFT and reward-model training place their workers as the RL trainer does (`trainer/placement.py`):
+    one placement group reserving a bundle per worker holds them during every step, and is removed
+    when the run ends."""
+    import os
+
+    from hybridflow.trainer.loader import PromptLoader
+    from hybridflow.trainer.reward_model import run_rm
+    from hybridflow.trainer.sft import run_sft
+
+    seen: list[tuple[set, bool]] = []
+    take = PromptLoader.next_batch
+
+    def spy(self):  # called by the driver once per step, while the workers are placed
+        live = {pg for pg, info in ray.util.placement_group_table().items() if info["state"] == "CREATED"}
+        seen.append((live, all(_actor_alive(f"{prefix}_{os.getpid()}_{rank}") for rank in range(2))))
+        return take(self)
+
+    monkeypatch.setattr(PromptLoader, "next_batch", spy)
+    for prefix, run, cfg in [("sft", run_sft, _sft_config(tiny_model_dir, task_dir, tmp_path)),
+                             ("rm", run_rm, _rm_config(tiny_model_dir, task_dir, tmp_path))]:
+        before = set(ray.util.placement_group_table())
+        seen.clear()
+        result = run(cfg)
+        assert result["steps"] == cfg.total_steps
+        table = ray.util.placement_group_table()
+        (pg,) = set(table) - before  # exactly one new placement group
+        assert table[pg]["bundles"] == {0: {"CPU": 0.5}, 1: {"CPU": 0.5}} and table[pg]["strategy"] == "STRICT_PACK"
+        assert table[pg]["state"] == "REMOVED"  # released at the end
+        assert len(seen) == cfg.total_steps and all(pg in live and workers for live, workers in seen), (prefix, seen)
+
+
+def _actor_alive(name: str) -> bool:
+    try:
+        ray.get_actor(name)
+    except ValueError:
+        return False
+    return True

@@ -33,6 +33,25 @@ class Role(str, enum.Enum):
 assert tuple(r.value for r in Role) == ROLES
 
 
+class ModelPart(str, enum.Enum):
+    """What one policy-model worker process (ActorRolloutRefWorker) holds: the trained actor, its
+    generation layout (the colocated rollout, unless the rollout has a pool of its own), the frozen
+    reference. A worker holds the actor with any of the others, or the reference alone."""
+
+    ACTOR = "actor"
+    ROLLOUT = "rollout"
+    REF = "ref"
+
+
+def worker_role(parts: frozenset[ModelPart]) -> str:
+    """The ActorRolloutRefWorker's `role` string for `parts`: "actor_rollout_ref", "actor_rollout",
+    "actor_ref", "actor" or "ref"."""
+    if ModelPart.ACTOR not in parts and set(parts) != {ModelPart.REF}:
+        raise ValueError(f"a policy worker holds the actor (with the rollout and/or the reference) or the reference alone, "
+                         f"not {sorted(p.value for p in parts)}")
+    return "_".join(p.value for p in ModelPart if p in parts)
+
+
 def pool_specs(cfg: HybridFlowConfig) -> dict[str, PoolSpec]:
     """The configured pools, or the default single pool from trainer.nnodes / n_gpus_per_node."""
     if cfg.resource_pool.pools:

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from hybridflow.controller.resource_pool import Role, dpo_roles
+from hybridflow.controller.resource_pool import Role
 from hybridflow.data.preference import PreferenceDataset, collate_pairs
 from hybridflow.protocol import Batch
 from hybridflow.trainer.dataflow import DataFlow, Stage
@@ -49,18 +49,14 @@ def best_vs_worst(samples: Batch, n: int) -> tuple[Batch, dict[str, float]]:
 
 
 class DPOTrainer(RLTrainer):
-    KIND = "dpo"
+    KIND = "dpo"  # validate_config's DPO checks; the roles are dpo_roles (trainer/roles.py)
     CONSOLE_COLUMNS = DPO_CONSOLE_COLUMNS
 
     def __init__(self, cfg, **kwargs):
         super().__init__(cfg, **kwargs)
         self.online = cfg.dpo.online
-        self.use_critic = False
         self.ref_cache: torch.Tensor | None = None  # [N, 2] (chosen, rejected) per dataset row, precompute_ref_log_probs
         self.sample_flow: DataFlow | None = None
-
-    def _roles(self) -> list[Role]:
-        return dpo_roles(self.cfg)
 
     def _train_data(self):
         if self.cfg.dpo.online:  # prompts, sampled from every step
@@ -84,7 +80,7 @@ class DPOTrainer(RLTrainer):
         actor_pool = self.pool_of(Role.ACTOR_ROLLOUT)
         self.sample_flow = DataFlow([Stage("gen", self._generate, PROMPT_KEYS, GEN_OUTPUTS, pool=actor_pool), *self._reward_stages()])
         self.sample_flow.check(super()._prepare_batch_keys())
-        return DataFlow([ref, update, Stage("reshard", self._reshard, [], [], pool=actor_pool)])
+        return DataFlow([ref, update, Stage("reshard", self.weight_sync.reshard, [], [], pool=actor_pool)])
 
     # ------------------------------------------------------------------ loop
     def _prepare_batch(self) -> Batch:
@@ -105,8 +101,8 @@ class DPOTrainer(RLTrainer):
             batch = self._prepare_batch()
         batch, m = flow.run(batch)
         metrics.update(m)
-        if self._pending_reshard is not None:  # hybrid_engine.resharding_overlap_with_compute
-            metrics.update(self._finish_reshard())
+        if self.weight_sync.pending is not None:  # hybrid_engine.resharding_overlap_with_compute
+            metrics.update(self.weight_sync.finish())
         metrics["timing_s/step"] = time.perf_counter() - start
         metrics["dpo/pairs"] = float(batch["pair_weight"][0::2].sum())
         return metrics

@@ -54,11 +54,11 @@ class PolicyGroup:
     def __init__(self, cfg: HybridFlowConfig, model: Any, num_workers: int):
         from hybridflow.config import validate_config
         from hybridflow.config.schema import PoolSpec
-        from hybridflow.controller.worker import pick_device
-        from hybridflow.controller.worker_group import ColocatedWorkerGroup, init_ray, place_pools
-        from hybridflow.workers.actor_rollout_ref import ActorRolloutRefWorker
+        from hybridflow.controller.resource_pool import ModelPart
+        from hybridflow.trainer.placement import start_groups
+        from hybridflow.trainer.roles import policy_worker
 
-        self._tmp = None
+        self._tmp = self.placed = None
         if not isinstance(model, (str, os.PathLike)):  # a PreTrainedModel: give the workers a checkpoint
             self._tmp = tempfile.TemporaryDirectory(prefix="hybridflow_model_")
             model.save_pretrained(self._tmp.name)
@@ -72,16 +72,16 @@ class PolicyGroup:
         cfg.resource_pool.pools, cfg.resource_pool.mapping = {}, {}
         validate_config(cfg)  # batch sizes against num_workers, the model, ... before any worker starts
         self.cfg = cfg
-        init_ray(cfg.ray_init.address, cfg.ray_init.num_cpus, cfg.ray_init.resources or None)
-        role = "actor_rollout_ref" if cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward else "actor_rollout"
+        use_ref = cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+        worker = policy_worker(cfg, {ModelPart.ACTOR, ModelPart.ROLLOUT} | ({ModelPart.REF} if use_ref else set()))
         # Unique per checkpoint path (two models in folders of the same name must not share actor names).
         name = f"model_{os.path.basename(self.path.rstrip('/'))}_{hashlib.sha1(self.path.encode()).hexdigest()[:8]}_{os.getpid()}"
-        device = pick_device(cfg.trainer.device)
-        self.pool = place_pools({name: PoolSpec(workers_per_node=num_workers)}, cfg.ray_init.cpus_per_worker, device)[name]
-        self.group = None
         try:
-            self.group = ColocatedWorkerGroup(self.pool, {"actor": (ActorRolloutRefWorker, {"config": cfg, "role": role})}, name=name, device=device,
-                                             worker_env=cfg.trainer.worker_env)
+            # Always Ray workers: each model is a pool of its own, and the flow runs stages of
+            # different pools at the same time (torchrun has one process group for all of them).
+            self.placed = start_groups(cfg.trainer, cfg.ray_init, {name: PoolSpec(workers_per_node=num_workers)},
+                                       lambda pool, procs_per_node: {"actor": worker}, launcher="ray")
+            self.pool, self.group = self.placed.pools[name], self.placed.groups[name]
             self.actor = self.group.role("actor")
             self.actor.init_model()
         except BaseException:
@@ -114,9 +114,7 @@ class PolicyGroup:
         return fn
 
     def close(self) -> None:
-        if self.group is not None:
-            self.group.shutdown()
-            self.group = None
-        self.pool.release()
+        if self.placed is not None:
+            self.placed.shutdown()  # the group, then its pool
         if self._tmp is not None:
             self._tmp.cleanup()

@@ -4,7 +4,9 @@ The driver tokenizes pairs with the RM's own tokenizer and chat template, cycles
 shuffled batches of `train_batch_size` pairs (each worker gets whole pairs) and calls `update_rm`;
 every `trainer.test_freq` steps and at the end it scores the held-out pairs (`val_files`) and
 reports their pairwise accuracy (chosen scored above rejected). The result is an HF sequence
-classifier in `save_dir`, ready for `reward_model.model.path`.
+classifier in `save_dir`, ready for `reward_model.model.path`. The workers are placed like the RL
+trainer's (`placement.py`): a reserved Ray pool `rm_pool` of trainer.nnodes x
+trainer.n_gpus_per_node, or the torchrun ranks with trainer.launcher=torchrun.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ import torch
 from transformers import AutoTokenizer
 
 from hybridflow.config import RewardTrainConfig, validate_rm_config
-from hybridflow.controller.worker_group import RayWorkerGroup, ResourcePool, init_ray
+from hybridflow.config.schema import PoolSpec
 from hybridflow.data.preference import PreferenceDataset, collate_pairs
 from hybridflow.trainer.loader import PromptLoader
+from hybridflow.trainer.placement import start_groups
 from hybridflow.utils.tracking import Tracker
 
 
@@ -39,22 +42,22 @@ def run_rm(cfg: RewardTrainConfig, log_every: int = 25) -> dict:
     val = collate(list(dataset(cfg.val_files))) if cfg.val_files else None
     loader = PromptLoader(train, cfg.train_batch_size, collate, shuffle=True, seed=cfg.trainer.seed)
     t = cfg.trainer
-    init_ray(cfg.ray_init.address, cfg.ray_init.num_cpus)
-    pool = ResourcePool(t.nnodes, t.n_gpus_per_node, cfg.ray_init.cpus_per_worker, name="rm_pool")
     from hybridflow.workers.reward_model import RewardModelWorker
 
-    wg = tracker = None
+    worker = (RewardModelWorker, {"model": cfg.model, "fsdp": cfg.fsdp_config, "micro_batch_size": cfg.micro_batch_size_per_gpu, "device": t.device,
+                                  "seed": t.seed, "optim": cfg.optim, "grad_clip": cfg.grad_clip, "total_training_steps": cfg.total_steps,
+                                  "margin": cfg.margin, "collective_timeout_s": t.collective_timeout_s})
+    # trainer.launcher: Ray workers on a reserved pool, or this process as one torchrun rank.
+    placed = start_groups(t, cfg.ray_init, {"rm_pool": PoolSpec(workers_per_node=t.n_gpus_per_node, nnodes=t.nnodes)},
+                          lambda pool, procs_per_node: {"reward_model": worker}, name=lambda pool: f"rm_{os.getpid()}")
+    main, tracker, wg = placed.is_main, None, placed.groups["rm_pool"].role("reward_model")
 
     def validate() -> dict[str, float]:
         return {"val/pair_acc": pair_accuracy(wg.score_sequences(val)["scores"])} if val is not None else {}
 
     curve = []
     try:
-        wg = RayWorkerGroup(pool, RewardModelWorker, name=f"rm_{os.getpid()}", model=cfg.model, fsdp=cfg.fsdp_config,
-                            micro_batch_size=cfg.micro_batch_size_per_gpu, device=t.device, seed=t.seed, optim=cfg.optim,
-                            grad_clip=cfg.grad_clip, total_training_steps=cfg.total_steps, margin=cfg.margin,
-                            collective_timeout_s=t.collective_timeout_s, worker_env=t.worker_env)
-        tracker = Tracker([x for x in t.logger if x == "jsonl"], t.log_dir or cfg.save_dir)
+        tracker = Tracker([x for x in t.logger if x == "jsonl"] if main else [], t.log_dir or cfg.save_dir)
         wg.init_model()
         first = validate()
         if first:
@@ -68,15 +71,13 @@ def run_rm(cfg: RewardTrainConfig, log_every: int = 25) -> dict:
                 metrics.update(validate())
                 curve.append((step, metrics["val/pair_acc"]))
             tracker.log(metrics, step=step)
-            if "console" in t.logger and (step % log_every == 0 or last):
+            if main and "console" in t.logger and (step % log_every == 0 or last):
                 acc = f"  val pair acc {metrics['val/pair_acc']:.3f}" if "val/pair_acc" in metrics else ""
                 print(f"rm step {step:>4d}/{cfg.total_steps}  loss {metrics['train/loss']:.4f}  train acc {metrics['train/accuracy']:.3f}{acc}", flush=True)
         wg.save_hf_model(os.path.abspath(cfg.save_dir))
     finally:  # whatever failed, no worker or reserved slot outlives the run
         if tracker is not None:
             tracker.close()
-        if wg is not None:
-            wg.shutdown()
-        pool.release()
+        placed.shutdown()
     return {"steps": cfg.total_steps, "first_loss": losses[0], "final_loss": losses[-1], "val_pair_acc": curve[-1][1] if curve else None,
             "val_curve": curve, "model_dir": cfg.save_dir}

@@ -1,7 +1,9 @@
 """SFT on the same FSDP2 actor worker: loss on response tokens only, HF checkpoint at the end.
 
 The driver reads (prompt, response) rows, cycles through them in seeded shuffled batches of
-`train_batch_size` sequences and calls `sft_step` on the worker group (each rank gets 1/N).
+`train_batch_size` sequences and calls `sft_step` on the worker group (each rank gets 1/N). The
+workers are placed like the RL trainer's (`placement.py`): a reserved Ray pool of trainer.nnodes x
+trainer.n_gpus_per_node, or the torchrun ranks with trainer.launcher=torchrun.
 """
 
 from __future__ import annotations
@@ -12,10 +14,12 @@ import os
 from transformers import AutoTokenizer
 
 from hybridflow.config import HybridFlowConfig, SFTConfig, validate_sft_config
-from hybridflow.config.schema import ActorConfig, ActorRolloutRefConfig
-from hybridflow.controller.worker_group import RayWorkerGroup, ResourcePool, init_ray
+from hybridflow.config.schema import DEFAULT_POOL, ActorConfig, ActorRolloutRefConfig, PoolSpec
+from hybridflow.controller.resource_pool import ModelPart
 from hybridflow.data.dataset import SFTDataset, collate_sft
 from hybridflow.trainer.loader import PromptLoader
+from hybridflow.trainer.placement import start_groups
+from hybridflow.trainer.roles import policy_worker
 from hybridflow.utils.tracking import Tracker
 
 
@@ -31,23 +35,14 @@ def run_sft(cfg: SFTConfig, log_every: int = 50) -> dict:
     dataset = SFTDataset(cfg.train_files, tokenizer, cfg.max_length, cfg.prompt_key, cfg.response_key)
     loader = PromptLoader(dataset, cfg.train_batch_size, collate_sft, shuffle=True, seed=cfg.trainer.seed)
     t = cfg.trainer
-    from hybridflow.workers.actor_rollout_ref import ActorRolloutRefWorker
-
-    kwargs = {"config": _actor_config(cfg), "role": "actor", "total_training_steps": cfg.total_steps}
-    main = True
-    if t.launcher == "torchrun":  # this process is one rank (see controller/local_group.py)
-        from hybridflow.controller.local_group import LocalColocatedGroup, init_torchrun
-        from hybridflow.controller.worker import pick_device
-
-        rank, _ = init_torchrun(pick_device(t.device), t.collective_timeout_s)
-        pool, main = None, rank == 0
-        wg = LocalColocatedGroup({"actor": (ActorRolloutRefWorker, kwargs)}).role("actor")
-    else:
-        init_ray(cfg.ray_init.address, cfg.ray_init.num_cpus)
-        pool = ResourcePool(t.nnodes, t.n_gpus_per_node, cfg.ray_init.cpus_per_worker)
-        wg = RayWorkerGroup(pool, ActorRolloutRefWorker, name=f"sft_{os.getpid()}", worker_env=t.worker_env, **kwargs)
-    tracker = Tracker([x for x in t.logger if x == "jsonl"] if main else [], t.log_dir or cfg.save_dir)
+    worker = policy_worker(_actor_config(cfg), {ModelPart.ACTOR}, total_training_steps=cfg.total_steps)
+    # trainer.launcher: Ray workers on a reserved pool, or this process as one torchrun rank.
+    placed = start_groups(t, cfg.ray_init, {DEFAULT_POOL: PoolSpec(workers_per_node=t.n_gpus_per_node, nnodes=t.nnodes)},
+                          lambda pool, procs_per_node: {"actor": worker}, name=lambda pool: f"sft_{os.getpid()}")
+    main, tracker = placed.is_main, None
     try:
+        tracker = Tracker([x for x in t.logger if x == "jsonl"] if main else [], t.log_dir or cfg.save_dir)
+        wg = placed.groups[DEFAULT_POOL].role("actor")
         wg.init_model()
         losses = []
         for step in range(1, cfg.total_steps + 1):
@@ -58,8 +53,7 @@ def run_sft(cfg: SFTConfig, log_every: int = 50) -> dict:
                 print(f"sft step {step:>4d}/{cfg.total_steps}  loss {metrics['train/loss']:.4f}  lr {metrics['train/lr']:.2e}", flush=True)
         wg.save_hf_model(os.path.abspath(cfg.save_dir))
     finally:
-        tracker.close()
-        if pool is not None:
-            wg.shutdown()
-            pool.release()
+        if tracker is not None:
+            tracker.close()
+        placed.shutdown()  # the workers, then the reserved pool (nothing to stop under torchrun)
     return {"steps": cfg.total_steps, "first_loss": losses[0], "final_loss": losses[-1], "model_dir": cfg.save_dir, "config": dataclasses.asdict(cfg)}

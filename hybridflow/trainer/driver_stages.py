@@ -1,0 +1,56 @@
+"""The RL stages that run on the driver: the reward (rule and/or reward model) and the advantages.
+
+Pure functions of the batch and the config; `RLTrainer.build_dataflow` binds them into stages.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from hybridflow.algorithms import apply_kl_penalty, get_adv_estimator
+from hybridflow.config.schema import AlgorithmConfig, RewardModelConfig
+from hybridflow.protocol import Batch
+
+
+def reward(batch: Batch, reward_fn: Callable, rm: RewardModelConfig, use_rm: bool) -> Batch:
+    """token_level_scores [B, R]: the rule reward, or with a reward model
+    score_weight * rm_scores + rule_weight * rule (rule_weight 0: the rule is not run)."""
+    if not use_rm:
+        scores, metrics = reward_fn(batch)
+        return Batch.from_dict(tensors={"token_level_scores": scores}, meta={"metrics": metrics})
+    scores, metrics = rm.score_weight * batch["rm_scores"], {}
+    if rm.rule_weight:
+        rule, metrics = reward_fn(batch)
+        scores = scores + rm.rule_weight * rule
+    return Batch.from_dict(tensors={"token_level_scores": scores}, meta={"metrics": metrics})
+
+
+def advantage(batch: Batch, a: AlgorithmConfig, kl_ctrl) -> Batch:
+    """token_level_rewards (the scores, minus the KL penalty with algorithm.use_kl_in_reward),
+    advantages and returns by algorithm.adv_estimator."""
+    metrics: dict[str, float] = {}
+    rewards = batch["token_level_scores"]
+    if a.use_kl_in_reward:
+        rewards, metrics = apply_kl_penalty(rewards, batch["old_log_probs"], batch["ref_log_prob"], batch["response_mask"], kl_ctrl, a.kl_penalty)
+    adv, returns = get_adv_estimator(a.adv_estimator)(
+        rewards,
+        batch["response_mask"],
+        index=batch["uid"],
+        values=batch["values"] if "values" in batch else None,
+        reward_baselines=batch["reward_baselines"] if "reward_baselines" in batch else None,
+        gamma=a.gamma,
+        lam=a.lam,
+        norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo,
+    )
+    return Batch.from_dict(tensors={"token_level_rewards": rewards, "advantages": adv, "returns": returns}, meta={"metrics": metrics})
+
+
+def advantage_inputs(a: AlgorithmConfig, use_critic: bool) -> list[str]:
+    """What `advantage` reads for this algorithm."""
+    return (["token_level_scores", "response_mask", "uid"] + (["old_log_probs", "ref_log_prob"] if a.use_kl_in_reward else [])
+            + (["values"] if use_critic else []) + (["reward_baselines"] if a.adv_estimator == "remax" else []))
+
+
+def behaviour_log_probs(batch: Batch) -> Batch:
+    """Async rollout: the PPO ratio is against the policy that sampled (one version behind)."""
+    return Batch.from_dict(tensors={"old_log_probs": batch["rollout_log_probs"]})

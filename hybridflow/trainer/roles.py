@@ -1,0 +1,94 @@
+"""The roles a run places, computed once from the config, and the worker classes that hold them.
+
+    roles = RunRoles.of(cfg, "rl")        # {Role: pool name}: the layout, before any worker starts
+    roles.use_critic, roles.use_ref, roles.use_rm, roles.pool_of(Role.ACTOR_ROLLOUT)
+    role_classes(cfg, roles, roles.on(pool), procs_per_node, total_steps)  # {view name: (class, kwargs)}
+
+Which roles run: `resource_pool.active_roles` for RL (a critic for GAE, a reference for KL, a
+rollout pool when async, a reward model when enabled), `resource_pool.dpo_roles` for DPO. Roles are
+`Role` members everywhere on the driver; the policy worker's role string is made in one place,
+`policy_worker`, from the `ModelPart`s it holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hybridflow.config.schema import HybridFlowConfig
+from hybridflow.controller.resource_pool import ModelPart, Role, active_roles, dpo_roles, role_pools, worker_role
+
+
+@dataclass(frozen=True)
+class RunRoles:
+    """The roles of one run and the pool each is placed on (in placement order)."""
+
+    pools: dict[Role, str] = field(default_factory=dict)
+    async_rollout: bool = False  # the rollout role generates on a pool of its own
+
+    @classmethod
+    def of(cls, cfg: HybridFlowConfig, kind: str = "rl") -> "RunRoles":
+        roles = dpo_roles(cfg) if kind == "dpo" else active_roles(cfg)
+        return cls(role_pools(cfg, roles), cfg.trainer.async_rollout)
+
+    @property
+    def roles(self) -> list[Role]:
+        return list(self.pools)
+
+    def __contains__(self, role: Role) -> bool:
+        return role in self.pools
+
+    def pool_of(self, role: Role) -> str:
+        return self.pools[role]
+
+    def pool_names(self) -> list[str]:
+        """The pools the run uses, each once, in the order of their first role."""
+        return list(dict.fromkeys(self.pools.values()))
+
+    def on(self, pool: str) -> list[Role]:
+        """The roles colocated on `pool` (one process per rank holds them all)."""
+        return [role for role, p in self.pools.items() if p == pool]
+
+    @property
+    def use_critic(self) -> bool:
+        return Role.CRITIC in self.pools
+
+    @property
+    def use_ref(self) -> bool:
+        return Role.REF in self.pools
+
+    @property
+    def use_rm(self) -> bool:
+        return Role.REWARD_MODEL in self.pools
+
+
+def policy_worker(cfg: HybridFlowConfig, parts: set[ModelPart] | frozenset[ModelPart], **kwargs) -> tuple[type, dict]:
+    """The policy-model worker holding `parts`, and its arguments (the one place its role string is made)."""
+    from hybridflow.workers.actor_rollout_ref import ActorRolloutRefWorker
+
+    return ActorRolloutRefWorker, {"config": cfg, "role": worker_role(frozenset(parts)), **kwargs}
+
+
+def role_classes(cfg: HybridFlowConfig, run: RunRoles, here: list[Role], procs_per_node: int, total_steps: int) -> dict[str, tuple[type, dict]]:
+    """The worker classes (and their arguments) that hold the roles `here` in one process, by view
+    name; procs_per_node: the pool's ranks per node (consecutive), the hybrid engine's node boundary."""
+    from hybridflow.workers.critic import CriticWorker
+    from hybridflow.workers.reward_model import RewardModelWorker
+    from hybridflow.workers.rollout import RolloutWorker
+
+    t = cfg.trainer
+    classes: dict[str, tuple[type, dict]] = {}
+    if Role.ACTOR_ROLLOUT in here:
+        parts = {ModelPart.ACTOR} | ({ModelPart.ROLLOUT} if not run.async_rollout else set()) | ({ModelPart.REF} if Role.REF in here else set())
+        classes["actor"] = policy_worker(cfg, parts, total_training_steps=total_steps, procs_per_node=procs_per_node)
+    elif Role.REF in here:
+        classes["ref"] = policy_worker(cfg, {ModelPart.REF})
+    if Role.ROLLOUT in here:
+        classes["rollout"] = (RolloutWorker, {"config": cfg})
+    if Role.CRITIC in here:
+        classes["critic"] = (CriticWorker, {"config": cfg, "total_training_steps": total_steps})
+    if Role.REWARD_MODEL in here:
+        rm, mcfg = cfg.reward_model, cfg.actor_rollout_ref.model
+        classes["reward_model"] = (RewardModelWorker, {"model": rm.model, "fsdp": rm.fsdp_config, "micro_batch_size": rm.micro_batch_size_per_gpu,
+                                                       "device": t.device, "seed": t.seed, "policy_tokenizer": mcfg.tokenizer_path or mcfg.path,
+                                                       "collective_timeout_s": t.collective_timeout_s})
+    return classes

@@ -1,0 +1,145 @@
+"""Trained weights -> generation weights after every update: the flow's last stage, its metrics
+(`timing_s/reshard`, `reshard/*`) and the resharding log lines.
+
+Colocated (the 3D-HybridEngine): `reshard` asks the actor's workers to move from the training to
+the generation layout. With actor_rollout_ref.hybrid_engine.resharding_overlap_with_compute it only
+starts them; the trainer prepares the next batch meanwhile and `finish_overlapped` collects the
+result (`reshard/overlap_ratio`: the part of the workers' time the driver spent preparing).
+
+Cross-pool (trainer.async_rollout): `sync_rollout` has the actor's pool publish exactly the pieces
+each generation rank needs and the rollout pool receive them (`hybrid_engine/cross_pool.py`).
+
+The first sync of a run logs the plan and its timing; with trainer.check_weight_sync every sync
+proves that the generation weights are exactly the trained ones (it raises otherwise).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+from hybridflow import profiler
+from hybridflow.config.schema import HybridFlowConfig
+from hybridflow.protocol import Batch
+
+logger = logging.getLogger("hybridflow")
+
+
+class WeightSync:
+    def __init__(self, cfg: HybridFlowConfig, actor: Any, plan_summary: dict | None, rollout: Any = None, pools: tuple[str, str] = ("", "")):
+        """actor: the trained policy's view; plan_summary: its resharding plan (colocated);
+        rollout, pools: the rollout pool's view and (actor pool, rollout pool) names (cross-pool)."""
+        self.cfg, self.actor, self.plan_summary, self.rollout, self.pools = cfg, actor, plan_summary, rollout, pools
+        self.pending = None  # the workers' reshard in flight (overlap mode)
+        self.logged = False  # the first sync logs the plan and its timing
+
+    # ------------------------------------------------------------------ colocated
+    def reshard(self, batch: Batch | None = None) -> dict[str, float]:
+        """Training -> generation layout (the flow's "reshard" stage). With overlap on, only start
+        it: the trainer collects it with `finish_overlapped`."""
+        he = self.cfg.actor_rollout_ref.hybrid_engine
+        first = not self.logged
+        if first:
+            self._log_plan()
+        kwargs = {"measure_baseline": first and he.measure_baseline, "check": self.cfg.trainer.check_weight_sync, "trace": profiler.active_session() is not None}
+        self.pending = self.actor.submit("reshard", **kwargs)
+        if he.resharding_overlap_with_compute:
+            return {}
+        return self.finish()
+
+    def finish_overlapped(self, prepare_next: Callable[[], None]) -> dict[str, float]:
+        """Overlap mode: run `prepare_next` on the driver while the workers reshard, then collect."""
+        prep_start = time.perf_counter()
+        prepare_next()
+        return self.finish(prep_seconds=time.perf_counter() - prep_start)
+
+    def _log_plan(self) -> None:
+        r, t = self.cfg.actor_rollout_ref.rollout, self.cfg.trainer
+        a, n, plan = self.cfg.actor_rollout_ref.actor, self.actor.world_size, self.plan_summary
+        pp, tp = a.pipeline_model_parallel_size, a.tensor_model_parallel_size
+        train = f"FSDP(dp={n})" if pp == tp == 1 else f"PP={pp} x TP={tp} x FSDP(dp={n // (pp * tp)})"
+        logger.info("Starting resharding from %s to TP=%d x DP=%d...", train, r.tensor_model_parallel_size, n // r.tensor_model_parallel_size)
+        logger.info("Resharding plan: %s per rank at minimum (naive: %s), %s crossing nodes (%d node(s) x %d workers)",
+                    human_bytes(max(plan["min_bytes_per_rank"])), human_bytes(max(plan["naive_bytes_per_rank"])),
+                    human_bytes(plan["cross_node_bytes"]), t.nnodes, t.n_gpus_per_node)
+
+    def finish(self, prep_seconds: float | None = None) -> dict[str, float]:
+        """Collect the reshard in flight: its metrics (and, the first time, its log lines)."""
+        wait_start = time.perf_counter()
+        per_rank = self.pending.result()
+        waited = time.perf_counter() - wait_start
+        self.pending = None
+        seconds = max(r["seconds"] for r in per_rank)
+        plan = self.plan_summary
+        m = {
+            "timing_s/reshard": seconds,
+            "reshard/bytes_per_rank": float(max(r["bytes_received"] for r in per_rank)),
+            "reshard/min_bytes_per_rank": float(max(plan["min_bytes_per_rank"])),
+            "reshard/skipped_bytes_per_rank": float(max(r.get("skipped_bytes", 0) for r in per_rank)),  # frozen parameters
+            "reshard/naive_bytes_per_rank": float(max(plan["naive_bytes_per_rank"])),
+            "reshard/cross_node_bytes": float(plan["cross_node_bytes"]),
+            "reshard/peak_extra_gb": max(r["peak_extra_bytes"] for r in per_rank) / 2**30,
+            "perf/max_memory_rss_gb": max(r["rss_bytes"] for r in per_rank) / 2**30,
+        }
+        if "max_diff" in per_rank[0]:
+            diff = max(r["max_diff"] for r in per_rank)
+            if diff != 0.0:
+                raise RuntimeError(f"weight sync check failed: generation weights differ from the trained ones by {diff}")
+            m["reshard/weight_max_diff"] = diff
+        if prep_seconds is not None:
+            # The part of the workers' resharding time the driver spent preparing the next batch.
+            m["reshard/overlap_ratio"] = max(0.0, min(1.0, (seconds - waited) / seconds)) if seconds > 0 else 1.0
+        session = profiler.active_session()
+        if session is not None:
+            for r in per_rank:
+                session.events.extend(r.get("trace", []))
+        if not self.logged:
+            self._log_first(per_rank, m, seconds, prep_seconds is not None)
+        return m
+
+    def _log_first(self, per_rank: list[dict], m: dict[str, float], seconds: float, overlapped: bool) -> None:
+        logger.debug("Layer-wise migration: %s", " -> ".join(per_rank[0]["layers"]))
+        if "baseline" in per_rank[0]:
+            base = max(r["baseline"]["seconds"] for r in per_rank)
+            m["reshard/baseline_seconds"] = base
+            logger.info("Resharding completed in %.3fs (vs %.3fs baseline), %s received per rank (naive: %s)",
+                        seconds, base, human_bytes(m["reshard/bytes_per_rank"]), human_bytes(m["reshard/naive_bytes_per_rank"]))
+        else:
+            logger.info("Resharding completed in %.3fs, %s received per rank", seconds, human_bytes(m["reshard/bytes_per_rank"]))
+        if overlapped:
+            logger.info("Overlapped %d%% of resharding time with data loading", round(100 * m["reshard/overlap_ratio"]))
+        self.logged = True
+
+    # ------------------------------------------------------------------ cross-pool
+    def sync_rollout(self) -> dict[str, float]:
+        """Trained weights -> the rollout pool (which must have finished generating with the
+        previous ones). Each generation rank fetches only its own pieces."""
+        r, check = self.cfg.actor_rollout_ref.rollout, self.cfg.trainer.check_weight_sync
+        tp, world = r.tensor_model_parallel_size, self.rollout.world_size
+        start = time.perf_counter()
+        refs = self.actor.publish_weights(tp, world)
+        per_rank = self.rollout.receive_weights(refs, check=check)
+        m = {"timing_s/sync_weights": time.perf_counter() - start,
+             "reshard/bytes_per_rank": float(max(x["bytes_received"] for x in per_rank))}
+        if check:
+            trained = self.actor.weight_fingerprints(tp, world)
+            mismatched = [k for fp in self.rollout.weight_fingerprints() for k, v in fp.items() if trained.get(k) != v]
+            diff = max(x["max_diff"] for x in per_rank)
+            if mismatched or diff != 0.0:
+                raise RuntimeError(f"weight sync check failed: rollout weights differ from the trained ones ({mismatched[:3]}, max diff {diff})")
+            m["reshard/weight_max_diff"] = 0.0
+        if not self.logged:
+            logger.info("Cross-pool weight sync from FSDP(dp=%d) on %s to TP=%d x DP=%d on %s: %s received per generation rank "
+                        "(its generation slice) in %.3fs", self.actor.world_size, self.pools[0], tp, world // tp,
+                        self.pools[1], human_bytes(m["reshard/bytes_per_rank"]), m["timing_s/sync_weights"])
+            self.logged = True
+        return m
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} GB"
