@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hybridflow.config.schema import HybridFlowConfig
-from hybridflow.controller.resource_pool import ModelPart, Role, active_roles, dpo_roles, role_pools, worker_role
+from hybridflow.controller.resource_pool import ModelPart, Role, active_roles, dpo_roles, role_pools
 
 
 @dataclass(frozen=True)
@@ -62,10 +62,10 @@ class RunRoles:
 
 
 def policy_worker(cfg: HybridFlowConfig, parts: set[ModelPart] | frozenset[ModelPart], **kwargs) -> tuple[type, dict]:
-    """The policy-model worker holding `parts`, and its arguments (the one place its role string is made)."""
+    """The policy-model worker holding `parts` (typed: the worker reads the ModelPart set), and its arguments."""
     from hybridflow.workers.actor_rollout_ref import ActorRolloutRefWorker
 
-    return ActorRolloutRefWorker, {"config": cfg, "role": worker_role(frozenset(parts)), **kwargs}
+    return ActorRolloutRefWorker, {"config": cfg, "role": frozenset(parts), **kwargs}
 
 
 def role_classes(cfg: HybridFlowConfig, run: RunRoles, here: list[Role], procs_per_node: int, total_steps: int) -> dict[str, tuple[type, dict]]:

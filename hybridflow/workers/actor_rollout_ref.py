@@ -24,6 +24,7 @@ from transformers import AutoTokenizer
 from hybridflow.algorithms import agg_loss, entropy_from_logits, get_policy_loss, kl_loss, logprobs_from_logits, masked_mean, micro_weight
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.controller.decorator import Dispatch, register
+from hybridflow.controller.resource_pool import ModelPart, worker_role
 from hybridflow.controller.worker import Worker, pick_device
 from hybridflow.hybrid_engine import cross_pool
 from hybridflow.hybrid_engine.executor import HybridEngine
@@ -45,18 +46,22 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
     """role: "actor_rollout_ref" / "actor_rollout" (RL, with / without the reference), "actor_ref" /
     "actor" (the rollout on another pool; "actor" is also SFT), "ref" (the reference alone)."""
 
-    def __init__(self, config: HybridFlowConfig, role: str = "actor_rollout_ref", total_training_steps: int = 1, procs_per_node: int | None = None):
+    def __init__(self, config: HybridFlowConfig, role: "str | frozenset[ModelPart]" = "actor_rollout_ref", total_training_steps: int = 1,
+                 procs_per_node: int | None = None):
         """procs_per_node: ranks per node of this worker's pool (consecutive), the hybrid engine's
         node boundary; None = all on one node."""
         super().__init__()
         self.cfg = config
         self.procs_per_node = procs_per_node or self.world_size
-        self.role = role
         self.total_training_steps = total_training_steps
         self.device = pick_device(config.trainer.device)
-        self.has_actor = role != "ref"
-        self.has_rollout = "rollout" in role
-        self.has_ref = role.endswith("ref")
+        # What this process holds: a set of ModelPart (the trainer's typed roles), or the role string
+        # ("actor_rollout_ref", "actor_rollout", "actor_ref", "actor", "ref") that names the same set.
+        parts = frozenset(ModelPart(p) for p in role.split("_")) if isinstance(role, str) else frozenset(role)
+        self.role = worker_role(parts)  # validates the combination
+        self.has_actor = ModelPart.ACTOR in parts
+        self.has_rollout = ModelPart.ROLLOUT in parts
+        self.has_ref = ModelPart.REF in parts
         self.remove_padding = config.actor_rollout_ref.model.use_remove_padding
         acfg = config.actor_rollout_ref.actor
         # The actor's 3D layout; the colocated reference shares it (same workers, same data split),
