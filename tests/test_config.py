@@ -382,6 +382,88 @@ def test_3d_training_layout_is_checked_before_workers_start(world):
     validate_config(world)
 
 
+_AT, _AP, _RT = ("actor_rollout_ref.actor.tensor_model_parallel_size", "actor_rollout_ref.actor.pipeline_model_parallel_size",
+                  "actor_rollout_ref.rollout.tensor_model_parallel_size")
+_PP2 = {_AT: 1, _AP: 2, _RT: 1}  # pp2 x dp2 on the 4 workers: valid on its own (2 layers, untied)
+_UNSUPPORTED = f"{_AT}=2, {_AP}=1: not supported with "
+_UNSUPPORTED_PP = f"{_AT}=1, {_AP}=2: not supported with "
+
+
+# One row per refusal rule of the 3D layout (hybridflow/parallel/dims.py's registered checks and
+# config/validate.py's _train_layout_problems / _critic_tp_problems), on top of a valid base: 4 workers,
+# actor tp2 x dp2, generation TP 2, a model with 4 heads, 2 KV heads, 2 layers, untied. Each row:
+# config overrides, config.json changes, the validator's kind, the message (which names the key).
+@pytest.mark.parametrize("changes, model, kind, expected", [
+    # _train_layout_problems: the sizes themselves
+    ({_AT: 0}, {}, "rl", f"{_AT} must be a positive integer, got 0"),
+    ({_AP: 0}, {}, "rl", f"{_AP} must be a positive integer, got 0"),
+    # actor_layout: pp x tp x dp = the workers
+    ({_AT: 3, _RT: 1}, {}, "rl", f"pp x tp x dp must equal the actor's 4 workers (trainer.nnodes * trainer.n_gpus_per_node): "
+                                 f"{_AP} (1) x {_AT} (3) = 3 does not divide 4"),
+    # actor_layout: tp divides the heads and the KV heads
+    ({_AT: 4, _RT: 1}, {"num_attention_heads": 6}, "rl", f"{_AT} (4) must divide the model's num_attention_heads (6)"),
+    ({_AT: 4, _RT: 1}, {}, "rl", f"{_AT} (4) must divide the model's num_key_value_heads (2)"),
+    # actor_layout: layers split evenly over pp
+    ({_AT: 1, _AP: 4, _RT: 1}, {}, "rl", f"{_AP} (4) must divide the model's num_hidden_layers (2)"),
+    # actor_layout: pp > 1 with tied embeddings
+    (_PP2, {"tie_word_embeddings": True}, "rl", f"{_AP} (2) > 1 needs untied embeddings"),
+    # actor_layout: the generation TP fits the training layout (6 workers as pp2 x dp3)
+    ({_AT: 1, _AP: 2, _RT: 2, "trainer.n_gpus_per_node": 6, "data.train_batch_size": 6, "actor_rollout_ref.actor.ppo_mini_batch_size": 6},
+     {}, "rl", f"{_RT} (2) does not fit the training layout pp2 x tp1 x dp3"),
+    # _train_layout_problems: NO_SHARD (actor or reference)
+    ({"actor_rollout_ref.actor.fsdp_config.sharding_strategy": "NO_SHARD"}, {}, "rl",
+     f"fsdp_config.sharding_strategy=NO_SHARD is not supported with {_AT} or {_AP} > 1"),
+    ({"actor_rollout_ref.ref.fsdp_config.sharding_strategy": "NO_SHARD"}, {}, "rl",
+     f"fsdp_config.sharding_strategy=NO_SHARD is not supported with {_AT} or {_AP} > 1"),
+    # _train_layout_problems: features a 3D layout does not support (any tp or pp > 1)
+    ({"actor_rollout_ref.rollout.name": "vllm"}, {}, "rl", _UNSUPPORTED + "actor_rollout_ref.rollout.name=vllm"),
+    ({"trainer.async_rollout": True, "resource_pool": ["resource_pool.pools.a.workers_per_node=4", "resource_pool.pools.r.workers_per_node=2",
+                                                       "resource_pool.mapping.actor_rollout=a", "resource_pool.mapping.rollout=r"]},
+     {}, "rl", _UNSUPPORTED + "trainer.async_rollout"),
+    ({}, {}, "dpo", _UNSUPPORTED + "DPO"),
+    # ... and those pipeline stages do not support
+    ({**_PP2, "trainer.save_hf_model": True}, {}, "rl", _UNSUPPORTED_PP + "trainer.save_hf_model"),
+    ({**_PP2, "actor_rollout_ref.actor.use_dynamic_bsz": True}, {}, "rl", _UNSUPPORTED_PP + "dynamic batch sizes"),
+    ({**_PP2, "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz": True}, {}, "rl", _UNSUPPORTED_PP + "dynamic batch sizes"),
+    ({**_PP2, "actor_rollout_ref.ref.log_prob_use_dynamic_bsz": True}, {}, "rl", _UNSUPPORTED_PP + "dynamic batch sizes"),
+    ({**_PP2, "actor_rollout_ref.model.use_remove_padding": True}, {}, "rl", _UNSUPPORTED_PP + "actor_rollout_ref.model.use_remove_padding"),
+    # gen_tp: an integer >= 1, divides the workers, the heads and the KV heads
+    ({_AT: 1, _RT: 0}, {}, "rl", f"{_RT} must be an integer >= 1, got 0"),
+    ({_AT: 1, _RT: 3}, {}, "rl", f"{_RT} (3) must divide the number of actor workers (4 = trainer.nnodes * trainer.n_gpus_per_node)"),
+    ({_RT: 4}, {"num_attention_heads": 6}, "rl", f"{_RT} (4) must divide the model's num_attention_heads (6)"),
+    ({_RT: 4}, {}, "rl", f"{_RT} (4) must divide the model's num_key_value_heads (2)"),
+    # critic_layout (gae): a positive tp that divides the critic's workers, its heads and KV heads
+    ({"algorithm.adv_estimator": "gae", "critic.tensor_model_parallel_size": 0}, {}, "rl",
+     "critic.tensor_model_parallel_size must be a positive integer, got 0"),
+    ({"algorithm.adv_estimator": "gae", "critic.tensor_model_parallel_size": 3}, {}, "rl",
+     "critic.tensor_model_parallel_size (3) must divide the critic's 4 workers"),
+    ({"algorithm.adv_estimator": "gae", "critic.tensor_model_parallel_size": 4}, {"num_attention_heads": 6}, "rl",
+     "critic.tensor_model_parallel_size (4) must divide the critic model's num_attention_heads (6)"),
+    ({"algorithm.adv_estimator": "gae", "critic.tensor_model_parallel_size": 4}, {}, "rl",
+     "critic.tensor_model_parallel_size (4) must divide the critic model's num_key_value_heads (2)"),
+])
+def test_every_3d_layout_rule_refuses_naming_its_key(world, changes, model, kind, expected):
+    path = world.actor_rollout_ref.model.path
+    spec = {"max_position_embeddings": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(spec, f)
+    base = {"trainer.n_gpus_per_node": 4, "data.train_batch_size": 8, "actor_rollout_ref.actor.ppo_mini_batch_size": 8,
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 2, "critic.ppo_micro_batch_size_per_gpu": 2, _AT: 2, _AP: 1, _RT: 2}
+    for k, v in base.items():
+        _set(world, k, v)
+    validate_config(world)  # the base is valid: the row's change alone is refused
+    for k, v in changes.items():
+        if k == "resource_pool":  # pools and mapping, as dotlist items
+            world.resource_pool = load_config(None, v, schema=HybridFlowConfig).resource_pool
+        else:
+            _set(world, k, v)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({**spec, **model}, f)
+    with pytest.raises(ConfigError) as e:
+        validate_config(world, kind=kind)
+    assert expected in str(e.value), str(e.value)
+
+
 # ---------------------------------------------------------------- one config route
 def test_measure_baseline_is_off_by_default():
     """The naive full gather (every full parameter at once) is not budgeted by the memory pre-flight:

@@ -263,3 +263,121 @@ def test_a_wrong_plan_box_fails_the_weight_check(engine_models):
     import torch.multiprocessing as mp
 
     mp.spawn(_wrong_box_worker, args=(2, _free_port(), str(engine_models["even"])), nprocs=2)
+
+
+# ---------------------------------------------------------------- measured bytes, by hand
+# The "even" model (Qwen2: hidden 64, 4 heads of 16, 4 KV heads, intermediate 128, 2 layers, vocab
+# 259, untied) at N = 4, gen_tp = 2 (k = 2), in elements. torch.chunk: 64 -> 16 x 4 (training),
+# 32 x 2 (generation); 128 -> 32 x 4, 64 x 2; 259 rows -> 65, 65, 65, 64 (training), 130, 129.
+# Optimized, per layer: q/k/v/o weights [64, 64] lack 16 x 64 each (4 x 1024), q/k/v biases lack 16
+# (3 x 16), gate/up [128, 64] lack 32 x 64 (2 x 2048), down [64, 128] lacks 64 x 32 (2048), the two
+# replicated norms lack 48 each: 10384; x 2 layers + the final norm's 48 = 20816. The vocabulary
+# tables [259, 64] (embed_tokens, lm_head): ranks 0, 1 need rows 0..130 and hold 65 of them (lack
+# 65); rank 2 needs 130..259, holds 130..195 (lacks 64); rank 3 holds 195..259 (lacks 65).
+BY_HAND_MIN = [4 * (20816 + 2 * 65 * 64), 4 * (20816 + 2 * 65 * 64), 4 * (20816 + 2 * 64 * 64), 4 * (20816 + 2 * 65 * 64)]
+# Naive: the whole model (2 x 41280 per layer + 64 + 2 x 259 x 64 = 115776) less the rank's own
+# shard: a quarter of everything but the tables (20656), plus 65 table rows (ranks 0-2) or 64 (rank 3).
+BY_HAND_NAIVE = [4 * (115776 - 20656 - 2 * 65 * 64)] * 3 + [4 * (115776 - 20656 - 2 * 64 * 64)]
+
+
+def _by_hand_worker(rank: int, world: int, port: int, path: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", HF_HUB_OFFLINE="1")
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from hybridflow.config.schema import HybridEngineConfig
+    from hybridflow.hybrid_engine.executor import HybridEngine
+    from hybridflow.parallel.fsdp import apply_fsdp2, make_mesh
+    from hybridflow.parallel.tensor_parallel import apply_tensor_parallel, fsdp_shard_placement_fn, gen_mesh, gen_shard_dims
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    actor = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    assert sum(p.numel() for p in actor.parameters()) == 115776  # the model the numbers above describe
+    dims = gen_shard_dims(actor)
+    apply_fsdp2(actor, make_mesh("cpu", world), shard_placement_fn=fsdp_shard_placement_fn(actor, world))
+    for granularity in ("layer", "full"):
+        rollout = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
+        apply_tensor_parallel(rollout, gen_mesh("cpu", world, 2)["tp"])
+        engine = HybridEngine(actor, rollout, dims, 2, HybridEngineConfig(granularity=granularity), "cpu")
+        for optimized, expected in ((True, BY_HAND_MIN), (False, BY_HAND_NAIVE)):
+            engine.release()
+            stats = engine.reshard(optimized=optimized)
+            assert engine.max_abs_diff() == 0.0
+            assert stats["bytes_received"] == expected[rank], (granularity, optimized, rank, stats["bytes_received"], expected[rank])
+    dist.destroy_process_group()
+
+
+def test_bytes_received_equal_a_count_by_hand(engine_models):
+    """The executor counts what its collectives received (receive buffers minus the rank's own
+    contribution); here that count is compared with volumes worked out by hand (above), not with
+    the planner's."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_by_hand_worker, args=(4, _free_port(), str(engine_models["even"])), nprocs=4)
+
+
+# ---------------------------------------------------------------- peak memory, by hand
+def _memory_worker(rank: int, world: int, port: int, path: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", HF_HUB_OFFLINE="1")
+    import json
+
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from hybridflow.config.schema import HybridEngineConfig
+    from hybridflow.hybrid_engine.executor import HybridEngine
+    from hybridflow.parallel.fsdp import apply_fsdp2, make_mesh
+    from hybridflow.parallel.tensor_parallel import fsdp_shard_placement_fn, gen_shard_dims
+
+    assert os.environ.get("MALLOC_MMAP_THRESHOLD_") == "65536"  # read by glibc at start: set before spawning
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    actor = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    # By hand, from the model's own parameters (fp32): gen_tp = 1, so every rank's generation slices
+    # are the whole model; the largest layer is a decoder layer, and layer granularity stages it in
+    # one slot as its own shard (1/2 of it at N = 2) packed to send plus the gathered whole (2/2):
+    # 1.5 layers per slot, two slots (layer i+1 in flight while layer i is copied out).
+    model_bytes = sum(p.numel() * 4 for p in actor.parameters())
+    layer_bytes = sum(p.numel() * 4 for n, p in actor.named_parameters() if ".layers.0." in n)
+    two_slots = 2 * (layer_bytes // 2 + layer_bytes)
+    # allowance: page rounding of each tensor's own mmap and small tensors in malloc's heap (measured
+    # ~0.2 MB), plus the first switch's one-off costs (gloo's buffers for its first collectives of
+    # each size, Python caches; measured ~1.4 MB on the cold run). 6 MiB leaves room for other
+    # machines' allocators and still fails a switch that holds whole tensors (measured +32 MB cold).
+    slack = 6 << 20
+    dims = gen_shard_dims(actor)
+    apply_fsdp2(actor, make_mesh("cpu", world), shard_placement_fn=fsdp_shard_placement_fn(actor, world))
+    rollout = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
+    engine = HybridEngine(actor, rollout, dims, 1, HybridEngineConfig(granularity="layer"), "cpu")
+    peaks = {}
+    # cold: the staging slots' pages are touched for the first time; warm: they are resident
+    for run, optimized in (("cold", True), ("warm", True), ("naive", False)):
+        engine.release()  # frees the generation buffers: each switch re-allocates them
+        stats = engine.reshard(optimized=optimized)
+        assert engine.max_abs_diff() == 0.0
+        peaks[run] = stats["peak_extra_bytes"]
+    json.dump({"peaks": peaks, "model": model_bytes, "layer": layer_bytes, "two_slots": two_slots}, open(f"{out}.{rank}", "w"))
+    # the measurement sees the generation buffers it re-allocated and wrote
+    assert peaks["cold"] >= model_bytes and peaks["warm"] >= model_bytes, (peaks, model_bytes)
+    # optimized: at most the generation slices plus two layers' staging
+    assert peaks["cold"] <= model_bytes + two_slots + slack, (peaks, model_bytes, two_slots)
+    # warm: the staging slots are resident, so a switch adds nothing but the generation slices
+    assert peaks["warm"] <= model_bytes + slack // 2, (peaks, model_bytes)
+    # naive: the full tensors of a layer on top of the generation slices, which the optimized
+    # path (gathering into its resident staging) does not need
+    assert peaks["naive"] >= peaks["warm"] + layer_bytes // 2, (peaks, layer_bytes)
+    dist.destroy_process_group()
+
+
+def test_peak_reshard_memory_within_generation_slices_plus_two_layers(tmp_path, monkeypatch):
+    """Measured peak extra memory (RSS high-water mark, each large tensor its own mmap) of the
+    optimized layer-wise switch against a bound worked out from the model's parameter shapes
+    (independent of cost.py and of the engine's `theory_extra_bytes`), and the naive baseline's
+    peak above it. 4 layers of ~4 MiB, so a regression that holds whole tensors exceeds the bound."""
+    import torch.multiprocessing as mp
+
+    from hybridflow.models.tiny import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "m", hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, intermediate_size=1024)
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # as the Ray workers' env (config/schema.py)
+    mp.spawn(_memory_worker, args=(2, _free_port(), str(path), str(tmp_path / "peaks")), nprocs=2)

@@ -38,6 +38,24 @@ def test_a_layout_that_does_not_fit_is_refused_when_made(kwargs, words):
     assert words in str(e.value)
 
 
+@pytest.mark.parametrize("make, words", [
+    # ParallelDims.for_world's own refusals (the rules of __post_init__ are the rows above)
+    (lambda: ParallelDims.for_world(0, pp=1), "the world size, pp and tp must be integers >= 1, got 0, 1, 1"),
+    (lambda: ParallelDims.for_world(4, tp=True), "the world size, pp and tp must be integers >= 1, got 4, 1, True"),
+    (lambda: ParallelDims.for_world(6, pp=4), "pp x tp (4 x 1 = 4) must divide the world size 6"),
+    # ParallelDims.parse (`hybridflow plan --layout`)
+    (lambda: ParallelDims.parse("pp2xq3"), "bad training layout 'pp2xq3': expected factors like pp2, tp8, dp4"),
+    (lambda: ParallelDims.parse("tp0xdp2"), "bad training layout 'tp0xdp2'"),
+    # __post_init__: every size, procs_per_node included, is an integer >= 1
+    (lambda: ParallelDims(dp=2, procs_per_node=0), "procs_per_node must be an integer >= 1, got 0"),
+    (lambda: ParallelDims(dp=2, gen_tp=2.0), "gen_tp must be an integer >= 1, got 2.0"),
+])
+def test_every_other_layout_refusal(make, words):
+    with pytest.raises(ValueError) as e:
+        make()
+    assert words in str(e.value)
+
+
 def test_for_world_and_with_gen_check_too():
     with pytest.raises(ValueError, match=r"pp x tp \(4 x 1 = 4\) must divide the world size 6"):
         ParallelDims.for_world(6, pp=4)

@@ -106,17 +106,43 @@ def test_switch_seconds_by_hand():
 
 
 def test_memory_plan_shards_and_kv_cache():
+    """Llama-3-8B on 8 ranks (FSDP, fp32 master weights, Adam), generation TP 4, bf16 generation;
+    every expected number worked out by hand from the model card's shapes (not from cost.py)."""
     arch = load_arch("llama3-8b")
-    m = MemoryInputs(rollout_seqs=256, seq_len=1024)
-    (opt, naive) = rows(arch, TrainLayout(dp=8), 4, Cluster(), m)
+    # hidden 4096, 32 layers, 32 heads / 8 KV heads of 128, MLP 14336, vocab 128256, untied
+    layer = 2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 14336 * 4096 + 2 * 4096  # q, o; k, v; gate, up, down; 2 norms
+    embed = 128256 * 4096
+    n = 32 * layer + 2 * embed + 4096
+    assert n == 8_030_261_248  # Meta's published count (8.03B)
+    norms = 65 * 4096  # replicated in generation (2 per layer + the final one)
+    gen_weights = (n - norms) // 4 * 2 + norms * 2  # bf16 quarter of everything TP shards, whole norms
+    # KV cache: 2 (K, V) x 32 layers x 8 KV heads x 128 x 2 bytes = 128 KiB per token, a quarter per
+    # gen_tp-4 rank; 2 generation replicas share the sequences.
+    kv_per_token = 128 * 1024 // 4
+    # training: 34 x s x b x h bytes of activations per layer (Korthikanti et al. 2022, 16-bit, no
+    # recompute, tp 1, without the attention-score term) + fp32 logits and their log-softmax on the
+    # one stage; FULL_SHARD holds two layers unsharded in bf16 (the current and the prefetched one)
+    acts = 32 * 34 * 1024 * 4096 + 2 * 1024 * 128256 * 4
+    unshard = 2 * layer * 2
+    train_peak = n // 2 + n // 2 + n + acts + unshard  # fp32 params + grads (1/8 each), Adam's two moments
+
+    (opt, naive) = rows(arch, TrainLayout(dp=8), 4, Cluster(), MemoryInputs(rollout_seqs=256, seq_len=1024))
     mem = opt["memory"]
-    n = arch.num_params()
-    assert mem["params"] == pytest.approx(n * 4 / 8, rel=1e-3) and mem["optimizer"] == 2 * mem["params"]
-    assert mem["gen_weights"] == pytest.approx(n * 2 / 4, rel=1e-3)  # bf16 generation slice of gen_tp 4
-    assert mem["kv_cache"] == 2 * 32 * (8 // 4) * 128 * 2 * (256 // 2) * 1024  # 2 generation replicas
-    assert opt["memory_per_rank_bytes"] == max(mem["train_peak"], mem["gen_peak"])
-    layer = sum(math.prod(s) for k, s in arch.param_shapes().items() if ".layers.0." in k) * 2  # the naive switch's full bf16 layer
-    assert naive["memory_per_rank_bytes"] == max(mem["train_peak"], mem["gen_peak"] + max(layer, 128256 * 4096 * 2))
+    assert (mem["params"], mem["grads"], mem["optimizer"]) == (n * 4 // 8, n * 4 // 8, n * 8 // 8)
+    assert mem["gen_weights"] == gen_weights
+    assert mem["kv_cache"] == kv_per_token * (256 // 2) * 1024 == 4 * GIB
+    assert mem["activations"] == acts and mem["fsdp_unshard"] == unshard
+    gen_peak = n // 2 + n + gen_weights + 4 * GIB
+    assert train_peak > gen_peak + embed * 2  # training is the peak, whichever switch
+    assert opt["memory_per_rank_bytes"] == naive["memory_per_rank_bytes"] == train_peak
+
+    # 4x the sequences: 16 GiB of KV cache makes generation the peak, and the naive switch adds the
+    # largest group of full tensors it gathers at once: the bf16 embedding table (> a decoder layer's)
+    (opt, naive) = rows(arch, TrainLayout(dp=8), 4, Cluster(), MemoryInputs(rollout_seqs=1024, seq_len=1024))
+    gen_peak = n // 2 + n + gen_weights + 16 * GIB
+    assert embed > layer and gen_peak > train_peak
+    assert opt["memory_per_rank_bytes"] == gen_peak
+    assert naive["memory_per_rank_bytes"] == gen_peak + embed * 2
 
 
 def test_search_ranks_and_says_why(tmp_path):

@@ -25,14 +25,21 @@ def test_ppo_trainer_keywords_map_onto_the_typed_config():
 
 @pytest.mark.usefixtures("ray_cluster")
 @pytest.mark.parametrize("critic", [False, True])
-def test_ppo_trainer_quickstart_with_and_without_a_critic(critic, tmp_path):
+def test_ppo_trainer_quickstart_with_and_without_a_critic(critic, tmp_path, monkeypatch):
+    from overlap_record import assert_overlapped, record_overlap
     from ppo_trainer_quickstart import main
 
-    result = main(["--output-dir", str(tmp_path), "--steps", "2"] + (["--critic"] if critic else []))
+    from hybridflow.profiler import trace_resharding
+
+    order = record_overlap(monkeypatch, loader_seconds=0.3)  # a loader slower than Ray's dispatch
+    with trace_resharding(str(tmp_path / "trace.json")):
+        result = main(["--output-dir", str(tmp_path), "--steps", "2"] + (["--critic"] if critic else []))
     last = result["history"][-1]
     assert result["steps"] == 2 and "actor/pg_loss" in last
     assert ("critic/vf_loss" in last) == critic  # GAE with the critic; GRPO without
-    assert last["reshard/overlap_ratio"] >= 0  # resharding_overlap_with_compute=True took effect
+    # resharding_overlap_with_compute=True took effect: step 1's next batch was prepared while the
+    # workers resharded (recorded order, tests/overlap_record.py)
+    assert_overlapped(order, 2)
 
 
 def test_seed_dataflow_snippet_from_the_top_level_package():

@@ -124,7 +124,7 @@ class PoolReceiver:
                     piece = WeightPiece(name, shape, box, t)
                     with self.trace.span(f"copy {layer_of(name)}", "copy"):
                         yield piece
-                    received += volume(box) * t.element_size()
+                    received += t.numel() * t.element_size()  # the tensor that arrived, not its box
                     self.last_pieces.append(piece)
         covered = {n: 0 for n in self.need}
         for piece in self.last_pieces:

@@ -54,6 +54,12 @@ def _own_storage(p: nn.Parameter) -> None:
         p.data = p.data.clone()
 
 
+def _received(recv: torch.Tensor, own: torch.Tensor) -> int:
+    """Bytes a gather brought in, counted from the tensors handed to it (not from the plan): its
+    receive buffer minus the rank's own contribution, which was already there."""
+    return (recv.numel() - own.numel()) * recv.element_size()
+
+
 def crop(t: torch.Tensor, box: Box, origin: Box) -> torch.Tensor:
     """The view of `t` (which covers `origin`) over `box`."""
     for d, ((lo, hi), (o, _)) in enumerate(zip(box, origin)):
@@ -204,13 +210,15 @@ class HybridEngine:
             copies.append((gen, train))
             return 0
         if p.train_dim == 0:
-            _all_gather(gen, train.contiguous(), group=group)  # straight into the buffer
+            recv = gen  # straight into the buffer
         else:  # row-parallel weight [out, c] per rank -> gen [out, size*c]
             out_rows, c = train.shape
             stage = self._take(size * train.numel(), pool)
-            _all_gather(stage.view(size * out_rows, c), train.contiguous(), group=group)
+            recv = stage.view(size * out_rows, c)
             copies.append((gen.view(out_rows, size, c), stage.view(size, out_rows, c).transpose(0, 1)))
-        return (size - 1) * train.numel() * train.element_size()
+        send = train.contiguous()
+        _all_gather(recv, send, group=group)
+        return _received(recv, send)
 
     def _launch_layer(self, params: list[ParamPlan], base: int) -> tuple[list, int]:
         """Start the layer's collectives into the staging slot at `base`: one coalesced all-gather
@@ -229,7 +237,7 @@ class HybridEngine:
             offset += (1 + size) * c
             torch.cat([local(self.train[p.name].data).reshape(-1) for p in ps], out=send)
             work = _all_gather(recv, send, group=self.micro_group if tp_sharded else None, async_op=True)
-            pending.append(("gather", (ps, size, c, recv), work))
+            pending.append(("gather", (ps, size, c, recv, send), work))
         pool = [offset]
         exchange = self._launch_exchange([p for p in params if p.moves and not p.aligned], pool)
         return pending + exchange, pool[0]
@@ -257,7 +265,8 @@ class HybridEngine:
 
     def _exchange_copies(self, item: tuple, copies: list) -> int:
         """(destination, source) copies of a finished exchange: the received pieces at their boxes,
-        the rank's own part next to them. Returns bytes received."""
+        the rank's own part next to them. Returns bytes received: the size of the receive buffer
+        handed to all_to_all."""
         ps, layout, recv = item
         r, offset = self.rank, 0
         for p, box in layout:
@@ -268,7 +277,7 @@ class HybridEngine:
             mine = intersect(p.own[r], p.need[r])
             if mine:
                 copies.append((crop(local(self.gen[p.name].data), mine, p.need[r]), crop(self._train_local(p), mine, p.own[r])))
-        return offset * ps[0].itemsize
+        return recv.numel() * recv.element_size()
 
     def _finish_layer(self, pending: list) -> int:
         """Wait for the layer's collectives and copy every piece into its generation buffer: an
@@ -283,7 +292,8 @@ class HybridEngine:
                 for dst, src in copies:
                     dst.copy_(src)
                 continue
-            ps, size, c, recv = item
+            ps, size, c, recv, send = item
+            received += _received(recv, send)
             flat, offset = recv.view(size, c), 0
             for p in ps:
                 shape = tuple(hi - lo for lo, hi in p.own[self.rank])
@@ -291,7 +301,6 @@ class HybridEngine:
                 gen = local(self.gen[p.name].data)
                 gen.unflatten(d, (size, shape[d])).copy_(flat[:, offset : offset + n].unflatten(1, shape).movedim(0, d))
                 offset += n
-                received += (size - 1) * n * gen.element_size()
         return received
 
     def _train_local(self, p: ParamPlan) -> torch.Tensor | None:
@@ -315,12 +324,16 @@ class HybridEngine:
         full = self._full(p)
         keep.append(full)  # full granularity holds every gathered tensor until the copies
         copies.append((gen, crop(full, p.need[self.rank], tuple((0, n) for n in full.shape))))
-        return (full.numel() - volume(p.own[self.rank])) * full.element_size()
+        own = self._train_local(p)  # what this rank held before the gather (None: another stage's)
+        return _received(full, own) if own is not None else full.numel() * full.element_size()
 
     # ------------------------------------------------------------------ the switch
     @torch.no_grad()
     def reshard(self, optimized: bool = True) -> dict:
-        """Training -> generation layout. Returns measured seconds, bytes received, peak extra memory."""
+        """Training -> generation layout. Returns measured seconds, bytes received, peak extra memory.
+        Bytes received are counted from the tensors handed to the collectives (receive buffers less
+        the rank's own contribution; the naive path: the gathered tensors less the rank's shard), not
+        from the plan, so comparing them with `plan.min_bytes` checks the plan against the wire."""
         start = time.perf_counter()
         self.train = self._sharded_params()
         received = 0
