@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -115,3 +116,19 @@ def test_bad_inputs_are_one_line_without_a_traceback(tmp_path, tiny_model_dir, t
         assert "Traceback" not in proc.stderr and "Started a local Ray instance" not in proc.stderr
         if "memory" in message:
             assert "but the budget is 1.02 MiB (trainer.memory_budget_gib)" in proc.stderr, proc.stderr
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_hybridflow_sft_as_a_command_line(tiny_model_dir, task_dir, tmp_path):
+    """`hybridflow sft CONFIG key=value ...` as a user types it: trains, lowers the loss, writes an HF
+    model that loads, and prints its one JSON line."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "sft"
+    config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "sft_tiny.yaml")
+    proc = run_cli("sft", config, f"train_files=[{task_dir}/sft.parquet]", f"model.path={tiny_model_dir}", "total_steps=20",
+                   f"save_dir={out}/model", f"trainer.default_local_dir={out}", "trainer.logger=[jsonl]", "trainer.progress_bar=false")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["steps"] == 20 and result["final_loss"] < result["first_loss"]
+    AutoModelForCausalLM.from_pretrained(result["model_dir"])

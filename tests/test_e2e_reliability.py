@@ -119,6 +119,43 @@ def test_sigkill_mid_run_then_resume_equals_the_uninterrupted_run(name, extra, t
         assert a[step] == b[step], (name, step)
 
 
+KILL_INSIDE_SAVE = """
+import os, signal
+at, replace = os.environ["KILL_INSIDE_SAVE_OF_STEP"], os.replace
+
+def replace_or_die(src, dst):  # the trainer's own save runs; it dies at step k's rename, every part written
+    if str(src).endswith(f"global_step_{at}.tmp"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    replace(src, dst)
+
+os.replace = replace_or_die
+""" + DRIVER
+
+
+def test_a_kill_inside_a_checkpoint_save_resumes_from_the_previous_one(tiny_model_dir, task_dir, varied_reward, tmp_path):
+    """SIGKILL of the driver inside step 2's save (the trainer's own save code runs; it dies at the
+    rename, all parts written to global_step_2.tmp): the latest checkpoint is still step 1, and the same command resumes from it and
+    ends bit for bit where an uninterrupted run ends."""
+    def command(run_dir, script=DRIVER):
+        (tmp_path / "kill_driver.py").write_text(script)
+        cmd = _driver(tmp_path, rl_overrides(tiny_model_dir, task_dir, run_dir, f"custom_reward_function.path={varied_reward}",
+                                             "trainer.total_training_steps=3", "trainer.save_freq=1"))
+        return cmd if script is DRIVER else [cmd[0], str(tmp_path / "kill_driver.py"), *cmd[2:]]
+
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    subprocess.run(command(straight), check=True, timeout=300, capture_output=True)
+    proc = subprocess.run(command(killed, KILL_INSIDE_SAVE), timeout=300, capture_output=True, env={**os.environ, "KILL_INSIDE_SAVE_OF_STEP": "2"})
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert (killed / "global_step_2.tmp" / "trainer_state.pt").exists() and not (killed / "global_step_2").exists()
+    assert (killed / "latest_checkpointed_iteration.txt").read_text() == "1"  # the half-written save is not the latest
+    subprocess.run(command(killed), check=True, timeout=300, capture_output=True)  # the same command resumes
+    assert not (killed / "global_step_2.tmp").exists()
+    assert (killed / "latest_checkpointed_iteration.txt").read_text() == "3"
+    _assert_same(_checkpoint(straight / "global_step_3"), _checkpoint(killed / "global_step_3"), "kill inside save")
+    a, b = _step_metrics(straight), _step_metrics(killed)
+    assert sorted(b) == [1, 2, 3] and all(a[step] == b[step] for step in (2, 3))
+
+
 # ------------------------------------------------------------------ faults
 class FaultyWorker(Worker):
     @register(Dispatch.ONE_TO_ALL)
