@@ -30,7 +30,7 @@ fi
 
 main_rc=0
 if [ "$any_files" = 0 ] || [ ${#main_files[@]} -gt 0 ]; then
-  "$PY" -m pytest -q -p no:cacheprovider -m "not vllm" "${main_files[@]}" "${opts[@]}"
+  "$PY" -m pytest -q -p no:cacheprovider --durations=15 -m "not vllm" "${main_files[@]}" "${opts[@]}"
   main_rc=$?
 fi
 vllm_rc=0; vllm_note=""
@@ -42,7 +42,7 @@ elif [ "$any_files" = 0 ] || [ ${#vllm_files[@]} -gt 0 ]; then
   elif ! "$VPY" -c "import vllm, hybridflow" ; then
     vllm_rc=1; vllm_note=" (.venv-vllm cannot import vllm: the vLLM tests fail, they do not skip)"
   else
-    "$VPY" -m pytest -q -p no:cacheprovider -m vllm "${vllm_files[@]}" "${opts[@]}"
+    "$VPY" -m pytest -q -p no:cacheprovider --durations=5 -m vllm "${vllm_files[@]}" "${opts[@]}"
     vllm_rc=$?
   fi
 else
