@@ -12,7 +12,7 @@ from hybridflow.controller import resource_pool as rp
 @register_check("pools")
 def pool_workers(cfg: HybridFlowConfig, kind: str) -> tuple[list[str], Workers | None]:
     """(problems, ranks per role); kind "dpo" runs `hybridflow dpo`'s roles, "rl" the active RL roles."""
-    roles = rp.dpo_roles(cfg) if kind == "dpo" else None
+    roles = rp.run_roles(cfg, kind)
     problems = rp.pool_problems(cfg, roles)
     if problems:
         return problems, None

@@ -86,6 +86,10 @@ def dpo_roles(cfg: HybridFlowConfig) -> list[Role]:
     return roles
 
 
+def run_roles(cfg: HybridFlowConfig, kind: str = "rl") -> list[Role]:
+    """The roles a run of `kind` places: "dpo" (`hybridflow dpo`) or "rl" (the active RL roles)."""
+    return dpo_roles(cfg) if kind == "dpo" else active_roles(cfg)
+
 def role_pools(cfg: HybridFlowConfig, roles: list[Role] | None = None) -> dict[Role, str]:
     """Active role (default: `active_roles`) -> pool name (a role missing from the mapping goes to global_pool)."""
     mapping = cfg.resource_pool.mapping

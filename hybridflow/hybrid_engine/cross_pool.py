@@ -21,9 +21,10 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from hybridflow.hybrid_engine.executor import crop, held_box, local, train_shard_dim
+from hybridflow.hybrid_engine.executor import train_shard_dim
 from hybridflow.hybrid_engine.plan import Box, intersect, layer_of, shard_box, volume
 from hybridflow.hybrid_engine.trace import TraceRecorder
+from hybridflow.parallel.dtensor import crop, held_box, held_slice, local
 from hybridflow.rollout.base import WeightPiece
 
 
@@ -84,8 +85,7 @@ def max_piece_diff(params: dict[str, nn.Parameter], pieces: list[WeightPiece]) -
     """max |parameter slice - piece| over the pieces pushed last (0.0: every piece is in place)."""
     worst = 0.0
     for piece in pieces:
-        p = params[piece.name].data
-        got = crop(local(p), piece.box, held_box(p)).cpu()
+        got = held_slice(params[piece.name].data, piece.box).cpu()
         if not torch.equal(got, piece.tensor):
             worst = max(worst, float((got - piece.tensor).abs().max()))
     return worst

@@ -32,10 +32,10 @@ from torch.distributed.tensor import DTensor
 
 from hybridflow.config.schema import HybridEngineConfig
 from hybridflow.hybrid_engine.memory import PeakMemory, allocation_bytes
-from hybridflow.hybrid_engine.plan import Box, ParamPlan, ReshardPlan, fsdp_dim, intersect, volume
+from hybridflow.hybrid_engine.plan import ParamPlan, ReshardPlan, fsdp_dim, intersect, volume
 from hybridflow.hybrid_engine.trace import TraceRecorder
 from hybridflow.parallel.dims import ParallelDims
-from hybridflow.parallel.dtensor import held_box, local  # noqa: F401  (re-exported)
+from hybridflow.parallel.dtensor import crop, held_box, local  # noqa: F401  (crop, held_box re-exported)
 from hybridflow.rollout.base import WeightPiece
 
 logger = logging.getLogger("hybridflow")
@@ -58,13 +58,6 @@ def _received(recv: torch.Tensor, own: torch.Tensor) -> int:
     """Bytes a gather brought in, counted from the tensors handed to it (not from the plan): its
     receive buffer minus the rank's own contribution, which was already there."""
     return (recv.numel() - own.numel()) * recv.element_size()
-
-
-def crop(t: torch.Tensor, box: Box, origin: Box) -> torch.Tensor:
-    """The view of `t` (which covers `origin`) over `box`."""
-    for d, ((lo, hi), (o, _)) in enumerate(zip(box, origin)):
-        t = t.narrow(d, lo - o, hi - lo)
-    return t
 
 
 def train_shard_dim(p: torch.Tensor) -> int | None:
@@ -394,10 +387,13 @@ class HybridEngine:
     def pieces(self, optimized: bool = True) -> "Iterator[WeightPiece]":
         """The weight stream for this rank's rollout backend: runs the switch (`reshard`; its
         measured stats in `self.last_stats`), then yields one piece per parameter: its generation
-        slice (the plan's box). In place (the backend's own storages) the pieces alias them."""
+        slice (the plan's box). In place (the backend's own storages) the pieces alias them; staged,
+        the engine's own buffers are freed once the backend has taken every piece."""
         self.last_stats = self.reshard(optimized=optimized)
         for p in self.plan.params:
             yield WeightPiece(p.name, p.shape, p.need[self.rank], local(self.gen[p.name].data))
+        if self.staged:
+            self.release()
 
     def _reshard_layers(self, layers: list[tuple[str, list[ParamPlan]]], optimized: bool) -> int:
         """Layer granularity, optimized: layer i+1's coalesced collectives (all-gathers and the

@@ -1,4 +1,4 @@
-"""Two small DTensor helpers shared by the weight sources and the rollout backends."""
+"""Small tensor-box helpers shared by the weight sources and the rollout backends."""
 
 from __future__ import annotations
 
@@ -22,3 +22,15 @@ def held_box(t: torch.Tensor) -> Box:
 
     shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     return tuple((o, o + n) for o, n in zip(offset, shape))
+
+
+def crop(t: torch.Tensor, box: Box, origin: Box) -> torch.Tensor:
+    """The view of `t` (which covers `origin` of the whole tensor) over `box`."""
+    for d, ((lo, hi), (o, _)) in enumerate(zip(box, origin)):
+        t = t.narrow(d, lo - o, hi - lo)
+    return t
+
+
+def held_slice(t: torch.Tensor, box: Box) -> torch.Tensor:
+    """The view of this rank's piece of `t` over `box` (of the whole tensor), by `t`'s own layout."""
+    return crop(local(t), box, held_box(t))

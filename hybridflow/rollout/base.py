@@ -20,9 +20,8 @@ from typing import Any, Callable, Iterable, NamedTuple, Optional, Protocol, Sequ
 
 import torch
 
+from hybridflow.parallel.dtensor import Box
 from hybridflow.protocol import Batch, Completion, Request, SamplingParams
-
-Box = tuple[tuple[int, int], ...]  # per dim [lo, hi) of the whole tensor
 
 
 class WeightPiece(NamedTuple):
@@ -100,13 +99,6 @@ def make_rollout(name: str, ctx: RolloutContext) -> RolloutBackend:
     if name not in ROLLOUT_BACKENDS:
         raise ValueError(f"unknown rollout backend {name!r} (actor_rollout_ref.rollout.name); registered: {sorted(ROLLOUT_BACKENDS)}")
     return ROLLOUT_BACKENDS[name](ctx)
-
-
-def box_view(t: torch.Tensor, box: Box, origin: Box) -> torch.Tensor:
-    """The view of `t` (which covers `origin` of the whole tensor) over `box`."""
-    for d, ((lo, hi), (o, _)) in enumerate(zip(box, origin)):
-        t = t.narrow(d, lo - o, hi - lo)
-    return t
 
 
 def response_lengths(responses: torch.Tensor, stop_ids: list[int], pad_id: int) -> torch.Tensor:

@@ -17,9 +17,9 @@ import torch
 from transformers import GenerationConfig
 
 from hybridflow.algorithms import logprobs_from_logits
-from hybridflow.parallel.dtensor import held_box, local
+from hybridflow.parallel.dtensor import held_slice
 from hybridflow.protocol import Batch, Completion, Request, SamplingParams
-from hybridflow.rollout.base import GenLayout, RolloutContext, WeightPiece, box_view, generate_batch, register_rollout, response_lengths
+from hybridflow.rollout.base import GenLayout, RolloutContext, WeightPiece, generate_batch, register_rollout, response_lengths
 
 
 class Resident:
@@ -53,8 +53,7 @@ class HFRollout:
         that already is that slice (the colocated engine wrote in place) is not copied."""
         copied = aliased = 0
         for piece in pieces:
-            p = self.params[piece.name].data
-            dst = box_view(local(p), piece.box, held_box(p))
+            dst = held_slice(self.params[piece.name].data, piece.box)
             if dst.data_ptr() == piece.tensor.data_ptr() and dst.shape == piece.tensor.shape and dst.stride() == piece.tensor.stride():
                 aliased += 1
                 continue

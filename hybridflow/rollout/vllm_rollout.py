@@ -26,9 +26,9 @@ from typing import Iterable, Sequence
 import torch
 
 from hybridflow.hybrid_engine.memory import PeakMemory
-from hybridflow.hybrid_engine.plan import layer_of
 from hybridflow.protocol import Batch, Completion, Request, SamplingParams
-from hybridflow.rollout.base import GenLayout, RolloutContext, WeightPiece, box_view, generate_batch, register_rollout
+from hybridflow.parallel.dtensor import crop
+from hybridflow.rollout.base import GenLayout, RolloutContext, WeightPiece, generate_batch, register_rollout
 
 VLLM_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core in this process
@@ -143,23 +143,19 @@ class VLLMRollout:
         padded vocab tables, then repack. A piece that is only this rank's slice is placed in a
         whole-shaped scratch (the loader reads only that slice of it): one parameter at a time, so
         the extra memory is one parameter, and nothing beyond the slice was communicated."""
-        layers: dict[str, None] = {}
-
         def whole():
             for piece in pieces:
-                layers.setdefault(layer_of(piece.name), None)
                 full_box = tuple((0, n) for n in piece.shape)
                 if piece.box == full_box:
                     yield piece.name, piece.tensor
                 else:
                     scratch = torch.zeros(piece.shape, dtype=piece.tensor.dtype, device=piece.tensor.device)
-                    box_view(scratch, piece.box, full_box).copy_(piece.tensor)
+                    crop(scratch, piece.box, full_box).copy_(piece.tensor)
                     yield piece.name, scratch
 
-        self.wake()
-        with PeakMemory(self.device) as mem:
+        with PeakMemory(self.device) as mem:  # the caller has woken the engine (RolloutBackend.wake)
             seconds = self.load_weights(whole())
-        return {"load_seconds": seconds, "load_peak_extra_bytes": mem.extra_bytes, "layers": list(layers)}
+        return {"load_seconds": seconds, "load_peak_extra_bytes": mem.extra_bytes}
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> float:
         """Stream (HF name, full tensor) pairs into vLLM's weights in place; reset the prefix cache

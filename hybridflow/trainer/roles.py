@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hybridflow.config.schema import HybridFlowConfig
-from hybridflow.controller.resource_pool import ModelPart, Role, active_roles, dpo_roles, role_pools
+from hybridflow.controller.resource_pool import ModelPart, Role, role_pools, run_roles
 
 
 @dataclass(frozen=True)
@@ -27,8 +27,7 @@ class RunRoles:
 
     @classmethod
     def of(cls, cfg: HybridFlowConfig, kind: str = "rl") -> "RunRoles":
-        roles = dpo_roles(cfg) if kind == "dpo" else active_roles(cfg)
-        return cls(role_pools(cfg, roles), cfg.trainer.async_rollout)
+        return cls(role_pools(cfg, run_roles(cfg, kind)), cfg.trainer.async_rollout)
 
     @property
     def roles(self) -> list[Role]:

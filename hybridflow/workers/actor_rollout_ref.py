@@ -146,7 +146,7 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
         self.rollout.wake()
         loaded = self.rollout.update_weights(engine.pieces(optimized=self.cfg.actor_rollout_ref.hybrid_engine.enable_resharding_opt))
         out.update(engine.last_stats)
-        out.update({f"load_{k}" if k in out else k: v for k, v in loaded.items()})
+        out.update(loaded)  # the backend's own stats (copied / loaded bytes, load time): no key of the engine's
         if check and not engine.staged:
             out["max_diff"] = engine.max_abs_diff()
         out["rss_bytes"] = rss_bytes()

@@ -8,7 +8,6 @@ fed by the hybrid engine) and `RolloutWorker` (a pool of its own) both use it.
 
 from __future__ import annotations
 
-import torch
 from transformers import AutoTokenizer
 
 from hybridflow.config.schema import HybridFlowConfig
