@@ -155,6 +155,7 @@ def worker_3d(rank: int, world: int, port: int, path: str, repeats: int, out_fil
     from transformers.utils import logging as hf_logging
 
     from hybridflow.config.schema import FSDPConfig, HybridEngineConfig
+    from hybridflow.engine.train_engine import token_head
     from hybridflow.hybrid_engine.executor import HybridEngine, local
     from hybridflow.hybrid_engine.plan import TrainLayout
     from hybridflow.parallel.layout import build_train_model, parallel_dims
@@ -175,7 +176,7 @@ def worker_3d(rank: int, world: int, port: int, path: str, repeats: int, out_fil
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         gdims = gen_shard_dims(model)
         full_shapes = {n: (tuple(p.shape), p.element_size()) for n, p in model.named_parameters()}
-        actor, _ = build_train_model(model, dims, "cpu", FSDPConfig())
+        actor, _ = build_train_model(model, dims, "cpu", FSDPConfig(), head=token_head)
         with torch.no_grad():  # the trained weights differ from the checkpoint the rollout loads
             # one seed per (stage, dp rank, parameter): TP ranks holding replicas of a norm stay equal
             for i, p in enumerate(actor.parameters()):

@@ -269,7 +269,7 @@ def _pools(world, *items):
 
 
 def test_pool_mapping_parses_and_sizes_roles(world):
-    from hybridflow.controller.resource_pool import Role, role_pools, role_world_size
+    from hybridflow.config.pools import Role, role_pools, role_world_size
 
     world.algorithm.adv_estimator = "gae"
     world.critic.ppo_micro_batch_size_per_gpu = 16
@@ -312,7 +312,7 @@ def test_pool_validation(world, items, expected):
 
 def test_missing_resources_names_pool_and_resource():
     from hybridflow.config.schema import PoolSpec
-    from hybridflow.controller.resource_pool import bundle, missing_resources
+    from hybridflow.config.pools import bundle, missing_resources
 
     nodes = [{"Alive": True, "Resources": {"CPU": 2.0, "fake_h100": 4.0}}]
     spec = PoolSpec(workers_per_node=2, resources={"fake_h100": 1})

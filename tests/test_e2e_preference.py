@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from hybridflow.controller.resource_pool import Role
+from hybridflow.config.pools import Role
 from hybridflow.demo import demo_dpo_config, run_recipe
 from hybridflow.trainer.dpo import DPOTrainer
 

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from hybridflow.algorithms import agg_loss, logprobs_from_logits, micro_weight
 from hybridflow.data.dataset import collate_rl
 from hybridflow.protocol import Batch
-from hybridflow.workers.fsdp_model import micro_batches, response_logits
+from hybridflow.engine.model import micro_batches, response_logits
 
 
 def rl_batch(tok, prompts: list[str], responses: list[str], prompt_width: int | None = 32, response_width: int = 6) -> Batch:

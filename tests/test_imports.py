@@ -229,3 +229,35 @@ def test_importing_the_config_stays_light():
     heavy = [m for m in loaded if m == "torch" or m.startswith("torch.") or m.startswith("ray")
              or (m.startswith("hybridflow.") and not _bottom(m))]
     assert not heavy, f"import hybridflow.config loaded {heavy}"
+
+
+# The layers, bottom first (docs/architecture.md, "Layers and imports"): a module imports only from
+# its own layer or below, at module level and inside functions. A module is in the layer of its
+# longest listed prefix.
+LAYERS: list[tuple[str, ...]] = [
+    ("hybridflow.protocol", "hybridflow.config", "hybridflow.data"),
+    ("hybridflow.parallel", "hybridflow.models", "hybridflow.utils.checkpoint", "hybridflow.utils.export"),
+    ("hybridflow.hybrid_engine", "hybridflow.rollout", "hybridflow.algorithms", "hybridflow.planning", "hybridflow.rewards",
+     "hybridflow.agent", "hybridflow.profiler"),
+    ("hybridflow.engine",),
+    ("hybridflow.controller",),
+    ("hybridflow.workers",),
+    ("hybridflow.trainer", "hybridflow.demo", "hybridflow.utils"),  # utils.distributed / hf_integration: users' own loops
+    ("hybridflow", "hybridflow.cli", "hybridflow.trainer.main_ppo"),  # verl's entry point name is a command line
+]
+
+
+def layer_of(module: str) -> int:
+    found = [(len(name), i) for i, names in enumerate(LAYERS) for name in names if module == name or module.startswith(name + ".")]
+    assert found, f"{module} is in no layer: add it to LAYERS (and to docs/architecture.md)"
+    return max(found)[1]
+
+
+def test_every_import_goes_down_the_layers():
+    """(c) No edge from a module to a higher layer, at module level or inside a function: the
+    engine imports no worker, the rollout no engine, parallel no algorithm (the pipeline's head is
+    passed in), config and data nothing above them."""
+    assert layer_of("hybridflow.engine.train_engine") > layer_of("hybridflow.rollout.base") > layer_of("hybridflow.parallel.pipeline")
+    up = [f"{e.source}:{e.line} imports {e.target}{'' if e.module_level else ' (inside a function)'}"
+          for m in MODULES for e in EDGES[m] if e.target != "hybridflow" and layer_of(e.target) > layer_of(e.source)]
+    assert not up, "upward imports:\n  " + "\n  ".join(up)

@@ -224,7 +224,7 @@ def _strategies_worker(rank: int, world: int, init_file: str, model_dir: str, ou
 
     from hybridflow.config.schema import ModelConfig
     from hybridflow.parallel.fsdp import apply_fsdp2, make_mesh, shard_numel
-    from hybridflow.workers.fsdp_model import load_hf_model
+    from hybridflow.models.hf import load_hf_model
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:

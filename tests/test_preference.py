@@ -17,7 +17,8 @@ from hybridflow.data.preference import PreferenceDataset, collate_pairs, pack_se
 from hybridflow.data.tasks import write_parquet
 from hybridflow.protocol import Batch
 from hybridflow.trainer.dpo import best_vs_worst
-from hybridflow.workers.fsdp_model import load_hf_model, response_logits
+from hybridflow.engine.model import response_logits
+from hybridflow.models.hf import load_hf_model
 from conftest import rl_overrides
 
 # One pair: policy log-probs (chosen, rejected), reference log-probs (chosen, rejected).

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hybridflow.config import HybridFlowConfig
-from hybridflow.controller.resource_pool import ModelPart
+from hybridflow.config.pools import ModelPart
 from hybridflow.workers.actor_rollout_ref import ActorRolloutRefWorker
 
 A, R, F = ModelPart.ACTOR, ModelPart.ROLLOUT, ModelPart.REF

@@ -1,4 +1,4 @@
-"""RL algorithms as small pure functions: advantage estimators, policy losses (a registry by name), KL penalties."""
+"""RL algorithms as small pure functions: advantage estimators and losses (registries by name), KL penalties."""
 
 from hybridflow.algorithms.advantages import (
     ADV_ESTIMATORS,
@@ -22,11 +22,13 @@ from hybridflow.algorithms.kl import (
 )
 from hybridflow.algorithms.losses import (
     LOSS_AGG_MODES,
+    LOSSES,
     POLICY_LOSSES,
     agg_loss,
     compute_policy_loss,
     compute_value_loss,
     entropy_from_logits,
+    get_loss,
     get_policy_loss,
     logprobs_from_logits,
     masked_mean,
@@ -34,13 +36,16 @@ from hybridflow.algorithms.losses import (
     masked_var,
     masked_whiten,
     micro_weight,
+    register_loss,
     register_policy_loss,
 )
+from hybridflow.algorithms import preference  # noqa: F401,E402  (registers the preference and reward-model losses)
 
 __all__ = [
     "ADV_ESTIMATORS",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
+    "LOSSES",
     "POLICY_LOSSES",
     "AdaptiveKLController",
     "FixedKLController",
@@ -56,6 +61,7 @@ __all__ = [
     "compute_value_loss",
     "entropy_from_logits",
     "get_adv_estimator",
+    "get_loss",
     "get_policy_loss",
     "kl_loss",
     "kl_penalty",
@@ -67,5 +73,6 @@ __all__ = [
     "micro_weight",
     "masked_whiten",
     "register_adv_estimator",
+    "register_loss",
     "register_policy_loss",
 ]

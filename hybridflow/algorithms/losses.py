@@ -107,30 +107,52 @@ def compute_policy_loss(
     return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
 
 
-# ---------------------------------------------------------------- policy losses, by name
-# A policy loss is a pure function (old_log_prob, log_prob, advantages, response_mask, *,
-# clip_ratio_low, clip_ratio_high, clip_ratio_c, loss_agg_mode) -> (pg_loss, metrics), all inputs
-# [B, T], pg_loss a scalar, metrics {name: scalar tensor} logged as actor/<name>. It takes the keyword
-# arguments it needs and ignores the rest (**_). `actor_rollout_ref.actor.policy_loss.loss_mode`
-# (verl's key) chooses one; a new loss is one registered function.
+# ---------------------------------------------------------------- losses, by family and name
+# Every loss is a pure function registered under (family, name); a worker looks it up by the
+# config's name and calls it per micro-batch, so a new loss is one registered function here (or in
+# a user's module imported before the run). Families and their signatures:
+#   "policy"      (old_log_prob, log_prob, advantages, response_mask, *, clip_ratio_low, clip_ratio_high,
+#                  clip_ratio_c, loss_agg_mode, **_) -> (pg_loss, {name: scalar}) logged as actor/<name>;
+#                  chosen by `actor_rollout_ref.actor.policy_loss.loss_mode` (verl's key)
+#   "value"       (vpreds, returns, values, response_mask, *, cliprange_value, loss_agg_mode) -> (vf_loss, vf_clipfrac)
+#   "sft"         (log_prob [B, T], loss_mask [B, T]) -> summed NLL (the caller normalises)
+#   "preference"  (policy_chosen, policy_rejected, ref_chosen, ref_rejected [P], *, beta, label_smoothing)
+#                  -> per-pair losses [P]; chosen by `dpo.loss_type`
+#   "reward"      (chosen_scores, rejected_scores [P], margin) -> per-pair losses [P]
+# All inputs [B, T] unless stated; a loss takes the keyword arguments it needs and ignores the rest (**_).
+LossFn = Callable[..., object]
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
-POLICY_LOSSES: dict[str, PolicyLossFn] = {}
+LOSSES: dict[str, dict[str, LossFn]] = {"policy": {}, "value": {}, "sft": {}, "preference": {}, "reward": {}}
+POLICY_LOSSES: dict[str, PolicyLossFn] = LOSSES["policy"]
+_LOSS_KEYS = {"policy": "actor_rollout_ref.actor.policy_loss.loss_mode", "preference": "dpo.loss_type"}
 
 
-def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    def deco(fn: PolicyLossFn) -> PolicyLossFn:
-        if name in POLICY_LOSSES:
-            raise ValueError(f"policy loss {name!r} is already registered")
-        POLICY_LOSSES[name] = fn
+def register_loss(family: str, name: str) -> Callable[[LossFn], LossFn]:
+    if family not in LOSSES:
+        raise ValueError(f"unknown loss family {family!r}; families: {sorted(LOSSES)}")
+
+    def deco(fn: LossFn) -> LossFn:
+        if name in LOSSES[family]:
+            raise ValueError(f"{family} loss {name!r} is already registered")
+        LOSSES[family][name] = fn
         return fn
 
     return deco
 
 
+def get_loss(family: str, name: str) -> LossFn:
+    if name not in LOSSES.get(family, {}):
+        key = f" ({_LOSS_KEYS[family]})" if family in _LOSS_KEYS else ""
+        raise ValueError(f"unknown {family} loss {name!r}{key}; registered: {sorted(LOSSES.get(family, {}))}")
+    return LOSSES[family][name]
+
+
+def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    return register_loss("policy", name)
+
+
 def get_policy_loss(name: str) -> PolicyLossFn:
-    if name not in POLICY_LOSSES:
-        raise ValueError(f"unknown policy loss {name!r} (actor_rollout_ref.actor.policy_loss.loss_mode); registered: {sorted(POLICY_LOSSES)}")
-    return POLICY_LOSSES[name]
+    return get_loss("policy", name)
 
 
 @register_check("policy_losses")
@@ -168,6 +190,19 @@ def compute_value_loss(
     vf_loss = 0.5 * agg_loss(torch.maximum(vf_losses1, vf_losses2), response_mask, loss_agg_mode)
     vf_clipfrac = masked_mean(torch.gt(vf_losses2, vf_losses1).float(), response_mask)
     return vf_loss, vf_clipfrac
+
+
+@register_loss("value", "clipped")
+def clipped_value_loss(vpreds: torch.Tensor, returns: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor, *,
+                       cliprange_value: float, loss_agg_mode: str = "token-mean", **_) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped value regression (`compute_value_loss`), verl's critic loss."""
+    return compute_value_loss(vpreds, returns, values, response_mask, cliprange_value, loss_agg_mode)
+
+
+@register_loss("sft", "nll")
+def sft_nll_loss(log_prob: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Summed negative log-likelihood of the loss tokens: sum(-log p * mask) over [B, T]."""
+    return (-log_prob * loss_mask).sum()
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
+from hybridflow.algorithms.losses import get_loss, register_loss
 
 
 def seq_log_probs(token_log_probs: torch.Tensor, mask: torch.Tensor, average: bool = False) -> torch.Tensor:
@@ -26,6 +26,27 @@ def seq_log_probs(token_log_probs: torch.Tensor, mask: torch.Tensor, average: bo
     mask = mask.to(token_log_probs.dtype)
     total = (token_log_probs * mask).sum(-1)
     return total / mask.sum(-1).clamp(min=1.0) if average else total
+
+
+@register_loss("preference", "sigmoid")
+def dpo_sigmoid_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, *, beta: float = 0.1, label_smoothing: float = 0.0, **_) -> torch.Tensor:
+    """DPO (conservative with label_smoothing e): -(1-e) log sigma(beta h) - e log sigma(-beta h)."""
+    h = (policy_chosen - policy_rejected) - (ref_chosen - ref_rejected)
+    return -F.logsigmoid(beta * h) * (1 - label_smoothing) - F.logsigmoid(-beta * h) * label_smoothing
+
+
+@register_loss("preference", "ipo")
+def ipo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, *, beta: float = 0.1, **_) -> torch.Tensor:
+    """IPO: (h - 1/(2 beta))^2."""
+    h = (policy_chosen - policy_rejected) - (ref_chosen - ref_rejected)
+    return (h - 1 / (2 * beta)) ** 2
+
+
+@register_loss("preference", "hinge")
+def hinge_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, *, beta: float = 0.1, **_) -> torch.Tensor:
+    """SLiC's hinge: max(0, 1 - beta h)."""
+    h = (policy_chosen - policy_rejected) - (ref_chosen - ref_rejected)
+    return torch.relu(1 - beta * h)
 
 
 def dpo_loss(
@@ -37,21 +58,15 @@ def dpo_loss(
     loss_type: str = "sigmoid",
     label_smoothing: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-pair losses [P] and the implicit rewards (chosen [P], rejected [P], detached)."""
-    h = (policy_chosen - policy_rejected) - (ref_chosen - ref_rejected)
-    if loss_type == "sigmoid":
-        losses = -F.logsigmoid(beta * h) * (1 - label_smoothing) - F.logsigmoid(-beta * h) * label_smoothing
-    elif loss_type == "ipo":
-        losses = (h - 1 / (2 * beta)) ** 2
-    elif loss_type == "hinge":
-        losses = torch.relu(1 - beta * h)
-    else:
-        raise ValueError(f"unknown DPO loss_type {loss_type!r}; expected one of {list(DPO_LOSS_TYPES)}")
+    """Per-pair losses [P] of the registered preference loss `loss_type` and the implicit rewards
+    (chosen [P], rejected [P], detached)."""
+    losses = get_loss("preference", loss_type)(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta=beta, label_smoothing=label_smoothing)
     chosen_rewards = beta * (policy_chosen - ref_chosen).detach()
     rejected_rewards = beta * (policy_rejected - ref_rejected).detach()
     return losses, chosen_rewards, rejected_rewards
 
 
+@register_loss("reward", "bradley_terry")
 def bradley_terry_loss(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor, margin: torch.Tensor | float = 0.0) -> torch.Tensor:
     """Per-pair reward-model loss [P]: -log sigma(r_c - r_r - margin) (Llama 2's margin term)."""
     return -F.logsigmoid(chosen_scores - rejected_scores - margin)

@@ -43,7 +43,7 @@ class DataConfig:
     rejected_key: str = "rejected"
 
 
-# Accepted spellings of a model's dtype (workers/fsdp_model.py maps them to torch dtypes).
+# Accepted spellings of a model's dtype (models/hf.py maps them to torch dtypes).
 MODEL_DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 
 

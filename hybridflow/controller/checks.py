@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.config.validate import Workers, register_check
-from hybridflow.controller import resource_pool as rp
+from hybridflow.config import pools as rp
 
 
 @register_check("pools")

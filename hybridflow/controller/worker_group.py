@@ -27,7 +27,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # n
 
 from hybridflow.config.schema import DEFAULT_WORKER_ENV, PoolSpec
 from hybridflow.controller.decorator import LAYOUT_ATTR, Dispatch, collect_results, dispatch_args
-from hybridflow.controller.resource_pool import bundle, missing_resources
+from hybridflow.config.pools import bundle, missing_resources
 from hybridflow.controller.worker import colocated_worker_cls, registered_methods
 
 

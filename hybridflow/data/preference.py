@@ -6,7 +6,7 @@ validated up front; a bad row fails at start-up naming file and row (0-based).
 
 A pair batch holds 2P rows, chosen and rejected interleaved ([c0, r0, c1, r1, ...]) so that one
 forward scores both sides and any even split keeps pairs whole. The sequence layout is the RL
-one (`workers/fsdp_model.py`): input_ids [2P, Lp+R] = left-padded prompt + right-padded response
+one (`engine/model.py`): input_ids [2P, Lp+R] = left-padded prompt + right-padded response
 (response tokens + eos), responses / response_mask [2P, R]; `pair_weight` [2P] is 1.0 for a pair
 that counts (online DPO zeroes pairs whose samples tie); `margin` [2P] is the optional per-pair
 Bradley-Terry margin column (0 when absent).

@@ -5,8 +5,9 @@ resharding planner and the generation model agree on every FQN): the decoder lay
 [stage * L/pp, (stage + 1) * L/pp) in a ModuleDict keyed by their global index, the embeddings on
 the first stage, the final norm and lm_head on the last. Its forward mirrors the HF model's
 (causal mask from `create_causal_mask`, rotary embeddings on every stage) and the last stage
-returns per-token (log-prob, entropy) of `targets` [b, T, 2] instead of logits [b, T, V], so only
-[b, L, H] activations travel between stages.
+returns `head(logits, targets)`, per-token values of `targets` [b, T, k] (the engine's head gives
+(log-prob, entropy), k = 2) instead of logits [b, T, V], so only [b, L, H] activations travel
+between stages. The head is passed in: this layer knows no loss or log-prob.
 
 `Pipeline` runs a stage under a GPipe or 1F1B schedule. The schedules infer the activation shapes
 once per stage object, so one (stage, schedule) pair is kept per (micro-batch shape, count).
@@ -22,9 +23,9 @@ import torch
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from hybridflow.algorithms import entropy_from_logits, logprobs_from_logits
-
 Schedule = Literal["gpipe", "1f1b"]
+# head(logits [b, T, V] fp32, targets [b, T]) -> per-token outputs [b, T, k]
+Head = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 
@@ -32,8 +33,9 @@ class StageLM(nn.Module):
     """Stage `stage` of `num_stages` of an HF causal LM (`lm.model` = embed_tokens, layers, norm,
     rotary_emb; `lm.lm_head`), parameter names unchanged."""
 
-    def __init__(self, lm: nn.Module, stage: int, num_stages: int):
+    def __init__(self, lm: nn.Module, stage: int, num_stages: int, head: Head):
         super().__init__()
+        self.head = head
         self.config = lm.config
         self._no_split_modules = lm._no_split_modules
         self.is_first, self.is_last = stage == 0, stage == num_stages - 1
@@ -64,7 +66,7 @@ class StageLM(nn.Module):
         logits = self.lm_head(self.model.norm(h[:, -t - 1 : -1])).float()  # [b, T, V]
         if self.temperature != 1.0:
             logits = logits / self.temperature
-        return torch.stack([logprobs_from_logits(logits, targets), entropy_from_logits(logits)], dim=-1)
+        return self.head(logits, targets)
 
 
 class Pipeline:
@@ -104,7 +106,7 @@ class Pipeline:
             loss_kwargs: dict | None = None) -> torch.Tensor | None:
         """Forward (loss None) or forward + backward of a batch of B rows in equal micro-batches of
         the largest size <= micro_batch_size that divides B (a schedule's micro-batches share one
-        shape). Returns [B, T, 2] (log-prob, entropy) on the last stage, None elsewhere.
+        shape). Returns [B, T, k] (the stage's head) on the last stage, None elsewhere.
         `loss(output_mb, target_mb, **loss_kwargs)` -> scalar, on the last stage."""
         rows = input_ids.shape[0]
         micro = max(d for d in range(1, min(micro_batch_size, rows) + 1) if rows % d == 0)

@@ -15,7 +15,7 @@ import os
 
 from hybridflow.config.loader import ConfigError
 from hybridflow.config.schema import FSDPConfig, HybridFlowConfig
-from hybridflow.controller import resource_pool as rp
+from hybridflow.config import pools as rp
 from hybridflow.hybrid_engine.plan import TrainLayout
 from hybridflow.planning.arch import Arch, load_arch
 from hybridflow.planning.cost import DTYPE_BYTES, GIB, MemoryInputs, human, plan_for, worst_memory

@@ -132,7 +132,7 @@ def build_hf_rollout(ctx: RolloutContext) -> HFRollout:
     """The policy's HF model, tensor-parallel over rollout.tensor_model_parallel_size ranks grouped
     as HybridFlow does for the colocated actor's training layout (`gen_coords`)."""
     from hybridflow.parallel.tensor_parallel import apply_tensor_parallel, gen_mesh, gen_ranks
-    from hybridflow.workers.fsdp_model import load_hf_model
+    from hybridflow.models.hf import load_hf_model
 
     gen_tp = ctx.cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
     tp_index, dp_index = gen_ranks(ctx.rank, ctx.world_size, gen_tp, ctx.train_layout)

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from hybridflow.controller.resource_pool import Role
+from hybridflow.config.pools import Role
 from hybridflow.data.preference import PreferenceDataset, collate_pairs
 from hybridflow.protocol import Batch
 from hybridflow.trainer.dataflow import DataFlow, Stage

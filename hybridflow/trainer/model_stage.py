@@ -54,7 +54,7 @@ class PolicyGroup:
     def __init__(self, cfg: HybridFlowConfig, model: Any, num_workers: int):
         from hybridflow.config import validate_config
         from hybridflow.config.schema import PoolSpec
-        from hybridflow.controller.resource_pool import ModelPart
+        from hybridflow.config.pools import ModelPart
         from hybridflow.trainer.placement import start_groups
         from hybridflow.trainer.roles import policy_worker
 

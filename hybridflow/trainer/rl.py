@@ -35,7 +35,7 @@ from transformers import AutoTokenizer
 
 from hybridflow.algorithms import make_kl_controller
 from hybridflow.config import ConfigError, HybridFlowConfig, save_config, to_dict, validate_config
-from hybridflow.controller.resource_pool import Role, pool_specs
+from hybridflow.config.pools import Role, pool_specs
 from hybridflow.data.dataset import RLDataset, collate_rl
 from hybridflow.planning.preflight import check_memory
 from hybridflow.protocol import Batch

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hybridflow.config.schema import HybridFlowConfig
-from hybridflow.controller.resource_pool import ModelPart, Role, role_pools, run_roles
+from hybridflow.config.pools import ModelPart, Role, role_pools, run_roles
 
 
 @dataclass(frozen=True)

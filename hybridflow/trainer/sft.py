@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 
 from hybridflow.config import HybridFlowConfig, SFTConfig, validate_sft_config
 from hybridflow.config.schema import DEFAULT_POOL, ActorConfig, ActorRolloutRefConfig, PoolSpec
-from hybridflow.controller.resource_pool import ModelPart
+from hybridflow.config.pools import ModelPart
 from hybridflow.data.dataset import SFTDataset, collate_sft
 from hybridflow.trainer.loader import PromptLoader
 from hybridflow.trainer.placement import start_groups

@@ -21,23 +21,22 @@ import torch
 import torch.distributed as dist
 from transformers import AutoTokenizer
 
-from hybridflow.algorithms import agg_loss, entropy_from_logits, get_policy_loss, kl_loss, logprobs_from_logits, masked_mean, micro_weight
+from hybridflow.algorithms import agg_loss, get_loss, get_policy_loss, kl_loss, masked_mean, micro_weight
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.controller.decorator import Dispatch, register
-from hybridflow.controller.resource_pool import ModelPart, worker_role
+from hybridflow.config.pools import ModelPart, worker_role
 from hybridflow.controller.worker import Worker, pick_device
+from hybridflow.engine import TrainEngine
+from hybridflow.engine.model import save_hf_checkpoint
 from hybridflow.hybrid_engine import cross_pool
-from hybridflow.hybrid_engine.executor import HybridEngine
 from hybridflow.hybrid_engine.memory import rss_bytes
+from hybridflow.models.hf import load_hf_model
 from hybridflow.parallel.dims import ParallelDims
 from hybridflow.parallel.fsdp import shard_numel
-from hybridflow.parallel.layout import build_train_model, parallel_dims
+from hybridflow.parallel.layout import parallel_dims
 from hybridflow.parallel.tensor_parallel import gen_shard_dims
 from hybridflow.protocol import Batch
 from hybridflow.rollout.base import RolloutContext, make_rollout, position_ids_from, response_lengths  # noqa: F401  (re-exported)
-from hybridflow.utils.checkpoint import load_sharded, save_sharded
-from hybridflow.workers.fsdp_model import load_hf_model, micro_batches, response_logits, save_hf_checkpoint
-from hybridflow.workers.optim import build_optimizer, build_scheduler, clip_and_step
 from hybridflow.workers.preference import PreferenceMixin
 from hybridflow.workers.rollout import RolloutMixin
 
@@ -70,7 +69,8 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
         pp, tp = (acfg.pipeline_model_parallel_size, acfg.tensor_model_parallel_size) if self.has_actor else (1, 1)
         self.train_layout = ParallelDims.for_world(self.world_size, pp=pp, tp=tp, procs_per_node=self.procs_per_node)
         self.dims = None  # this rank's TrainMesh (parallel/layout.py), set by init_model
-        self.pipe = self.ref_pipe = None  # Pipelines of the actor / reference stage (pp > 1)
+        self.actor: TrainEngine | None = None  # the trained policy (has_actor)
+        self.ref: TrainEngine | None = None  # the frozen reference (has_ref)
 
     def dispatch_layout(self, layout: str | None) -> tuple[int, int, bool]:
         """"train": split over dp (FSDP layout: every rank its own chunk), `ParallelDims.dispatch`."""
@@ -81,11 +81,6 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
     @property
     def dp_size(self) -> int:
         return self.train_layout.dp
-
-    def _build(self, model, fcfg):
-        """(model in the training layout, its Pipeline or None): FSDP2 over the group, or the 3D
-        layout's stage x TP x FSDP (`parallel/layout.py`), with `fcfg`'s FSDP settings."""
-        return build_train_model(model, self.dims, self.device, fcfg, self.cfg.actor_rollout_ref.actor.pipeline_schedule)
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
@@ -99,8 +94,8 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
         if self.has_rollout:
             self._init_rollout(mcfg)
         if self.has_ref:
-            self.ref, self.ref_pipe = self._build(load_hf_model(mcfg, self.device), self.cfg.actor_rollout_ref.ref.fsdp_config)
-            self.ref.eval().requires_grad_(False)
+            self.ref = TrainEngine(load_hf_model(mcfg, self.device), self.dims, self.device, self.cfg.actor_rollout_ref.ref.fsdp_config,
+                                   pipeline_schedule=self.cfg.actor_rollout_ref.actor.pipeline_schedule, remove_padding=self.remove_padding)
 
     def _init_actor(self, mcfg) -> None:
         acfg = self.cfg.actor_rollout_ref.actor
@@ -109,11 +104,8 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
             if any(fnmatch.fnmatchcase(name, pattern) for pattern in acfg.freeze_modules):
                 p.requires_grad_(False)
         self.gen_dims = gen_shard_dims(model)
-        # The whole model's parameters (a pipeline stage keeps only its own): the resharding plan's.
-        self.full_shapes = {n: (tuple(p.shape), p.element_size()) for n, p in model.named_parameters()}
-        self.actor, self.pipe = self._build(model, acfg.fsdp_config)
-        self.optimizer = build_optimizer([p for p in self.actor.parameters() if p.requires_grad], acfg.optim)
-        self.scheduler = build_scheduler(self.optimizer, acfg.optim, self.total_training_steps)
+        self.actor = TrainEngine(model, self.dims, self.device, acfg.fsdp_config, optim=acfg.optim, total_steps=self.total_training_steps,
+                                 grad_clip=acfg.grad_clip, pipeline_schedule=acfg.pipeline_schedule, remove_padding=self.remove_padding)
 
     def _init_rollout(self, mcfg) -> None:
         """The colocated rollout backend, by name, and the hybrid engine that feeds it: the
@@ -123,12 +115,10 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
         ctx = RolloutContext(self.cfg, self.tokenizer, self.device, self.rank, self.world_size, self.train_layout, self.gen_dims)
         self.rollout = make_rollout(rcfg.name, ctx)
         lay = self.rollout.layout()
-        he = self.cfg.actor_rollout_ref.hybrid_engine
-        self.engine = HybridEngine(self.actor, lay.buffers, lay.shard_dims, lay.gen_tp, he, self.device, layout=self.train_layout,
-                                   full_shapes=self.full_shapes, consecutive=lay.consecutive)
+        self.hybrid = self.actor.attach_generation(lay.buffers, lay.shard_dims, lay.gen_tp, self.cfg.actor_rollout_ref.hybrid_engine, lay.consecutive)
         if lay.buffers is not None:  # the engine writes into the backend's storages: it also frees / re-acquires them
-            self.rollout.memory = self.engine
-        self.plan = self.engine.plan
+            self.rollout.memory = self.hybrid
+        self.plan = self.hybrid.plan
 
     # ------------------------------------------------------------------ weight sync
     @register(Dispatch.ONE_TO_ALL)
@@ -138,90 +128,69 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
         generation parameter with the trained weights (`HybridEngine.max_abs_diff`; not for staged
         pieces: vLLM repacks them, its check is the log-prob agreement); trace returns Chrome-trace
         events. Measured stats of this rank."""
-        engine = self.engine
-        engine.trace.enabled = trace
+        hybrid = self.hybrid
+        hybrid.trace.enabled = trace
         out: dict = {}
         if measure_baseline:
-            out["baseline"] = engine.reshard(optimized=False)
+            out["baseline"] = hybrid.reshard(optimized=False)
         self.rollout.wake()
-        loaded = self.rollout.update_weights(engine.pieces(optimized=self.cfg.actor_rollout_ref.hybrid_engine.enable_resharding_opt))
-        out.update(engine.last_stats)
+        loaded = self.rollout.update_weights(self.actor.weights(optimized=self.cfg.actor_rollout_ref.hybrid_engine.enable_resharding_opt))
+        out.update(hybrid.last_stats)
         out.update(loaded)  # the backend's own stats (copied / loaded bytes, load time): no key of the engine's
-        if check and not engine.staged:
-            out["max_diff"] = engine.max_abs_diff()
+        if check and not hybrid.staged:
+            out["max_diff"] = hybrid.max_abs_diff()
         out["rss_bytes"] = rss_bytes()
         if trace:
-            out["trace"] = engine.trace.drain()
+            out["trace"] = hybrid.trace.drain()
         return out
 
     @register(Dispatch.ONE_TO_ALL)
     def publish_weights(self, gen_tp: int, dst_world: int) -> list:
         """For a rollout pool of `dst_world` ranks: object refs, one per generation rank, holding
         exactly the pieces of this rank's shards that generation rank needs (`cross_pool`)."""
-        return cross_pool.publish(self.actor, self.gen_dims, self.rank, self.world_size, gen_tp, dst_world)
+        return cross_pool.publish(self.actor.module, self.gen_dims, self.rank, self.world_size, gen_tp, dst_world)
 
     @register(Dispatch.RANK_ZERO)
     def weight_fingerprints(self, gen_tp: int, dst_world: int) -> dict[str, str]:
         """Digests of every generation slice of the trained weights (a collective: all ranks run it)."""
-        return cross_pool.trained_fingerprints(self.actor, self.gen_dims, gen_tp, dst_world)
+        return cross_pool.trained_fingerprints(self.actor.module, self.gen_dims, gen_tp, dst_world)
 
     @register(Dispatch.RANK_ZERO)
     def reshard_plan(self) -> dict:
-        return self.plan.summary(self.engine.frozen)
+        return self.plan.summary(self.hybrid.frozen)
 
     @register(Dispatch.ONE_TO_ALL)
     def rollout_weight_max_diff(self) -> float:
         """max |generation buffer - matching slice of the trained weights| (0.0 after a correct reshard)."""
-        return self.engine.max_abs_diff()
+        return self.hybrid.max_abs_diff()
 
     @register(Dispatch.ONE_TO_ALL)
     def shard_stats(self) -> dict[str, int]:
-        local, total = shard_numel(self.actor)
+        local, total = shard_numel(self.actor.module)
         return {"local_numel": local, "total_numel": total}
 
     # ------------------------------------------------------------------ log-probs
-    def _log_probs(self, model, data: Batch, micro_bs: int, max_tokens: int | None = None,
-                   with_entropy: bool = False, pipe=None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Response log-probs [b, R] (and entropies) under `model`; with a pipeline only the last
-        stage gets them (None elsewhere: its result is not collected)."""
-        model.eval()
-        temperature = float(data.meta.get("temperature", 1.0))
-        data = data.to(self.device)
-        if pipe is not None:
-            out = pipe.run(data["input_ids"], data["attention_mask"], data["position_ids"], data["responses"], micro_bs, temperature)
-            return (None, None) if out is None else (out[..., 0], out[..., 1] if with_entropy else None)
-        logps, ents = [], []
-        for mb in micro_batches(data, micro_bs, max_tokens):
-            logits = response_logits(model, mb, temperature, self.remove_padding)
-            logps.append(logprobs_from_logits(logits, mb["responses"]))
-            if with_entropy:
-                ents.append(entropy_from_logits(logits))
-        return torch.cat(logps), (torch.cat(ents) if with_entropy else None)
-
     @register(Dispatch.DP_COMPUTE, layout="train")
-    @torch.no_grad()
     def compute_log_prob(self, data: Batch) -> Batch:
         """old_log_probs [b, R] under the current policy (before this step's update)."""
         r = self.cfg.actor_rollout_ref.rollout
-        logp, ent = self._log_probs(self.actor, data, r.log_prob_micro_batch_size_per_gpu,
-                                    r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None, with_entropy=True, pipe=self.pipe)
+        logp, ent = self.actor.log_probs(data, r.log_prob_micro_batch_size_per_gpu, r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None,
+                                         float(data.meta.get("temperature", 1.0)), with_entropy=True)
         if logp is None:  # an earlier pipeline stage: nothing to report
             return Batch.from_dict(tensors={"old_log_probs": torch.zeros(data["responses"].shape)})
         mask = data["response_mask"].to(logp.device)
         return Batch.from_dict(tensors={"old_log_probs": logp.cpu()}, meta={"metrics": {"actor/entropy": float(masked_mean(ent, mask))}})
 
     @register(Dispatch.DP_COMPUTE, layout="train")
-    @torch.no_grad()
     def compute_ref_log_prob(self, data: Batch) -> Batch:
         r = self.cfg.actor_rollout_ref.ref
-        logp, _ = self._log_probs(self.ref, data, r.log_prob_micro_batch_size_per_gpu, r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None,
-                                  pipe=self.ref_pipe)
+        logp, _ = self.ref.log_probs(data, r.log_prob_micro_batch_size_per_gpu, r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None,
+                                     float(data.meta.get("temperature", 1.0)))
         return Batch.from_dict(tensors={"ref_log_prob": (torch.zeros(data["responses"].shape) if logp is None else logp.cpu())})
 
     # ------------------------------------------------------------------ training
-    def _clip_and_step(self, grad_clip: float) -> float:
-        lay = self.train_layout
-        return clip_and_step(self.actor, self.optimizer, grad_clip, None if self.dims.trivial else lay.tp * lay.dp)
+    # The per-token fields the PPO loss reads (packed as the pipeline's loss target when pp > 1).
+    _PPO_FIELDS = ("old_log_probs", "advantages", "response_mask", "ref_log_prob")
 
     @register(Dispatch.DP_COMPUTE, layout="train")
     def update_actor(self, data: Batch, optimizer_step: bool = True, loss_scale: float = 1.0) -> dict[str, float]:
@@ -240,17 +209,15 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
         low = acfg.clip_ratio_low if acfg.clip_ratio_low is not None else acfg.clip_ratio
         high = acfg.clip_ratio_high if acfg.clip_ratio_high is not None else acfg.clip_ratio
         policy_loss = get_policy_loss(acfg.policy_loss.loss_mode)
-        self.actor.train()
         sums: dict[str, float] = {}
         counts: dict[str, int] = {}
 
         def add(k: str, v: float) -> None:
-            if self.pipe is not None and self.pipe.inferring:  # the schedule's shape-inference call
-                return
-            sums[k] = sums.get(k, 0.0) + float(v)
-            counts[k] = counts.get(k, 0) + 1
+            if self.actor.recording:
+                sums[k] = sums.get(k, 0.0) + float(v)
+                counts[k] = counts.get(k, 0) + 1
 
-        def micro_loss(log_prob: torch.Tensor, entropy_tok: torch.Tensor, mb: dict, mini_mask: torch.Tensor) -> torch.Tensor:
+        def ppo_loss(log_prob: torch.Tensor, entropy_tok: torch.Tensor, mb, mini_mask: torch.Tensor) -> torch.Tensor:
             """The micro-batch's share of the mini-batch loss (x loss_scale); log_prob/entropy_tok [b, R]."""
             mask = mb["response_mask"]
             entropy = agg_loss(entropy_tok, mask, acfg.loss_agg_mode)
@@ -275,85 +242,58 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
             raise ValueError(f"gradient accumulation across calls needs each call to be at most one mini-batch "
                              f"({mini_size} sequences per rank) and ppo_epochs == 1; got {len(data)} sequences, "
                              f"ppo_epochs={acfg.ppo_epochs}: lower the stage's batch_size")
-        data = data.to(self.device)
         for _ in range(acfg.ppo_epochs):
             for mini in data.split(mini_size):
-                if self.pipe is not None:
-                    self._pipe_ppo(mini, temperature, micro_loss)
-                else:
-                    for mb in micro_batches(mini, acfg.ppo_micro_batch_size_per_gpu, acfg.ppo_max_token_len_per_gpu if acfg.use_dynamic_bsz else None):
-                        logits = response_logits(self.actor, mb, temperature, self.remove_padding)
-                        micro_loss(logprobs_from_logits(logits, mb["responses"]), entropy_from_logits(logits), mb, mini["response_mask"]).backward()
+                mini_mask = mini["response_mask"].to(self.device)
+                self.actor.forward_backward(mini, lambda lp, ent, mb: ppo_loss(lp, ent, mb, mini_mask), acfg.ppo_micro_batch_size_per_gpu,
+                                            acfg.ppo_max_token_len_per_gpu if acfg.use_dynamic_bsz else None, temperature, self._PPO_FIELDS)
                 if optimizer_step:
-                    add("actor/grad_norm", self._clip_and_step(acfg.grad_clip))
+                    add("actor/grad_norm", self.actor.step())
         metrics = {k: sums[k] / counts[k] for k in sums}
-        metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
+        metrics["actor/lr"] = self.actor.lr
         if optimizer_step:
-            self.scheduler.step()
+            self.actor.scheduler_step()
         return metrics
-
-    # The per-token fields the PPO loss reads, packed as the pipeline's loss target [b, R, 4].
-    _PPO_FIELDS = ("old_log_probs", "advantages", "response_mask", "ref_log_prob")
-
-    def _pipe_ppo(self, mini: Batch, temperature: float, micro_loss) -> None:
-        """One mini-batch's forward + backward through the pipeline schedule; `micro_loss` runs on
-        the last stage per micro-batch, on the fields unpacked from the target."""
-        has = [k in mini for k in self._PPO_FIELDS]
-        zeros = torch.zeros(mini["responses"].shape, device=self.device)
-        target = torch.stack([mini[k].float() if h else zeros for k, h in zip(self._PPO_FIELDS, has)], dim=-1)
-
-        def loss(out: torch.Tensor, tgt: torch.Tensor, mini_mask: torch.Tensor) -> torch.Tensor:
-            mb = {k: tgt[..., i] for i, (k, h) in enumerate(zip(self._PPO_FIELDS, has)) if h}
-            return micro_loss(out[..., 0], out[..., 1], mb, mini_mask)
-
-        self.pipe.run(mini["input_ids"], mini["attention_mask"], mini["position_ids"], mini["responses"],
-                      self.cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu, temperature, loss=loss, target=target,
-                      loss_kwargs={"mini_mask": mini["response_mask"]})
 
     @register(Dispatch.DP_COMPUTE, layout="train")
     def sft_step(self, data: Batch) -> dict[str, float]:
-        """One SFT optimizer step: mean token NLL over response tokens (loss_mask [b, L])."""
+        """One SFT optimizer step: mean token NLL over the loss tokens (loss_mask [b, L]); every
+        token weighs the same across ranks (normalised by the GLOBAL number of loss tokens)."""
         acfg = self.cfg.actor_rollout_ref.actor
-        self.actor.train()
-        data = data.to(self.device)
-        # Normalise by the GLOBAL number of loss tokens so every token weighs the same.
-        local_tokens = data["loss_mask"][:, 1:].sum().float()
+        sft_loss = get_loss("sft", "nll")
+        # The next-token view: the logits at t predict token t+1, i.e. "responses" = input_ids[:, 1:].
+        view = Batch.from_dict(tensors={"input_ids": data["input_ids"], "attention_mask": data["attention_mask"], "position_ids": data["position_ids"],
+                                        "responses": data["input_ids"][:, 1:], "loss_mask": data["loss_mask"][:, 1:].float()}).to(self.device)
+        local_tokens = view["loss_mask"].sum()
         global_tokens = local_tokens.clone()
         dist.all_reduce(global_tokens, group=self.dims.dp_group)
         total_loss = [0.0]
 
-        def loss(nll: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-            """nll, loss_mask [b, L-1]: logits at t predict token t+1."""
-            loss_sum = (nll * loss_mask).sum()
-            if self.pipe is None or not self.pipe.inferring:  # not the schedule's shape-inference call
+        def loss(log_prob: torch.Tensor, _entropy, mb) -> torch.Tensor:
+            loss_sum = sft_loss(log_prob, mb["loss_mask"])
+            if self.actor.recording:
                 total_loss[0] += loss_sum.item()
             # FSDP2 averages gradients over dp ranks; scale by dp so the result is sum / global_tokens.
-            return loss_sum * self.dp_size / global_tokens
+            return loss_sum * self.dp_size / global_tokens.to(loss_sum.device)
 
-        if self.pipe is not None:
-            self.pipe.run(data["input_ids"], data["attention_mask"], data["position_ids"], data["input_ids"][:, 1:], acfg.ppo_micro_batch_size_per_gpu,
-                          loss=lambda out, mask: loss(-out[..., 0], mask), target=data["loss_mask"][:, 1:].float())
-        else:
-            for mb in micro_batches(data, acfg.ppo_micro_batch_size_per_gpu):
-                out = self.actor(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], position_ids=mb["position_ids"], use_cache=False)
-                loss(-logprobs_from_logits(out.logits[:, :-1], mb["input_ids"][:, 1:]), mb["loss_mask"][:, 1:]).backward()
-        lr = self.scheduler.get_last_lr()[0]
-        grad_norm = self._clip_and_step(acfg.grad_clip)
-        self.scheduler.step()
+        self.actor.forward_backward(view, loss, acfg.ppo_micro_batch_size_per_gpu, fields=("loss_mask",), remove_padding=False)
+        lr = self.actor.lr
+        grad_norm = self.actor.step()
+        self.actor.scheduler_step()
         return {"train/loss": total_loss[0] / max(float(local_tokens), 1.0), "train/grad_norm": grad_norm, "train/lr": lr}
 
     # ------------------------------------------------------------------ checkpoints
     @register(Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:
-        save_sharded(os.path.join(path, "actor"), self.actor, self.optimizer, self.scheduler, flatten_optimizer=self.train_layout.pp > 1)
+        self.actor.save(os.path.join(path, "actor"))
 
     @register(Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> None:
-        load_sharded(os.path.join(path, "actor"), self.actor, self.optimizer, self.scheduler, flatten_optimizer=self.train_layout.pp > 1)
+        self.actor.load(os.path.join(path, "actor"))
         if self.has_rollout:
             self.reshard()
 
     @register(Dispatch.RANK_ZERO)
     def save_hf_model(self, out_dir: str) -> str:
         """Gather the full weights and write an HF checkpoint (+ tokenizer) from rank 0."""
-        return save_hf_checkpoint(self.actor, self.tokenizer, out_dir, self.rank)
+        return save_hf_checkpoint(self.actor.module, self.tokenizer, out_dir, self.rank)

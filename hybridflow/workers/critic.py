@@ -10,16 +10,16 @@ import os
 
 import torch
 
-from hybridflow.algorithms import compute_value_loss, micro_weight
+from hybridflow.algorithms import get_loss, micro_weight
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.controller.decorator import Dispatch, register
 from hybridflow.controller.worker import Worker, pick_device
+from hybridflow.engine import TrainEngine
+from hybridflow.engine.model import response_logits
+from hybridflow.models.hf import load_hf_model
 from hybridflow.parallel.dims import ParallelDims
-from hybridflow.parallel.layout import build_train_model, parallel_dims
+from hybridflow.parallel.layout import parallel_dims
 from hybridflow.protocol import Batch
-from hybridflow.utils.checkpoint import load_sharded, save_sharded
-from hybridflow.workers.fsdp_model import load_hf_model, micro_batches, response_logits
-from hybridflow.workers.optim import build_optimizer, build_scheduler, clip_and_step
 
 
 class CriticWorker(Worker):
@@ -43,21 +43,16 @@ class CriticWorker(Worker):
         ccfg = self.cfg.critic
         mcfg = ccfg.model if ccfg.model.path else self.cfg.actor_rollout_ref.model
         torch.manual_seed(self.cfg.trainer.seed)
-        model = load_hf_model(mcfg, self.device, kind="value")
         # TP on the backbone (the value head is not in the TP table: replicated), then FSDP over dp
-        self.critic, _ = build_train_model(model, parallel_dims(self.layout, self.device), self.device, ccfg.fsdp_config)
-        self.optimizer = build_optimizer(self.critic.parameters(), ccfg.optim)
-        self.scheduler = build_scheduler(self.optimizer, ccfg.optim, self.total_training_steps)
+        self.critic = TrainEngine(load_hf_model(mcfg, self.device, kind="value"), parallel_dims(self.layout, self.device), self.device,
+                                  ccfg.fsdp_config, optim=ccfg.optim, total_steps=self.total_training_steps, grad_clip=ccfg.grad_clip)
 
-    def _values(self, mb: Batch) -> torch.Tensor:
-        return response_logits(self.critic, mb, remove_padding=self.cfg.critic.model.use_remove_padding).squeeze(-1) * mb["response_mask"]  # [b, R]
+    def _values(self, module, mb: Batch) -> torch.Tensor:
+        return response_logits(module, mb, remove_padding=self.cfg.critic.model.use_remove_padding).squeeze(-1) * mb["response_mask"]  # [b, R]
 
     @register(Dispatch.DP_COMPUTE, layout="train")
-    @torch.no_grad()
     def compute_values(self, data: Batch) -> Batch:
-        self.critic.eval()
-        data = data.to(self.device)
-        values = torch.cat([self._values(mb) for mb in micro_batches(data, self.cfg.critic.ppo_micro_batch_size_per_gpu)])
+        values = self.critic.forward(data, self._values, self.cfg.critic.ppo_micro_batch_size_per_gpu)
         return Batch.from_dict(tensors={"values": values.cpu()})
 
     @register(Dispatch.DP_COMPUTE, layout="train")
@@ -71,30 +66,32 @@ class CriticWorker(Worker):
         if not optimizer_step and (ccfg.ppo_epochs > 1 or len(data) > mini_size):
             raise ValueError(f"gradient accumulation across calls needs each call to be at most one mini-batch "
                              f"({mini_size} sequences per rank) and critic.ppo_epochs == 1; lower the stage's batch_size")
-        self.critic.train()
-        data = data.to(self.device)
+        value_loss = get_loss("value", "clipped")
         losses, clipfracs, norms = [], [], []
+
+        def loss(module, mb: Batch, mini_mask: torch.Tensor) -> torch.Tensor:
+            vf_loss, clipfrac = value_loss(self._values(module, mb), mb["returns"], mb["values"], mb["response_mask"],
+                                           cliprange_value=ccfg.cliprange_value, loss_agg_mode=ccfg.loss_agg_mode)
+            losses.append(vf_loss.item())
+            clipfracs.append(clipfrac.item())
+            return vf_loss * micro_weight(mb["response_mask"], mini_mask, ccfg.loss_agg_mode) * loss_scale
+
         for _ in range(ccfg.ppo_epochs):
             for mini in data.split(mini_size):
-                for mb in micro_batches(mini, ccfg.ppo_micro_batch_size_per_gpu):
-                    vpreds = self._values(mb)
-                    vf_loss, clipfrac = compute_value_loss(vpreds, mb["returns"], mb["values"], mb["response_mask"], ccfg.cliprange_value, ccfg.loss_agg_mode)
-                    (vf_loss * micro_weight(mb["response_mask"], mini["response_mask"], ccfg.loss_agg_mode) * loss_scale).backward()
-                    losses.append(vf_loss.item())
-                    clipfracs.append(clipfrac.item())
+                mini_mask = mini["response_mask"]
+                self.critic.backward(mini, lambda module, mb: loss(module, mb, mini_mask), ccfg.ppo_micro_batch_size_per_gpu)
                 if optimizer_step:
-                    norms.append(clip_and_step(self.critic, self.optimizer, ccfg.grad_clip, self.world_size if self.layout.tp > 1 else None))
-        lr = self.scheduler.get_last_lr()[0]
-        metrics = {"critic/vf_loss": sum(losses) / len(losses), "critic/vf_clipfrac": sum(clipfracs) / len(clipfracs), "critic/lr": lr}
+                    norms.append(self.critic.step())
+        metrics = {"critic/vf_loss": sum(losses) / len(losses), "critic/vf_clipfrac": sum(clipfracs) / len(clipfracs), "critic/lr": self.critic.lr}
         if optimizer_step:
-            self.scheduler.step()
+            self.critic.scheduler_step()
             metrics["critic/grad_norm"] = sum(norms) / len(norms)
         return metrics
 
     @register(Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:
-        save_sharded(os.path.join(path, "critic"), self.critic, self.optimizer, self.scheduler)
+        self.critic.save(os.path.join(path, "critic"))
 
     @register(Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> None:
-        load_sharded(os.path.join(path, "critic"), self.critic, self.optimizer, self.scheduler)
+        self.critic.load(os.path.join(path, "critic"))

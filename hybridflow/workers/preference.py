@@ -12,13 +12,12 @@ import torch.distributed as dist
 from hybridflow.algorithms import logprobs_from_logits
 from hybridflow.algorithms.preference import dpo_loss, pair_metrics, seq_log_probs
 from hybridflow.controller.decorator import Dispatch, register
+from hybridflow.engine.model import response_logits
 from hybridflow.protocol import Batch
-from hybridflow.workers.fsdp_model import micro_batches, response_logits
-from hybridflow.workers.optim import clip_and_step
 
 
 class PreferenceMixin:
-    """Needs `self.actor` (FSDP2 policy), `self.ref` when `has_ref`, optimizer, scheduler, cfg."""
+    """Needs `self.actor` (the policy's `TrainEngine`), `self.ref` when `has_ref`, cfg."""
 
     def _seq_log_probs(self, model, mb: Batch) -> torch.Tensor:
         """[b] sequence log-probs of the responses (mean over tokens for IPO, as TRL)."""
@@ -26,15 +25,12 @@ class PreferenceMixin:
         return seq_log_probs(logp, mb["response_mask"], average=self.cfg.dpo.loss_type == "ipo")
 
     @register(Dispatch.DP_COMPUTE)
-    @torch.no_grad()
     def compute_ref_seq_log_prob(self, data: Batch) -> Batch:
         """ref_seq_log_prob [b] under the frozen reference; without one (dpo.precompute_ref_log_probs)
         under the actor, which is the reference as long as it has not been updated."""
-        model = self.ref if self.has_ref else self.actor
-        model.eval()
-        data = data.to(self.device)
-        out = [self._seq_log_probs(model, mb) for mb in micro_batches(data, self.cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu)]
-        return Batch.from_dict(tensors={"ref_seq_log_prob": torch.cat(out).cpu()})
+        engine = self.ref if self.has_ref else self.actor
+        out = engine.forward(data, self._seq_log_probs, self.cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu)
+        return Batch.from_dict(tensors={"ref_seq_log_prob": out.cpu()})
 
     @register(Dispatch.DP_COMPUTE)
     def update_dpo(self, data: Batch) -> dict[str, float]:
@@ -44,35 +40,35 @@ class PreferenceMixin:
         mini-batch's counted pairs (pair_weight 1) of all ranks."""
         acfg, dpo = self.cfg.actor_rollout_ref.actor, self.cfg.dpo
         mini_rows = 2 * acfg.ppo_mini_batch_size // self.world_size
-        self.actor.train()
-        data = data.to(self.device)
         sums: dict[str, float] = {}
-        weight_total = 0.0
+        weight_total = [0.0]
         norms = []
+
+        def loss(module, mb: Batch, w_global: torch.Tensor) -> torch.Tensor:
+            logps = self._seq_log_probs(module, mb)
+            ref = mb["ref_seq_log_prob"]
+            weight = mb["pair_weight"][0::2]
+            losses, chosen_r, rejected_r = dpo_loss(logps[0::2], logps[1::2], ref[0::2], ref[1::2], dpo.beta, dpo.loss_type, dpo.label_smoothing)
+            if weight.sum() > 0:
+                keep = weight > 0
+                m = pair_metrics(losses[keep], chosen_r[keep], rejected_r[keep], logps[0::2][keep], logps[1::2][keep])
+                n = float(keep.sum())
+                for k, v in m.items():
+                    sums[k] = sums.get(k, 0.0) + v * n
+                weight_total[0] += n
+            # FSDP2 averages gradients over ranks: x world makes the sum over ranks / global pairs.
+            return (losses * weight).sum() / w_global * self.world_size
+
         for mini in data.split(mini_rows):
-            w_local = mini["pair_weight"][0::2].sum()
-            w_global = w_local.clone()
+            w_global = mini["pair_weight"][0::2].sum().to(self.device)
             dist.all_reduce(w_global)  # every rank skips an all-tie mini-batch together
             if float(w_global) == 0:
                 continue
-            for mb in micro_batches(mini, acfg.ppo_micro_batch_size_per_gpu):
-                logps = self._seq_log_probs(self.actor, mb)
-                ref = mb["ref_seq_log_prob"]
-                weight = mb["pair_weight"][0::2]
-                losses, chosen_r, rejected_r = dpo_loss(logps[0::2], logps[1::2], ref[0::2], ref[1::2], dpo.beta, dpo.loss_type, dpo.label_smoothing)
-                # FSDP2 averages gradients over ranks: x world makes the sum over ranks / global pairs.
-                ((losses * weight).sum() / w_global * self.world_size).backward()
-                if weight.sum() > 0:
-                    keep = weight > 0
-                    m = pair_metrics(losses[keep], chosen_r[keep], rejected_r[keep], logps[0::2][keep], logps[1::2][keep])
-                    n = float(keep.sum())
-                    for k, v in m.items():
-                        sums[k] = sums.get(k, 0.0) + v * n
-                    weight_total += n
-            norms.append(clip_and_step(self.actor, self.optimizer, acfg.grad_clip))
-        metrics = {k: v / weight_total for k, v in sums.items()}
-        metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
+            self.actor.backward(mini, lambda module, mb: loss(module, mb, w_global), acfg.ppo_micro_batch_size_per_gpu)
+            norms.append(self.actor.step())
+        metrics = {k: v / weight_total[0] for k, v in sums.items()}
+        metrics["actor/lr"] = self.actor.lr
         if norms:
             metrics["actor/grad_norm"] = sum(norms) / len(norms)
-        self.scheduler.step()
+        self.actor.scheduler_step()
         return metrics

@@ -16,16 +16,18 @@ from __future__ import annotations
 import torch
 from transformers import AutoTokenizer
 
-from hybridflow.algorithms.preference import bradley_terry_loss
+from hybridflow.algorithms import get_loss
 from hybridflow.config.schema import FSDPConfig, ModelConfig, OptimConfig
 from hybridflow.controller.decorator import Dispatch, register
 from hybridflow.controller.worker import Worker, pick_device
 from hybridflow.data.dataset import chat_ids
 from hybridflow.data.preference import pack_sequences, response_ids
-from hybridflow.parallel.fsdp import apply_fsdp2, make_mesh
+from hybridflow.engine import TrainEngine
+from hybridflow.engine.model import save_hf_checkpoint
+from hybridflow.models.hf import load_hf_model
+from hybridflow.parallel.dims import ParallelDims
+from hybridflow.parallel.layout import parallel_dims
 from hybridflow.protocol import Batch
-from hybridflow.workers.fsdp_model import load_hf_model, micro_batches, save_hf_checkpoint
-from hybridflow.workers.optim import build_optimizer, build_scheduler, clip_and_step
 
 
 class RewardModelWorker(Worker):
@@ -47,41 +49,32 @@ class RewardModelWorker(Worker):
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_cfg.tokenizer_path or self.model_cfg.path)
         self.policy_tokenizer = AutoTokenizer.from_pretrained(self.policy_tokenizer_path) if self.policy_tokenizer_path else self.tokenizer
         model = load_hf_model(self.model_cfg, self.device, kind="reward", pad_token_id=self.tokenizer.pad_token_id)
-        f = self.fsdp_cfg
-        self.model = apply_fsdp2(model, make_mesh(self.device, self.world_size), f.reshard_after_forward, f.param_offload,
-                                 sharding_strategy=f.sharding_strategy, mixed_precision=f.mixed_precision)
-        if self.optim_cfg is not None:
-            self.optimizer = build_optimizer(self.model.parameters(), self.optim_cfg)
-            self.scheduler = build_scheduler(self.optimizer, self.optim_cfg, self.total_training_steps)
-        else:
-            self.model.eval().requires_grad_(False)
+        mesh = parallel_dims(ParallelDims(dp=self.world_size), self.device)  # FSDP over the group
+        self.model = TrainEngine(model, mesh, self.device, self.fsdp_cfg, optim=self.optim_cfg, total_steps=self.total_training_steps,
+                                 grad_clip=self.grad_clip)
 
-    def _scores(self, mb: Batch) -> torch.Tensor:
+    @staticmethod
+    def _scores(module, mb: Batch) -> torch.Tensor:
         """[b] scalar rewards of input_ids/attention_mask/position_ids [b, L]."""
-        out = self.model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], position_ids=mb["position_ids"], use_cache=False)
+        out = module(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], position_ids=mb["position_ids"], use_cache=False)
         return out.logits.squeeze(-1).float()
 
     @register(Dispatch.DP_COMPUTE)
-    @torch.no_grad()
     def score_sequences(self, data: Batch) -> Batch:
         """scores [b] of sequences already tokenized for the RM (e.g. a pair batch)."""
-        self.model.eval()
-        data = data.to(self.device)
-        return Batch.from_dict(tensors={"scores": torch.cat([self._scores(mb) for mb in micro_batches(data, self.micro)]).cpu()})
+        return Batch.from_dict(tensors={"scores": self.model.forward(data, self._scores, self.micro).cpu()})
 
     @register(Dispatch.DP_COMPUTE)
-    @torch.no_grad()
     def compute_rm_score(self, data: Batch) -> Batch:
         """rm_scores [b, R] (the RM's score on the last valid response token, 0 elsewhere) for the
         policy's responses / response_mask [b, R] to raw_prompt (chat lists)."""
-        self.model.eval()
         mask = data["response_mask"].bool()
         texts = [self.policy_tokenizer.decode(ids[m].tolist(), skip_special_tokens=True) for ids, m in zip(data["responses"], mask)]
         prompts = [chat_ids(self.tokenizer, list(msgs)) for msgs in data["raw_prompt"]]
         responses = [response_ids(self.tokenizer, t) for t in texts]
         packed = Batch.from_dict(tensors=pack_sequences(prompts, responses, int(self.tokenizer.pad_token_id),
-                                                        max(map(len, prompts)), max(map(len, responses)))).to(self.device)
-        scores = torch.cat([self._scores(mb) for mb in micro_batches(packed, self.micro)]).cpu()
+                                                        max(map(len, prompts)), max(map(len, responses))))
+        scores = self.model.forward(packed, self._scores, self.micro).cpu()
         rm_scores = torch.zeros(mask.shape, dtype=torch.float32)
         last = (mask.sum(-1) - 1).clamp(min=0)
         rm_scores[torch.arange(len(scores)), last] = scores
@@ -90,26 +83,27 @@ class RewardModelWorker(Worker):
     @register(Dispatch.DP_COMPUTE)
     def update_rm(self, data: Batch) -> dict[str, float]:
         """One optimizer step of Bradley-Terry on this rank's pairs (2p rows, interleaved)."""
-        self.model.train()
-        data = data.to(self.device)
+        bt_loss = get_loss("reward", "bradley_terry")
         sums: dict[str, float] = {}
-        for mb in micro_batches(data, self.micro):
-            scores = self._scores(mb)
+
+        def loss(module, mb: Batch) -> torch.Tensor:
+            scores = self._scores(module, mb)
             chosen, rejected = scores[0::2], scores[1::2]
-            margin = self.margin + mb["margin"][0::2]
-            loss = bradley_terry_loss(chosen, rejected, margin).mean()
-            (loss * len(mb) / len(data)).backward()
+            pair_loss = bt_loss(chosen, rejected, self.margin + mb["margin"][0::2]).mean()
             share = len(mb) / len(data)
-            for k, v in {"train/loss": loss.item(), "train/accuracy": (chosen > rejected).float().mean().item(),
+            for k, v in {"train/loss": pair_loss.item(), "train/accuracy": (chosen > rejected).float().mean().item(),
                          "rewards/chosen": chosen.mean().item(), "rewards/rejected": rejected.mean().item(),
                          "rewards/margins": (chosen - rejected).mean().item()}.items():
                 sums[k] = sums.get(k, 0.0) + v * share
-        sums["train/lr"] = self.scheduler.get_last_lr()[0]
-        sums["train/grad_norm"] = clip_and_step(self.model, self.optimizer, self.grad_clip)
-        self.scheduler.step()
+            return pair_loss * len(mb) / len(data)
+
+        self.model.backward(data, loss, self.micro)
+        sums["train/lr"] = self.model.lr
+        sums["train/grad_norm"] = self.model.step()
+        self.model.scheduler_step()
         return sums
 
     @register(Dispatch.RANK_ZERO)
     def save_hf_model(self, out_dir: str) -> str:
         """The trained classifier as an HF checkpoint (+ its tokenizer), written by rank 0."""
-        return save_hf_checkpoint(self.model, self.tokenizer, out_dir, self.rank)
+        return save_hf_checkpoint(self.model.module, self.tokenizer, out_dir, self.rank)

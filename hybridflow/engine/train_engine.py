@@ -1,0 +1,171 @@
+"""`TrainEngine`: one role's model in its training layout, and everything done to it.
+
+A worker (actor, reference, critic, reward model) holds one engine per model it trains or scores
+with and calls only this interface; FSDP2, tensor and pipeline parallelism are the engine's
+internals, built from the role's `ParallelDims` (`parallel/layout.py::build_train_model`):
+
+    forward(batch, fn, micro)                  no-grad outputs of fn(module, mb), concatenated
+    log_probs(batch, micro, ...)               per-token (log-prob, entropy) of the responses [b, R]
+    forward_backward(batch, loss_fn, micro)    gradients of the micro-batches' losses (accumulated)
+    step() / scheduler_step()                  clip + optimizer step (DTensor- and pipeline-aware)
+    save(path) / load(path) / state_dict()     sharded checkpoint (DCP) / full weights
+    attach_generation(gen) + weights()         the pieces every generation rank needs (3D-HybridEngine)
+
+Losses are pure functions (`algorithms/`); the engine calls them per micro-batch and never knows
+which loss it runs. A loss that reads per-token fields under a pipeline gets them packed as the
+pipeline's target (`fields`), since only the last stage sees the logits.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+import torch
+import torch.nn as nn
+
+from hybridflow.algorithms import entropy_from_logits, logprobs_from_logits
+from hybridflow.config.schema import FSDPConfig, HybridEngineConfig, OptimConfig
+from hybridflow.engine.model import micro_batches, response_logits
+from hybridflow.engine.optim import build_optimizer, build_scheduler, clip_and_step
+from hybridflow.hybrid_engine.executor import HybridEngine
+from hybridflow.parallel.layout import TrainMesh, build_train_model
+from hybridflow.protocol import Batch
+from hybridflow.utils.checkpoint import load_sharded, save_sharded
+
+# loss_fn(log_prob [b, R], entropy [b, R], mb) -> scalar: the micro-batch's share of the loss.
+TokenLossFn = Callable[[torch.Tensor, torch.Tensor, "Batch | dict[str, torch.Tensor]"], torch.Tensor]
+
+
+def token_head(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """(log-prob, entropy) [b, T, 2] of `targets` [b, T] under logits [b, T, V]: what the last
+    pipeline stage returns, so activations, not vocabulary-sized logits, cross the stages."""
+    return torch.stack([logprobs_from_logits(logits, targets), entropy_from_logits(logits)], dim=-1)
+
+
+class TrainEngine:
+    """`model` (an unsharded HF model on `device`) built in `mesh`'s layout; an optimizer and a
+    learning-rate schedule when `optim` is given, else frozen (reference, scoring reward model)."""
+
+    def __init__(self, model: nn.Module, mesh: TrainMesh, device: str, fsdp: FSDPConfig, *, optim: OptimConfig | None = None,
+                 total_steps: int = 1, grad_clip: float = 1.0, pipeline_schedule: str = "1f1b", remove_padding: bool = False):
+        self.mesh, self.layout, self.device = mesh, mesh.layout, device
+        self.grad_clip, self.remove_padding = grad_clip, remove_padding
+        # The whole model's parameters (a pipeline stage keeps only its own): the resharding plan's.
+        self.full_shapes = {n: (tuple(p.shape), p.element_size()) for n, p in model.named_parameters()}
+        self.module, self.pipe = build_train_model(model, mesh, device, fsdp, pipeline_schedule, head=token_head)
+        self.optimizer = self.scheduler = None
+        if optim is not None:
+            self.optimizer = build_optimizer([p for p in self.module.parameters() if p.requires_grad], optim)
+            self.scheduler = build_scheduler(self.optimizer, optim, total_steps)
+        else:
+            self.module.eval().requires_grad_(False)
+        self.hybrid = None  # the 3D-HybridEngine, once a generation layout is attached
+
+    @property
+    def recording(self) -> bool:
+        """False during a pipeline schedule's shape-inference call of the loss (its gradient is
+        discarded): a loss function keeps its metrics out of that call."""
+        return self.pipe is None or not self.pipe.inferring
+
+    # ------------------------------------------------------------------ forward
+    @torch.no_grad()
+    def forward(self, batch: Batch, fn: Callable[[nn.Module, Batch], torch.Tensor], micro_batch_size: int,
+                max_tokens: int | None = None) -> torch.Tensor:
+        """cat over micro-batches of fn(module, mb) (any head: values, scores, sequence log-probs)."""
+        if self.pipe is not None:
+            raise ValueError("a pipeline-parallel engine computes token log-probs only (TrainEngine.log_probs)")
+        self.module.eval()
+        batch = batch.to(self.device)
+        return torch.cat([fn(self.module, mb) for mb in micro_batches(batch, micro_batch_size, max_tokens)])
+
+    @torch.no_grad()
+    def log_probs(self, batch: Batch, micro_batch_size: int, max_tokens: int | None = None, temperature: float = 1.0,
+                  with_entropy: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Response log-probs [b, R] (and entropies); under a pipeline only the last stage has them
+        (None elsewhere: its result is not collected)."""
+        self.module.eval()
+        batch = batch.to(self.device)
+        if self.pipe is not None:
+            out = self.pipe.run(batch["input_ids"], batch["attention_mask"], batch["position_ids"], batch["responses"], micro_batch_size, temperature)
+            return (None, None) if out is None else (out[..., 0], out[..., 1] if with_entropy else None)
+        logps, ents = [], []
+        for mb in micro_batches(batch, micro_batch_size, max_tokens):
+            logits = response_logits(self.module, mb, temperature, self.remove_padding)
+            logps.append(logprobs_from_logits(logits, mb["responses"]))
+            if with_entropy:
+                ents.append(entropy_from_logits(logits))
+        return torch.cat(logps), (torch.cat(ents) if with_entropy else None)
+
+    # ------------------------------------------------------------------ training
+    def forward_backward(self, batch: Batch, loss_fn: TokenLossFn, micro_batch_size: int, max_tokens: int | None = None,
+                         temperature: float = 1.0, fields: tuple[str, ...] = (), remove_padding: bool | None = None) -> None:
+        """Accumulate the gradient of sum over micro-batches of loss_fn(log_prob, entropy, mb) on the
+        responses of `batch` (one mini-batch). Under a pipeline, mb is {field: [b, R]} for the
+        per-token `fields` the loss reads (those present in the batch)."""
+        self.module.train()
+        batch = batch.to(self.device)
+        if self.pipe is not None:
+            present = [k for k in fields if k in batch]
+            target = torch.stack([batch[k].float() for k in present], dim=-1)  # [b, R, len(present)]
+
+            def loss(out: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+                return loss_fn(out[..., 0], out[..., 1], {k: tgt[..., i] for i, k in enumerate(present)})
+
+            self.pipe.run(batch["input_ids"], batch["attention_mask"], batch["position_ids"], batch["responses"], micro_batch_size,
+                          temperature, loss=loss, target=target)
+            return
+        packed = self.remove_padding if remove_padding is None else remove_padding
+        for mb in micro_batches(batch, micro_batch_size, max_tokens):
+            logits = response_logits(self.module, mb, temperature, packed)
+            loss_fn(logprobs_from_logits(logits, mb["responses"]), entropy_from_logits(logits), mb).backward()
+
+    def backward(self, batch: Batch, loss_fn: Callable[[nn.Module, Batch], torch.Tensor], micro_batch_size: int) -> None:
+        """Accumulate the gradient of sum over micro-batches of loss_fn(module, mb), for losses on
+        another head than token log-probs (values, reward scores, sequence log-probs); no pipeline."""
+        if self.pipe is not None:
+            raise ValueError("a pipeline-parallel engine trains on token losses only (TrainEngine.forward_backward)")
+        self.module.train()
+        for mb in micro_batches(batch.to(self.device), micro_batch_size):
+            loss_fn(self.module, mb).backward()
+
+    def step(self) -> float:
+        """Clip the global gradient norm, step (skipped on inf/nan), zero the gradients; the norm."""
+        lay = self.layout
+        return clip_and_step(self.module, self.optimizer, self.grad_clip, None if lay.trivial else lay.tp * lay.dp)
+
+    def scheduler_step(self) -> None:
+        self.scheduler.step()
+
+    @property
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    # ------------------------------------------------------------------ state
+    def save(self, path: str) -> None:
+        """Sharded model + optimizer + schedule (DCP), every rank its own shards."""
+        save_sharded(path, self.module, self.optimizer, self.scheduler, flatten_optimizer=self.layout.pp > 1)
+
+    def load(self, path: str) -> None:
+        load_sharded(path, self.module, self.optimizer, self.scheduler, flatten_optimizer=self.layout.pp > 1)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The full (unsharded) weights on CPU; a collective: every rank calls it."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    # ------------------------------------------------------------------ weights for generation
+    def attach_generation(self, gen_model, gen_shard_dims: dict[str, int | None], gen_tp: int, cfg: HybridEngineConfig,
+                          consecutive: bool | None = None):
+        """The 3D-HybridEngine from this engine's layout to a generation layout (`rollout.GenLayout`):
+        gen_model is the backend's own storages (written in place) or None (staged pieces)."""
+        self.hybrid = HybridEngine(self.module, gen_model, gen_shard_dims, gen_tp, cfg, self.device, layout=self.layout,
+                                   full_shapes=self.full_shapes, consecutive=consecutive)
+        return self.hybrid
+
+    def weights(self, optimized: bool = True) -> Iterator:
+        """The `WeightPiece`s (name, shape, box, tensor) this rank's generation slices need, moved
+        with the planner's minimum (optimized) or the naive all-gather."""
+        if self.hybrid is None:
+            raise RuntimeError("no generation layout attached: call attach_generation first")
+        return self.hybrid.pieces(optimized=optimized)
