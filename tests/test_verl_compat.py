@@ -19,12 +19,12 @@ def test_verl_only_keys_map_accept_or_refuse_with_the_reason():
     assert cfg.critic.fsdp_config.param_offload is True and cfg.actor_rollout_ref.model.use_remove_padding is True  # a real switch now
     with pytest.raises(ConfigError) as e:
         load_config(None, ["trainer.critic_warmup=5", "critic.use_dynamic_bsz=true",
-                           "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true", "actor_rollout_ref.rollout.multi_turn.enable=true"])
+                           "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true", "actor_rollout_ref.rollout.multi_turn.max_turns=3"])
     msg = str(e.value)
     assert "cannot honour (4)" in msg
     for line in ("trainer.critic_warmup=5: critic warm-up steps are not implemented", "critic.use_dynamic_bsz=True: token-budget micro-batches are actor_rollout_ref.actor.use_dynamic_bsz",
                  "optimizer_offload=True: optimizer offload is not implemented in hybridflow yet; use fsdp_config.param_offload",
-                 "multi_turn.enable=True: multi-turn rollouts with tools"):
+                 "multi_turn.max_turns=3: use actor_rollout_ref.rollout.multi_turn.max_assistant_turns"):
         assert line in msg
     with pytest.raises(ConfigError, match="did you mean 'actor_rollout_ref.rollout.n'"):  # a typo is still a typo
         load_config(None, ["actor_rollout_ref.rollout.nn=5"])

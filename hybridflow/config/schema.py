@@ -137,6 +137,18 @@ class SamplingConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    """Multi-turn rollouts with tools or environments (hybridflow/agent/, docs/agents.md); verl's keys."""
+
+    enable: bool = False
+    max_assistant_turns: int = 5  # model turns per trajectory
+    max_tool_response_length: int = 256  # characters of one tool / environment message (middle cut)
+    tool_config_path: Optional[str] = None  # verl's tool YAML: tools: [{class_name, config, tool_schema}]
+    format: Literal["hermes"] = "hermes"  # how tool calls are written: <tool_call>{"name": ..., "arguments": {...}}</tool_call>
+    default_agent: Optional[str] = None  # rows without agent_name: tool_agent | env_agent | single_turn_agent (None: by the row)
+
+
+@dataclass
 class RolloutConfig:
     name: str = "hf"  # hf | vllm (CPU: scripts/bootstrap_vllm.sh; CUDA: pip install hybridflow[vllm])
     n: int = 1  # samples per prompt
@@ -153,6 +165,7 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5  # vllm on CUDA: share of GPU memory for weights + KV cache
     cpu_kv_cache_gb: float = 1.0  # vllm on CPU: KV cache per worker (VLLM_CPU_KVCACHE_SPACE)
     val_kwargs: SamplingConfig = field(default_factory=SamplingConfig)
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 
 @dataclass

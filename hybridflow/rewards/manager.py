@@ -25,7 +25,7 @@ class RewardManager:
     sample whose scoring raises (or returns something else) scores 0.0 and is counted in
     ``reward/errors``; one warning per call is logged. ``NotImplementedError`` (no scorer for a
     data_source: a configuration error) propagates. The score sits at the last valid response
-    token (``response_mask.sum(-1) - 1``; index 0 for an empty response). The decoded strings of
+    token (the last 1 of ``response_mask``; index 0 for an empty response). The decoded strings of
     the last call are kept in ``last_decoded``. ``timeout_s`` (custom_reward_function.timeout_s)
     bounds each call: one that takes longer scores 0.0 and is counted in ``reward/timeouts`` (its
     thread is abandoned, a daemon that cannot keep the process alive).
@@ -87,7 +87,8 @@ class RewardManager:
                     first_error = (i, data_sources[i], f"{type(e).__name__}: {e}")
                 value = 0.0
             values.append(value)
-            pos = max(int(lengths[i]) - 1, 0)
+            # the last model token (a multi-turn response has tool tokens, mask 0, between its turns)
+            pos = int(mask_cpu[i].nonzero().max()) if lengths[i] > 0 else 0
             if T > 0:
                 scores[i, pos] = value
         if errors:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+import torch
+
 from hybridflow.algorithms import apply_kl_penalty, get_adv_estimator
 from hybridflow.config.schema import AlgorithmConfig, RewardModelConfig
 from hybridflow.protocol import Batch
@@ -14,14 +16,20 @@ from hybridflow.protocol import Batch
 
 def reward(batch: Batch, reward_fn: Callable, rm: RewardModelConfig, use_rm: bool) -> Batch:
     """token_level_scores [B, R]: the rule reward, or with a reward model
-    score_weight * rm_scores + rule_weight * rule (rule_weight 0: the rule is not run)."""
+    score_weight * rm_scores + rule_weight * rule (rule_weight 0: the rule is not run); plus a
+    multi-turn trajectory's own reward (tools, environment: `agent_reward` [B]) on its last model token."""
     if not use_rm:
         scores, metrics = reward_fn(batch)
-        return Batch.from_dict(tensors={"token_level_scores": scores}, meta={"metrics": metrics})
-    scores, metrics = rm.score_weight * batch["rm_scores"], {}
-    if rm.rule_weight:
-        rule, metrics = reward_fn(batch)
-        scores = scores + rm.rule_weight * rule
+    else:
+        scores, metrics = rm.score_weight * batch["rm_scores"], {}
+        if rm.rule_weight:
+            rule, metrics = reward_fn(batch)
+            scores = scores + rm.rule_weight * rule
+    if "agent_reward" in batch:
+        mask = batch["response_mask"]
+        last = (mask * torch.arange(mask.shape[1])).argmax(-1)  # [B] the last model token
+        scores = scores.clone()
+        scores[torch.arange(len(scores)), last] += batch["agent_reward"].to(scores.dtype)
     return Batch.from_dict(tensors={"token_level_scores": scores}, meta={"metrics": metrics})
 
 

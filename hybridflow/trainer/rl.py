@@ -43,6 +43,7 @@ from hybridflow.rewards.loader import load_custom_reward_fn
 from hybridflow.rewards.manager import RewardManager
 from hybridflow.rollout.base import SamplingParams
 from hybridflow.trainer import checkpoints, driver_stages, validation
+from hybridflow.trainer.agent_rollout import AgentRollout
 from hybridflow.trainer.async_rollout import AsyncRollout
 from hybridflow.trainer.dataflow import DataFlow, Stage
 from hybridflow.trainer.keys import GEN_OUTPUTS, PROMPT_KEYS, REWARD_KEYS, SAMPLE_INFO_KEYS, TRAIN_KEYS, with_sample_info
@@ -113,6 +114,8 @@ class RLTrainer:
         self.total_steps = self.cfg.trainer.total_training_steps or self.loader.batches_per_epoch * self.cfg.trainer.total_epochs
         self.reward_fn = RewardManager(self.tokenizer, load_custom_reward_fn(crf.path, crf.name), timeout_s=crf.timeout_s)
         self._check_scorers()
+        # Multi-turn (tools / environments): the agent loop on the driver; tool config read now.
+        self.agent = AgentRollout(self.cfg, self.tokenizer) if self.cfg.actor_rollout_ref.rollout.multi_turn.enable else None
 
     def _train_data(self):
         """The training dataset and its collate function (RL: prompts)."""
@@ -192,7 +195,16 @@ class RLTrainer:
     # ------------------------------------------------------------------ stages
     def _generate(self, batch: Batch) -> Batch:
         """Sample the step's responses; the generation buffers are freed afterwards (colocated)."""
-        return self.actor.generate_sequences(batch, self._sampling(), release_after=True)
+        return self._rollout_on(self.actor, batch, self._sampling(), release_after=True)
+
+    def _rollout_on(self, group, batch: Batch, params: SamplingParams, release_after: bool = False) -> Batch:
+        """One response (single-turn) or one trajectory (multi-turn: the agent loop) per row."""
+        if self.agent is None:
+            return group.generate_sequences(batch.select(PROMPT_KEYS), params, release_after=release_after)
+        out = self.agent.generate(group, batch, params)
+        if release_after:
+            group.sleep_rollout()
+        return out
 
     def _reward_stages(self) -> list[Stage]:
         """The reward model (on its pool) and the driver's reward stage that combines it with the rule."""
@@ -200,7 +212,8 @@ class RLTrainer:
         reward = functools.partial(driver_stages.reward, reward_fn=self.reward_fn, rm=self.cfg.reward_model, use_rm=use_rm)
         return [
             Stage("rm", self.rm.compute_rm_score if self.rm else None, ["responses", "response_mask", "raw_prompt"], ["rm_scores"], enabled=use_rm),
-            Stage("reward", reward, REWARD_KEYS + (["rm_scores"] if use_rm else []), ["token_level_scores"]),
+            Stage("reward", reward, REWARD_KEYS + (["rm_scores"] if use_rm else []) + (["agent_reward"] if self.agent is not None else []),
+                  ["token_level_scores"]),
         ]
 
     def _reward_baseline(self, batch: Batch) -> Batch:
@@ -217,7 +230,8 @@ class RLTrainer:
         a, roles = self.cfg.algorithm, self.roles
         actor, ref, critic = self.actor, self.ref, self.critic
         actor_pool = self.pool_of(Role.ACTOR_ROLLOUT)
-        gen_stages = [Stage("gen", self._generate, PROMPT_KEYS, GEN_OUTPUTS, pool=actor_pool)]
+        agent_keys = (["raw_prompt", "extra_info"], ["agent_reward"]) if self.agent is not None else ([], [])
+        gen_stages = [Stage("gen", self._generate, PROMPT_KEYS + agent_keys[0], GEN_OUTPUTS + agent_keys[1], pool=actor_pool)]
         recompute = self.cfg.actor_rollout_ref.actor.recompute_old_log_prob or roles.async_rollout
         old_log_prob = Stage("old_log_prob", actor.compute_log_prob, TRAIN_KEYS, ["old_log_probs"], enabled=recompute)
         sync = Stage("reshard", self.weight_sync.reshard, [], [], pool=actor_pool)
@@ -288,7 +302,8 @@ class RLTrainer:
         """Greedy (val_kwargs) generation on the validation set; accuracy per data source."""
         if self.val_ds is None:
             return {}
-        return validation.validate(self.cfg, self.val_ds, self.collate, self.rollout, self.reward_fn, self._sampling(greedy=True))
+        return validation.validate(self.cfg, self.val_ds, self.collate, functools.partial(self._rollout_on, self.rollout), self.reward_fn,
+                                   self._sampling(greedy=True))
 
     def fit(self) -> dict:
         t = self.cfg.trainer

@@ -11,20 +11,20 @@ import numpy as np
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.protocol import Batch
 from hybridflow.rollout.base import SamplingParams
-from hybridflow.trainer.keys import PROMPT_KEYS, with_sample_info
+from hybridflow.trainer.keys import with_sample_info
 
 
-def validate(cfg: HybridFlowConfig, val_ds: Any, collate: Callable[[list], Batch], rollout: Any, reward_fn: Callable,
-             greedy: SamplingParams) -> dict[str, float]:
+def validate(cfg: HybridFlowConfig, val_ds: Any, collate: Callable[[list], Batch], generate: Callable[[Batch, SamplingParams], Batch],
+             reward_fn: Callable, greedy: SamplingParams) -> dict[str, float]:
     """Generate for every validation prompt (data.val_batch_size at a time, val_kwargs.n samples
-    each) on `rollout` with `greedy` sampling; the mean score per data source."""
+    each) with `generate(prompts, greedy)` (single- or multi-turn); the mean score per data source."""
     vk = cfg.actor_rollout_ref.rollout.val_kwargs
     size = cfg.data.val_batch_size or len(val_ds)
     scores: dict[str, list[float]] = defaultdict(list)
     for start in range(0, len(val_ds), size):
         batch = collate([val_ds[i] for i in range(start, min(start + size, len(val_ds)))])
         batch = batch.repeat(vk.n, interleave=True)
-        out = rollout.generate_sequences(batch.select(PROMPT_KEYS), greedy)
+        out = generate(batch, greedy)
         seq_scores = reward_fn(with_sample_info(out, batch))[0].sum(-1).tolist()
         for ds, s in zip(batch["data_source"], seq_scores):
             scores[ds].append(s)

@@ -40,12 +40,16 @@ class RolloutMixin:
             self.rollout.sleep()
         return out
 
-
     @register(Dispatch.DP_COMPUTE, layout="rollout")
     def generate_requests(self, data: Batch) -> Batch:
         """Request-level generation (the agent loop's entry point): data holds one `Request` per
         row in its "request" column; returns the `Completion`s in a "completion" column."""
         return Batch.from_dict(non_tensors={"completion": self.rollout.generate_requests(list(data["request"]))})
+
+    @register(Dispatch.ONE_TO_ALL)
+    def sleep_rollout(self) -> None:
+        """Free the generation memory after the step's last request (the next weight sync re-acquires it)."""
+        self.rollout.sleep()
 
 
 class RolloutWorker(RolloutMixin, Worker):

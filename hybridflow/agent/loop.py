@@ -1,0 +1,288 @@
+"""The multi-turn agent loop: model turns and tool / environment turns, token in, token out.
+
+A trajectory starts from the row's chat prompt (with the tool schemas in it) and alternates:
+
+    model turn   a `Request` (the trajectory's tokens so far) -> `Completion`; its token ids and
+                 log-probs are appended exactly as sampled (mask 1) -- never decoded and re-encoded
+    tool turn    the completion's text is parsed for tool calls (`format.py`, e.g. hermes); each
+                 call runs (`tools.py`); the results are appended as the chat template's delta
+                 tokens for those messages (mask 0, log-prob 0)
+    env turn     (an environment instead of tools) `env.step(text)` -> message, reward, done
+
+until the model answers without a tool call, `max_assistant_turns` is reached, the environment is
+done, or the trajectory's token budget (data.max_response_length) is spent. The result is one row:
+`response_ids` with `response_mask` (1 = model token, 0 = tool / environment token) and per-token
+rollout log-probs, so losses, KL, entropy and advantages (all masked) give tool tokens no gradient.
+
+Many trajectories run at once on one asyncio loop. `RequestBatcher` sends whatever requests are
+pending as one backend call (the HF backend batches them into one `generate`), in a thread, so a
+tool that is slow (run in its own thread or sandbox process) delays only its own trajectory.
+The backend call is injected (`generate_fn`): this module knows no Ray, no worker and no model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Mapping, Sequence
+
+from hybridflow.agent.envs import Environment, make_env_for_row
+from hybridflow.agent.format import apply_chat_template_with_tools, get_format, message_delta_ids
+from hybridflow.agent.tools import Tool, ToolCall, ToolResult, ToolSession
+from hybridflow.protocol import Completion, Request, SamplingParams
+
+GenerateFn = Callable[[list[Request]], list[Completion]]  # one backend call (blocking), completions in order
+
+
+@dataclass
+class Trajectory:
+    """One row of a multi-turn rollout: the prompt's ids and the response built turn by turn."""
+
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    response_mask: list[int] = field(default_factory=list)  # 1 = sampled by the model, 0 = tool / environment
+    log_probs: list[float] = field(default_factory=list)  # the backend's log-prob per model token, 0.0 elsewhere
+    num_turns: int = 0  # assistant turns
+    tool_calls: int = 0
+    tool_errors: int = 0
+    tool_seconds: float = 0.0
+    sandbox_kills: int = 0
+    reward: float = 0.0  # sum of the tools' / environment's rewards
+    finish: str = ""  # "answer" | "max_turns" | "length" | "env_done" | "truncated"
+    finished_at: float = 0.0  # time.monotonic() when the trajectory ended
+    completions: list[Completion] = field(default_factory=list)  # what the backend returned, in order
+
+    def append(self, ids: Sequence[int], model: bool, log_probs: Sequence[float] | None = None) -> None:
+        self.response_ids.extend(int(t) for t in ids)
+        self.response_mask.extend([1 if model else 0] * len(ids))
+        self.log_probs.extend(float(x) for x in log_probs) if log_probs is not None else self.log_probs.extend([0.0] * len(ids))
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    """`actor_rollout_ref.rollout.multi_turn` plus what the loop needs from the rest of the config."""
+
+    max_assistant_turns: int = 5
+    max_tool_response_length: int = 256  # characters of one tool / environment message (middle cut)
+    format: str = "hermes"
+    response_budget: int = 256  # tokens of the whole response (model + tool), data.max_response_length
+    default_agent: str | None = None  # rows without agent_name: "tool_agent" (or "env_agent" for env rows)
+
+
+class RequestBatcher:
+    """Gathers the requests of every trajectory in flight; one backend call at a time takes all
+    that are pending (the backend is a serial resource), run in a thread so tools go on meanwhile.
+    Each call gets its own seed (`base.seed * 1000 + call index`), so turns do not repeat samples."""
+
+    def __init__(self, generate_fn: GenerateFn, base: SamplingParams):
+        self.generate_fn, self.base = generate_fn, base
+        self.pending: list[tuple[Request, asyncio.Future]] = []
+        self.calls = 0
+        self.batch_sizes: list[int] = []
+        self._task: asyncio.Task | None = None
+
+    async def generate(self, prompt_ids: Sequence[int], max_new_tokens: int) -> Completion:
+        fut = asyncio.get_running_loop().create_future()
+        self.pending.append((Request(tuple(prompt_ids), self.base.with_(max_new_tokens=max_new_tokens)), fut))
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._drain())
+        return await fut
+
+    async def _drain(self) -> None:
+        while self.pending:
+            await asyncio.sleep(0)  # every trajectory that is ready adds its request first
+            batch, self.pending = self.pending, []
+            # One SamplingParams per call (the HF backend batches equal params into one generate).
+            width = max(r.params.max_new_tokens for r, _ in batch)
+            params = self.base.with_(max_new_tokens=width, seed=self.base.seed * 1000 + self.calls)
+            self.calls += 1
+            self.batch_sizes.append(len(batch))
+            try:
+                out = await asyncio.to_thread(self.generate_fn, [Request(r.prompt_ids, params) for r, _ in batch])
+            except Exception as e:  # noqa: BLE001 - every waiting trajectory gets the backend's error
+                for _, f in batch:
+                    f.set_exception(e)
+                continue
+            for (r, f), c in zip(batch, out):
+                n = r.params.max_new_tokens  # this request's own limit within the shared call
+                f.set_result(c if len(c.token_ids) <= n else Completion(c.token_ids[:n], c.log_probs[:n], "length"))
+
+
+AGENT_LOOPS: dict[str, type["AgentLoop"]] = {}
+
+
+def register_agent_loop(name: str):
+    def deco(cls: type["AgentLoop"]) -> type["AgentLoop"]:
+        if name in AGENT_LOOPS:
+            raise ValueError(f"agent loop {name!r} is already registered")
+        AGENT_LOOPS[name] = cls
+        return cls
+
+    return deco
+
+
+class AgentLoop:
+    """One trajectory per `run` call; subclasses decide what follows a model turn (`after_turn`)."""
+
+    def __init__(self, tokenizer, settings: AgentSettings, tools: Sequence[Tool] = ()):
+        self.tok, self.s, self.tools = tokenizer, settings, list(tools)
+        self.fmt = get_format(settings.format)
+
+    def first_messages(self, row: Mapping[str, Any]) -> list[dict]:
+        return [dict(m) for m in row["raw_prompt"]]
+
+    async def setup(self, row: Mapping[str, Any]) -> None:
+        """Per-trajectory state (tool instances, an environment) before the first turn."""
+
+    async def teardown(self) -> None:
+        """Release what `setup` made."""
+
+    async def after_turn(self, traj: Trajectory, text: str) -> list[dict] | None:
+        """The messages that answer the model's turn `text` (appended as delta tokens), or None: done."""
+        return None
+
+    async def run(self, row: Mapping[str, Any], batcher: RequestBatcher) -> Trajectory:
+        await self.setup(row)
+        try:
+            return await self._run(row, batcher)
+        finally:
+            await self.teardown()
+
+    async def _run(self, row: Mapping[str, Any], batcher: RequestBatcher) -> Trajectory:
+        schemas = [t.schema for t in self.tools]
+        traj = Trajectory(prompt_ids=list(apply_chat_template_with_tools(self.tok, self.first_messages(row), schemas, self.s.format)))
+        budget = self.s.response_budget
+        while True:
+            left = budget - len(traj.response_ids)
+            if left <= 0:
+                traj.finish = "length"
+                break
+            c = await batcher.generate(traj.prompt_ids + traj.response_ids, left)
+            traj.completions.append(c)
+            traj.append(c.token_ids, model=True, log_probs=c.log_probs)
+            traj.num_turns += 1
+            if c.finish_reason != "stop":  # cut by the budget: the turn never closed, nothing may follow it
+                traj.finish = "length"
+                break
+            reply = await self.after_turn(traj, self.tok.decode(list(c.token_ids), skip_special_tokens=True))
+            if reply is None:
+                traj.finish = traj.finish or "answer"
+                break
+            if traj.num_turns >= self.s.max_assistant_turns:
+                traj.finish = "max_turns"
+                break
+            delta = message_delta_ids(self.tok, reply, add_generation_prompt=True, after_eos=True)
+            if len(traj.response_ids) + len(delta) >= budget:  # no room for the reply and another model token
+                traj.finish = "truncated"
+                break
+            traj.append(delta, model=False)
+        traj.finished_at = time.monotonic()
+        return traj
+
+    def clip(self, text: str) -> str:
+        n = self.s.max_tool_response_length
+        return text if len(text) <= n else text[: n // 2] + "...(truncated)..." + text[len(text) - n // 2:]
+
+
+@register_agent_loop("single_turn_agent")
+class SingleTurnAgentLoop(AgentLoop):
+    """One model turn (the single-turn rollout as a trajectory; verl's name)."""
+
+
+@register_agent_loop("tool_agent")
+class ToolAgentLoop(AgentLoop):
+    """Tool calls in the model's text run and their results come back as tool messages."""
+
+    async def setup(self, row: Mapping[str, Any]) -> None:
+        extra = row.get("extra_info") or {}
+        self.session = ToolSession(self.tools, tools_kwargs=extra.get("tools_kwargs"))
+
+    async def teardown(self) -> None:
+        await self.session.close()
+
+    async def after_turn(self, traj: Trajectory, text: str) -> list[dict] | None:
+        parsed = self.fmt.parse(text)
+        if not parsed.calls and not parsed.errors:
+            return None
+        replies = []
+        for call in parsed.calls:
+            t0 = time.monotonic()
+            result: ToolResult = await self.session.call(call)
+            traj.tool_seconds += time.monotonic() - t0
+            traj.tool_calls += 1
+            traj.tool_errors += int(result.error)
+            traj.sandbox_kills += int(bool(result.metrics.get("sandbox_killed", 0)))
+            traj.reward += float(result.reward)
+            replies.append(self.fmt.tool_message(ToolResult(self.clip(result.text), result.reward, result.error, result.metrics), name=call.name))
+        for err in parsed.errors:  # a malformed call: the model reads why
+            traj.tool_calls += 1
+            traj.tool_errors += 1
+            replies.append(self.fmt.tool_message(ToolResult(self.clip(f"Error: {err}"), 0.0, True), name=None))
+        return replies
+
+
+@register_agent_loop("env_agent")
+class EnvAgentLoop(AgentLoop):
+    """An environment (`envs.py`, chosen per row) answers every model turn until it is done."""
+
+    def first_messages(self, row: Mapping[str, Any]) -> list[dict]:
+        messages = [dict(m) for m in row.get("raw_prompt") or []]
+        first = self.env.reset(row)
+        return messages if messages else [{"role": "user", "content": first}]
+
+    async def setup(self, row: Mapping[str, Any]) -> None:
+        env = make_env_for_row(row)
+        if env is None:
+            raise ValueError("env_agent: the row names no environment (extra_info.env or extra_info.interaction_kwargs.name)")
+        self.env: Environment = env
+
+    async def after_turn(self, traj: Trajectory, text: str) -> list[dict] | None:
+        message, reward, done = self.env.step(text)
+        traj.reward += float(reward)
+        if done:
+            traj.finish = "env_done"
+            return None
+        return [{"role": "user", "content": self.clip(message)}]
+
+
+def agent_name_for(row: Mapping[str, Any], settings: AgentSettings, has_tools: bool) -> str:
+    """The row's `agent_name` (or extra_info.agent_name); else env_agent for a row naming an
+    environment, tool_agent with tools, single_turn_agent otherwise."""
+    extra = row.get("extra_info") or {}
+    name = row.get("agent_name") or extra.get("agent_name") or settings.default_agent
+    if not name:
+        name = "env_agent" if (extra.get("env") or extra.get("interaction_kwargs")) else ("tool_agent" if has_tools else "single_turn_agent")
+    if name not in AGENT_LOOPS:
+        raise ValueError(f"unknown agent_name {name!r}; registered agent loops: {sorted(AGENT_LOOPS)}")
+    return name
+
+
+async def run_trajectories(rows: Sequence[Mapping[str, Any]], generate_fn: GenerateFn, tokenizer, settings: AgentSettings,
+                           params: SamplingParams, tools: Sequence[Tool] = ()) -> tuple[list[Trajectory], RequestBatcher]:
+    """Every row's trajectory, all in flight at once; in row order."""
+    batcher = RequestBatcher(generate_fn, params)
+
+    async def one(row: Mapping[str, Any]) -> Trajectory:
+        loop = AGENT_LOOPS[agent_name_for(row, settings, bool(tools))](tokenizer, settings, tools)
+        return await loop.run(row, batcher)
+
+    return list(await asyncio.gather(*(one(r) for r in rows))), batcher
+
+
+def trajectory_metrics(trajs: Sequence[Trajectory], batcher: RequestBatcher | None = None) -> dict[str, float]:
+    """verl-style agent/* metrics of one step's trajectories."""
+    n = max(len(trajs), 1)
+    turns = [t.num_turns for t in trajs]
+    out = {
+        "agent/num_turns/mean": sum(turns) / n, "agent/num_turns/max": float(max(turns, default=0)),
+        "agent/tool_calls/mean": sum(t.tool_calls for t in trajs) / n,
+        "agent/tool_errors": float(sum(t.tool_errors for t in trajs)),
+        "agent/tool_seconds/mean": sum(t.tool_seconds for t in trajs) / n,
+        "agent/sandbox_kills": float(sum(t.sandbox_kills for t in trajs)),
+        "agent/model_tokens/mean": sum(sum(t.response_mask) for t in trajs) / n,
+        "agent/tool_tokens/mean": sum(len(t.response_mask) - sum(t.response_mask) for t in trajs) / n,
+    }
+    if batcher is not None:
+        out["agent/generate_calls"] = float(batcher.calls)
+    return out

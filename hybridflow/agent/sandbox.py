@@ -1,0 +1,453 @@
+"""Run untrusted code (a model's tool call, a code answer being graded) in a locked-down process.
+
+Why: the code comes from a policy under training. It must not reach the network, read the project
+or the host's secrets, write anywhere that outlives the call, or take the machine down (fork bomb,
+endless loop, huge allocation, endless output). Python-level tricks (``exec`` with trimmed
+builtins, audit hooks) are escapable, so containment is done by the kernel, with well-kept tools:
+
+- **bubblewrap** (``bwrap``) when installed, else **util-linux** ``unshare`` (plus ``mount``,
+  ``pivot_root``, ``setpriv``). Either way the code runs in fresh user, mount, pid, network, IPC,
+  UTS and cgroup namespaces:
+  - network: a new network namespace holds only a loopback of its own, so the host's services
+    (even on 127.0.0.1) and the internet are unreachable;
+  - filesystem: the root is an empty tmpfs, remounted read-only, that shows only ``/usr`` (and
+    the ``/bin``, ``/lib*`` links or binds), a few ``/etc`` files the dynamic loader wants, a
+    minimal ``/dev``, a ``/proc`` of the sandbox's own pid namespace, and the interpreter. The
+    project checkout, ``/root``, ``/home``, the host's ``/tmp`` are simply not there (an allow-list,
+    not a block-list: nothing new on the host can leak in). The only writable place is ``/tmp``,
+    a size-capped tmpfs that is also the working directory; it vanishes with the namespace;
+  - environment: rebuilt from scratch (PATH, HOME, TMPDIR, LANG, PYTHONDONTWRITEBYTECODE);
+  - identity: the code never runs as the kernel's root. When the host process is root (as in our
+    containers) the sandbox first drops to ``nobody`` (``setpriv``), then enters a user namespace
+    of its own. That is what makes ``RLIMIT_NPROC`` bite: the kernel exempts uid 0 from it, and
+    since Linux 5.14 it counts per user namespace, so each sandbox gets its own process budget
+    (a fork bomb meets EAGAIN at ``max_procs``), not one shared with every ``nobody`` process.
+    It also puts file permissions in the way should a mount ever leak.
+- **Limits** are rlimits set by ``prlimit`` (util-linux) right before the interpreter starts:
+  CPU seconds (SIGXCPU, then SIGKILL a second later), address space (``MemoryError``), processes,
+  file size, no core files.
+- **Wall time** is enforced here. The pid namespace's init is a small ``sh`` that runs the command
+  as its child (so the command keeps normal signal semantics). At the deadline the command is
+  SIGKILLed, the init exits, the kernel kills every other process of the namespace (even ones that
+  called ``setsid``), and each wrapper reaps its child: nothing is left, not even a zombie. When
+  the command ends by itself, the same teardown happens. A ``timeout -s KILL`` wrapper is the
+  backstop should this (host) process die first.
+- **Output** is read incrementally with a selector and at most ``output_bytes`` per stream are
+  kept (the rest is drained and dropped), then decoded as UTF-8 with ``errors="replace"``.
+
+Interpreter: the system ``/usr/bin/python3`` when present, since ``/usr`` is in the view anyway and
+nothing else of the host has to be shown. Not the project's venv python: its prefix is the
+checkout's ``.venv`` and its site-packages carries an editable finder pointing at the project's
+source, so running it would mean exposing the project (and torch & co. are not what graded code
+needs). Without a system python, the host's base interpreter (``sys.base_prefix``, stdlib only)
+is bound read-only at its own path (with bwrap as root it must be readable by ``nobody``, else
+"auto" settles on unshare, which binds as root). Anything else: pass ``python=``.
+
+    >>> run_python("print(6 * 7)").stdout
+    '42\\n'
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+__all__ = ["Sandbox", "SandboxLimits", "SandboxResult", "SandboxUnavailable", "default_sandbox", "run_python"]
+
+NOBODY = 65534  # the sandbox's uid/gid when the host is root (see the module docstring)
+WORKDIR = "/tmp"  # the sandbox's only writable directory, and its cwd
+_SANDBOX_ENV = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "HOME": WORKDIR,
+    "TMPDIR": WORKDIR,
+    "LANG": "C.UTF-8",
+    "PYTHONDONTWRITEBYTECODE": "1",  # for child interpreters the code starts; ours gets -B
+}
+# Files under /etc the dynamic loader and time functions read; nothing with secrets or host names.
+_ETC = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime", "/etc/alternatives")
+_TOP_LEVEL = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")  # links into /usr on merged-/usr systems
+_DEVICES = ("null", "zero", "full", "random", "urandom")
+_INSTALL_HINT = ("install bubblewrap (Debian/Ubuntu: apt-get install bubblewrap; Fedora: dnf install bubblewrap), "
+                 "or util-linux (unshare, setpriv, prlimit, mount, pivot_root) on a kernel that allows user namespaces "
+                 "(sysctl user.max_user_namespaces > 0; on Debian/Ubuntu also kernel.unprivileged_userns_clone=1 and "
+                 "kernel.apparmor_restrict_unprivileged_userns=0)")
+
+
+class SandboxUnavailable(RuntimeError):
+    """Neither bubblewrap nor a working ``unshare`` is available on this machine."""
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """Per-run limits. CPU, memory and file size are per process; ``max_procs`` counts the
+    sandbox's processes and threads; ``tmp_mb`` caps everything written to ``/tmp``."""
+
+    cpu_s: float = 5.0
+    memory_mb: int = 512
+    max_procs: int = 32
+    file_size_mb: int = 16
+    wall_s: float = 10.0
+    output_bytes: int = 8192  # per stream
+    tmp_mb: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("cpu_s", "memory_mb", "max_procs", "file_size_mb", "wall_s", "output_bytes", "tmp_mb"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"SandboxLimits.{name} must be > 0, got {getattr(self, name)!r}")
+
+
+@dataclass(frozen=True)
+class SandboxResult:
+    """What a run did; ``stdout``/``stderr`` hold at most ``output_bytes`` each, decoded as UTF-8."""
+
+    stdout: str
+    stderr: str
+    exit_code: int  # the program's exit status; -N when signal N ended it (like subprocess)
+    timed_out: bool  # the wall-time limit stopped it
+    killed_reason: str | None  # why the sandbox (not the program) ended it, e.g. "cpu time limit"
+    wall_s: float
+    truncated: bool = False  # some output went over output_bytes and was dropped
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out and self.killed_reason is None
+
+
+_KILL_REASONS = {
+    signal.SIGXCPU: "cpu time limit",
+    signal.SIGXFSZ: "file size limit",
+    signal.SIGKILL: "killed (SIGKILL: cpu hard limit or out of memory)",
+}
+
+
+class Sandbox:
+    """Runs commands in the sandbox. ``backend``: "auto" (bwrap, else unshare), "bwrap" or "unshare";
+    the choice is checked once with a trial run and :class:`SandboxUnavailable` says what to install."""
+
+    def __init__(self, limits: SandboxLimits | None = None, backend: str = "auto", python: str | None = None):
+        self.limits = limits or SandboxLimits()
+        self.python = python or _default_python()
+        self._as_nobody = os.geteuid() == 0
+        self._ro_paths, self._links = _visible_paths(self.python)
+        # Host-side tools by absolute path: Popen looks names up in the sandbox's PATH, not ours.
+        search = os.pathsep.join([os.environ.get("PATH", ""), "/usr/local/bin", "/usr/bin", "/bin", "/usr/sbin", "/sbin"])
+        tools = ("timeout", "setpriv", "bwrap", "unshare", "prlimit", "mount", "pivot_root")
+        self._tools = {t: shutil.which(t, path=search) for t in tools}
+        if backend not in ("auto", "bwrap", "unshare"):
+            raise ValueError(f"backend must be 'auto', 'bwrap' or 'unshare', got {backend!r}")
+        failures = []
+        for name in ("bwrap", "unshare") if backend == "auto" else (backend,):
+            why = self._try(name)
+            if why is None:
+                self.backend = name
+                break
+            failures.append(f"{name}: {why}")
+        else:
+            raise SandboxUnavailable(f"no working sandbox ({'; '.join(failures)}): {_INSTALL_HINT}")
+
+    # ------------------------------------------------------------------ running
+    def run_python(self, code: str, limits: SandboxLimits | None = None, *, stdin: str | bytes = "",
+                   files: Mapping[str, str | bytes] | None = None) -> SandboxResult:
+        """Run ``code`` as ``/tmp/main.py`` with ``stdin``; ``files`` are put next to it."""
+        files = {**(files or {}), "main.py": code}
+        # -E -s: no PYTHON* variables, no user site; -B: no .pyc; -u: output written so far survives a kill.
+        return self.run([self.python, "-E", "-s", "-B", "-u", "main.py"], limits, stdin=stdin, files=files)
+
+    def run(self, argv: Sequence[str], limits: SandboxLimits | None = None, *, stdin: str | bytes = "",
+            files: Mapping[str, str | bytes] | None = None) -> SandboxResult:
+        """Run ``argv`` (paths as seen inside the sandbox) in ``/tmp``, holding ``files``. Files and
+        stdin travel as in-memory files (memfd), so nothing is written on the host's disk."""
+        lim = limits or self.limits
+        fds: list[tuple[int, str]] = []
+        try:
+            for name, data in (files or {}).items():
+                if not name or "/" in name or name in (".", ".."):
+                    raise ValueError(f"sandbox file names are plain names in {WORKDIR}, got {name!r}")
+                fds.append((_memfd(name, data), name))
+            stdin_fd = _memfd("stdin", stdin)
+            fds_only = [fd for fd, _ in fds]
+            try:
+                return _execute(self._command(self.backend, lim, list(argv), fds), lim, stdin_fd, fds_only)
+            finally:
+                os.close(stdin_fd)
+        finally:
+            for fd, _ in fds:
+                os.close(fd)
+
+    # ------------------------------------------------------------------ command lines
+    def _command(self, backend: str, lim: SandboxLimits, argv: list[str], files: list[tuple[int, str]]) -> list[str]:
+        inner = [*_prlimit(lim), "--", *argv]
+        # Backstop: should this process die before it can enforce the wall time, `timeout` does.
+        outer = [self._tools["timeout"], "-s", "KILL", f"{lim.wall_s + 5:g}"]
+        drop = [self._tools["setpriv"], f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"] if self._as_nobody else []
+        if backend == "bwrap":
+            # sh is the pid namespace's init and runs the command as its child (see _unshare). bwrap's
+            # own init would report the exit status and leave, before the namespace is torn down.
+            init = ["/bin/sh", "-c", '"$@"; exit $?', "sandbox-init"]
+            return [*outer, *drop, *self._bwrap(lim, files), "--", *init, *inner]
+        return [*outer, *self._unshare(lim, files, inner)]
+
+    def _bwrap(self, lim: SandboxLimits, files: list[tuple[int, str]]) -> list[str]:
+        cmd = [self._tools["bwrap"], "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--as-pid-1", "--new-session",
+               "--cap-drop", "ALL", "--hostname", "sandbox", "--clearenv"]
+        for k, v in _SANDBOX_ENV.items():
+            cmd += ["--setenv", k, v]
+        cmd += ["--tmpfs", "/"]
+        for path in self._ro_paths:
+            cmd += ["--ro-bind", path, path]
+        for path, target in self._links:
+            cmd += ["--symlink", target, path]
+        cmd += ["--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev",  # /dev/shm stays read-only
+                "--size", str(_mib(lim.tmp_mb)), "--tmpfs", WORKDIR]
+        for fd, name in files:
+            cmd += ["--file", str(fd), f"{WORKDIR}/{name}"]
+        return cmd + ["--chdir", WORKDIR, "--remount-ro", "/"]
+
+    def _unshare(self, lim: SandboxLimits, files: list[tuple[int, str]], inner: list[str]) -> list[str]:
+        """unshare runs a setup script as the new pid namespace's init: it builds the root on a tmpfs
+        (mounted over /tmp, in the private mount namespace only), pivots into it, drops to the sandbox
+        identity and runs the command as its child, so the command is not the namespace's init (whose
+        default signal dispositions the kernel ignores)."""
+        q = shlex.quote
+        lines = ["set -eu", "export PATH=/usr/sbin:/usr/bin:/sbin:/bin", "R=/tmp",
+                 'mount -t tmpfs -o mode=0755,size=4m,nosuid,nodev sandbox-root "$R"']
+        for path in self._ro_paths:
+            dst = '"$R"' + q(path)
+            make = f"mkdir -p {dst}" if os.path.isdir(path) else f"mkdir -p \"$(dirname {dst})\" && touch {dst}"
+            lines += [make, f"mount --bind {q(path)} {dst}", f"mount -o remount,bind,ro,nosuid,nodev {dst}"]
+        for path, target in self._links:
+            lines.append(f'ln -s {q(target)} "$R"{q(path)}')
+        lines.append('mkdir "$R/dev" "$R/proc" "$R/tmp"')
+        for dev in _DEVICES:
+            lines += [f'touch "$R/dev/{dev}"', f'mount --bind /dev/{dev} "$R/dev/{dev}"']
+        for i, name in enumerate(("stdin", "stdout", "stderr")):
+            lines.append(f'ln -s /proc/self/fd/{i} "$R/dev/{name}"')
+        lines += ['ln -s /proc/self/fd "$R/dev/fd"',
+                  'mount -t proc -o nosuid,nodev,noexec proc "$R/proc"',
+                  f'mount -t tmpfs -o mode=0755,size={_mib(lim.tmp_mb)},nosuid,nodev sandbox-tmp "$R/tmp"']
+        for fd, name in files:
+            lines.append(f'cat /dev/fd/{fd} > "$R/tmp/{name}"')  # (sh redirections only take fds 0-9)
+        if self._as_nobody:
+            lines.append(f'chown -R {NOBODY}:{NOBODY} "$R/tmp"')
+        lines += ['mkdir "$R/.oldroot"', 'cd "$R"', "pivot_root . .oldroot", "umount -l /.oldroot", "rmdir /.oldroot",
+                  "mount -o remount,bind,ro /", f"cd {WORKDIR}"]
+        # The command: clean environment, sandbox uid, no new privileges, and a user namespace of its
+        # own (per-sandbox RLIMIT_NPROC accounting; execve as non-root there drops every capability).
+        drop = [f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"] if self._as_nobody else []
+        env = [f"{k}={v}" for k, v in _SANDBOX_ENV.items()]
+        run = ["env", "-i", *env, "setpriv", *drop, "--no-new-privs", "--",
+               "unshare", "--user", f"--map-user={NOBODY}", f"--map-group={NOBODY}", "--", *inner]
+        # Not the script's last command, or sh would exec it and make it the namespace's init.
+        lines += ["set +e", " ".join(q(a) for a in run), "exit $?"]
+        userns = [] if self._as_nobody else ["--user", "--map-root-user"]  # as root: a mount ns needs no user ns
+        return [self._tools["unshare"], *userns, "--mount", "--propagation", "private", "--pid", "--fork", "--kill-child",
+                "--net", "--ipc", "--uts", "--cgroup", "--", "/bin/sh", "-c", "\n".join(lines)]
+
+    def _try(self, backend: str) -> str | None:
+        """None when ``backend`` runs the interpreter here, else why not."""
+        need = ["timeout", "prlimit", *(["bwrap"] if backend == "bwrap" else ["unshare", "mount", "pivot_root"]),
+                *(["setpriv"] if self._as_nobody or backend == "unshare" else [])]
+        missing = [t for t in need if self._tools[t] is None]
+        if missing:
+            return f"{', '.join(missing)} not found"
+        self.backend = backend
+        res = self.run_python("print('ok')", SandboxLimits(wall_s=20.0))
+        if res.stdout == "ok\n" and res.ok:
+            return None
+        return f"trial run failed (exit {res.exit_code}): {res.stderr.strip()[-500:] or '(no stderr)'}"
+
+
+# ---------------------------------------------------------------------- module-level API
+_DEFAULT: Sandbox | None = None
+_DEFAULT_LOCK = threading.Lock()
+
+
+def default_sandbox() -> Sandbox:
+    """The process-wide sandbox (backend chosen and tried once)."""
+    global _DEFAULT
+    with _DEFAULT_LOCK:
+        if _DEFAULT is None:
+            _DEFAULT = Sandbox()
+        return _DEFAULT
+
+
+def run_python(code: str, limits: SandboxLimits | None = None, *, stdin: str | bytes = "",
+               files: Mapping[str, str | bytes] | None = None) -> SandboxResult:
+    """Run ``code`` in the default sandbox (see :class:`Sandbox.run_python`)."""
+    return default_sandbox().run_python(code, limits, stdin=stdin, files=files)
+
+
+# ---------------------------------------------------------------------- helpers
+def _default_python() -> str:
+    if os.access("/usr/bin/python3", os.X_OK):
+        return "/usr/bin/python3"
+    return os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
+
+
+def _visible_paths(python: str) -> tuple[list[str], list[tuple[str, str]]]:
+    """(paths bound read-only at the same place, (link, target) symlinks) that make up the view."""
+    ro = ["/usr"]
+    links: list[tuple[str, str]] = []
+    for path in _TOP_LEVEL:
+        if os.path.islink(path):
+            links.append((path, os.readlink(path)))
+        elif os.path.isdir(path):
+            ro.append(path)
+    ro += [p for p in _ETC if os.path.exists(p)]
+    # The interpreter's prefix (<prefix>/bin/python), unless the view holds it already.
+    prefix = os.path.dirname(os.path.dirname(os.path.realpath(python)))
+    if not any(prefix == p or prefix.startswith(p + "/") for p in ro) and prefix != "/":
+        ro.append(prefix)
+    return ro, links
+
+
+def _prlimit(lim: SandboxLimits) -> list[str]:
+    cpu = max(1, int(lim.cpu_s + 0.999))
+    return ["prlimit", f"--cpu={cpu}:{cpu + 1}", f"--as={_mib(lim.memory_mb)}", f"--nproc={int(lim.max_procs)}",
+            f"--fsize={_mib(lim.file_size_mb)}", "--core=0"]
+
+
+def _mib(n: float) -> int:
+    return int(n * (1 << 20))
+
+
+def _memfd(name: str, data: str | bytes) -> int:
+    """An in-memory file holding ``data``, positioned at its start (no host file to clean up)."""
+    fd = os.memfd_create(f"sandbox-{name}", 0)
+    with open(fd, "wb", closefd=False) as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def _execute(cmd: list[str], lim: SandboxLimits, stdin_fd: int, pass_fds: list[int]) -> SandboxResult:
+    """Start ``cmd``, collect bounded output until it ends or the wall time is up, then make sure
+    none of its processes is left."""
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, stdin=stdin_fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=pass_fds,
+                            env=dict(_SANDBOX_ENV), cwd="/", start_new_session=True)
+    bufs = {proc.stdout: bytearray(), proc.stderr: bytearray()}
+    truncated = timed_out = False
+    deadline = start + lim.wall_s
+    try:
+        with selectors.DefaultSelector() as sel:
+            for f in bufs:
+                sel.register(f, selectors.EVENT_READ)
+            while sel.get_map():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                for key, _ in sel.select(left):
+                    chunk = os.read(key.fd, 65536)
+                    if not chunk:
+                        sel.unregister(key.fileobj)
+                        continue
+                    buf = bufs[key.fileobj]
+                    room = lim.output_bytes - len(buf)
+                    truncated |= len(chunk) > room
+                    buf += chunk[:max(room, 0)]  # the rest is drained and dropped
+        try:
+            proc.wait(max(deadline - time.monotonic(), 0))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+    finally:
+        if proc.poll() is None:
+            _stop(proc)
+        for f in bufs:
+            f.close()
+    rc = proc.returncode
+    # bwrap and the unshare script's sh report "killed by signal N" as exit status 128+N.
+    code = 128 - rc if rc > 128 and rc - 128 in _SIGNALS else rc
+    reason = None
+    if timed_out:
+        reason = f"wall time limit ({lim.wall_s:g} s)"
+    elif code < 0:
+        reason = _KILL_REASONS.get(-code)  # other signals are the program's own doing (SIGSEGV, SIGABRT, ...)
+    return SandboxResult(stdout=bufs[proc.stdout].decode("utf-8", errors="replace"),
+                         stderr=bufs[proc.stderr].decode("utf-8", errors="replace"),
+                         exit_code=code, timed_out=timed_out, killed_reason=reason,
+                         wall_s=round(time.monotonic() - start, 3), truncated=truncated)
+
+
+_SIGNALS = {s.value for s in signal.Signals}
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Kill a run and wait until none of its processes is left.
+
+    The command is a child of the sandbox's pid-namespace init (a shell, the first descendant in
+    another pid namespace). SIGKILL goes to the command: the shell exits with 128+9, the kernel
+    then kills every other process of the namespace, whatever process groups or sessions they
+    made, and the wrappers above (bwrap / unshare, timeout) exit by themselves, each reaping its
+    child, so no zombie is left for the host's init. If that does not happen within a few seconds,
+    the init and then everything else is SIGKILLed outright."""
+    children = _children()
+    tree = _descendants(proc.pid, children)
+    own = _pid_ns(os.getpid())
+    init = next((p for p in tree if _pid_ns(p) not in (own, None)), None)
+    for p in (children.get(init) or [init]) if init else tree:
+        _kill(p)
+    if _exited(proc, 3):
+        return
+    if init:
+        _kill(init)
+        if _exited(proc, 3):
+            return
+    for p in [proc.pid, *_descendants(proc.pid, _children())]:
+        _kill(p)
+    proc.wait()
+
+
+def _exited(proc: subprocess.Popen, timeout: float) -> bool:
+    try:
+        proc.wait(timeout)
+        return True
+    except subprocess.TimeoutExpired:
+        return False
+
+
+def _children() -> dict[int, list[int]]:
+    """Every process's children, from /proc/*/stat."""
+    out: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # gone meanwhile
+            out.setdefault(ppid, []).append(int(entry))
+    return out
+
+
+def _descendants(pid: int, children: dict[int, list[int]]) -> list[int]:
+    """All descendants of ``pid``, parents first."""
+    out, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(0), [])
+        out += kids
+        todo += kids
+    return out
+
+
+def _pid_ns(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/pid")
+    except OSError:
+        return None
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,84 @@
+"""Multi-turn rollouts on the driver (`actor_rollout_ref.rollout.multi_turn.enable`).
+
+The agent loop (`hybridflow/agent/loop.py`) runs every trajectory of the step on the driver's
+asyncio loop; its backend call is the rollout group's request-level endpoint
+(`generate_requests`: the pending requests split over the generation replicas, one batched
+`generate` per replica). Tools run on the driver (the `python` tool in its OS sandbox). The
+trajectories become the same batch a single-turn rollout returns, with tool tokens masked out:
+
+    prompts [b, P] (left-padded: the chat prompt with the tool schemas), responses [b, R]
+    (right-padded, R = data.max_response_length), response_mask [b, R] (1 = model token),
+    input_ids / attention_mask / position_ids [b, P+R] (attention on every real token, tool
+    tokens included), rollout_log_probs [b, R] (0 on tool tokens).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import torch
+
+from hybridflow.agent.loop import AgentSettings, Trajectory, run_trajectories, trajectory_metrics
+from hybridflow.agent.tools import load_tool_config
+from hybridflow.config.schema import HybridFlowConfig
+from hybridflow.protocol import Batch, SamplingParams
+from hybridflow.rollout.base import position_ids_from
+
+
+def agent_settings(cfg: HybridFlowConfig) -> AgentSettings:
+    mt = cfg.actor_rollout_ref.rollout.multi_turn
+    return AgentSettings(mt.max_assistant_turns, mt.max_tool_response_length, mt.format, cfg.data.max_response_length, mt.default_agent)
+
+
+def trajectories_to_batch(trajs: list[Trajectory], pad_id: int, response_len: int, temperature: float) -> Batch:
+    """The rollout batch of `trajs` (shapes in the module docstring)."""
+    b, R = len(trajs), response_len
+    P = max(len(t.prompt_ids) for t in trajs)
+    prompts = torch.full((b, P), pad_id, dtype=torch.long)
+    prompt_mask = torch.zeros((b, P), dtype=torch.long)
+    responses = torch.full((b, R), pad_id, dtype=torch.long)
+    response_mask = torch.zeros((b, R), dtype=torch.long)
+    valid = torch.zeros((b, R), dtype=torch.long)  # every response token, the tool's too: attention sees them
+    logps = torch.zeros((b, R), dtype=torch.float32)
+    for i, t in enumerate(trajs):
+        prompts[i, P - len(t.prompt_ids):] = torch.tensor(t.prompt_ids)
+        prompt_mask[i, P - len(t.prompt_ids):] = 1
+        n = len(t.response_ids)
+        assert n <= R, f"trajectory of {n} response tokens exceeds the budget {R}"
+        responses[i, :n] = torch.tensor(t.response_ids, dtype=torch.long)
+        response_mask[i, :n] = torch.tensor(t.response_mask, dtype=torch.long)
+        valid[i, :n] = 1
+        logps[i, :n] = torch.tensor(t.log_probs, dtype=torch.float32)
+    full_mask = torch.cat([prompt_mask, valid], dim=1)
+    return Batch.from_dict(
+        tensors={"prompts": prompts, "responses": responses, "response_mask": response_mask, "input_ids": torch.cat([prompts, responses], dim=1),
+                 "attention_mask": full_mask, "position_ids": position_ids_from(full_mask), "rollout_log_probs": logps * response_mask},
+        meta={"temperature": temperature},
+    )
+
+
+class AgentRollout:
+    """The step's multi-turn rollouts through a rollout group (`generate_requests`)."""
+
+    def __init__(self, cfg: HybridFlowConfig, tokenizer: Any):
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.settings = agent_settings(cfg)
+        path = cfg.actor_rollout_ref.rollout.multi_turn.tool_config_path
+        self.tools = load_tool_config(path) if path else []
+        self.last: list[Trajectory] = []
+
+    def generate(self, group: Any, prompts: Batch, params: SamplingParams) -> Batch:
+        """prompts: the rows' raw_prompt (chat messages) and extra_info (tools_kwargs, env, agent_name)."""
+        rows = [{"raw_prompt": list(prompts["raw_prompt"][i]), "extra_info": dict(prompts["extra_info"][i] or {})} for i in range(len(prompts))]
+
+        def generate_fn(requests: list) -> list:
+            out = group.generate_requests(Batch.from_dict(non_tensors={"request": requests}))
+            return list(out["completion"])
+
+        trajs, batcher = asyncio.run(run_trajectories(rows, generate_fn, self.tokenizer, self.settings, params, self.tools))
+        self.last = trajs
+        out = trajectories_to_batch(trajs, int(self.tokenizer.pad_token_id), self.settings.response_budget, params.effective_temperature)
+        out["agent_reward"] = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
+        out.meta["metrics"] = trajectory_metrics(trajs, batcher)
+        return out

@@ -1,0 +1,187 @@
+"""The multi-turn agent loop (hybridflow/agent/loop.py): token in, token out; tool tokens masked;
+trajectories in flight at once. No Ray: the backend is the HF rollout in this process (or, for the
+timing test, a scripted one)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from hybridflow.agent.envs import EnvStep, Environment, register_env
+from hybridflow.agent.format import message_delta_ids
+from hybridflow.agent.loop import AgentSettings, run_trajectories, trajectory_metrics
+from hybridflow.agent.tools import Tool, ToolResult, function_schema, register_tool
+from hybridflow.protocol import Completion, SamplingParams
+from test_agent_tools import LLAMA3_TEMPLATE
+
+
+@register_env("test_again")
+class AgainEnv(Environment):
+    """Answers every model turn with "again (k)" and is done after three turns."""
+
+    def reset(self, row):
+        self.turns = 0
+        return "start"
+
+    def step(self, model_text):
+        self.turns += 1
+        return EnvStep(f"again ({self.turns})", 0.5, self.turns >= 3)
+
+
+@register_tool("test_sleep")
+class SleepTool(Tool):
+    def __init__(self, config=None, tool_schema=None):
+        super().__init__(config, tool_schema or function_schema("test_sleep", "sleeps", {"s": {"type": "number"}}, ["s"]))
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        await asyncio.sleep(float(parameters["s"]))
+        return ToolResult("slept")
+
+
+def _tokenizer(kind: str):
+    from hybridflow.models.tiny import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    if kind == "llama":
+        tok.add_special_tokens({"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>",
+                                "additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>"]})
+        tok.chat_template = LLAMA3_TEMPLATE
+    return tok
+
+
+@pytest.mark.parametrize("kind", ["qwen", "llama"])
+def test_model_tokens_are_the_sampled_tokens_and_tool_tokens_the_template_delta(tiny_model_dir, kind):
+    """Every model token of every trajectory is a token the backend returned (same order, same
+    log-prob), every request's prompt is the trajectory so far (nothing re-encoded), and every
+    mask-0 run is the chat template's delta for the environment's message."""
+    from transformers import AutoModelForCausalLM
+
+    from hybridflow.rollout.hf_rollout import HFRollout
+
+    tok = _tokenizer(kind)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    model.resize_token_embeddings(len(tok))
+    backend = HFRollout(model.eval(), tok, "cpu")
+    calls = []
+
+    def generate_fn(requests):
+        out = backend.generate_requests(requests)
+        calls.extend(zip(requests, out))
+        return out
+
+    # Half the vocabulary stops a turn, so a random model's turns are short and there are several.
+    stops = tuple(range(40, 40 + len(tok) // 2))
+    params = SamplingParams(max_new_tokens=24, temperature=1.0, stop_token_ids=stops, seed=3)
+    rows = [{"raw_prompt": [{"role": "user", "content": f"play {i}"}], "extra_info": {"env": "test_again"}} for i in range(4)]
+    settings = AgentSettings(max_assistant_turns=5, response_budget=160)
+    trajs, batcher = asyncio.run(run_trajectories(rows, generate_fn, tok, settings, params))
+
+    assert max(t.num_turns for t in trajs) >= 2 and batcher.calls >= 2  # really multi-turn
+    for t in trajs:
+        covered = [0] * len(t.response_ids)
+        for req, c in calls:
+            k = len(req.prompt_ids) - len(t.prompt_ids)
+            if k < 0 or list(req.prompt_ids) != t.prompt_ids + t.response_ids[:k]:
+                continue  # another trajectory's request
+            n = len(c.token_ids)
+            assert t.response_ids[k:k + n] == list(c.token_ids) and t.response_mask[k:k + n] == [1] * n
+            assert t.log_probs[k:k + n] == pytest.approx(list(c.log_probs), abs=0)
+            covered[k:k + n] = [1] * n
+        assert covered == t.response_mask  # every model token came from the backend, nothing else is masked in
+        # the mask-0 runs: the template's delta of "again (1)", "again (2)", ...
+        runs, j = [], 0
+        while j < len(t.response_mask):
+            if t.response_mask[j] == 0:
+                start = j
+                while j < len(t.response_mask) and t.response_mask[j] == 0:
+                    j += 1
+                runs.append(t.response_ids[start:j])
+            else:
+                j += 1
+        want = [message_delta_ids(tok, [{"role": "user", "content": f"again ({i + 1})"}], after_eos=True) for i in range(len(runs))]
+        assert runs == want
+        assert t.reward == pytest.approx(0.5 * (len(runs) + (t.finish == "env_done")))
+
+
+def _ppo_batch():
+    """Two trajectories: model tokens (mask 1) around a tool reply (mask 0)."""
+    from hybridflow.agent.loop import Trajectory
+    from hybridflow.trainer.agent_rollout import trajectories_to_batch
+
+    a = Trajectory(prompt_ids=[5, 6, 7])
+    a.append([10, 11], model=True, log_probs=[-1.0, -2.0])
+    a.append([20, 21, 22], model=False)
+    a.append([12], model=True, log_probs=[-0.5])
+    b = Trajectory(prompt_ids=[5, 6])
+    b.append([13, 14, 15], model=True, log_probs=[-0.1, -0.2, -0.3])
+    return trajectories_to_batch([a, b], pad_id=0, response_len=8, temperature=1.0)
+
+
+def test_tool_tokens_get_no_gradient_and_the_first_update_has_zero_kl():
+    from hybridflow.algorithms import agg_loss, get_policy_loss, kl_loss
+
+    batch = _ppo_batch()
+    mask = batch["response_mask"].float()
+    assert batch["response_mask"].tolist()[0] == [1, 1, 0, 0, 0, 1, 0, 0]
+    assert batch["attention_mask"].tolist()[0][-8:] == [1, 1, 1, 1, 1, 1, 0, 0]  # attention sees the tool tokens
+    old = batch["rollout_log_probs"]
+    adv = torch.tensor([[1.0] * 8, [-1.0] * 8])
+    ref = old - 0.3
+    loss_fn = get_policy_loss("vanilla")
+
+    def total(logp):
+        pg, m = loss_fn(old, logp, adv, mask, clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0, loss_agg_mode="token-mean")
+        ent = agg_loss(-logp, mask, "token-mean")
+        return pg + 0.01 * ent + 0.1 * kl_loss(logp, ref, mask, "low_var_kl", "token-mean"), m
+
+    logp = old.clone().requires_grad_(True)
+    loss, metrics = total(logp)
+    loss.backward()
+    assert float(metrics["ppo_kl"].detach()) == 0.0  # first update: the policy that sampled is the one trained
+    assert (logp.grad[mask == 0] == 0).all() and (logp.grad[mask == 1] != 0).all()
+    perturbed = old.clone()
+    perturbed[mask == 0] += torch.randn(int((mask == 0).sum())) * 5  # change only the tool / padding tokens
+    assert torch.equal(total(perturbed)[0], total(old)[0])
+
+
+def _scripted(tok, answer):
+    """A backend that writes answer(prompt text) (+ eos) for every request."""
+
+    def generate_fn(requests):
+        time.sleep(0.01)
+        out = []
+        for r in requests:
+            ids = tok.encode(answer(tok.decode(list(r.prompt_ids))), add_special_tokens=False) + [tok.eos_token_id]
+            out.append(Completion(tuple(ids), tuple([-0.1] * len(ids)), "stop"))
+        return out
+
+    return generate_fn
+
+
+def test_a_slow_tool_delays_only_its_own_trajectory():
+    tok = _tokenizer("qwen")
+    tool = SleepTool()
+    call = '<tool_call>{"name": "test_sleep", "arguments": {"s": 1.0}}</tool_call>'
+    calls = []
+    base = _scripted(tok, lambda prompt: "42" if "slept" in prompt else call if "slow" in prompt else "7")
+
+    def generate_fn(requests):
+        calls.append((time.monotonic(), len(requests)))
+        return base(requests)
+
+    rows = [{"raw_prompt": [{"role": "user", "content": "slow"}], "extra_info": {}}] + \
+           [{"raw_prompt": [{"role": "user", "content": f"fast {i}"}], "extra_info": {}} for i in range(3)]
+    t0 = time.monotonic()
+    trajs, batcher = asyncio.run(run_trajectories(rows, generate_fn, tok, AgentSettings(response_budget=400), SamplingParams(max_new_tokens=64),
+                                                  tools=[tool]))
+    slow, fast = trajs[0], trajs[1:]
+    assert slow.tool_calls == 1 and slow.num_turns == 2 and slow.tool_seconds >= 1.0
+    assert all(f.num_turns == 1 and f.finished_at < t0 + 0.9 for f in fast)  # done while the tool still slept
+    assert all(f.finished_at < slow.finished_at for f in fast)
+    assert calls[0][1] == 4  # the first turn of every trajectory went to the backend as one call
+    m = trajectory_metrics(trajs, batcher)
+    assert m["agent/num_turns/max"] == 2 and m["agent/tool_calls/mean"] == 0.25 and m["agent/tool_errors"] == 0
+    assert m["agent/tool_seconds/mean"] >= 0.25
