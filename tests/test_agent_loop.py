@@ -185,3 +185,13 @@ def test_a_slow_tool_delays_only_its_own_trajectory():
     m = trajectory_metrics(trajs, batcher)
     assert m["agent/num_turns/max"] == 2 and m["agent/tool_calls/mean"] == 0.25 and m["agent/tool_errors"] == 0
     assert m["agent/tool_seconds/mean"] >= 0.25
+
+
+def test_multi_turn_config_errors_name_the_key(tmp_path):
+    from hybridflow.config import ConfigError, load_config, validate_config
+
+    with pytest.raises(ConfigError, match=r"multi_turn.tool_config_path: file not found: /nope.yaml"):
+        validate_config(load_config(None, ["actor_rollout_ref.model.path=x", "actor_rollout_ref.rollout.multi_turn.enable=true",
+                                           "actor_rollout_ref.rollout.multi_turn.tool_config_path=/nope.yaml"]))
+    with pytest.raises(ConfigError, match=r"multi_turn.format must be one of \['hermes'\]"):
+        load_config(None, ["actor_rollout_ref.rollout.multi_turn.format=chatml"])

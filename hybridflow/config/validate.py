@@ -453,6 +453,15 @@ def validate_config(cfg: HybridFlowConfig, kind: Literal["rl", "dpo"] = "rl") ->
                  f"(vLLM runs colocated with the actor)")
     if roll.name == "vllm":
         p.extend(_vllm_problems(cfg, gen_workers))
+    mt = roll.multi_turn
+    if mt.enable:
+        if cfg.trainer.async_rollout:
+            p.append(f"{R}.multi_turn.enable runs the agent loop on the colocated rollout; set trainer.async_rollout=false")
+        if mt.max_assistant_turns < 1:
+            p.append(f"{R}.multi_turn.max_assistant_turns must be >= 1, got {mt.max_assistant_turns}")
+        if mt.tool_config_path and not os.path.isfile(mt.tool_config_path):
+            p.append(f"{R}.multi_turn.tool_config_path: file not found: {mt.tool_config_path}")
+    p.enum(f"{R}.multi_turn.format", roll.multi_turn.format, literal_choices(type(roll.multi_turn), "format"))
     if actor.fsdp_config.param_offload and (cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and _cuda_available())):
         p.append(f"{A}.fsdp_config.param_offload is not supported with CUDA yet: the weight sync gathers the "
                  f"shards with NCCL on the GPU; set it to false")

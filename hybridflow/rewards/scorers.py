@@ -56,6 +56,9 @@ def gsm8k_score(solution_str: str, ground_truth: Any, format_score: float = 0.0,
 _EXACT_ANSWER = ("arith_add", "arithmetic", "digit_max")
 _GSM8K = ("openai/gsm8k", "gsm8k")
 _CODE = ("code",)
+# Rows played against an environment (hybridflow/agent/envs.py): the environment's own reward is the
+# trajectory's (`agent_reward`, added by the trainer); the rule adds nothing.
+_ENVIRONMENT = ("guess",)
 
 
 def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
@@ -64,12 +67,14 @@ def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_
         return exact_answer_score(solution_str, ground_truth)
     if data_source in _GSM8K:
         return gsm8k_score(solution_str, ground_truth)
+    if data_source in _ENVIRONMENT:
+        return 0.0
     if data_source in _CODE:
         from hybridflow.rewards.code import code_score  # lazy: only code rewards need the sandbox
 
         return code_score(solution_str, ground_truth)
     raise NotImplementedError(
-        f"no built-in reward for data_source {data_source!r} (built-in: {', '.join(_EXACT_ANSWER + _GSM8K + _CODE)}); "
+        f"no built-in reward for data_source {data_source!r} (built-in: {', '.join(_EXACT_ANSWER + _GSM8K + _CODE + _ENVIRONMENT)}); "
         f"set custom_reward_function.path (and custom_reward_function.name) to a file defining "
         f"compute_score(data_source, solution_str, ground_truth, extra_info)"
     )
