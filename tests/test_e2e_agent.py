@@ -1,0 +1,45 @@
+"""Multi-turn GRPO end to end on Ray: the guess environment answers every model turn, the
+trajectories' environment tokens are masked out, and the first update's ppo_kl is exactly 0 (the
+trainer's old log-probs of the model tokens equal its own recomputation on the same weights)."""
+
+from __future__ import annotations
+
+from conftest import rl_overrides
+
+
+def _guess_rows(n: int, seed: int) -> list[dict]:
+    import random
+
+    rng = random.Random(seed)
+    return [{"data_source": "guess", "prompt": [{"role": "user", "content": "Guess my number from 1 to 9."}],
+             "reward_model": {"style": "rule", "ground_truth": ""},
+             "extra_info": {"env": "guess", "target": rng.randint(1, 9), "lo": 1, "hi": 9, "max_turns": 3}} for _ in range(n)]
+
+
+def test_multi_turn_grpo_step_masks_environment_tokens(ray_cluster, tiny_model_dir, tmp_path):
+    from hybridflow.config import HybridFlowConfig, load_config
+    from hybridflow.data.tasks import write_parquet
+    from hybridflow.trainer.rl import RLTrainer
+
+    write_parquet(_guess_rows(16, 0), tmp_path / "train.parquet")
+    write_parquet(_guess_rows(8, 1), tmp_path / "val.parquet")
+    # Half the vocabulary ends a turn, so the random tiny model's turns are short and the env answers them.
+    stops = ",".join(str(i) for i in range(40, 170))
+    cfg = load_config(None, rl_overrides(tiny_model_dir, tmp_path, tmp_path / "out",
+                                         "data.max_prompt_length=64", "data.max_response_length=96", "trainer.total_training_steps=1",
+                                         "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.multi_turn.enable=true",
+                                         "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
+                                         f"actor_rollout_ref.rollout.stop_token_ids=[{stops}]", "actor_rollout_ref.actor.recompute_old_log_prob=true",
+                                         "trainer.val_before_train=true"), schema=HybridFlowConfig)
+    trainer = RLTrainer(cfg)
+    try:
+        out = trainer.fit()
+        trajs = trainer.agent.last
+    finally:
+        trainer.shutdown()
+    step = next(h for h in out["history"] if h["step"] == 1)
+    assert step["actor/ppo_kl"] == 0.0
+    assert step["agent/num_turns/max"] >= 2 and step["agent/tool_tokens/mean"] > 0
+    assert "val-core/guess/acc/mean@1" in out["history"][0]
+    # the env's turns are in the batch with mask 0; the model's with mask 1 and the backend's log-probs
+    assert any(0 in t.response_mask[:max(i for i, m in enumerate(t.response_mask) if m) + 1] for t in trajs)
