@@ -117,7 +117,7 @@ def _ppo_batch():
     a.append([12], model=True, log_probs=[-0.5])
     b = Trajectory(prompt_ids=[5, 6])
     b.append([13, 14, 15], model=True, log_probs=[-0.1, -0.2, -0.3])
-    return trajectories_to_batch([a, b], pad_id=0, response_len=8, temperature=1.0)
+    return trajectories_to_batch([a, b], pad_id=0, params=SamplingParams(max_new_tokens=8))
 
 
 def test_tool_tokens_get_no_gradient_and_the_first_update_has_zero_kl():
@@ -174,13 +174,12 @@ def test_a_slow_tool_delays_only_its_own_trajectory():
 
     rows = [{"raw_prompt": [{"role": "user", "content": "slow"}], "extra_info": {}}] + \
            [{"raw_prompt": [{"role": "user", "content": f"fast {i}"}], "extra_info": {}} for i in range(3)]
-    t0 = time.monotonic()
     trajs, batcher = asyncio.run(run_trajectories(rows, generate_fn, tok, AgentSettings(response_budget=400), SamplingParams(max_new_tokens=64),
                                                   tools=[tool]))
     slow, fast = trajs[0], trajs[1:]
     assert slow.tool_calls == 1 and slow.num_turns == 2 and slow.tool_seconds >= 1.0
-    assert all(f.num_turns == 1 and f.finished_at < t0 + 0.9 for f in fast)  # done while the tool still slept
-    assert all(f.finished_at < slow.finished_at for f in fast)
+    assert all(f.num_turns == 1 for f in fast)
+    assert all(f.finished_at < slow.finished_at - 0.5 for f in fast)  # done while the tool still slept (1 s)
     assert calls[0][1] == 4  # the first turn of every trajectory went to the backend as one call
     m = trajectory_metrics(trajs, batcher)
     assert m["agent/num_turns/max"] == 2 and m["agent/tool_calls/mean"] == 0.25 and m["agent/tool_errors"] == 0

@@ -19,10 +19,10 @@ from hybridflow.agent.format import (
     apply_chat_template_with_tools,
     get_format,
     message_delta_ids,
-    template_ids,
     template_supports_tools,
     turn_end_ids,
 )
+from hybridflow.data.chat import chat_ids
 from hybridflow.agent.tools import (
     CalculatorTool,
     PythonTool,
@@ -315,7 +315,7 @@ def test_python_tool_without_a_sandbox_stops_the_run(monkeypatch):
 
 def test_python_tool_in_the_real_sandbox():
     sandbox = pytest.importorskip("hybridflow.agent.sandbox")
-    tool = PythonTool({"max_output_chars": 200, "limits": {"wall_s": 1, "cpu_s": 5}})
+    tool = PythonTool({"max_output_chars": 200, "limits": {"wall_s": 3, "cpu_s": 10}})
 
     async def go(code):
         return await ToolSession([tool]).call(ToolCall("python", {"code": code}))
@@ -411,10 +411,10 @@ def test_message_delta_ids(request, which, want_delta, want_turn_end):
     user_delta = message_delta_ids(tok, {"role": "user", "content": "higher"}, add_generation_prompt=False)
     assert tok.decode(user_delta).endswith("higher" + ("<|im_end|>\n" if which == "qwen" else "<|eot_id|>"))
 
-    prompt = template_ids(tok, CONV, True)
-    full = template_ids(tok, [*CONV, ASSISTANT, TOOL], True)
+    prompt = chat_ids(tok, CONV, True)
+    full = chat_ids(tok, [*CONV, ASSISTANT, TOOL], True)
     # (1) the assistant turn as the template renders it, then the delta: exactly the full template.
-    templated_turn = template_ids(tok, [*CONV, ASSISTANT], False)
+    templated_turn = chat_ids(tok, [*CONV, ASSISTANT], False)
     assert templated_turn + delta == full
     # (2) the model's own tokens: content + the stop token (eos), as generation returns them.
     model_ids = tok.encode(ASSISTANT["content"], add_special_tokens=False) + [tok.eos_token_id]
@@ -431,8 +431,8 @@ def test_delta_of_several_messages_is_rendered_together(qwen_tok, llama_tok):
     two = [{"role": "tool", "content": "5"}, {"role": "tool", "content": "7"}]
     for tok in (qwen_tok, llama_tok):
         both = message_delta_ids(tok, two)
-        full = template_ids(tok, [*CONV, ASSISTANT, *two], True)
-        assert template_ids(tok, [*CONV, ASSISTANT], False) + both == full
+        full = chat_ids(tok, [*CONV, ASSISTANT, *two], True)
+        assert chat_ids(tok, [*CONV, ASSISTANT], False) + both == full
 
 
 def test_delta_refuses_a_template_that_is_not_append_only(qwen_tok):

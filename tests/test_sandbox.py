@@ -6,6 +6,7 @@ than passing because the probe itself broke."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import shutil
@@ -128,7 +129,7 @@ print(seen, sorted(os.listdir("/")))
     res = py(sb, code)
     assert res.ok, res.stderr
     assert res.stdout.startswith("[] "), res.stdout
-    assert not {"work", "root", "home", "opt", "var", "srv", "mnt"} & set(eval(res.stdout[3:]))
+    assert not {"work", "root", "home", "opt", "var", "srv", "mnt"} & set(ast.literal_eval(res.stdout[3:]))
 
 
 def test_host_environment_is_not_visible(sb, monkeypatch):
@@ -236,13 +237,16 @@ if os.fork() == 0:  # and a double-forked one
         os.setsid()
         os.execv(sys.executable, sleeper)
     os._exit(0)
-time.sleep(0.3)
-mine = [p for p in os.listdir("/proc") if p.isdigit() and {marker!r}.encode() in open(f"/proc/{{p}}/cmdline", "rb").read()]
-print(len(mine), flush=True)
+def mine():
+    return [p for p in os.listdir("/proc") if p.isdigit() and {marker!r}.encode() in open(f"/proc/{{p}}/cmdline", "rb").read()]
+deadline = time.monotonic() + 2.0  # both must have exec'd their sleeper (its command line holds the marker)
+while len(mine()) < 2 and time.monotonic() < deadline:
+    time.sleep(0.05)
+print(len(mine()), flush=True)
 if {hang!r}:
     time.sleep(60)
 """
-    res = py(sb, code, SandboxLimits(wall_s=2))
+    res = py(sb, code, SandboxLimits(wall_s=5))
     assert res.stdout.split() == ["2"], res  # control: both were running
     assert res.timed_out == hang
     assert host_processes_with(marker) == []

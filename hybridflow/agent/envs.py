@@ -30,7 +30,6 @@ __all__ = [
     "make_env",
     "make_env_for_row",
     "register_env",
-    "registered_envs",
 ]
 
 
@@ -78,10 +77,6 @@ def register_env(name: str) -> Callable[[type[Environment]], type[Environment]]:
         return cls
 
     return deco
-
-
-def registered_envs() -> dict[str, type[Environment]]:
-    return dict(_ENVS)
 
 
 def make_env(name: str, config: Mapping[str, Any] | None = None) -> Environment:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from hybridflow.agent.tools import ToolCall, ToolResult
+from hybridflow.data.chat import chat_ids
 
 __all__ = [
     "ChatTemplateError",
@@ -40,7 +41,6 @@ __all__ = [
     "get_format",
     "message_delta_ids",
     "register_format",
-    "template_ids",
     "template_supports_tools",
     "turn_end_ids",
 ]
@@ -162,19 +162,6 @@ class HermesFormat(ToolCallFormat):
 
 
 # ------------------------------------------------------------------------------------ templates
-def template_ids(tokenizer, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool, **kwargs: Any) -> list[int]:
-    """``apply_chat_template(..., tokenize=True)`` as a flat list of ints (transformers 4 and 5 shapes)."""
-    out = tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs)
-    if hasattr(out, "keys"):  # v5 returns a BatchEncoding
-        out = out["input_ids"]
-    if hasattr(out, "tolist"):
-        out = out.tolist()
-    out = list(out)
-    if out and isinstance(out[0], (list, tuple)):  # batched form [[...]]
-        out = list(out[0])
-    return [int(x) for x in out]
-
-
 _PROBE_TOOL = {
     "type": "function",
     "function": {"name": "probe_tool_x", "description": "probe", "parameters": {"type": "object", "properties": {}}},
@@ -217,7 +204,7 @@ def apply_chat_template_with_tools(
             else:
                 messages.insert(0, {"role": "system", "content": desc})
     if tokenize:
-        return template_ids(tokenizer, messages, add_generation_prompt, **kwargs)
+        return chat_ids(tokenizer, messages, add_generation_prompt, **kwargs)
     return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs)
 
 
@@ -254,8 +241,8 @@ def message_delta_ids(
     self-consistent, ``after_eos=True`` matches what the model sees when served through its template.
     """
     msgs = [dict(message)] if isinstance(message, Mapping) else [dict(m) for m in message]
-    base = template_ids(tokenizer, DELTA_BASE, False, **kwargs)
-    full = template_ids(tokenizer, [*DELTA_BASE, *msgs], add_generation_prompt, **kwargs)
+    base = chat_ids(tokenizer, DELTA_BASE, False, **kwargs)
+    full = chat_ids(tokenizer, [*DELTA_BASE, *msgs], add_generation_prompt, **kwargs)
     if full[: len(base)] != base:
         raise ChatTemplateError(
             "the chat template is not append-only: rendering the conversation plus "
@@ -273,8 +260,8 @@ def turn_end_ids(tokenizer, stop_ids: Sequence[int] | None = None, **kwargs: Any
     ``stop_ids`` are the ids generation stops at (default: the tokenizer's eos).
     """
     stops = set(stop_ids) if stop_ids is not None else {tokenizer.eos_token_id}
-    prompt = template_ids(tokenizer, DELTA_BASE[:1], True, **kwargs)
-    turn = template_ids(tokenizer, DELTA_BASE, False, **kwargs)
+    prompt = chat_ids(tokenizer, DELTA_BASE[:1], True, **kwargs)
+    turn = chat_ids(tokenizer, DELTA_BASE, False, **kwargs)
     if turn[: len(prompt)] != prompt:
         raise ChatTemplateError("the chat template renders an assistant turn that does not extend its generation prompt")
     assistant = turn[len(prompt):]  # shape: content ids + end-of-turn ids

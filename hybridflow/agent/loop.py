@@ -25,11 +25,11 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
-from hybridflow.agent.envs import Environment, make_env_for_row
+from hybridflow.agent.envs import Environment, env_name_for_row, make_env_for_row
 from hybridflow.agent.format import apply_chat_template_with_tools, get_format, message_delta_ids
-from hybridflow.agent.tools import Tool, ToolCall, ToolResult, ToolSession
+from hybridflow.agent.tools import Tool, ToolResult, ToolSession, truncate_middle
 from hybridflow.protocol import Completion, Request, SamplingParams
 
 GenerateFn = Callable[[list[Request]], list[Completion]]  # one backend call (blocking), completions in order
@@ -51,7 +51,6 @@ class Trajectory:
     reward: float = 0.0  # sum of the tools' / environment's rewards
     finish: str = ""  # "answer" | "max_turns" | "length" | "env_done" | "truncated"
     finished_at: float = 0.0  # time.monotonic() when the trajectory ended
-    completions: list[Completion] = field(default_factory=list)  # what the backend returned, in order
 
     def append(self, ids: Sequence[int], model: bool, log_probs: Sequence[float] | None = None) -> None:
         self.response_ids.extend(int(t) for t in ids)
@@ -77,14 +76,13 @@ class RequestBatcher:
 
     def __init__(self, generate_fn: GenerateFn, base: SamplingParams):
         self.generate_fn, self.base = generate_fn, base
-        self.pending: list[tuple[Request, asyncio.Future]] = []
+        self.pending: list[tuple[tuple[int, ...], int, asyncio.Future]] = []  # (prompt ids, its max new tokens, result)
         self.calls = 0
-        self.batch_sizes: list[int] = []
         self._task: asyncio.Task | None = None
 
     async def generate(self, prompt_ids: Sequence[int], max_new_tokens: int) -> Completion:
         fut = asyncio.get_running_loop().create_future()
-        self.pending.append((Request(tuple(prompt_ids), self.base.with_(max_new_tokens=max_new_tokens)), fut))
+        self.pending.append((tuple(prompt_ids), max_new_tokens, fut))
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._drain())
         return await fut
@@ -94,18 +92,15 @@ class RequestBatcher:
             await asyncio.sleep(0)  # every trajectory that is ready adds its request first
             batch, self.pending = self.pending, []
             # One SamplingParams per call (the HF backend batches equal params into one generate).
-            width = max(r.params.max_new_tokens for r, _ in batch)
-            params = self.base.with_(max_new_tokens=width, seed=self.base.seed * 1000 + self.calls)
+            params = self.base.with_(max_new_tokens=max(n for _, n, _ in batch), seed=self.base.seed * 1000 + self.calls)
             self.calls += 1
-            self.batch_sizes.append(len(batch))
             try:
-                out = await asyncio.to_thread(self.generate_fn, [Request(r.prompt_ids, params) for r, _ in batch])
+                out = await asyncio.to_thread(self.generate_fn, [Request(ids, params) for ids, _, _ in batch])
             except Exception as e:  # noqa: BLE001 - every waiting trajectory gets the backend's error
-                for _, f in batch:
+                for _, _, f in batch:
                     f.set_exception(e)
                 continue
-            for (r, f), c in zip(batch, out):
-                n = r.params.max_new_tokens  # this request's own limit within the shared call
+            for (_, n, f), c in zip(batch, out):  # n: this request's own limit within the shared call
                 f.set_result(c if len(c.token_ids) <= n else Completion(c.token_ids[:n], c.log_probs[:n], "length"))
 
 
@@ -159,7 +154,6 @@ class AgentLoop:
                 traj.finish = "length"
                 break
             c = await batcher.generate(traj.prompt_ids + traj.response_ids, left)
-            traj.completions.append(c)
             traj.append(c.token_ids, model=True, log_probs=c.log_probs)
             traj.num_turns += 1
             if c.finish_reason != "stop":  # cut by the budget: the turn never closed, nothing may follow it
@@ -181,8 +175,7 @@ class AgentLoop:
         return traj
 
     def clip(self, text: str) -> str:
-        n = self.s.max_tool_response_length
-        return text if len(text) <= n else text[: n // 2] + "...(truncated)..." + text[len(text) - n // 2:]
+        return truncate_middle(text, self.s.max_tool_response_length)
 
 
 @register_agent_loop("single_turn_agent")
@@ -214,11 +207,11 @@ class ToolAgentLoop(AgentLoop):
             traj.tool_errors += int(result.error)
             traj.sandbox_kills += int(bool(result.metrics.get("sandbox_killed", 0)))
             traj.reward += float(result.reward)
-            replies.append(self.fmt.tool_message(ToolResult(self.clip(result.text), result.reward, result.error, result.metrics), name=call.name))
+            replies.append(self.fmt.tool_message(self.clip(result.text), name=call.name))
         for err in parsed.errors:  # a malformed call: the model reads why
             traj.tool_calls += 1
             traj.tool_errors += 1
-            replies.append(self.fmt.tool_message(ToolResult(self.clip(f"Error: {err}"), 0.0, True), name=None))
+            replies.append(self.fmt.tool_message(self.clip(f"Error: {err}")))
         return replies
 
 
@@ -252,7 +245,7 @@ def agent_name_for(row: Mapping[str, Any], settings: AgentSettings, has_tools: b
     extra = row.get("extra_info") or {}
     name = row.get("agent_name") or extra.get("agent_name") or settings.default_agent
     if not name:
-        name = "env_agent" if (extra.get("env") or extra.get("interaction_kwargs")) else ("tool_agent" if has_tools else "single_turn_agent")
+        name = "env_agent" if env_name_for_row(row) is not None else ("tool_agent" if has_tools else "single_turn_agent")
     if name not in AGENT_LOOPS:
         raise ValueError(f"unknown agent_name {name!r}; registered agent loops: {sorted(AGENT_LOOPS)}")
     return name

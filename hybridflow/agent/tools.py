@@ -51,7 +51,6 @@ __all__ = [
     "load_tool_config",
     "make_tool",
     "register_tool",
-    "registered_tools",
     "truncate_middle",
 ]
 
@@ -209,10 +208,6 @@ def register_tool(name: str) -> Callable[[type[Tool]], type[Tool]]:
         return cls
 
     return deco
-
-
-def registered_tools() -> dict[str, type[Tool]]:
-    return dict(_TOOLS)
 
 
 def get_tool_class(spec: str) -> type[Tool]:

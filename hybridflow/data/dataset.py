@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
+from hybridflow.data.chat import chat_ids
 from hybridflow.protocol import Batch
 
 logger = logging.getLogger(__name__)
@@ -51,19 +52,6 @@ def load_rows(files) -> list[tuple[str, int, dict]]:
 
 def _names(files) -> list[str]:
     return [str(files)] if isinstance(files, (str, os.PathLike)) else [str(f) for f in files]
-
-
-def chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-    """``apply_chat_template(..., tokenize=True)`` as a plain list of ids (transformers v4 and v5)."""
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
-    if isinstance(out, dict) or hasattr(out, "keys"):
-        out = out["input_ids"]
-    if isinstance(out, torch.Tensor):
-        out = out.tolist()
-    out = list(out)
-    if out and isinstance(out[0], (list, tuple)):  # batched form
-        out = list(out[0])
-    return [int(x) for x in out]
 
 
 def text_ids(tokenizer, text: str) -> list[int]:

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from hybridflow.data.dataset import DataError, _check_chat, _names, chat_ids, load_rows, text_ids
+from hybridflow.data.chat import chat_ids
+from hybridflow.data.dataset import DataError, _check_chat, _names, load_rows, text_ids
 from hybridflow.protocol import Batch
 
 logger = logging.getLogger(__name__)

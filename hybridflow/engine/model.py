@@ -1,4 +1,4 @@
-"""Forward passes of an HF model on a micro-batch: response logits, micro-batches, the HF checkpoint.
+"""Forward passes of an HF model on a micro-batch: response logits and micro-batches.
 
 Sequence layout used everywhere (verl's): `input_ids` [B, P+R] = left-padded prompt (P tokens)
 followed by the right-padded response (R tokens). The logits that predict response token j sit
@@ -58,17 +58,3 @@ def micro_batches(batch: Batch, size: int, max_tokens: int | None = None) -> lis
         tokens += n
     out.append(batch.index(slice(start, len(lengths))))
     return out
-
-
-def save_hf_checkpoint(model: nn.Module, tokenizer, out_dir: str, rank: int) -> str:
-    """Gather an FSDP2 model's full weights (a collective: every rank calls it) and write an HF
-    checkpoint plus the tokenizer from rank 0."""
-    import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if rank == 0:
-        model.save_pretrained(out_dir, state_dict=full)
-        tokenizer.save_pretrained(out_dir)
-    dist.barrier()
-    return out_dir

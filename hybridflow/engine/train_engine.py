@@ -9,6 +9,7 @@ internals, built from the role's `ParallelDims` (`parallel/layout.py::build_trai
     forward_backward(batch, loss_fn, micro)    gradients of the micro-batches' losses (accumulated)
     step() / scheduler_step()                  clip + optimizer step (DTensor- and pipeline-aware)
     save(path) / load(path) / state_dict()     sharded checkpoint (DCP) / full weights
+    save_hf(out_dir, tokenizer, rank)          an HF checkpoint of the full weights
     attach_generation(gen) + weights()         the pieces every generation rank needs (3D-HybridEngine)
 
 Losses are pure functions (`algorithms/`); the engine calls them per micro-batch and never knows
@@ -21,6 +22,7 @@ from __future__ import annotations
 from typing import Callable, Iterator
 
 import torch
+import torch.distributed
 import torch.nn as nn
 
 from hybridflow.algorithms import entropy_from_logits, logprobs_from_logits
@@ -153,6 +155,15 @@ class TrainEngine:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         return get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def save_hf(self, out_dir: str, tokenizer, rank: int) -> str:
+        """The full weights as an HF checkpoint (+ tokenizer), written by rank 0; a collective."""
+        full = self.state_dict()
+        if rank == 0:
+            self.module.save_pretrained(out_dir, state_dict=full)
+            tokenizer.save_pretrained(out_dir)
+        torch.distributed.barrier()
+        return out_dir
 
     # ------------------------------------------------------------------ weights for generation
     def attach_generation(self, gen_model, gen_shard_dims: dict[str, int | None], gen_tp: int, cfg: HybridEngineConfig,

@@ -15,6 +15,13 @@ from hybridflow.rewards.scorers import compute_score as default_compute_score
 logger = logging.getLogger(__name__)
 
 
+def last_token_index(response_mask: torch.Tensor) -> torch.Tensor:
+    """[B] index of each row's last 1 in response_mask [B, T] (0 for an empty row): where a
+    sequence-level score sits. Not the count minus one: a multi-turn response has tool tokens
+    (mask 0) between its model turns."""
+    return (response_mask.long() * torch.arange(1, response_mask.shape[-1] + 1, device=response_mask.device)).argmax(-1)
+
+
 class RewardManager:
     """``__call__(batch) -> (token_level_scores [B, T] float32, metrics)``.
 
@@ -47,7 +54,7 @@ class RewardManager:
         extra_infos = batch.non_tensors.get("extra_info") if "extra_info" in batch.non_tensors else None
 
         scores = torch.zeros((bsz, T), dtype=torch.float32)
-        lengths = mask.sum(-1)
+        last = last_token_index(mask)
         decoded: list[str] = []
         values: list[float] = []
         extras: dict[str, list[float]] = {}
@@ -87,10 +94,8 @@ class RewardManager:
                     first_error = (i, data_sources[i], f"{type(e).__name__}: {e}")
                 value = 0.0
             values.append(value)
-            # the last model token (a multi-turn response has tool tokens, mask 0, between its turns)
-            pos = int(mask_cpu[i].nonzero().max()) if lengths[i] > 0 else 0
             if T > 0:
-                scores[i, pos] = value
+                scores[i, int(last[i])] = value
         if errors:
             idx, ds, msg = first_error
             logger.warning(

@@ -116,14 +116,18 @@ def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
     return torch.clamp(torch.cumsum(attention_mask, dim=1) - 1, min=0)
 
 
-def rollout_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, responses: torch.Tensor, log_probs: torch.Tensor, lengths: torch.Tensor, params: SamplingParams) -> Batch:
+def rollout_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, responses: torch.Tensor, log_probs: torch.Tensor, lengths: torch.Tensor,
+                  params: SamplingParams, loss_mask: torch.Tensor | None = None) -> Batch:
     """What every backend returns. Inputs: prompts [b, P] (left-padded), responses / log_probs
     [b, R], generated lengths [b]. Output: prompts, responses, response_mask [b, R], the full
     input_ids / attention_mask / position_ids [b, P+R] and rollout_log_probs [b, R] (under the
-    sampling temperature, for the rollout-vs-trainer check and off-policy ratios)."""
+    sampling temperature, for the rollout-vs-trainer check and off-policy ratios). loss_mask [b, R]:
+    the response_mask when it is not every valid token (multi-turn: 0 on tool tokens, which
+    attention still sees)."""
     R = params.max_new_tokens
-    response_mask = (torch.arange(R, device=responses.device) < lengths[:, None]).long()  # [b, R]
-    full_mask = torch.cat([attention_mask, response_mask], dim=1)
+    valid = (torch.arange(R, device=responses.device) < lengths[:, None]).long()  # [b, R]
+    response_mask = valid if loss_mask is None else loss_mask.long()
+    full_mask = torch.cat([attention_mask, valid], dim=1)
     return Batch.from_dict(
         tensors={
             "prompts": input_ids.cpu(),

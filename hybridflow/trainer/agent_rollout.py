@@ -23,7 +23,7 @@ from hybridflow.agent.loop import AgentSettings, Trajectory, run_trajectories, t
 from hybridflow.agent.tools import load_tool_config
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.protocol import Batch, SamplingParams
-from hybridflow.rollout.base import position_ids_from
+from hybridflow.rollout.base import rollout_batch
 
 
 def agent_settings(cfg: HybridFlowConfig) -> AgentSettings:
@@ -31,31 +31,25 @@ def agent_settings(cfg: HybridFlowConfig) -> AgentSettings:
     return AgentSettings(mt.max_assistant_turns, mt.max_tool_response_length, mt.format, cfg.data.max_response_length, mt.default_agent)
 
 
-def trajectories_to_batch(trajs: list[Trajectory], pad_id: int, response_len: int, temperature: float) -> Batch:
-    """The rollout batch of `trajs` (shapes in the module docstring)."""
-    b, R = len(trajs), response_len
+def trajectories_to_batch(trajs: list[Trajectory], pad_id: int, params: SamplingParams) -> Batch:
+    """The rollout batch of `trajs` (shapes in the module docstring; R = params.max_new_tokens)."""
+    b, R = len(trajs), params.max_new_tokens
     P = max(len(t.prompt_ids) for t in trajs)
     prompts = torch.full((b, P), pad_id, dtype=torch.long)
     prompt_mask = torch.zeros((b, P), dtype=torch.long)
     responses = torch.full((b, R), pad_id, dtype=torch.long)
-    response_mask = torch.zeros((b, R), dtype=torch.long)
-    valid = torch.zeros((b, R), dtype=torch.long)  # every response token, the tool's too: attention sees them
+    loss_mask = torch.zeros((b, R), dtype=torch.long)
     logps = torch.zeros((b, R), dtype=torch.float32)
+    lengths = torch.tensor([len(t.response_ids) for t in trajs])
     for i, t in enumerate(trajs):
-        prompts[i, P - len(t.prompt_ids):] = torch.tensor(t.prompt_ids)
-        prompt_mask[i, P - len(t.prompt_ids):] = 1
         n = len(t.response_ids)
         assert n <= R, f"trajectory of {n} response tokens exceeds the budget {R}"
+        prompts[i, P - len(t.prompt_ids):] = torch.tensor(t.prompt_ids)
+        prompt_mask[i, P - len(t.prompt_ids):] = 1
         responses[i, :n] = torch.tensor(t.response_ids, dtype=torch.long)
-        response_mask[i, :n] = torch.tensor(t.response_mask, dtype=torch.long)
-        valid[i, :n] = 1
+        loss_mask[i, :n] = torch.tensor(t.response_mask, dtype=torch.long)
         logps[i, :n] = torch.tensor(t.log_probs, dtype=torch.float32)
-    full_mask = torch.cat([prompt_mask, valid], dim=1)
-    return Batch.from_dict(
-        tensors={"prompts": prompts, "responses": responses, "response_mask": response_mask, "input_ids": torch.cat([prompts, responses], dim=1),
-                 "attention_mask": full_mask, "position_ids": position_ids_from(full_mask), "rollout_log_probs": logps * response_mask},
-        meta={"temperature": temperature},
-    )
+    return rollout_batch(prompts, prompt_mask, responses, logps, lengths, params, loss_mask=loss_mask)
 
 
 class AgentRollout:
@@ -78,7 +72,7 @@ class AgentRollout:
 
         trajs, batcher = asyncio.run(run_trajectories(rows, generate_fn, self.tokenizer, self.settings, params, self.tools))
         self.last = trajs
-        out = trajectories_to_batch(trajs, int(self.tokenizer.pad_token_id), self.settings.response_budget, params.effective_temperature)
+        out = trajectories_to_batch(trajs, int(self.tokenizer.pad_token_id), params.with_(max_new_tokens=self.settings.response_budget))
         out["agent_reward"] = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
         out.meta["metrics"] = trajectory_metrics(trajs, batcher)
         return out

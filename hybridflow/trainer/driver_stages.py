@@ -12,6 +12,7 @@ import torch
 from hybridflow.algorithms import apply_kl_penalty, get_adv_estimator
 from hybridflow.config.schema import AlgorithmConfig, RewardModelConfig
 from hybridflow.protocol import Batch
+from hybridflow.rewards.manager import last_token_index
 
 
 def reward(batch: Batch, reward_fn: Callable, rm: RewardModelConfig, use_rm: bool) -> Batch:
@@ -26,10 +27,8 @@ def reward(batch: Batch, reward_fn: Callable, rm: RewardModelConfig, use_rm: boo
             rule, metrics = reward_fn(batch)
             scores = scores + rm.rule_weight * rule
     if "agent_reward" in batch:
-        mask = batch["response_mask"]
-        last = (mask * torch.arange(mask.shape[1])).argmax(-1)  # [B] the last model token
         scores = scores.clone()
-        scores[torch.arange(len(scores)), last] += batch["agent_reward"].to(scores.dtype)
+        scores[torch.arange(len(scores)), last_token_index(batch["response_mask"])] += batch["agent_reward"].to(scores.dtype)
     return Batch.from_dict(tensors={"token_level_scores": scores}, meta={"metrics": metrics})
 
 

@@ -27,7 +27,6 @@ from hybridflow.controller.decorator import Dispatch, register
 from hybridflow.config.pools import ModelPart, worker_role
 from hybridflow.controller.worker import Worker, pick_device
 from hybridflow.engine import TrainEngine
-from hybridflow.engine.model import save_hf_checkpoint
 from hybridflow.hybrid_engine import cross_pool
 from hybridflow.hybrid_engine.memory import rss_bytes
 from hybridflow.models.hf import load_hf_model
@@ -36,7 +35,7 @@ from hybridflow.parallel.fsdp import shard_numel
 from hybridflow.parallel.layout import parallel_dims
 from hybridflow.parallel.tensor_parallel import gen_shard_dims
 from hybridflow.protocol import Batch
-from hybridflow.rollout.base import RolloutContext, make_rollout, position_ids_from, response_lengths  # noqa: F401  (re-exported)
+from hybridflow.rollout.base import RolloutContext, make_rollout
 from hybridflow.workers.preference import PreferenceMixin
 from hybridflow.workers.rollout import RolloutMixin
 
@@ -296,4 +295,4 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
     @register(Dispatch.RANK_ZERO)
     def save_hf_model(self, out_dir: str) -> str:
         """Gather the full weights and write an HF checkpoint (+ tokenizer) from rank 0."""
-        return save_hf_checkpoint(self.actor.module, self.tokenizer, out_dir, self.rank)
+        return self.actor.save_hf(out_dir, self.tokenizer, self.rank)

@@ -20,10 +20,9 @@ from hybridflow.algorithms import get_loss
 from hybridflow.config.schema import FSDPConfig, ModelConfig, OptimConfig
 from hybridflow.controller.decorator import Dispatch, register
 from hybridflow.controller.worker import Worker, pick_device
-from hybridflow.data.dataset import chat_ids
+from hybridflow.data.chat import chat_ids
 from hybridflow.data.preference import pack_sequences, response_ids
 from hybridflow.engine import TrainEngine
-from hybridflow.engine.model import save_hf_checkpoint
 from hybridflow.models.hf import load_hf_model
 from hybridflow.parallel.dims import ParallelDims
 from hybridflow.parallel.layout import parallel_dims
@@ -106,4 +105,4 @@ class RewardModelWorker(Worker):
     @register(Dispatch.RANK_ZERO)
     def save_hf_model(self, out_dir: str) -> str:
         """The trained classifier as an HF checkpoint (+ its tokenizer), written by rank 0."""
-        return save_hf_checkpoint(self.model.module, self.tokenizer, out_dir, self.rank)
+        return self.model.save_hf(out_dir, self.tokenizer, self.rank)
