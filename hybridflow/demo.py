@@ -25,11 +25,25 @@ import time
 from hybridflow.config import HybridFlowConfig, RewardTrainConfig, SFTConfig, load_config
 
 DATA_SOURCE = "digit_max"
-VAL_KEY = f"val-core/{DATA_SOURCE}/acc/mean@1"
+# The held-out accuracy of a recipe's task (the tool recipe has its own task; the others share digit_max).
+RECIPE_TASK = {"tool": "multiply", "guess": "guess"}
+
+
+def val_key(recipe: str) -> str:
+    return f"val-core/{RECIPE_TASK.get(recipe, DATA_SOURCE)}/acc/mean@1"
+
+
+VAL_KEY = val_key("grpo")
+
+
 SFT_STEPS = 300
 RL_STEPS = 60
-RECIPE_STEPS = {"grpo": RL_STEPS, "dpo": 40, "rm-grpo": 40, "online-dpo": 40}
+RECIPE_STEPS = {"grpo": RL_STEPS, "dpo": 40, "rm-grpo": 40, "online-dpo": 40, "tool": 40, "guess": 40}
 RM_STEPS = 100
+TOOL_SFT_STEPS, TOOL_LAYERS = 400, 4
+GUESS_SFT_STEPS = 300
+GUESS_MAX_PROMPT, GUESS_MAX_RESPONSE = 56, 448  # the prompt is 48 tokens; 10 guesses and 9 replies of <= 45 tokens
+TOOL_MAX_PROMPT, TOOL_MAX_RESPONSE = 192, 128  # the compact tool prompt is ~160 tokens; call + result + answer < 128
 
 
 def _policy_run(train, val, model_dir: str, out_dir: str, steps: int, prompts: int, micro: int, *extra: str) -> HybridFlowConfig:
@@ -58,6 +72,34 @@ def demo_sft_config(sft_file: str, base_model: str, out: str, steps: int = SFT_S
         f"total_steps={steps}", f"model.path={base_model}", "optim.lr=1e-3",
         f"save_dir={out}/sft_model", f"trainer.default_local_dir={out}/sft", "trainer.logger=[console,jsonl]",
     ], schema=SFTConfig)
+
+
+def demo_multi_turn_sft_config(files: dict, base_model: str, out: str, steps: int, max_length: int) -> SFTConfig:
+    """SFT on a multi-turn task's noisy conversations (loss on the assistant turns only)."""
+    return load_config(None, [
+        f"train_files=[{files['sft']}]", "multiturn.enable=true", f"max_length={max_length}",
+        "train_batch_size=32", "micro_batch_size_per_gpu=16", f"total_steps={steps}", f"model.path={base_model}", "optim.lr=2e-3",
+        "optim.lr_scheduler_type=cosine", "optim.lr_warmup_steps_ratio=0.05", "optim.min_lr_ratio=0.1",
+        f"save_dir={out}/sft_model", f"trainer.default_local_dir={out}/sft", "trainer.logger=[console,jsonl]",
+    ], schema=SFTConfig)
+
+
+def demo_tool_rl_config(files: dict, model_dir: str, out_dir: str, steps: int, *overrides: str) -> HybridFlowConfig:
+    """Multi-turn GRPO with the calculator: 8 prompts x 8 trajectories, at most 2 assistant turns."""
+    return _policy_run(files["train"], files["val"], model_dir, out_dir, steps, 8, 16, "actor_rollout_ref.rollout.n=8",
+                       "actor_rollout_ref.rollout.temperature=1.0", "algorithm.adv_estimator=grpo",
+                       f"data.max_prompt_length={TOOL_MAX_PROMPT}", f"data.max_response_length={TOOL_MAX_RESPONSE}",
+                       "actor_rollout_ref.rollout.multi_turn.enable=true", "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=2",
+                       f"actor_rollout_ref.rollout.multi_turn.tool_config_path={files['tool_config']}", *overrides)
+
+
+def demo_guess_rl_config(files: dict, model_dir: str, out_dir: str, steps: int, *overrides: str) -> HybridFlowConfig:
+    """Multi-turn GRPO against the guess environment: 8 prompts x 8 games, up to 10 guesses each."""
+    return _policy_run(files["train"], files["val"], model_dir, out_dir, steps, 8, 16, "actor_rollout_ref.rollout.n=8",
+                       "actor_rollout_ref.rollout.temperature=1.0", "algorithm.adv_estimator=grpo",
+                       f"data.max_prompt_length={GUESS_MAX_PROMPT}", f"data.max_response_length={GUESS_MAX_RESPONSE}",
+                       "actor_rollout_ref.rollout.multi_turn.enable=true", "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=10",
+                       *overrides)
 
 
 def demo_dpo_config(files: dict, model_dir: str, out_dir: str, steps: int, *overrides: str) -> HybridFlowConfig:
@@ -117,10 +159,30 @@ def run_recipe(recipe: str, files: dict, sft_dir: str, out: str, steps: int, *ov
                              f"reward_model.model.path={out}/reward_model", *overrides)
         print(f"[demo] GRPO with the reward model as the only reward: {steps} steps", flush=True)
         result = _fit(RLTrainer(cfg))
+    elif recipe in ("tool", "guess"):
+        make = demo_tool_rl_config if recipe == "tool" else demo_guess_rl_config
+        cfg = make(files, sft_dir, f"{out}/{recipe}_grpo", steps, *overrides)
+        what = "the calculator" if recipe == "tool" else "the guessing environment"
+        print(f"[demo] multi-turn GRPO with {what}: {steps} steps, {cfg.data.train_batch_size} prompts x "
+              f"{cfg.actor_rollout_ref.rollout.n} trajectories, {_workers(cfg)}", flush=True)
+        result = _fit(RLTrainer(cfg))
+        extra = _agent_summary(result["history"])
     else:
         raise ValueError(f"unknown recipe {recipe!r}; expected one of {sorted(RECIPE_STEPS)}")
     history = result["history"]
-    return {"val_curve": [(h["step"], h[VAL_KEY]) for h in history if VAL_KEY in h], "steps": result["steps"], "history": history, **extra}
+    key = val_key(recipe)
+    return {"val_curve": [(h["step"], h[key]) for h in history if key in h], "steps": result["steps"], "history": history, **extra}
+
+
+def _agent_summary(history: list[dict]) -> dict:
+    """Held-out turns and tool calls per trajectory after SFT and at the end (val-aux/agent/*)."""
+    out = {}
+    for name in ("num_turns/mean", "num_turns/solved_mean", "tool_calls/mean"):
+        vals = [h[f"val-aux/agent/{name}"] for h in history if f"val-aux/agent/{name}" in h]
+        if vals:
+            key = name.replace("/mean", "").replace("/", "_")
+            out[f"val_{key}_after_sft"], out[f"val_{key}_final"] = vals[0], vals[-1]
+    return out
 
 
 def _workers(cfg) -> str:
@@ -131,7 +193,8 @@ def _workers(cfg) -> str:
 
 
 def main(args) -> int:
-    from hybridflow.data.tasks import make_max_task
+    from hybridflow.agent.tasks import make_guess_task
+    from hybridflow.data.tasks import make_max_task, make_multiply_task
     from hybridflow.models.tiny import make_tiny_model
     from hybridflow.trainer.sft import run_sft
 
@@ -139,11 +202,21 @@ def main(args) -> int:
     recipe = getattr(args, "recipe", "grpo")
     out = os.path.abspath(args.output_dir)
     os.makedirs(out, exist_ok=True)
-    files = make_max_task(os.path.join(out, "data"))
-    base = make_tiny_model(os.path.join(out, "tiny_model"), hidden_size=128, intermediate_size=256, num_hidden_layers=2)
+    if recipe == "tool":  # its own task: 3-digit products, a calculator, conversations of ~300 tokens
+        files = make_multiply_task(os.path.join(out, "data"))
+        base = make_tiny_model(os.path.join(out, "tiny_model"), hidden_size=128, intermediate_size=256, num_hidden_layers=TOOL_LAYERS,
+                               max_position_embeddings=512, tools_template=True)
+        sft_cfg = demo_multi_turn_sft_config(files, base, out, args.sft_steps or TOOL_SFT_STEPS, TOOL_MAX_PROMPT + TOOL_MAX_RESPONSE)
+    elif recipe == "guess":  # its own task: games against the guess environment
+        files = make_guess_task(os.path.join(out, "data"))
+        base = make_tiny_model(os.path.join(out, "tiny_model"), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                               max_position_embeddings=1024)
+        sft_cfg = demo_multi_turn_sft_config(files, base, out, args.sft_steps or GUESS_SFT_STEPS, GUESS_MAX_PROMPT + GUESS_MAX_RESPONSE)
+    else:
+        files = make_max_task(os.path.join(out, "data"))
+        base = make_tiny_model(os.path.join(out, "tiny_model"), hidden_size=128, intermediate_size=256, num_hidden_layers=2)
+        sft_cfg = demo_sft_config(files["sft"], base, out, args.sft_steps or SFT_STEPS)
     print(f"[demo] task data in {out}/data, tiny model in {base}", flush=True)
-
-    sft_cfg = demo_sft_config(files["sft"], base, out, args.sft_steps or SFT_STEPS)
     print(f"[demo] SFT warm start: {sft_cfg.total_steps} steps on biased demonstrations", flush=True)
     sft = run_sft(sft_cfg)
 

@@ -7,6 +7,10 @@ from __future__ import annotations
 from conftest import rl_overrides
 
 
+# Half the vocabulary ends a turn, so the random tiny model's turns are short and the env answers them.
+GUESS_STOPS = ",".join(str(i) for i in range(40, 170))
+
+
 def _guess_rows(n: int, seed: int) -> list[dict]:
     import random
 
@@ -23,13 +27,11 @@ def test_multi_turn_grpo_step_masks_environment_tokens(ray_cluster, tiny_model_d
 
     write_parquet(_guess_rows(16, 0), tmp_path / "train.parquet")
     write_parquet(_guess_rows(8, 1), tmp_path / "val.parquet")
-    # Half the vocabulary ends a turn, so the random tiny model's turns are short and the env answers them.
-    stops = ",".join(str(i) for i in range(40, 170))
     cfg = load_config(None, rl_overrides(tiny_model_dir, tmp_path, tmp_path / "out",
                                          "data.max_prompt_length=64", "data.max_response_length=96", "trainer.total_training_steps=1",
                                          "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.multi_turn.enable=true",
                                          "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
-                                         f"actor_rollout_ref.rollout.stop_token_ids=[{stops}]", "actor_rollout_ref.actor.recompute_old_log_prob=true",
+                                         f"actor_rollout_ref.rollout.stop_token_ids=[{GUESS_STOPS}]", "actor_rollout_ref.actor.recompute_old_log_prob=true",
                                          "trainer.val_before_train=true"), schema=HybridFlowConfig)
     trainer = RLTrainer(cfg)
     try:

@@ -120,3 +120,29 @@ def test_vllm_tensor_parallel_2_inside_the_workers(ray_cluster, vllm_model_dir, 
         assert abs(h["actor/ppo_kl"]) < 1e-6
         assert h["reshard/bytes_per_rank"] == h["reshard/min_bytes_per_rank"] == expected, h
         assert h["reshard/bytes_per_rank"] < h["reshard/naive_bytes_per_rank"]
+
+
+def test_vllm_multi_turn_grpo_step(ray_cluster, vllm_model_dir, tmp_path):
+    """The agent loop's requests on vLLM: turns answered by the guess environment, its tokens masked,
+    vLLM's log-probs of the model tokens equal the trainer's recomputation, first ppo_kl exactly 0."""
+    from hybridflow.data.tasks import write_parquet
+    from test_e2e_agent import GUESS_STOPS, _guess_rows
+
+    write_parquet(_guess_rows(16, 0), tmp_path / "train.parquet")
+    write_parquet(_guess_rows(8, 1), tmp_path / "val.parquet")
+    cfg = load_config(None, rl_overrides(vllm_model_dir, tmp_path, tmp_path / "out", "actor_rollout_ref.rollout.name=vllm",
+                                         "data.max_prompt_length=64", "data.max_response_length=96", "trainer.total_training_steps=1",
+                                         "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.multi_turn.enable=true",
+                                         "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3", f"actor_rollout_ref.rollout.stop_token_ids=[{GUESS_STOPS}]",
+                                         "actor_rollout_ref.actor.recompute_old_log_prob=true"), schema=HybridFlowConfig)
+    trainer = RLTrainer(cfg)
+    try:
+        out = trainer.fit()
+        trajs = trainer.agent.last
+    finally:
+        trainer.shutdown()
+    step = next(h for h in out["history"] if h["step"] == 1)
+    assert step["actor/ppo_kl"] == 0.0
+    assert step["agent/num_turns/max"] >= 2 and step["agent/tool_tokens/mean"] > 0
+    assert step["rollout/logprob_diff_max"] < 1e-3  # model tokens only: the env's tokens have no rollout log-prob
+    assert any(0 in t.response_mask[:max(i for i, m in enumerate(t.response_mask) if m) + 1] for t in trajs)

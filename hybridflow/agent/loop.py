@@ -276,6 +276,9 @@ def trajectory_metrics(trajs: Sequence[Trajectory], batcher: RequestBatcher | No
         "agent/model_tokens/mean": sum(sum(t.response_mask) for t in trajs) / n,
         "agent/tool_tokens/mean": sum(len(t.response_mask) - sum(t.response_mask) for t in trajs) / n,
     }
+    solved = [t.num_turns for t in trajs if t.reward > 0]  # trajectories a tool / environment rewarded
+    if solved:
+        out["agent/num_turns/solved_mean"] = sum(solved) / len(solved)
     if batcher is not None:
         out["agent/generate_calls"] = float(batcher.calls)
     return out

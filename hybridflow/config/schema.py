@@ -402,6 +402,17 @@ class HybridFlowConfig:
 
 
 @dataclass
+class SFTMultiTurnConfig:
+    """verl's ``data.multiturn``: rows are conversations with tool / user turns between the
+    assistant's (loss on the assistant turns only), tokenized as the agent loop builds them."""
+
+    enable: bool = False
+    messages_key: str = "messages"
+    tools_key: str = "tools"  # OpenAI function schemas (a list or its JSON string), rendered into the prompt
+    format: Literal["hermes"] = "hermes"  # the tool-call format whose tool prompt the schemas get
+
+
+@dataclass
 class SFTConfig:
     """The SFT trainer's config (``hybridflow sft``): same model/optim/trainer blocks."""
 
@@ -409,6 +420,7 @@ class SFTConfig:
     val_files: list[str] = field(default_factory=list)
     prompt_key: str = "prompt"
     response_key: str = "response"
+    multiturn: SFTMultiTurnConfig = field(default_factory=SFTMultiTurnConfig)
     max_length: int = 64
     train_batch_size: int = 64  # sequences per optimizer step, global
     micro_batch_size_per_gpu: int = 32

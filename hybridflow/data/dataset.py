@@ -217,7 +217,8 @@ class SFTDataset(Dataset):
     longer than ``max_length`` are truncated on the RIGHT (the end of the response, and possibly
     its eos, is cut; counted in ``num_truncated``). A prompt that leaves no room for any response
     token raises DataError. Items are right-padded to ``max_length``; ``loss_mask`` is 1 exactly on
-    the response tokens (eos included) that survive truncation.
+    the response tokens (eos included) that survive truncation. Subclasses (multi-turn
+    conversations: ``hybridflow/agent/sft_data.py``) override ``encode_row``.
     """
 
     def __init__(self, files, tokenizer, max_length: int, prompt_key: str = "prompt", response_key: str = "response"):
@@ -225,33 +226,27 @@ class SFTDataset(Dataset):
             raise DataError(f"data.max_length must be > 1, got {max_length}")
         self.tokenizer = tokenizer
         self.max_length = int(max_length)
+        self.prompt_key, self.response_key = prompt_key, response_key
         eos = tokenizer.eos_token_id
         if eos is None:
             raise DataError("tokenizer has no eos_token_id; SFT needs one to end responses")
+        self.eos_token_id = int(eos)
         pad = tokenizer.pad_token_id
         self.pad_token_id = int(pad if pad is not None else eos)
         self.num_truncated = 0
-        self.samples: list[tuple[list[int], int]] = []  # (ids, prompt_len)
+        self.samples: list[tuple[list[int], list[int]]] = []  # (ids, loss mask), unpadded
         for file, row_no, row in load_rows(files):
-            prompt = _check_chat(file, row_no, row, prompt_key, SFT_REQUIRED)
-            response = row.get(response_key)
-            if response is None:
-                raise DataError(f"{file} row {row_no}: column {response_key!r} is missing or null ({SFT_REQUIRED})")
-            if not isinstance(response, str):
+            ids, mask = self.encode_row(file, row_no, row)
+            first = mask.index(1) if 1 in mask else len(mask)
+            if first >= self.max_length:
                 raise DataError(
-                    f"{file} row {row_no}: column {response_key!r} must be a string, got {type(response).__name__}"
-                )
-            p_ids = chat_ids(tokenizer, prompt, add_generation_prompt=True)
-            if len(p_ids) >= self.max_length:
-                raise DataError(
-                    f"{file} row {row_no}: prompt is {len(p_ids)} tokens, leaving no room for the response "
+                    f"{file} row {row_no}: prompt is {first} tokens, leaving no room for the response "
                     f"within data.max_length={self.max_length}; raise data.max_length"
                 )
-            ids = p_ids + text_ids(tokenizer, response) + [int(eos)]
             if len(ids) > self.max_length:
-                ids = ids[: self.max_length]
+                ids, mask = ids[: self.max_length], mask[: self.max_length]
                 self.num_truncated += 1
-            self.samples.append((ids, len(p_ids)))
+            self.samples.append((ids, mask))
         if self.num_truncated:
             logger.warning(
                 "SFTDataset: truncated %d sequences on the right to data.max_length=%d",
@@ -259,11 +254,25 @@ class SFTDataset(Dataset):
                 self.max_length,
             )
 
+    def encode_row(self, file: str, row_no: int, row: dict) -> tuple[list[int], list[int]]:
+        """One row -> (token ids, loss mask: 1 on the tokens the model learns to write)."""
+        prompt = _check_chat(file, row_no, row, self.prompt_key, SFT_REQUIRED)
+        response = row.get(self.response_key)
+        if response is None:
+            raise DataError(f"{file} row {row_no}: column {self.response_key!r} is missing or null ({SFT_REQUIRED})")
+        if not isinstance(response, str):
+            raise DataError(
+                f"{file} row {row_no}: column {self.response_key!r} must be a string, got {type(response).__name__}"
+            )
+        p_ids = chat_ids(self.tokenizer, prompt, add_generation_prompt=True)
+        r_ids = text_ids(self.tokenizer, response) + [self.eos_token_id]
+        return p_ids + r_ids, [0] * len(p_ids) + [1] * len(r_ids)
+
     def __len__(self) -> int:
         return len(self.samples)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        ids, p_len = self.samples[i]
+        ids, mask = self.samples[i]
         n = len(ids)
         L = self.max_length
         input_ids = torch.full((L,), self.pad_token_id, dtype=torch.long)
@@ -271,7 +280,7 @@ class SFTDataset(Dataset):
         attention_mask = torch.zeros(L, dtype=torch.long)
         attention_mask[:n] = 1
         loss_mask = torch.zeros(L, dtype=torch.long)
-        loss_mask[p_len:n] = 1
+        loss_mask[:n] = torch.as_tensor(mask, dtype=torch.long)
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         return {
             "input_ids": input_ids,

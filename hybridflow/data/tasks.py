@@ -10,6 +10,15 @@ task (`pref_train.parquet`, `pref_val.parquet`): for each triple, chosen = the r
 (the maximum), rejected = the minimum, the next smallest digit, and a digit absent from the prompt, so a
 preference learner's progress is measured by the same rule scorer on the held-out triples.
 
+``multiply`` (the tool demo's task): "What is 123*456?" -> "56088", 3-digit operands, a product the
+tiny model cannot compute in its head. RL rows go through the multi-turn agent loop with the
+``calculator`` tool (``tool_config.yaml``, verl's shape); SFT rows are multi-turn conversations
+(``messages``: user, assistant tool call, tool result, assistant answer) that are often wrong: with
+``direct_prob`` the demonstration answers without the tool (a wrong guess near the product), and a
+tool-using one passes bad arguments (a digit changed, or ``+`` for ``*``) with ``bad_args_prob``.
+The SFT model prefers answering in its head (greedy accuracy near 0); GRPO with the exact-answer
+reward (the last integer of the model's own tokens) makes it call the tool with the right arguments.
+
 ``arith_add``: single-digit addition ``a+b`` (a, b in 0..9). The RL files hold the 100 pairs split
 into train / val (val is held out from RL training); the SFT file holds biased demonstrations over
 all 100 pairs: with probability ``bias_prob`` the demonstrated answer is ``a+b+bias_offset``. An SFT
@@ -26,6 +35,11 @@ import random
 
 ARITH_DATA_SOURCE = "arith_add"
 MAX_DATA_SOURCE = "digit_max"
+MULTIPLY_DATA_SOURCE = "multiply"
+# The tool demo's calculator: the schema the RL prompt renders (tool_config.yaml) and the SFT rows carry.
+CALCULATOR_SCHEMA = {"type": "function", "function": {
+    "name": "calculator", "description": "Evaluate arithmetic.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
 
 
 def write_parquet(rows: list[dict], path) -> pathlib.Path:
@@ -154,6 +168,75 @@ def make_max_task(out_dir, num_digits: int = 3, val_fraction: float = 0.2, sft_c
         "sft": write_parquet(sft_rows, out / "sft.parquet"),
         "pref_train": write_parquet(pref_rows("train", train), out / "pref_train.parquet"),
         "pref_val": write_parquet(pref_rows("val", val), out / "pref_val.parquet"),
+    }
+
+
+def multiply_prompt(a: int, b: int) -> list[dict]:
+    return [{"role": "user", "content": f"What is {a}*{b}?"}]
+
+
+def _tool_call(expression: str) -> str:
+    """The hermes call the calculator demonstrations write (hybridflow/agent/format.py)."""
+    return '<tool_call>\n' + json.dumps({"name": "calculator", "arguments": {"expression": expression}}) + '\n</tool_call>'
+
+
+def make_multiply_task(out_dir, n_train: int = 2000, n_val: int = 100, n_sft: int = 3000, direct_prob: float = 0.6,
+                       bad_args_prob: float = 0.35, seed: int = 0) -> dict[str, pathlib.Path]:
+    """Write ``train.parquet`` / ``val.parquet`` (RL, disjoint operand pairs), ``sft.parquet``
+    (multi-turn ``messages`` + ``tools``, over the train pairs only) and ``tool_config.yaml``."""
+    for name, p in (("direct_prob", direct_prob), ("bad_args_prob", bad_args_prob)):
+        if not 0.0 <= p <= 1.0:
+            raise ValueError(f"{name} must be in [0, 1], got {p}")
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    pairs: set[tuple[int, int]] = set()
+    while len(pairs) < n_train + n_val:
+        pairs.add((rng.randint(100, 999), rng.randint(100, 999)))
+    ordered = sorted(pairs)
+    rng.shuffle(ordered)
+    val, train = ordered[:n_val], ordered[n_val:]
+
+    def rl_rows(split: str, split_pairs):
+        return [{"data_source": MULTIPLY_DATA_SOURCE, "prompt": multiply_prompt(a, b), "ability": "math",
+                 "reward_model": {"style": "rule", "ground_truth": str(a * b)},
+                 "extra_info": {"split": split, "index": i, "a": a, "b": b}} for i, (a, b) in enumerate(split_pairs)]
+
+    def near_miss(x: int) -> int:
+        """A wrong product "in the head": the leading digits right, the last three guessed."""
+        guess = x - x % 1000 + rng.randrange(1000)
+        return guess if guess != x else guess + 1
+
+    def bad_expression(a: int, b: int) -> str:
+        if rng.random() < 0.5:
+            return f"{a}+{b}"
+        digits = list(f"{a}{b}")
+        i = rng.randrange(len(digits))
+        digits[i] = rng.choice([d for d in "0123456789" if d != digits[i] and (i % 3 or d != "0")])
+        return f"{''.join(digits[:3])}*{''.join(digits[3:])}"
+
+    sft_rows = []
+    for _ in range(n_sft):
+        a, b = rng.choice(train)
+        messages = multiply_prompt(a, b)
+        if rng.random() < direct_prob:
+            messages.append({"role": "assistant", "content": f"The answer is {near_miss(a * b)}."})
+        else:
+            expr = bad_expression(a, b) if rng.random() < bad_args_prob else f"{a}*{b}"
+            x, op, y = (expr.partition("*") if "*" in expr else expr.partition("+"))
+            result = int(x) * int(y) if op == "*" else int(x) + int(y)
+            messages += [{"role": "assistant", "content": _tool_call(expr)},
+                         {"role": "tool", "content": str(result), "name": "calculator"},
+                         {"role": "assistant", "content": f"The answer is {result}."}]
+        sft_rows.append({"messages": messages, "tools": json.dumps([CALCULATOR_SCHEMA])})
+    tool_config = out / "tool_config.yaml"
+    tool_config.write_text(json.dumps({"tools": [{"class_name": "calculator", "config": {"type": "native"},
+                                                  "tool_schema": CALCULATOR_SCHEMA}]}, indent=2) + "\n")  # JSON is YAML
+    return {
+        "train": write_parquet(rl_rows("train", train), out / "train.parquet"),
+        "val": write_parquet(rl_rows("val", val), out / "val.parquet"),
+        "sft": write_parquet(sft_rows, out / "sft.parquet"),
+        "tool_config": tool_config,
     }
 
 

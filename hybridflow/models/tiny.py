@@ -33,6 +33,17 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+# The same template with a compact tool block (when ``tools=`` is given): one line per tool instead
+# of the JSON schemas, so a tool conversation fits a tiny model's context (~150 tokens, not ~600).
+# The agent loop passes tools to any template that renders them (hybridflow/agent/format.py).
+TOOLS_CHAT_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\nTools: ' }}"
+    "{% for tool in tools %}{{ tool['function']['name'] + '(' + (tool['function']['parameters']['properties'] | list | join(', ')) + ')' }}"
+    "{% if not loop.last %}{{ ', ' }}{% endif %}{% endfor %}"
+    "{{ '. Call one as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>.<|im_end|>\n' }}{% endif %}"
+    + CHAT_TEMPLATE
+)
+
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2 / ByteLevel byte -> printable unicode char mapping."""
@@ -123,6 +134,7 @@ def make_tiny_model(
     seed: int = 0,
     head_dim: int | None = None,
     reward: bool = False,
+    tools_template: bool = False,
 ) -> pathlib.Path:
     """Build a randomly initialised fp32 causal LM + char tokenizer and save both to ``out_dir``.
 
@@ -131,6 +143,8 @@ def make_tiny_model(
 
     head_dim (default hidden_size // num_attention_heads) lets the hidden size be any number, e.g.
     one that does not divide by the number of workers.
+
+    tools_template=True saves ``TOOLS_CHAT_TEMPLATE`` (a compact tool block) as the chat template.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig, LlamaConfig, Qwen2Config
@@ -172,6 +186,8 @@ def make_tiny_model(
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.generation_config = GenerationConfig(bos_token_id=pad_id, eos_token_id=eos_id, pad_token_id=pad_id)
     model.save_pretrained(out)
+    if tools_template:
+        tok.chat_template = TOOLS_CHAT_TEMPLATE
     tok.save_pretrained(out)
     return out
 

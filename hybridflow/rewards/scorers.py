@@ -53,7 +53,7 @@ def gsm8k_score(solution_str: str, ground_truth: Any, format_score: float = 0.0,
     return score if _same_answer(ans, ground_truth) else format_score
 
 
-_EXACT_ANSWER = ("arith_add", "arithmetic", "digit_max")
+_EXACT_ANSWER = ("arith_add", "arithmetic", "digit_max", "multiply")
 _GSM8K = ("openai/gsm8k", "gsm8k")
 _CODE = ("code",)
 # Rows played against an environment (hybridflow/agent/envs.py): the environment's own reward is the

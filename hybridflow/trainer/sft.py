@@ -13,6 +13,7 @@ import os
 
 from transformers import AutoTokenizer
 
+from hybridflow.agent.sft_data import MultiTurnSFTDataset
 from hybridflow.config import HybridFlowConfig, SFTConfig, validate_sft_config
 from hybridflow.config.schema import DEFAULT_POOL, ActorConfig, ActorRolloutRefConfig, PoolSpec
 from hybridflow.config.pools import ModelPart
@@ -32,7 +33,9 @@ def _actor_config(cfg: SFTConfig) -> HybridFlowConfig:
 def run_sft(cfg: SFTConfig, log_every: int = 50) -> dict:
     validate_sft_config(cfg)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
-    dataset = SFTDataset(cfg.train_files, tokenizer, cfg.max_length, cfg.prompt_key, cfg.response_key)
+    mt = cfg.multiturn
+    dataset = (MultiTurnSFTDataset(cfg.train_files, tokenizer, cfg.max_length, mt.messages_key, mt.tools_key, mt.format) if mt.enable
+               else SFTDataset(cfg.train_files, tokenizer, cfg.max_length, cfg.prompt_key, cfg.response_key))
     loader = PromptLoader(dataset, cfg.train_batch_size, collate_sft, shuffle=True, seed=cfg.trainer.seed)
     t = cfg.trainer
     worker = policy_worker(_actor_config(cfg), {ModelPart.ACTOR}, total_training_steps=cfg.total_steps)

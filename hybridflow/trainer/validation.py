@@ -21,6 +21,7 @@ def validate(cfg: HybridFlowConfig, val_ds: Any, collate: Callable[[list], Batch
     vk = cfg.actor_rollout_ref.rollout.val_kwargs
     size = cfg.data.val_batch_size or len(val_ds)
     scores: dict[str, list[float]] = defaultdict(list)
+    agent: dict[str, list[tuple[float, int]]] = defaultdict(list)  # multi-turn: (a batch's mean, its rows)
     for start in range(0, len(val_ds), size):
         batch = collate([val_ds[i] for i in range(start, min(start + size, len(val_ds)))])
         batch = batch.repeat(vk.n, interleave=True)
@@ -28,4 +29,8 @@ def validate(cfg: HybridFlowConfig, val_ds: Any, collate: Callable[[list], Batch
         seq_scores = reward_fn(with_sample_info(out, batch))[0].sum(-1).tolist()
         for ds, s in zip(batch["data_source"], seq_scores):
             scores[ds].append(s)
-    return {f"val-core/{ds}/acc/mean@{vk.n}": float(np.mean(v)) for ds, v in scores.items()}
+        for k, v in out.meta.get("metrics", {}).items():
+            if k.startswith("agent/") and k.endswith("mean"):
+                agent[k].append((v, len(out)))
+    return {**{f"val-core/{ds}/acc/mean@{vk.n}": float(np.mean(v)) for ds, v in scores.items()},
+            **{f"val-aux/{k}": sum(v * n for v, n in vals) / sum(n for _, n in vals) for k, vals in agent.items()}}
