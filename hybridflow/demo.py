@@ -175,13 +175,12 @@ def run_recipe(recipe: str, files: dict, sft_dir: str, out: str, steps: int, *ov
 
 
 def _agent_summary(history: list[dict]) -> dict:
-    """Held-out turns and tool calls per trajectory after SFT and at the end (val-aux/agent/*)."""
+    """Held-out (greedy) turns, turns per solved game and tool calls per trajectory, after SFT and at the end."""
     out = {}
-    for name in ("num_turns/mean", "num_turns/solved_mean", "tool_calls/mean"):
+    for name, key in (("num_turns/mean", "val_turns"), ("num_turns/solved_mean", "val_turns_per_solved"), ("tool_calls/mean", "val_tool_calls")):
         vals = [h[f"val-aux/agent/{name}"] for h in history if f"val-aux/agent/{name}" in h]
         if vals:
-            key = name.replace("/mean", "").replace("/", "_")
-            out[f"val_{key}_after_sft"], out[f"val_{key}_final"] = vals[0], vals[-1]
+            out[f"{key}_after_sft"], out[f"{key}_final"] = vals[0], vals[-1]
     return out
 
 

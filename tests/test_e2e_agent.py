@@ -4,6 +4,8 @@ trainer's old log-probs of the model tokens equal its own recomputation on the s
 
 from __future__ import annotations
 
+import pytest
+
 from conftest import rl_overrides
 
 
@@ -32,16 +34,28 @@ def test_multi_turn_grpo_step_masks_environment_tokens(ray_cluster, tiny_model_d
                                          "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.multi_turn.enable=true",
                                          "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
                                          f"actor_rollout_ref.rollout.stop_token_ids=[{GUESS_STOPS}]", "actor_rollout_ref.actor.recompute_old_log_prob=true",
-                                         "trainer.val_before_train=true"), schema=HybridFlowConfig)
+                                         "trainer.val_before_train=true", "trainer.test_freq=1"), schema=HybridFlowConfig)
     trainer = RLTrainer(cfg)
+    rollouts = []  # the trajectories of every agent call: validation, the step's rollout, validation
+    generate = trainer.agent.generate
+
+    def recording(*args, **kwargs):
+        batch = generate(*args, **kwargs)
+        rollouts.append(list(trainer.agent.last))
+        return batch
+
+    trainer.agent.generate = recording
     try:
         out = trainer.fit()
-        trajs = trainer.agent.last
     finally:
         trainer.shutdown()
+    assert len(rollouts) == 3
     step = next(h for h in out["history"] if h["step"] == 1)
     assert step["actor/ppo_kl"] == 0.0
     assert step["agent/num_turns/max"] >= 2 and step["agent/tool_tokens/mean"] > 0
     assert "val-core/guess/acc/mean@1" in out["history"][0]
+    # the validation after step 1 scores its games by the environment's reward (the guess rule itself gives 0)
+    assert step["val-core/guess/acc/mean@1"] == pytest.approx(sum(t.reward for t in rollouts[2]) / len(rollouts[2]))
     # the env's turns are in the batch with mask 0; the model's with mask 1 and the backend's log-probs
-    assert any(0 in t.response_mask[:max(i for i, m in enumerate(t.response_mask) if m) + 1] for t in trajs)
+    assert any(0 in t.response_mask[:max(i for i, m in enumerate(t.response_mask) if m) + 1] for t in rollouts[1])
+

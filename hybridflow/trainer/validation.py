@@ -26,7 +26,10 @@ def validate(cfg: HybridFlowConfig, val_ds: Any, collate: Callable[[list], Batch
         batch = collate([val_ds[i] for i in range(start, min(start + size, len(val_ds)))])
         batch = batch.repeat(vk.n, interleave=True)
         out = generate(batch, greedy)
-        seq_scores = reward_fn(with_sample_info(out, batch))[0].sum(-1).tolist()
+        seq_scores = reward_fn(with_sample_info(out, batch))[0].sum(-1)
+        if "agent_reward" in out:  # multi-turn: the tools' / environment's reward, as in training (driver_stages.reward)
+            seq_scores = seq_scores + out["agent_reward"]
+        seq_scores = seq_scores.tolist()
         for ds, s in zip(batch["data_source"], seq_scores):
             scores[ds].append(s)
         for k, v in out.meta.get("metrics", {}).items():
