@@ -26,11 +26,21 @@ def tool_config(tmp_path_factory):
     return make_multiply_task(tmp_path_factory.mktemp("multiply"), n_train=200, n_val=50, n_sft=400)
 
 
-@pytest.mark.parametrize("kind", ["qwen", "llama"])
+def _tok(kind: str):
+    """The test templates, plus the tiny model's compact tool template (it renders tools= itself)."""
+    from hybridflow.models.tiny import TOOLS_CHAT_TEMPLATE
+
+    tok = _tokenizer("qwen" if kind == "tools" else kind)
+    if kind == "tools":
+        tok.chat_template = TOOLS_CHAT_TEMPLATE
+    return tok
+
+
+@pytest.mark.parametrize("kind", ["qwen", "llama", "tools"])
 def test_sft_tokens_equal_the_agent_loop_trajectory(tmp_path, tool_config, kind):
     """The SFT row's ids are the trajectory the loop builds when the backend writes the demo's
     assistant turns; the loss mask is the trajectory's response mask (0 on the prompt)."""
-    tok = _tokenizer(kind)
+    tok = _tok(kind)
     path = write_parquet([{"messages": CONVERSATION, "tools": json.dumps([CALCULATOR_SCHEMA])}], tmp_path / "sft.parquet")
     ids, mask = MultiTurnSFTDataset([path], tok, 2048).samples[0]
 
@@ -51,17 +61,22 @@ def test_sft_tokens_equal_the_agent_loop_trajectory(tmp_path, tool_config, kind)
     assert mask == [0] * len(traj.prompt_ids) + traj.response_mask
 
 
-def test_sft_tokens_are_the_rendered_conversation():
-    """Oracle independent of the delta logic: the tiny template is append-only, so the SFT ids are a
-    prefix of the whole conversation rendered at once (the system message carries the tool prompt)."""
+@pytest.mark.parametrize("kind", ["qwen", "tools"])
+def test_sft_tokens_are_the_rendered_conversation(tmp_path, kind):
+    """Oracle independent of the delta logic: the tiny templates are append-only, so the SFT ids are a
+    prefix of the whole conversation rendered at once (the tool prompt in a system message, or the
+    template's own tool block)."""
     from hybridflow.agent.format import get_format
 
-    tok = _tokenizer("qwen")
-    ds = MultiTurnSFTDataset.__new__(MultiTurnSFTDataset)
-    ds.tokenizer, ds.eos_token_id, ds.messages_key, ds.tools_key, ds.fmt = tok, tok.eos_token_id, "messages", "tools", "hermes"
-    ids, mask = ds.encode_row("f", 0, {"messages": CONVERSATION, "tools": [CALCULATOR_SCHEMA]})
-    system = {"role": "system", "content": get_format("hermes").system_prompt([CALCULATOR_SCHEMA])}
-    whole = tok.apply_chat_template([system, *CONVERSATION], tokenize=False)
+    tok = _tok(kind)
+    path = write_parquet([{"messages": CONVERSATION, "tools": json.dumps([CALCULATOR_SCHEMA])}], tmp_path / "sft.parquet")
+    ids, mask = MultiTurnSFTDataset([path], tok, 2048).samples[0]
+    if kind == "tools":
+        whole = tok.apply_chat_template(CONVERSATION, tools=[CALCULATOR_SCHEMA], tokenize=False)
+        assert whole.startswith("<|im_start|>system\nTools: calculator(expression).")
+    else:
+        system = {"role": "system", "content": get_format("hermes").system_prompt([CALCULATOR_SCHEMA])}
+        whole = tok.apply_chat_template([system, *CONVERSATION], tokenize=False)
     assert tok.decode(ids) == whole[: len(tok.decode(ids))] and whole.endswith(tok.decode(ids) + "\n")
     learned = tok.decode([t for t, m in zip(ids, mask) if m])
     assert learned == CALL + "<|im_end|>" + "408<|im_end|>"

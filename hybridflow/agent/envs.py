@@ -20,7 +20,9 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Mapping, NamedTuple
+
+from hybridflow.agent.registry import class_registry
 
 __all__ = [
     "EnvStep",
@@ -68,15 +70,7 @@ class Environment:
 _ENVS: dict[str, type[Environment]] = {}
 
 
-def register_env(name: str) -> Callable[[type[Environment]], type[Environment]]:
-    def deco(cls: type[Environment]) -> type[Environment]:
-        if name in _ENVS and _ENVS[name] is not cls:
-            raise ValueError(f"environment {name!r} is already registered to {_ENVS[name].__qualname__}")
-        cls.name = name
-        _ENVS[name] = cls
-        return cls
-
-    return deco
+register_env = class_registry("environment", _ENVS, set_name=True)
 
 
 def make_env(name: str, config: Mapping[str, Any] | None = None) -> Environment:

@@ -27,8 +27,9 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
+from hybridflow.agent.registry import class_registry
 from hybridflow.agent.tools import ToolCall, ToolResult
 from hybridflow.data.chat import chat_ids
 
@@ -87,15 +88,7 @@ class ToolCallFormat:
 _FORMATS: dict[str, type[ToolCallFormat]] = {}
 
 
-def register_format(name: str) -> Callable[[type[ToolCallFormat]], type[ToolCallFormat]]:
-    def deco(cls: type[ToolCallFormat]) -> type[ToolCallFormat]:
-        if name in _FORMATS and _FORMATS[name] is not cls:
-            raise ValueError(f"tool-call format {name!r} is already registered")
-        cls.name = name
-        _FORMATS[name] = cls
-        return cls
-
-    return deco
+register_format = class_registry("tool-call format", _FORMATS, set_name=True)
 
 
 def get_format(name: str | ToolCallFormat) -> ToolCallFormat:

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
+from hybridflow.agent.registry import class_registry
 from hybridflow.agent.envs import Environment, env_name_for_row, make_env_for_row
 from hybridflow.agent.format import apply_chat_template_with_tools, get_format, message_delta_ids
 from hybridflow.agent.tools import Tool, ToolResult, ToolSession, truncate_middle
@@ -107,14 +108,7 @@ class RequestBatcher:
 AGENT_LOOPS: dict[str, type["AgentLoop"]] = {}
 
 
-def register_agent_loop(name: str):
-    def deco(cls: type["AgentLoop"]) -> type["AgentLoop"]:
-        if name in AGENT_LOOPS:
-            raise ValueError(f"agent loop {name!r} is already registered")
-        AGENT_LOOPS[name] = cls
-        return cls
-
-    return deco
+register_agent_loop = class_registry("agent loop", AGENT_LOOPS)
 
 
 class AgentLoop:

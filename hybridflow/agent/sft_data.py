@@ -14,6 +14,7 @@ rollout time, so SFT teaches the very token sequence RL later samples and extend
 
 from __future__ import annotations
 
+import itertools
 import json
 from typing import Any
 
@@ -39,22 +40,15 @@ class MultiTurnSFTDataset(SFTDataset):
         first = roles.index("assistant")
         ids = list(apply_chat_template_with_tools(self.tokenizer, messages[:first], tools, self.fmt))
         mask = [0] * len(ids)
-        i = first
-        while i < len(messages):
-            if messages[i]["role"] == "assistant":
-                turn = text_ids(self.tokenizer, messages[i]["content"]) + [self.eos_token_id]
-                ids += turn
-                mask += [1] * len(turn)
-                i += 1
-                continue
-            j = i
-            while j < len(messages) and messages[j]["role"] != "assistant":
-                j += 1
-            # messages after the last assistant turn get no generation prompt (nothing follows them)
-            delta = message_delta_ids(self.tokenizer, messages[i:j], add_generation_prompt=j < len(messages), after_eos=True)
-            ids += delta
-            mask += [0] * len(delta)
-            i = j
+        runs = [(assistant, list(run)) for assistant, run in itertools.groupby(messages[first:], key=lambda m: m["role"] == "assistant")]
+        for k, (assistant, run) in enumerate(runs):
+            if assistant:  # each turn ends with its own eos
+                pieces = [text_ids(self.tokenizer, m["content"]) + [self.eos_token_id] for m in run]
+            else:  # one delta for the run; after the last assistant turn no generation prompt (nothing follows)
+                pieces = [message_delta_ids(self.tokenizer, run, add_generation_prompt=k < len(runs) - 1, after_eos=True)]
+            for piece in pieces:
+                ids += piece
+                mask += [int(assistant)] * len(piece)
         return ids, mask
 
     def _tools(self, file: str, row_no: int, value: Any) -> list[dict] | None:

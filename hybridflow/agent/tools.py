@@ -38,6 +38,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+from hybridflow.agent.registry import class_registry
+
 __all__ = [
     "CalculatorTool",
     "PythonTool",
@@ -198,16 +200,7 @@ def _build_config(cls: type, raw: dict) -> Any:
 _TOOLS: dict[str, type[Tool]] = {}
 
 
-def register_tool(name: str) -> Callable[[type[Tool]], type[Tool]]:
-    """Class decorator: make a tool class loadable by ``name`` in configs."""
-
-    def deco(cls: type[Tool]) -> type[Tool]:
-        if name in _TOOLS and _TOOLS[name] is not cls:
-            raise ValueError(f"tool name {name!r} is already registered to {_TOOLS[name].__qualname__}")
-        _TOOLS[name] = cls
-        return cls
-
-    return deco
+register_tool = class_registry("tool name", _TOOLS)  # a tool class loadable by name in configs
 
 
 def get_tool_class(spec: str) -> type[Tool]:

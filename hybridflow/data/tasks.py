@@ -207,14 +207,17 @@ def make_multiply_task(out_dir, n_train: int = 2000, n_val: int = 100, n_sft: in
         guess = x - x % 1000 + rng.randrange(1000)
         return guess if guess != x else guess + 1
 
-    def bad_expression(a: int, b: int) -> str:
+    def bad_call(a: int, b: int) -> tuple[str, int]:
+        """(expression, its value): "+" for "*", or one operand digit changed (no leading zero)."""
         if rng.random() < 0.5:
-            return f"{a}+{b}"
+            return f"{a}+{b}", a + b
         digits = list(f"{a}{b}")
         i = rng.randrange(len(digits))
         digits[i] = rng.choice([d for d in "0123456789" if d != digits[i] and (i % 3 or d != "0")])
-        return f"{''.join(digits[:3])}*{''.join(digits[3:])}"
+        x, y = int("".join(digits[:3])), int("".join(digits[3:]))
+        return f"{x}*{y}", x * y
 
+    tools = json.dumps([CALCULATOR_SCHEMA])
     sft_rows = []
     for _ in range(n_sft):
         a, b = rng.choice(train)
@@ -222,13 +225,11 @@ def make_multiply_task(out_dir, n_train: int = 2000, n_val: int = 100, n_sft: in
         if rng.random() < direct_prob:
             messages.append({"role": "assistant", "content": f"The answer is {near_miss(a * b)}."})
         else:
-            expr = bad_expression(a, b) if rng.random() < bad_args_prob else f"{a}*{b}"
-            x, op, y = (expr.partition("*") if "*" in expr else expr.partition("+"))
-            result = int(x) * int(y) if op == "*" else int(x) + int(y)
+            expr, result = bad_call(a, b) if rng.random() < bad_args_prob else (f"{a}*{b}", a * b)
             messages += [{"role": "assistant", "content": _tool_call(expr)},
                          {"role": "tool", "content": str(result), "name": "calculator"},
                          {"role": "assistant", "content": f"The answer is {result}."}]
-        sft_rows.append({"messages": messages, "tools": json.dumps([CALCULATOR_SCHEMA])})
+        sft_rows.append({"messages": messages, "tools": tools})
     tool_config = out / "tool_config.yaml"
     tool_config.write_text(json.dumps({"tools": [{"class_name": "calculator", "config": {"type": "native"},
                                                   "tool_schema": CALCULATOR_SCHEMA}]}, indent=2) + "\n")  # JSON is YAML

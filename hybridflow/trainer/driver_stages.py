@@ -26,10 +26,17 @@ def reward(batch: Batch, reward_fn: Callable, rm: RewardModelConfig, use_rm: boo
         if rm.rule_weight:
             rule, metrics = reward_fn(batch)
             scores = scores + rm.rule_weight * rule
-    if "agent_reward" in batch:
-        scores = scores.clone()
-        scores[torch.arange(len(scores)), last_token_index(batch["response_mask"])] += batch["agent_reward"].to(scores.dtype)
-    return Batch.from_dict(tensors={"token_level_scores": scores}, meta={"metrics": metrics})
+    return Batch.from_dict(tensors={"token_level_scores": with_agent_reward(scores, batch)}, meta={"metrics": metrics})
+
+
+def with_agent_reward(scores: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """scores [B, R] plus a multi-turn trajectory's own reward (`agent_reward` [B], from its tools or
+    environment) on its last model token; unchanged for a batch without one."""
+    if "agent_reward" not in batch:
+        return scores
+    scores = scores.clone()
+    scores[torch.arange(len(scores)), last_token_index(batch["response_mask"])] += batch["agent_reward"].to(scores.dtype)
+    return scores
 
 
 def advantage(batch: Batch, a: AlgorithmConfig, kl_ctrl) -> Batch:

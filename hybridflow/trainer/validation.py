@@ -1,5 +1,6 @@
 """Validation: greedy (actor_rollout_ref.rollout.val_kwargs) generation on data.val_files, scored by
-the rule reward; accuracy per data source as `val-core/<data_source>/acc/mean@<n>`."""
+the rule reward (plus a multi-turn trajectory's own reward, as in training); accuracy per data
+source as `val-core/<data_source>/acc/mean@<n>`, multi-turn means as `val-aux/agent/*`."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import numpy as np
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.protocol import Batch
 from hybridflow.rollout.base import SamplingParams
+from hybridflow.trainer.driver_stages import with_agent_reward
 from hybridflow.trainer.keys import with_sample_info
 
 
@@ -26,10 +28,7 @@ def validate(cfg: HybridFlowConfig, val_ds: Any, collate: Callable[[list], Batch
         batch = collate([val_ds[i] for i in range(start, min(start + size, len(val_ds)))])
         batch = batch.repeat(vk.n, interleave=True)
         out = generate(batch, greedy)
-        seq_scores = reward_fn(with_sample_info(out, batch))[0].sum(-1)
-        if "agent_reward" in out:  # multi-turn: the tools' / environment's reward, as in training (driver_stages.reward)
-            seq_scores = seq_scores + out["agent_reward"]
-        seq_scores = seq_scores.tolist()
+        seq_scores = with_agent_reward(reward_fn(with_sample_info(out, batch))[0], out).sum(-1).tolist()
         for ds, s in zip(batch["data_source"], seq_scores):
             scores[ds].append(s)
         for k, v in out.meta.get("metrics", {}).items():
