@@ -40,10 +40,10 @@ SFT_STEPS = 300
 RL_STEPS = 60
 RECIPE_STEPS = {"grpo": RL_STEPS, "dpo": 40, "rm-grpo": 40, "online-dpo": 40, "tool": 40, "guess": 40}
 RM_STEPS = 100
-TOOL_SFT_STEPS, TOOL_LAYERS = 400, 4
+TOOL_SFT_STEPS, TOOL_LAYERS = 700, 2
 GUESS_SFT_STEPS = 300
 GUESS_MAX_PROMPT, GUESS_MAX_RESPONSE = 56, 448  # the prompt is 48 tokens; 10 guesses and 9 replies of <= 45 tokens
-TOOL_MAX_PROMPT, TOOL_MAX_RESPONSE = 192, 128  # the compact tool prompt is ~160 tokens; call + result + answer < 128
+TOOL_MAX_PROMPT, TOOL_MAX_RESPONSE = 160, 160  # the compact tool prompt is 147 tokens; call (78) + result (34) + answer (22) = 134
 
 
 def _policy_run(train, val, model_dir: str, out_dir: str, steps: int, prompts: int, micro: int, *extra: str) -> HybridFlowConfig:

@@ -201,6 +201,20 @@ def _set(cfg, dotted, value):
      "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu (10) must hold one whole sequence"),
     ({"trainer.memory_budget_gib": 0.0}, "trainer.memory_budget_gib must be > 0"),
     ({"actor_rollout_ref.model.dtype": "float8"}, "actor_rollout_ref.model.dtype must be one of ['float32', 'fp32', 'bfloat16', 'bf16', 'float16', 'fp16'], got 'float8'"),
+    # LoRA: its own keys, then what it does not combine with yet (each names the key to change)
+    ({"actor_rollout_ref.model.lora_rank": -1}, "actor_rollout_ref.model.lora_rank must be an integer >= 0 (0 = full fine-tuning), got -1"),
+    ({"actor_rollout_ref.model.lora_rank": 8, "actor_rollout_ref.model.lora_alpha": 0.0}, "actor_rollout_ref.model.lora_alpha must be > 0"),
+    ({"actor_rollout_ref.model.lora_rank": 8, "actor_rollout_ref.model.lora_dropout": 1.0}, "actor_rollout_ref.model.lora_dropout must be in [0, 1)"),
+    ({"actor_rollout_ref.model.lora_rank": 8, "actor_rollout_ref.model.target_modules": ["q_proj", "qkv"]},
+     "actor_rollout_ref.model.target_modules must be [all-linear] or a list of ['q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', "
+     "'up_proj', 'down_proj'], got ['q_proj', 'qkv']"),
+    ({"actor_rollout_ref.model.lora_rank": 8, "actor_rollout_ref.rollout.name": "vllm"},
+     "actor_rollout_ref.model.lora_rank=8: LoRA is not supported by the vllm rollout backend (actor_rollout_ref.rollout.name must be hf) yet"),
+    ({"actor_rollout_ref.model.lora_rank": 8, "actor_rollout_ref.rollout.tensor_model_parallel_size": 2},
+     "LoRA is not supported with tensor-parallel generation (actor_rollout_ref.rollout.tensor_model_parallel_size must be 1) yet"),
+    ({"actor_rollout_ref.model.lora_rank": 8, "actor_rollout_ref.actor.freeze_modules": ["*embed*"]},
+     "together with actor_rollout_ref.actor.freeze_modules (LoRA freezes the whole base already) yet"),
+    ({"critic.model.lora_rank": 8}, "critic.model.lora_rank=8: LoRA is not supported for the critic yet; set critic.model.lora_rank=0"),
 ])
 def test_validator_rules(world, changes, expected):
     for k, v in changes.items():

@@ -27,13 +27,16 @@ def test_demo_learns_on_held_out_prompts_with_gen_tp_1_and_2(ray_cluster, tmp_pa
     assert (out / "sft_model" / "config.json").exists()
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the demo's curves, a valid PNG
 
-    # Same seed with tensor-parallel generation (gen_tp=2, the hybrid engine on): learns as well.
-    tp2 = tmp_path / "demo_tp2"
-    assert cli_main(["demo", "--output-dir", str(tp2), "--rl-steps", "40", "trainer.progress_bar=false",
-                     "actor_rollout_ref.rollout.tensor_model_parallel_size=2"]) == 0
-    summary_tp2 = json.loads((tp2 / "summary.json").read_text())
-    assert summary_tp2["val_acc_after_sft"] == pytest.approx(summary["val_acc_after_sft"])
-    assert abs(summary_tp2["val_acc_final"] - summary["val_acc_final"]) <= 0.05
+    # Same SFT model and seed with tensor-parallel generation (gen_tp=2, the hybrid engine on): the same
+    # held-out accuracy after SFT, and learning as fast (compared at step 20, where the curve has flattened).
+    from hybridflow.demo import run_recipe
+
+    files = {"train": str(out / "data" / "train.parquet"), "val": str(out / "data" / "val.parquet")}
+    tp2 = run_recipe("grpo", files, str(out / "sft_model"), str(tmp_path / "demo_tp2"), 20, "trainer.progress_bar=false",
+                     "actor_rollout_ref.rollout.tensor_model_parallel_size=2")
+    tp1_curve, tp2_curve = dict(summary["val_curve"]), dict(tp2["val_curve"])
+    assert tp2_curve[0] == pytest.approx(summary["val_acc_after_sft"])
+    assert abs(tp2_curve[20] - tp1_curve[20]) <= 0.05
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

@@ -60,12 +60,22 @@ def pool_specs(cfg: HybridFlowConfig) -> dict[str, PoolSpec]:
     return {DEFAULT_POOL: PoolSpec(workers_per_node=t.n_gpus_per_node, nnodes=t.nnodes)}
 
 
+def needs_ref_log_prob(cfg: HybridFlowConfig) -> bool:
+    """A KL term (in the loss or in the reward) reads the reference policy's log-probs."""
+    return cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+
+
+def ref_is_actor(cfg: HybridFlowConfig) -> bool:
+    """With LoRA the reference is the actor with its adapters off: no reference role, no reference weights."""
+    return needs_ref_log_prob(cfg) and cfg.actor_rollout_ref.model.lora_rank > 0
+
+
 def active_roles(cfg: HybridFlowConfig) -> list[Role]:
     """The roles this algorithm runs: a critic for GAE, a reference for KL, a rollout pool when async."""
     roles = [Role.ACTOR_ROLLOUT]
     if cfg.trainer.async_rollout:
         roles.append(Role.ROLLOUT)
-    if cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
+    if needs_ref_log_prob(cfg) and not ref_is_actor(cfg):
         roles.append(Role.REF)
     if cfg.algorithm.adv_estimator == "gae":
         roles.append(Role.CRITIC)

@@ -45,6 +45,8 @@ class DataConfig:
 
 # Accepted spellings of a model's dtype (models/hf.py maps them to torch dtypes).
 MODEL_DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+# LoRA targets: peft's "all-linear" (every linear layer but the output head), or the decoder's projections.
+LORA_TARGETS = ("all-linear", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass
@@ -56,6 +58,11 @@ class ModelConfig:
     # Forwards without padding: a micro-batch's valid tokens packed into one row with per-sequence
     # position ids (transformers masks across the packed sequences); same log-probs, less work.
     use_remove_padding: bool = False
+    # LoRA (models/lora.py): adapters of rank lora_rank on target_modules, the base frozen; 0 = full fine-tuning.
+    lora_rank: int = 0
+    lora_alpha: float = 16.0  # the adapter's output is scaled by lora_alpha / lora_rank
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])  # "all-linear", or module names (q_proj, ...)
+    lora_dropout: float = 0.0
 
 
 @dataclass

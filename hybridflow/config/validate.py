@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Callable, Literal
 
 from hybridflow.config.loader import ConfigError, literal_choices
-from hybridflow.config.schema import MODEL_DTYPES, DPOConfig, HybridFlowConfig, ModelConfig, OptimConfig, RewardTrainConfig, SFTConfig, TrainerConfig
+from hybridflow.config.schema import LORA_TARGETS, MODEL_DTYPES, DPOConfig, HybridFlowConfig, ModelConfig, OptimConfig, RewardTrainConfig, SFTConfig, TrainerConfig
 
 A, R = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
 
@@ -104,9 +104,11 @@ class _Problems(list):
         if not os.path.exists(path):
             self.append(f"{key}: {what} {path!r} does not exist")
 
-    def model(self, key, m: ModelConfig) -> int | None:
-        """Check a model dir (and its dtype); return its max_position_embeddings when known."""
+    def model(self, key, m: ModelConfig, lora_refused: str | None = "for this model") -> int | None:
+        """Check a model dir, its dtype and LoRA keys; return its max_position_embeddings when known.
+        lora_refused: why lora_rank > 0 is refused here (None: LoRA is wired for this model)."""
         self.enum(f"{key}.dtype", m.dtype, MODEL_DTYPES)
+        self.lora(key, m, lora_refused)
         cfg_file = os.path.join(m.path, "config.json")
         if not m.path or not os.path.isfile(cfg_file):
             self.append(f"{key}.path: {m.path!r} is not a directory containing config.json; point it at "
@@ -121,6 +123,24 @@ class _Problems(list):
         except (OSError, ValueError) as e:
             self.append(f"{key}.path: cannot read {cfg_file}: {e}")
             return None
+
+    def lora(self, key, m: ModelConfig, refused: str | None) -> None:
+        if not isinstance(m.lora_rank, int) or m.lora_rank < 0:
+            self.append(f"{key}.lora_rank must be an integer >= 0 (0 = full fine-tuning), got {m.lora_rank!r}")
+            return
+        if m.lora_rank == 0:
+            return
+        if refused:
+            self.append(f"{key}.lora_rank={m.lora_rank}: LoRA is not supported {refused} yet; set {key}.lora_rank=0")
+            return
+        if not m.lora_alpha > 0:
+            self.append(f"{key}.lora_alpha must be > 0 (adapters are scaled by lora_alpha / lora_rank), got {m.lora_alpha!r}")
+        if not 0.0 <= m.lora_dropout < 1.0:
+            self.append(f"{key}.lora_dropout must be in [0, 1), got {m.lora_dropout!r}")
+        targets = list(m.target_modules)
+        bad = [t for t in targets if t not in LORA_TARGETS]
+        if not targets or bad or ("all-linear" in targets and len(targets) > 1):
+            self.append(f"{key}.target_modules must be [all-linear] or a list of {list(LORA_TARGETS[1:])}, got {targets}")
 
     def tokenizer(self, key, m: ModelConfig):
         """A reward model's tokenizer pads batches and renders prompts: it needs a pad token and a chat template."""
@@ -304,7 +324,7 @@ def _reward_model_problems(p: _Problems, cfg: HybridFlowConfig) -> None:
     p.positive("reward_model.micro_batch_size_per_gpu", rm.micro_batch_size_per_gpu)
     if rm.score_weight == 0 and rm.rule_weight == 0:
         p.append("reward_model.score_weight and reward_model.rule_weight are both 0: every reward would be 0; set one of them")
-    if p.model("reward_model.model", rm.model) is None and not os.path.isfile(os.path.join(rm.model.path, "config.json")):
+    if p.model("reward_model.model", rm.model, "for the reward model") is None and not os.path.isfile(os.path.join(rm.model.path, "config.json")):
         return
     p.tokenizer("reward_model.model", rm.model)
     mj = model_json(rm.model.path)
@@ -511,7 +531,7 @@ def validate_config(cfg: HybridFlowConfig, kind: Literal["rl", "dpo"] = "rl") ->
             p.append("algorithm.adv_estimator=remax scores its greedy baseline with the rule reward only; it does not combine "
                      "with reward_model.enable=true (use grpo, rloo, reinforce_plus_plus or gae)")
 
-    max_pos = p.model("actor_rollout_ref.model", arr.model)
+    max_pos = p.model("actor_rollout_ref.model", arr.model, lora_refused=_policy_lora_refused(cfg, kind))
     archs = policy_json.get("architectures")
     archs = [str(a) for a in archs] if isinstance(archs, list) else []
     if archs and not any(a.endswith(_LM_HEADS) for a in archs):
@@ -522,7 +542,9 @@ def validate_config(cfg: HybridFlowConfig, kind: Literal["rl", "dpo"] = "rl") ->
         p.append(f"data.max_prompt_length + data.max_response_length ({d.max_prompt_length}+"
                  f"{d.max_response_length}) exceeds the model's max_position_embeddings ({max_pos}); lower them")
     if critic.model.path:
-        p.model("critic.model", critic.model)
+        p.model("critic.model", critic.model, "for the critic")
+    else:
+        p.lora("critic.model", critic.model, "for the critic")
     p.data_files("data.train_files", d.train_files, "data.val_files", d.val_files)
     if cfg.custom_reward_function.path:
         p.exists("custom_reward_function.path", cfg.custom_reward_function.path)
@@ -530,6 +552,23 @@ def validate_config(cfg: HybridFlowConfig, kind: Literal["rl", "dpo"] = "rl") ->
     if timeout is not None and not timeout > 0:
         p.append(f"custom_reward_function.timeout_s must be > 0 seconds or null (no limit), got {timeout}")
     p.raise_if_any(what)
+
+
+def _policy_lora_refused(cfg: HybridFlowConfig, kind: str) -> str | None:
+    """Why the policy cannot train LoRA adapters in this run (None: it can). Wired: FSDP2 training,
+    the colocated hf rollout with the adapters synced alone, the reference as the adapter-free actor."""
+    arr, R = cfg.actor_rollout_ref, "actor_rollout_ref.rollout"
+    a, roll = arr.actor, arr.rollout
+    reasons = [(kind == "dpo", "by hybridflow dpo"),
+               (a.tensor_model_parallel_size > 1 or a.pipeline_model_parallel_size > 1,
+                "with actor tensor/pipeline parallelism (actor_rollout_ref.actor.tensor/pipeline_model_parallel_size must be 1)"),
+               (roll.name != "hf", f"by the {roll.name} rollout backend ({R}.name must be hf)"),
+               (roll.tensor_model_parallel_size > 1, f"with tensor-parallel generation ({R}.tensor_model_parallel_size must be 1)"),
+               (cfg.trainer.async_rollout, "with trainer.async_rollout (the rollout pool's sync is full-model)"),
+               (bool(a.freeze_modules), "together with actor_rollout_ref.actor.freeze_modules (LoRA freezes the whole base already)"),
+               ("ref" in cfg.resource_pool.mapping, "with a reference pool (resource_pool.mapping.ref): the reference is the "
+                                                    "actor with its adapters off, so remove the mapping")]
+    return next((why for bad, why in reasons if bad), None)
 
 
 def validate_sft_config(cfg: SFTConfig) -> None:
@@ -549,7 +588,7 @@ def validate_sft_config(cfg: SFTConfig) -> None:
     p.positive("max_length", cfg.max_length)
     p.positive("total_steps", cfg.total_steps)
     p.optim("optim", cfg.optim)
-    max_pos = p.model("model", cfg.model)
+    max_pos = p.model("model", cfg.model, "by hybridflow sft")
     if max_pos is not None and cfg.max_length > max_pos:
         p.append(f"max_length ({cfg.max_length}) exceeds the model's max_position_embeddings ({max_pos}); lower it")
     p.data_files("train_files", cfg.train_files, "val_files", cfg.val_files)
@@ -573,7 +612,7 @@ def validate_rm_config(cfg: RewardTrainConfig) -> None:
     p.fsdp("fsdp_config", cfg.fsdp_config)
     p.tokenizer("model", cfg.model)
     mj = model_json(cfg.model.path)
-    max_pos = p.model("model", cfg.model)
+    max_pos = p.model("model", cfg.model, "by hybridflow rm")
     archs = mj.get("architectures") or []
     if archs and not any(a.endswith(("ForSequenceClassification", "ForCausalLM")) for a in archs):
         p.append(f"model.path: {cfg.model.path!r} ({archs}) is neither a sequence classifier nor a causal LM to start one from")

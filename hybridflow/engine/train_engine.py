@@ -32,6 +32,7 @@ from hybridflow.engine.optim import build_optimizer, build_scheduler, clip_and_s
 from hybridflow.hybrid_engine.executor import HybridEngine
 from hybridflow.parallel.layout import TrainMesh, build_train_model
 from hybridflow.protocol import Batch
+from hybridflow.models.lora import is_adapter_param, merged_state_dict
 from hybridflow.utils.checkpoint import load_sharded, save_sharded
 
 # loss_fn(log_prob [b, R], entropy [b, R], mb) -> scalar: the micro-batch's share of the loss.
@@ -54,6 +55,7 @@ class TrainEngine:
         self.grad_clip, self.remove_padding = grad_clip, remove_padding
         # The whole model's parameters (a pipeline stage keeps only its own): the resharding plan's.
         self.full_shapes = {n: (tuple(p.shape), p.element_size()) for n, p in model.named_parameters()}
+        self.lora = any(is_adapter_param(n) for n in self.full_shapes)  # LoRA adapters injected (models/lora.py)
         self.module, self.pipe = build_train_model(model, mesh, device, fsdp, pipeline_schedule, head=token_head)
         self.optimizer = self.scheduler = None
         if optim is not None:
@@ -144,11 +146,12 @@ class TrainEngine:
 
     # ------------------------------------------------------------------ state
     def save(self, path: str) -> None:
-        """Sharded model + optimizer + schedule (DCP), every rank its own shards."""
-        save_sharded(path, self.module, self.optimizer, self.scheduler, flatten_optimizer=self.layout.pp > 1)
+        """Sharded model + optimizer + schedule (DCP), every rank its own shards; with LoRA the
+        adapters and their optimizer state only (the frozen base is the model.path checkpoint)."""
+        save_sharded(path, self.module, self.optimizer, self.scheduler, flatten_optimizer=self.layout.pp > 1, trainable_only=self.lora)
 
     def load(self, path: str) -> None:
-        load_sharded(path, self.module, self.optimizer, self.scheduler, flatten_optimizer=self.layout.pp > 1)
+        load_sharded(path, self.module, self.optimizer, self.scheduler, flatten_optimizer=self.layout.pp > 1, trainable_only=self.lora)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full (unsharded) weights on CPU; a collective: every rank calls it."""
@@ -160,6 +163,8 @@ class TrainEngine:
         """The full weights as an HF checkpoint (+ tokenizer), written by rank 0; a collective."""
         full = self.state_dict()
         if rank == 0:
+            if self.lora:  # the adapters merged into the base: a plain HF checkpoint
+                full = merged_state_dict(full, self.module)
             self.module.save_pretrained(out_dir, state_dict=full)
             tokenizer.save_pretrained(out_dir)
         torch.distributed.barrier()

@@ -54,7 +54,7 @@ class PolicyGroup:
     def __init__(self, cfg: HybridFlowConfig, model: Any, num_workers: int):
         from hybridflow.config import validate_config
         from hybridflow.config.schema import PoolSpec
-        from hybridflow.config.pools import ModelPart
+        from hybridflow.config.pools import ModelPart, needs_ref_log_prob, ref_is_actor
         from hybridflow.trainer.placement import start_groups
         from hybridflow.trainer.roles import policy_worker
 
@@ -72,7 +72,7 @@ class PolicyGroup:
         cfg.resource_pool.pools, cfg.resource_pool.mapping = {}, {}
         validate_config(cfg)  # batch sizes against num_workers, the model, ... before any worker starts
         self.cfg = cfg
-        use_ref = cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+        use_ref = needs_ref_log_prob(cfg) and not ref_is_actor(cfg)
         worker = policy_worker(cfg, {ModelPart.ACTOR, ModelPart.ROLLOUT} | ({ModelPart.REF} if use_ref else set()))
         # Unique per checkpoint path (two models in folders of the same name must not share actor names).
         name = f"model_{os.path.basename(self.path.rstrip('/'))}_{hashlib.sha1(self.path.encode()).hexdigest()[:8]}_{os.getpid()}"

@@ -170,7 +170,7 @@ class RLTrainer:
         self.wg = self.groups[self.pool_of(Role.ACTOR_ROLLOUT)]
         views = self.placed.views()
         self.actor = views["actor"]
-        self.ref = views.get("ref", self.actor) if roles.use_ref else None
+        self.ref = views.get("ref", self.actor) if roles.ref_log_prob else None
         self.rollout = views["rollout"] if roles.async_rollout else self.actor
         self.critic = views.get("critic")
         self.rm = views.get("reward_model")
@@ -244,13 +244,13 @@ class RLTrainer:
             *gen_stages,
             *self._reward_stages(),
             old_log_prob,
-            Stage("ref", ref.compute_ref_log_prob if ref else None, TRAIN_KEYS, ["ref_log_prob"], enabled=roles.use_ref),
+            Stage("ref", ref.compute_ref_log_prob if ref else None, TRAIN_KEYS, ["ref_log_prob"], enabled=roles.ref_log_prob),
             Stage("values", critic.compute_values if critic else None, TRAIN_KEYS, ["values"], enabled=roles.use_critic),
             Stage("adv", functools.partial(driver_stages.advantage, a=a, kl_ctrl=self.kl_ctrl), driver_stages.advantage_inputs(a, roles.use_critic),
                   ["token_level_rewards", "advantages", "returns"]),
             Stage("update_critic", critic.update_critic if critic else None, TRAIN_KEYS + ["values", "returns"], [], enabled=roles.use_critic),
             Stage("update_actor", actor.update_actor, TRAIN_KEYS + (["old_log_probs"] if recompute else []) + ["advantages"]
-                  + (["ref_log_prob"] if roles.use_ref else []), []),
+                  + (["ref_log_prob"] if roles.ref_log_prob else []), []),
             sync,
         ])
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hybridflow.config.schema import HybridFlowConfig
-from hybridflow.config.pools import ModelPart, Role, role_pools, run_roles
+from hybridflow.config.pools import ModelPart, Role, ref_is_actor, role_pools, run_roles
 
 
 @dataclass(frozen=True)
@@ -24,10 +24,11 @@ class RunRoles:
 
     pools: dict[Role, str] = field(default_factory=dict)
     async_rollout: bool = False  # the rollout role generates on a pool of its own
+    ref_in_actor: bool = False  # LoRA: the actor computes reference log-probs with its adapters off
 
     @classmethod
     def of(cls, cfg: HybridFlowConfig, kind: str = "rl") -> "RunRoles":
-        return cls(role_pools(cfg, run_roles(cfg, kind)), cfg.trainer.async_rollout)
+        return cls(role_pools(cfg, run_roles(cfg, kind)), cfg.trainer.async_rollout, kind == "rl" and ref_is_actor(cfg))
 
     @property
     def roles(self) -> list[Role]:
@@ -54,6 +55,11 @@ class RunRoles:
     @property
     def use_ref(self) -> bool:
         return Role.REF in self.pools
+
+    @property
+    def ref_log_prob(self) -> bool:
+        """Reference log-probs are computed: by a reference role, or by the actor (LoRA)."""
+        return self.use_ref or self.ref_in_actor
 
     @property
     def use_rm(self) -> bool:

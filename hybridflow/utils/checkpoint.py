@@ -34,28 +34,32 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _options(flatten_optimizer: bool):
+def _options(flatten_optimizer: bool, trainable_only: bool = False):
     """flatten_optimizer: the optimizer's param groups keyed per parameter FQN, as pipeline stages
-    need (each holds other parameters, and DCP keeps one copy of a shared `param_groups` list)."""
+    need (each holds other parameters, and DCP keeps one copy of a shared `param_groups` list).
+    trainable_only: leave frozen parameters out (LoRA: the base is re-read from model.path)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    return StateDictOptions(flatten_optimizer_state_dict=True) if flatten_optimizer else None
+    if not (flatten_optimizer or trainable_only):
+        return None
+    return StateDictOptions(flatten_optimizer_state_dict=flatten_optimizer, ignore_frozen_params=trainable_only, strict=not trainable_only)
 
 
-def save_sharded(path: str, model, optimizer, scheduler, flatten_optimizer: bool = False) -> None:
+def save_sharded(path: str, model, optimizer, scheduler, flatten_optimizer: bool = False, trainable_only: bool = False) -> None:
     os.makedirs(path, exist_ok=True)
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(flatten_optimizer))
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(flatten_optimizer, trainable_only))
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
     extra = {"scheduler": scheduler.state_dict() if scheduler is not None else None, "rng": rng_state()}
     torch.save(extra, os.path.join(path, f"extra_rank{dist.get_rank()}.pt"))
     dist.barrier()
 
 
-def load_sharded(path: str, model, optimizer, scheduler, flatten_optimizer: bool = False) -> None:
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(flatten_optimizer))
+def load_sharded(path: str, model, optimizer, scheduler, flatten_optimizer: bool = False, trainable_only: bool = False) -> None:
+    options = _options(flatten_optimizer, trainable_only)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_options(flatten_optimizer))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
     extra = torch.load(os.path.join(path, f"extra_rank{dist.get_rank()}.pt"), weights_only=False)
     if scheduler is not None and extra["scheduler"] is not None:
         scheduler.load_state_dict(extra["scheduler"])

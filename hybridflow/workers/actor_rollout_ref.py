@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import os
 
@@ -30,6 +31,7 @@ from hybridflow.engine import TrainEngine
 from hybridflow.hybrid_engine import cross_pool
 from hybridflow.hybrid_engine.memory import rss_bytes
 from hybridflow.models.hf import load_hf_model
+from hybridflow.models.lora import adapters_disabled, apply_lora
 from hybridflow.parallel.dims import ParallelDims
 from hybridflow.parallel.fsdp import shard_numel
 from hybridflow.parallel.layout import parallel_dims
@@ -98,7 +100,7 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
 
     def _init_actor(self, mcfg) -> None:
         acfg = self.cfg.actor_rollout_ref.actor
-        model = load_hf_model(mcfg, self.device)
+        model = apply_lora(load_hf_model(mcfg, self.device), mcfg)  # LoRA: only the adapters train
         for name, p in model.named_parameters():  # frozen: no gradient, no optimizer state, synced once
             if any(fnmatch.fnmatchcase(name, pattern) for pattern in acfg.freeze_modules):
                 p.requires_grad_(False)
@@ -182,9 +184,12 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
 
     @register(Dispatch.DP_COMPUTE, layout="train")
     def compute_ref_log_prob(self, data: Batch) -> Batch:
+        """The reference policy's log-probs: the reference model, or (LoRA) the actor with its adapters off."""
         r = self.cfg.actor_rollout_ref.ref
-        logp, _ = self.ref.log_probs(data, r.log_prob_micro_batch_size_per_gpu, r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None,
-                                     float(data.meta.get("temperature", 1.0)))
+        engine = self.ref if self.ref is not None else self.actor
+        with contextlib.nullcontext() if self.ref is not None else adapters_disabled(self.actor.module):
+            logp, _ = engine.log_probs(data, r.log_prob_micro_batch_size_per_gpu, r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None,
+                                       float(data.meta.get("temperature", 1.0)))
         return Batch.from_dict(tensors={"ref_log_prob": (torch.zeros(data["responses"].shape) if logp is None else logp.cpu())})
 
     # ------------------------------------------------------------------ training

@@ -1,0 +1,95 @@
+"""LoRA adapters on an HF model (verl's `model.lora_rank / lora_alpha / target_modules / lora_dropout`).
+
+`peft.inject_adapter_in_model` wraps each targeted linear layer in place, so the model keeps its HF
+class, its FQNs and its decoder layers (FSDP2 still wraps one unit per layer); the only new names are
+
+    X.weight  ->  X.base_layer.weight                 frozen (requires_grad False)
+                  X.lora_A.default.weight  [r, in]    trained, random init
+                  X.lora_B.default.weight  [out, r]   trained, zero init (the adapted model starts as the base)
+
+and X(x) = base(x) + B @ A @ dropout(x) * lora_alpha / lora_rank. Frozen parameters get no gradient
+and no optimizer state, and the 3D-HybridEngine moves them on the first weight switch only; every
+later switch moves the adapters alone. The generation model carries the same adapters (unmerged), so
+training and generation share names and the switch needs no renaming.
+
+The reference policy is this model with its adapters disabled (`adapters_disabled`): the same base
+operations in the same order, so reference log-probs equal the base model's bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Iterator
+
+from hybridflow.config.schema import ModelConfig
+
+if TYPE_CHECKING:
+    import torch.nn as nn
+
+ADAPTER = "default"  # peft's adapter name
+
+
+def lora_enabled(m: ModelConfig) -> bool:
+    return m.lora_rank > 0
+
+
+def is_adapter_param(name: str) -> bool:
+    """An adapter parameter's FQN ("...q_proj.lora_A.default.weight")."""
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def lora_config(m: ModelConfig):
+    from peft import LoraConfig
+
+    targets = m.target_modules[0] if list(m.target_modules) == ["all-linear"] else list(m.target_modules)
+    return LoraConfig(r=m.lora_rank, lora_alpha=m.lora_alpha, target_modules=targets, lora_dropout=m.lora_dropout, bias="none")
+
+
+def apply_lora(model: nn.Module, m: ModelConfig) -> nn.Module:
+    """Inject `m`'s adapters into `model` in place (a no-op with lora_rank 0); only adapters train.
+
+    "all-linear" (peft's meaning) is every linear layer but the output head. Raises ValueError when
+    no module matches the targets."""
+    if not lora_enabled(m):
+        return model
+    from peft import inject_adapter_in_model
+
+    inject_adapter_in_model(lora_config(m), model, adapter_name=ADAPTER)
+    for name, p in model.named_parameters():
+        p.requires_grad_(is_adapter_param(name))
+    return model
+
+
+def merged_state_dict(state: dict, model: nn.Module) -> dict:
+    """A full state dict of `model` (adapter names) -> the plain HF model's: X.weight = base + B @ A * scaling
+    for each LoRA layer X, the adapters dropped. Computed in fp32, cast back to the base's dtype."""
+    from peft.tuners.lora import LoraLayer
+
+    merged = {k: v for k, v in state.items() if ".base_layer." not in k and not is_adapter_param(k)}
+    for name, mod in model.named_modules():
+        if isinstance(mod, LoraLayer) and ADAPTER in mod.lora_A:
+            base = state[f"{name}.base_layer.weight"]
+            a, b = state[f"{name}.lora_A.{ADAPTER}.weight"].float(), state[f"{name}.lora_B.{ADAPTER}.weight"].float()
+            merged[f"{name}.weight"] = (base.float() + (b @ a) * mod.scaling[ADAPTER]).to(base.dtype)
+            if f"{name}.base_layer.bias" in state:
+                merged[f"{name}.bias"] = state[f"{name}.base_layer.bias"]
+    return merged
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Run `model` as its base: every LoRA layer forwards `base_layer(x)` alone.
+
+    Sets peft's per-layer `_disable_adapters` flag (read by each layer's forward) and restores it.
+    Not `model.disable_adapters()`: that also flips requires_grad, which FSDP2 parameters must keep."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [mod for mod in model.modules() if isinstance(mod, BaseTunerLayer)]
+    before = [layer._disable_adapters for layer in layers]
+    for layer in layers:
+        layer._disable_adapters = True
+    try:
+        yield
+    finally:
+        for layer, was in zip(layers, before):
+            layer._disable_adapters = was

@@ -1,0 +1,65 @@
+"""LoRA GRPO end to end on 2 Ray workers (FSDP2): the reference is the actor with its adapters off
+(no reference role), after the first switch only the adapters move, checkpoints hold the adapters and
+their optimizer state alone, and a resumed run ends where the uninterrupted one does."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import rl_overrides
+from hybridflow.config import HybridFlowConfig, load_config
+from hybridflow.trainer.rl import RLTrainer
+from test_e2e_reliability import _assert_same, _checkpoint
+
+RANK, ALPHA = 4, 8
+PROJ_IO = {"q_proj": ("h", "q"), "k_proj": ("h", "kv"), "v_proj": ("h", "kv"), "o_proj": ("q", "h"),
+           "gate_proj": ("h", "i"), "up_proj": ("h", "i"), "down_proj": ("i", "h")}
+
+
+def _adapter_bytes(model_dir) -> int:
+    """fp32 bytes of every rank-RANK adapter (A [r, in] + B [out, r]) on the 7 projections of each layer,
+    from the model's config.json (independent of peft and of the resharding planner)."""
+    c = json.loads((model_dir / "config.json").read_text())
+    head = c["hidden_size"] // c["num_attention_heads"]
+    dims = {"h": c["hidden_size"], "q": c["num_attention_heads"] * head, "kv": c["num_key_value_heads"] * head, "i": c["intermediate_size"]}
+    per_layer = sum(RANK * (dims[i] + dims[o]) for i, o in PROJ_IO.values())
+    return 4 * per_layer * c["num_hidden_layers"]
+
+
+def _run(model_dir, task_dir, out, reward, *extra):
+    cfg = load_config(None, rl_overrides(model_dir, task_dir, out, f"custom_reward_function.path={reward}", f"actor_rollout_ref.model.lora_rank={RANK}",
+                                         f"actor_rollout_ref.model.lora_alpha={ALPHA}", "actor_rollout_ref.actor.use_kl_loss=true",
+                                         "actor_rollout_ref.actor.optim.lr=1e-2", "trainer.check_weight_sync=true", "trainer.total_training_steps=2",
+                                         "trainer.save_freq=1", *extra), schema=HybridFlowConfig)
+    trainer = RLTrainer(cfg)
+    try:
+        result = trainer.fit()
+        return set(trainer.placed.views()), [h for h in result["history"] if h["step"] > 0], trainer.plan_summary
+    finally:
+        trainer.shutdown()
+
+
+def test_lora_grpo_reference_for_free_adapter_only_sync_and_resume(ray_cluster, tiny_model_dir, task_dir, varied_reward, tmp_path):
+    views, hist, plan = _run(tiny_model_dir, task_dir, tmp_path / "straight", varied_reward)
+    assert "ref" not in views  # no reference role, no reference weights
+    first, second = hist
+    # step 1 updates from B = 0, where the policy is the base: the adapter-free reference equals it exactly
+    assert first["actor/kl_loss"] == 0.0 and first["actor/ppo_kl"] == 0.0
+    assert second["actor/kl_loss"] > 0.0  # the adapters moved the policy away from the reference
+    # every base weight is frozen and moved once; later switches move the adapters: each rank holds half
+    # of every adapter (FSDP over 2 ranks) and receives the other half
+    assert all(".lora_" not in n for n in plan["frozen_params"]) and len(plan["frozen_params"]) > 0
+    adapter_half = _adapter_bytes(tiny_model_dir) // 2
+    assert max(plan["min_bytes_per_rank"]) == adapter_half < max(plan["first_switch_bytes_per_rank"])
+    for h in hist:
+        assert h["reshard/weight_max_diff"] == 0.0  # the generation weights equal the trained ones
+    assert second["reshard/bytes_per_rank"] == adapter_half
+
+    # the checkpoint holds the adapters and their optimizer state, not the base
+    straight = _checkpoint(tmp_path / "straight" / "global_step_2")
+    model_keys = [k for k in straight["actor"]["model"]]
+    assert model_keys and all(".lora_A." in k or ".lora_B." in k for k in model_keys)
+    # resumed from step 1, step 2 ends with the same adapters and optimizer state, bit for bit
+    _run(tiny_model_dir, task_dir, tmp_path / "resumed", varied_reward, "trainer.resume_mode=resume_path",
+         f"trainer.resume_from_path={tmp_path / 'straight' / 'global_step_1'}")
+    _assert_same(straight["actor"], _checkpoint(tmp_path / "resumed" / "global_step_2")["actor"], "lora resume")
