@@ -11,6 +11,9 @@ import pytest
 
 from hybridflow.cli import main as cli_main
 
+LORA_DEMO = ("actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16", "actor_rollout_ref.actor.optim.lr=2e-3",
+             "actor_rollout_ref.actor.use_kl_loss=true")
+
 
 def test_demo_learns_on_held_out_prompts_with_gen_tp_1_and_2(ray_cluster, tmp_path):
     out = tmp_path / "demo"
@@ -37,6 +40,11 @@ def test_demo_learns_on_held_out_prompts_with_gen_tp_1_and_2(ray_cluster, tmp_pa
     tp1_curve, tp2_curve = dict(summary["val_curve"]), dict(tp2["val_curve"])
     assert tp2_curve[0] == pytest.approx(summary["val_acc_after_sft"])
     assert abs(tp2_curve[20] - tp1_curve[20]) <= 0.05
+
+    # LoRA (rank 8, the base frozen) with a KL loss against the adapter-free reference learns as well:
+    # measured 0.014 -> 0.958 at step 30 (0.979 at 60), docs/lora.md
+    lora = run_recipe("grpo", files, str(out / "sft_model"), str(tmp_path / "demo_lora"), 30, "trainer.progress_bar=false", *LORA_DEMO)
+    assert dict(lora["val_curve"])[30] >= 0.9
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
