@@ -63,3 +63,31 @@ def test_lora_grpo_reference_for_free_adapter_only_sync_and_resume(ray_cluster, 
     _run(tiny_model_dir, task_dir, tmp_path / "resumed", varied_reward, "trainer.resume_mode=resume_path",
          f"trainer.resume_from_path={tmp_path / 'straight' / 'global_step_1'}")
     _assert_same(straight["actor"], _checkpoint(tmp_path / "resumed" / "global_step_2")["actor"], "lora resume")
+    _check_exports(tiny_model_dir, tmp_path / "straight" / "global_step_2", straight["actor"]["model"], tmp_path)
+
+
+def _check_exports(model_dir, step_dir, adapters: dict, tmp_path) -> None:
+    """`hybridflow export`: the PEFT adapter holds the checkpoint's adapters exactly; `--merge` is a plain
+    HF model that greedy-generates what the base with the adapter (unmerged, as the rollout runs it) does."""
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from hybridflow.cli import main as cli_main
+
+    assert cli_main(["export", str(step_dir), str(tmp_path / "adapter")]) == 0
+    assert cli_main(["export", str(step_dir), str(tmp_path / "merged"), "--merge"]) == 0
+    saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert {k: v for k, v in saved.items()}.keys() == {f"base_model.model.{k.replace('.default.', '.')}" for k in adapters}
+    for k, v in adapters.items():
+        assert torch.equal(saved[f"base_model.model.{k.replace('.default.', '.')}"], v)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    assert not any(".lora_" in k or "base_layer" in k for k in merged.state_dict())
+    with_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), tmp_path / "adapter").eval()
+    base = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    prompts = torch.randint(3, 200, (4, 10), generator=torch.Generator().manual_seed(0))
+    greedy = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    tokens = merged.generate(prompts, **greedy)
+    assert torch.equal(tokens, with_adapter.generate(input_ids=prompts, **greedy))
+    assert not torch.equal(merged.model.layers[0].self_attn.q_proj.weight, base.model.layers[0].self_attn.q_proj.weight)
