@@ -26,6 +26,17 @@ def _adapter_bytes(model_dir) -> int:
     return 4 * per_layer * c["num_hidden_layers"]
 
 
+def _planner_bytes(model_dir) -> int:
+    """`hybridflow plan --lora-rank`'s steady switch bytes per rank for this run's layout (fp32, dp 2, gen TP 1)."""
+    from hybridflow.hybrid_engine.plan import TrainLayout
+    from hybridflow.planning.arch import load_arch
+    from hybridflow.planning.cost import Cluster, MemoryInputs, rows
+
+    row = rows(load_arch(str(model_dir)), TrainLayout(dp=2), 1, Cluster(1, 2, 1e9, 1e9, 1e-5, 1e10, 2**34), MemoryInputs(lora_rank=RANK), "fp32")[0]
+    assert row["mode"] == "optimized"
+    return row["bytes_per_rank"]
+
+
 def _run(model_dir, task_dir, out, reward, *extra):
     cfg = load_config(None, rl_overrides(model_dir, task_dir, out, f"custom_reward_function.path={reward}", f"actor_rollout_ref.model.lora_rank={RANK}",
                                          f"actor_rollout_ref.model.lora_alpha={ALPHA}", "actor_rollout_ref.actor.use_kl_loss=true",
@@ -53,7 +64,7 @@ def test_lora_grpo_reference_for_free_adapter_only_sync_and_resume(ray_cluster, 
     assert max(plan["min_bytes_per_rank"]) == adapter_half < max(plan["first_switch_bytes_per_rank"])
     for h in hist:
         assert h["reshard/weight_max_diff"] == 0.0  # the generation weights equal the trained ones
-    assert second["reshard/bytes_per_rank"] == adapter_half
+    assert second["reshard/bytes_per_rank"] == adapter_half == _planner_bytes(tiny_model_dir)
 
     # the checkpoint holds the adapters and their optimizer state, not the base
     straight = _checkpoint(tmp_path / "straight" / "global_step_2")

@@ -101,3 +101,40 @@ def test_verl_lora_keys_load(verl_keys):
     cfg = load_config(None, verl_keys, schema=HybridFlowConfig)
     m = cfg.actor_rollout_ref.model
     assert (m.lora_rank, m.lora_alpha, list(m.target_modules)) == (32, 32.0, ["all-linear"])
+
+
+def _adapter_numel(config: dict, rank: int) -> int:
+    """Adapter parameters on the 7 projections of every layer, by hand from config.json: r * (in + out) each."""
+    h, i = config["hidden_size"], config["intermediate_size"]
+    head = h // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * head, config["num_key_value_heads"] * head
+    per_layer = rank * ((h + q) + 2 * (h + kv) + (q + h) + 2 * (h + i) + (i + h))
+    return per_layer * config["num_hidden_layers"]
+
+
+def test_planner_counts_lora_as_peft_builds_it(tiny_model_dir):
+    """`hybridflow plan --lora-rank`: the parameter table is peft's, the steady switch moves the
+    adapters alone (the first one the whole model), and only adapters have grads and optimizer state."""
+    import json
+
+    from hybridflow.hybrid_engine.plan import TrainLayout
+    from hybridflow.planning.arch import load_arch
+    from hybridflow.planning.cost import Cluster, MemoryInputs, rows
+
+    model = _model(tiny_model_dir)
+    apply_lora(model, ModelConfig(path=str(tiny_model_dir), lora_rank=4))
+    arch = load_arch(str(tiny_model_dir))
+    assert {n: tuple(p.shape) for n, p in model.named_parameters()} == arch.param_shapes(lora_rank=4)
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    adapters = _adapter_numel(config, 4)
+    cluster = Cluster(1, 2, 1e9, 1e9, 1e-5, 1e10, 2**34)
+    full = {r["mode"]: r for r in rows(arch, TrainLayout(dp=2), 1, cluster, MemoryInputs(param_bytes=4), "fp32")}
+    lora = {r["mode"]: r for r in rows(arch, TrainLayout(dp=2), 1, cluster, MemoryInputs(param_bytes=4, lora_rank=4), "fp32")}
+    # fp32, FSDP over 2 ranks, one generation replica per rank: each rank receives the half it does not hold
+    assert lora["optimized"]["bytes_per_rank"] == 4 * adapters // 2
+    assert lora["optimized"]["first_switch_bytes_per_rank"] == full["optimized"]["bytes_per_rank"] + 4 * adapters // 2
+    # generation TP 1: every rank needs every weight, so the naive all-gather moves the whole model each switch
+    assert lora["naive"]["bytes_per_rank"] == lora["optimized"]["first_switch_bytes_per_rank"]
+    assert lora["optimized"]["memory"]["grads"] == 4 * adapters // 2  # fp32 grads of this rank's adapter shard
+    assert lora["optimized"]["memory"]["optimizer"] == 8 * adapters // 2  # AdamW's two moments
+    assert full["optimized"]["memory"]["optimizer"] > 10 * lora["optimized"]["memory"]["optimizer"]

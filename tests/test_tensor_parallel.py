@@ -35,6 +35,14 @@ PROMPTS = ["hello world, how are you?", "hi", "1+2="]
     ("model.rotary_emb.inv_freq", False, None),
     ("_orig_mod.model.layers.3.self_attn.q_proj.weight", False, 0),
     ("weight", False, None),
+    # LoRA (peft names): the base follows its module; B [out, r] splits with a colwise module, A [r, in] with a rowwise one
+    ("model.layers.0.self_attn.q_proj.base_layer.weight", False, 0),
+    ("model.layers.0.self_attn.q_proj.base_layer.bias", False, 0),
+    ("model.layers.0.self_attn.q_proj.lora_A.default.weight", False, None),
+    ("model.layers.0.self_attn.q_proj.lora_B.default.weight", False, 0),
+    ("model.layers.0.mlp.down_proj.base_layer.weight", False, 1),
+    ("model.layers.0.mlp.down_proj.lora_A.default.weight", False, 1),
+    ("model.layers.0.mlp.down_proj.lora_B.default.weight", False, None),
 ])
 def test_gen_shard_dim(name, tied, dim):
     assert gen_shard_dim(name, tied) == dim

@@ -39,12 +39,25 @@ def gen_shard_dim(param_name: str, tied: bool) -> int | None:
 
     Only the last two FQN components matter, so wrapper prefixes (``_orig_mod.``, ``module.``) are fine:
     "model.layers.0.self_attn.q_proj.weight" -> 0, "model.layers.0.mlp.down_proj.weight" -> 1,
-    "model.norm.weight" -> None, "lm_head.weight" -> 0 (None when ``tied``).
+    "model.norm.weight" -> None, "lm_head.weight" -> 0 (None when ``tied``). LoRA names follow their
+    module: "...q_proj.base_layer.weight" -> 0, "...q_proj.lora_B.default.weight" -> 0, "...q_proj.lora_A..." -> None,
+    "...o_proj.lora_A.default.weight" -> 1, "...o_proj.lora_B..." -> None.
     """
     parts = param_name.split(".")
     if len(parts) < 2:
         return None
     module, leaf = parts[-2], parts[-1]
+    if module == "base_layer" and len(parts) >= 3:  # a LoRA layer's frozen base (models/lora.py): the module's own rule
+        module = parts[-3]
+    elif len(parts) >= 4 and parts[-3] in ("lora_A", "lora_B"):
+        # LoRA adapters X(x) = W x + B A x: a colwise X shards B [out, r] by rows (A replicated), a
+        # rowwise X shards A [r, in] by columns (B replicated), so each TP rank computes its own part.
+        lora, module = parts[-3], parts[-4]
+        if leaf != "weight":
+            return None
+        if module in COLWISE:
+            return 0 if lora == "lora_B" else None
+        return 1 if module in ROWWISE and lora == "lora_A" else None
     if module in COLWISE and leaf in ("weight", "bias"):
         return 0
     if module in ROWWISE and leaf == "weight":

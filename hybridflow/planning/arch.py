@@ -65,24 +65,33 @@ class Arch:
                    qkv_bias=mt == "qwen2" or attn_bias, o_bias=attn_bias and mt != "qwen2", mlp_bias=bool(cfg.get("mlp_bias", False)),
                    qk_norm=mt == "qwen3")
 
-    def param_shapes(self) -> dict[str, tuple[int, ...]]:
-        """{FQN: shape} in module order, as HF's ``*ForCausalLM`` registers them (tied head omitted)."""
+    def param_shapes(self, lora_rank: int = 0, lora_targets: tuple[str, ...] = ("all-linear",)) -> dict[str, tuple[int, ...]]:
+        """{FQN: shape} in module order, as HF's ``*ForCausalLM`` registers them (tied head omitted).
+        lora_rank > 0: each targeted projection X as peft injects it (models/lora.py): X.base_layer.weight
+        (and bias), X.lora_A.default.weight [r, in], X.lora_B.default.weight [out, r]."""
         h, hd, q, kv = self.hidden, self.head_dim, self.heads * self.head_dim, self.kv_heads * self.head_dim
         out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab, h)}
+
+        def linear(prefix: str, proj: str, rows: int, cols: int, bias: bool) -> None:
+            lora = lora_rank > 0 and ("all-linear" in lora_targets or proj in lora_targets)
+            x = f"{prefix}.{proj}.base_layer" if lora else f"{prefix}.{proj}"
+            out[f"{x}.weight"] = (rows, cols)
+            if bias:
+                out[f"{x}.bias"] = (rows,)
+            if lora:
+                out[f"{prefix}.{proj}.lora_A.default.weight"] = (lora_rank, cols)
+                out[f"{prefix}.{proj}.lora_B.default.weight"] = (rows, lora_rank)
+
         for i in range(self.layers):
             a, m = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
             for proj, rows, bias in (("q_proj", q, self.qkv_bias), ("k_proj", kv, self.qkv_bias), ("v_proj", kv, self.qkv_bias),
                                      ("o_proj", h, self.o_bias)):
-                out[f"{a}.{proj}.weight"] = (rows, h if proj != "o_proj" else q)
-                if bias:
-                    out[f"{a}.{proj}.bias"] = (rows,)
+                linear(a, proj, rows, h if proj != "o_proj" else q, bias)
             if self.qk_norm:
                 out[f"{a}.q_norm.weight"] = (hd,)
                 out[f"{a}.k_norm.weight"] = (hd,)
-            for proj, shape in (("gate_proj", (self.intermediate, h)), ("up_proj", (self.intermediate, h)), ("down_proj", (h, self.intermediate))):
-                out[f"{m}.{proj}.weight"] = shape
-                if self.mlp_bias:
-                    out[f"{m}.{proj}.bias"] = shape[:1]
+            for proj, (rows, cols) in (("gate_proj", (self.intermediate, h)), ("up_proj", (self.intermediate, h)), ("down_proj", (h, self.intermediate))):
+                linear(m, proj, rows, cols, self.mlp_bias)
             out[f"model.layers.{i}.input_layernorm.weight"] = (h,)
             out[f"model.layers.{i}.post_attention_layernorm.weight"] = (h,)
         out["model.norm.weight"] = (h,)

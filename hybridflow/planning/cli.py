@@ -48,6 +48,8 @@ def parser() -> argparse.ArgumentParser:
     w.add_argument("--response-length", type=int, default=1024)
     w.add_argument("--micro-batch", type=int, default=1, help="sequences per training micro-batch per device")
     w.add_argument("--gradient-checkpointing", action="store_true")
+    w.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank on every projection (all-linear): "
+                                                            "grads and optimizer state for the adapters only; the base moves on the first switch only")
     ap.add_argument("--json", metavar="PATH", help="write the rows (and invalid layouts) as JSON")
     cal = ap.add_argument_group("calibration")
     cal.add_argument("--calibrate", action="store_true", help="measure this machine's all-gather bandwidth/latency and copy speed")
@@ -70,7 +72,7 @@ def cluster_from(args) -> Cluster:
 def memory_from(args) -> MemoryInputs:
     return MemoryInputs(param_bytes=DTYPE_BYTES[args.param_dtype], compute_bytes=DTYPE_BYTES[args.dtype], gen_bytes=DTYPE_BYTES[args.dtype],
                         strategy=args.fsdp, micro_batch=args.micro_batch, seq_len=args.prompt_length + args.response_length,
-                        rollout_seqs=args.batch_size * args.n, gradient_checkpointing=args.gradient_checkpointing)
+                        rollout_seqs=args.batch_size * args.n, gradient_checkpointing=args.gradient_checkpointing, lora_rank=args.lora_rank)
 
 
 def print_rows(rows: list[dict], title: str) -> None:
@@ -130,6 +132,10 @@ def main_plan(argv: list[str] | None = None) -> int:
     print(f"model {arch.name}: {arch.num_params() / 1e9:.2f}B parameters ({arch.model_type}, {arch.layers} layers, {arch.heads} heads, "
           f"{arch.kv_heads} KV heads); cluster {cluster.nodes} x {cluster.gpus_per_node} devices, {cluster.intra_node_bw / GB:.3g} GB/s "
           f"intra-node, {cluster.inter_node_bw / GB:.3g} GB/s inter-node, {cluster.latency_s * 1e6:.3g} us latency; switch dtype {args.dtype}")
+    if m.lora_rank:
+        first = out[0]["first_switch_bytes_per_rank"] if out else 0
+        print(f"LoRA rank {m.lora_rank} (all-linear): the optimized rows move the adapters per switch; the first switch moves "
+              f"{first / GB:.3f} GB per rank (the base, once)")
     print_rows(out, "ranked by predicted switch seconds, then memory headroom:" if args.search else "")
     if out:
         print_memory(out[0])

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 
 from hybridflow.hybrid_engine.plan import ParamPlan, ReshardPlan, TrainLayout, layer_stage, volume
 from hybridflow.hybrid_engine.plan import fsdp_dim as _fsdp_dim
+from hybridflow.models.lora import is_adapter_param
 from hybridflow.parallel.tensor_parallel import gen_shard_dim
 from hybridflow.planning.arch import Arch
 
@@ -71,6 +72,12 @@ class MemoryInputs:
     gradient_checkpointing: bool = False
     param_offload: bool = False
     optimizer_offload: bool = False
+    lora_rank: int = 0  # > 0: LoRA adapters on every projection train; the base is frozen (no grads / optimizer state)
+
+
+def frozen_params(plan: ReshardPlan, m: MemoryInputs) -> frozenset[str]:
+    """LoRA: every parameter but the adapters is frozen; it moves on the first switch only."""
+    return frozenset(p.name for p in plan.params if not is_adapter_param(p.name)) if m.lora_rank > 0 else frozenset()
 
 
 def fsdp_dim(name: str, shape: tuple[int, ...], arch: Arch, layout: TrainLayout, strategy: str) -> int | None:
@@ -81,9 +88,10 @@ def fsdp_dim(name: str, shape: tuple[int, ...], arch: Arch, layout: TrainLayout,
 
 
 def plan_for(arch: Arch, layout: TrainLayout, gen_tp: int, itemsize: int, strategy: str = "FULL_SHARD",
-             procs_per_node: int | None = None) -> ReshardPlan:
+             procs_per_node: int | None = None, lora_rank: int = 0) -> ReshardPlan:
     """The engine's plan for `arch` (no model built): exact per-rank boxes and bytes."""
-    shapes = {n: (s, itemsize, fsdp_dim(n, s, arch, layout, strategy), gen_shard_dim(n, arch.tied)) for n, s in arch.param_shapes().items()}
+    shapes = {n: (s, itemsize, fsdp_dim(n, s, arch, layout, strategy), gen_shard_dim(n, arch.tied))
+              for n, s in arch.param_shapes(lora_rank).items()}
     return ReshardPlan.build(shapes, layout.world, gen_tp, procs_per_node, layout=layout)
 
 
@@ -115,7 +123,9 @@ def _collective_seconds(plan: ReshardPlan, cluster: Cluster, params: list[ParamP
     return worst + cluster.latency_s * sources
 
 
-def predict_switch(plan: ReshardPlan, cluster: Cluster) -> dict[str, SwitchCost]:
+def predict_switch(plan: ReshardPlan, cluster: Cluster, frozen: frozenset[str] = frozenset()) -> dict[str, SwitchCost]:
+    """The optimized and the naive switch; `frozen` parameters (LoRA's base) moved on the first switch
+    and cost nothing in the optimized (steady) one, while the naive one moves the whole model."""
     n = plan.world_size
     copy = max(plan.gen_buffer_bytes(r) for r in range(n)) / cluster.copy_bw
     by_layer: dict[str, list[ParamPlan]] = {}
@@ -137,10 +147,12 @@ def predict_switch(plan: ReshardPlan, cluster: Cluster) -> dict[str, SwitchCost]
             groups.setdefault(tuple(map(tuple, p.group)) if len(p.group[0]) < n else (), []).append(p)
         return list(groups.values())
 
-    opt = sum(seconds(ps, naive=False) for layer in by_layer.values() for ps in collectives(layer))
+    moving = {layer: [p for p in ps if p.name not in frozen] for layer, ps in by_layer.items()}
+    opt = sum(seconds(ps, naive=False) for layer in moving.values() if layer for ps in collectives(layer))
     naive = sum(seconds([p], naive=True) for p in plan.params)
     return {
-        "optimized": SwitchCost("optimized", [plan.min_bytes(r) for r in range(n)], plan.cross_node_bytes(), opt + copy, len(by_layer)),
+        "optimized": SwitchCost("optimized", [plan.min_bytes(r, frozen) for r in range(n)], plan.cross_node_bytes(), opt + copy,
+                                sum(1 for ps in moving.values() if ps)),
         "naive": SwitchCost("naive", [plan.naive_bytes(r) for r in range(n)], plan.cross_node_bytes(naive=True), naive + copy, len(plan.params)),
     }
 
@@ -148,6 +160,8 @@ def predict_switch(plan: ReshardPlan, cluster: Cluster) -> dict[str, SwitchCost]
 def memory_plan(plan: ReshardPlan, arch: Arch, layout: TrainLayout, m: MemoryInputs, rank: int) -> dict[str, int]:
     """Bytes rank `rank` holds, by part, and the two phases' peaks (module docstring)."""
     own = sum(volume(p.own[rank]) for p in plan.params)
+    frozen = frozen_params(plan, m)
+    trainable = sum(volume(p.own[rank]) for p in plan.params if p.name not in frozen)  # gradients and optimizer state
     if m.strategy == "SHARD_GRAD_OP":  # parameters stay unsharded between forward and backward
         held = own * layout.dp * (m.param_bytes + m.compute_bytes)
     else:
@@ -167,8 +181,8 @@ def memory_plan(plan: ReshardPlan, arch: Arch, layout: TrainLayout, m: MemoryInp
     kv = 2 * arch.layers * (arch.kv_heads // plan.gen_tp) * arch.head_dim * m.gen_bytes * tokens
     parts = {
         "params": 0 if m.param_offload else int(held),
-        "grads": own * m.param_bytes,
-        "optimizer": 0 if m.optimizer_offload else own * m.optim_bytes_per_param,
+        "grads": trainable * m.param_bytes,
+        "optimizer": 0 if m.optimizer_offload else trainable * m.optim_bytes_per_param,
         "activations": int(acts),
         "fsdp_unshard": unshard,
         "gen_weights": plan.gen_buffer_bytes(rank),
@@ -195,14 +209,16 @@ def naive_transient_bytes(plan: ReshardPlan) -> int:
 
 def rows(arch: Arch, layout: TrainLayout, gen_tp: int, cluster: Cluster, m: MemoryInputs, switch_dtype: str = "bf16") -> list[dict]:
     """The `hybridflow plan` rows for one (training layout, gen_tp): one per mode."""
-    plan = plan_for(arch, layout, gen_tp, DTYPE_BYTES[switch_dtype], m.strategy, cluster.gpus_per_node)
+    plan = plan_for(arch, layout, gen_tp, DTYPE_BYTES[switch_dtype], m.strategy, cluster.gpus_per_node, m.lora_rank)
     mem = worst_memory(plan, arch, layout, m)
+    first_switch = max(plan.min_bytes(r) for r in range(plan.world_size))
     out = []
-    for mode, cost in predict_switch(plan, cluster).items():
+    for mode, cost in predict_switch(plan, cluster, frozen_params(plan, m)).items():
         peak = mem["peak"] if mode == "optimized" else max(mem["train_peak"], mem["gen_peak"] + naive_transient_bytes(plan))
         out.append(dict(
             model=arch.name, train_layout=layout.label, gen_tp=gen_tp, gen_dp=layout.world // gen_tp, mode=mode,
             bytes_per_rank=max(cost.bytes_per_rank), bytes_per_rank_mean=sum(cost.bytes_per_rank) / len(cost.bytes_per_rank),
+            first_switch_bytes_per_rank=first_switch if mode == "optimized" else max(cost.bytes_per_rank), lora_rank=m.lora_rank,
             cross_node_bytes=cost.cross_node_bytes, predicted_seconds=cost.predicted_seconds, collectives=cost.collectives,
             memory_per_rank_bytes=peak, memory=mem, fits=peak <= cluster.memory_bytes, cluster=asdict(cluster),
         ))

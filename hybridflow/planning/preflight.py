@@ -30,7 +30,7 @@ def _strategy(fc: FSDPConfig) -> str:
 
 def _role_memory(arch: Arch, layout: TrainLayout, gen_tp: int, fc: FSDPConfig, m: MemoryInputs, trains: bool) -> dict[str, int]:
     """The worst rank's memory plan of one role in its training `layout` (pp x tp x dp workers)."""
-    mem = worst_memory(plan_for(arch, layout, gen_tp, m.gen_bytes, m.strategy), arch, layout, m)
+    mem = worst_memory(plan_for(arch, layout, gen_tp, m.gen_bytes, m.strategy, lora_rank=m.lora_rank), arch, layout, m)
     if not trains:  # forward only: no gradients, optimizer state or generation
         mem = dict(mem, grads=0, optimizer=0, gen_weights=0, kv_cache=0, activations=2 * m.micro_batch * m.seq_len * arch.vocab * 4)
     return mem
@@ -49,7 +49,8 @@ def pool_memory(cfg: HybridFlowConfig, roles: list[rp.Role] | None = None) -> di
         compute = DTYPE_BYTES.get(fc.mixed_precision or "fp32", 4)
         m = MemoryInputs(param_bytes=4, compute_bytes=compute, gen_bytes=4, strategy=_strategy(fc), seq_len=seq,
                          micro_batch=arr.actor.ppo_micro_batch_size_per_gpu, rollout_seqs=d.train_batch_size * arr.rollout.n,
-                         gradient_checkpointing=arr.model.enable_gradient_checkpointing, param_offload=fc.param_offload)
+                         gradient_checkpointing=arr.model.enable_gradient_checkpointing, param_offload=fc.param_offload,
+                         lora_rank=arr.model.lora_rank if role == rp.Role.ACTOR_ROLLOUT else 0)
         role_arch = load_arch(cfg.critic.model.path) if role == rp.Role.CRITIC and cfg.critic.model.path else arch
         if role == rp.Role.REWARD_MODEL:
             role_arch = load_arch(cfg.reward_model.model.path)
