@@ -146,3 +146,49 @@ def test_vllm_multi_turn_grpo_step(ray_cluster, vllm_model_dir, tmp_path):
     assert step["agent/num_turns/max"] >= 2 and step["agent/tool_tokens/mean"] > 0
     assert step["rollout/logprob_diff_max"] < 1e-3  # model tokens only: the env's tokens have no rollout log-prob
     assert any(0 in t.response_mask[:max(i for i, m in enumerate(t.response_mask) if m) + 1] for t in trajs)
+
+
+def test_vllm_serves_a_lora_adapter_with_the_trainers_log_probs(vllm_model_dir, tmp_path):
+    """A PEFT adapter in the format `hybridflow export` writes for a LoRA run, served by vLLM's LoRA
+    support (enable_lora + a LoRARequest) on the base: its greedy tokens' log-probs equal the HF model
+    with the same adapter (fp32) to 1e-3, and the adapter changes what the base would say."""
+    import os
+
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from hybridflow.config.schema import ModelConfig
+    from hybridflow.models.lora import lora_config
+    from hybridflow.rollout.vllm_rollout import VLLM_ENV
+
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(vllm_model_dir, dtype=torch.float32),
+                                lora_config(ModelConfig(path=str(vllm_model_dir), lora_rank=8, lora_alpha=16)))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if ".lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    peft_model.save_pretrained(tmp_path / "adapter")
+
+    for k, v in {**VLLM_ENV, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1"}.items():
+        os.environ.setdefault(k, v)
+    from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    llm = LLM(model=str(vllm_model_dir), dtype="float32", enforce_eager=True, max_model_len=64, seed=0, enable_lora=True, max_lora_rank=8,
+              logprobs_mode="processed_logprobs", gpu_memory_utilization=0.5)
+    prompts = [[5, 17, 42, 99, 3], [60, 61, 62, 63, 64, 65, 66]]
+    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=0, ignore_eos=True)
+    with_adapter = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=LoRARequest("trained", 1, str(tmp_path / "adapter")))
+    base = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert [o.outputs[0].token_ids for o in with_adapter] != [o.outputs[0].token_ids for o in base]
+    peft_model.eval()
+    with torch.no_grad():
+        for prompt, out in zip(prompts, with_adapter):
+            toks = list(out.outputs[0].token_ids)
+            ids = torch.tensor([prompt + toks])
+            logp = torch.log_softmax(peft_model(ids).logits[0, len(prompt) - 1:-1].float(), -1)
+            hf = logp[torch.arange(len(toks)), torch.tensor(toks)]
+            assert toks == logp.argmax(-1).tolist()  # vLLM's greedy tokens are the adapter model's
+            vllm_lp = torch.tensor([lp[t].logprob for t, lp in zip(toks, out.outputs[0].logprobs)])
+            assert (vllm_lp - hf).abs().max().item() < 1e-3
