@@ -47,7 +47,21 @@ def arithmetic_rows(n: int, seed: int = 0) -> list[dict]:
     return rows
 
 
-def run_hybridflow(model: str, train: str, reward: str, out: str, steps: int) -> dict:
+LORA_KEYS = ("param_bytes", "grad_bytes", "optimizer_bytes")
+
+
+def planned_state(model: str, lora_rank: int) -> dict:
+    """The planner's parameters / gradients / optimizer bytes per rank for this bench's layout (fp32, FSDP over 2)."""
+    from hybridflow.hybrid_engine.plan import TrainLayout
+    from hybridflow.planning.arch import load_arch
+    from hybridflow.planning.cost import MemoryInputs, plan_for, worst_memory
+
+    arch, layout = load_arch(model), TrainLayout(dp=2)
+    mem = worst_memory(plan_for(arch, layout, 1, 4, lora_rank=lora_rank), arch, layout, MemoryInputs(param_bytes=4, lora_rank=lora_rank))
+    return {"plan/param_bytes": mem["params"], "plan/grad_bytes": mem["grads"], "plan/optimizer_bytes": mem["optimizer"]}
+
+
+def run_hybridflow(model: str, train: str, reward: str, out: str, steps: int, lora_rank: int = 0) -> dict:
     from hybridflow.config import HybridFlowConfig, load_config
     from hybridflow.trainer.rl import RLTrainer
 
@@ -59,16 +73,18 @@ def run_hybridflow(model: str, train: str, reward: str, out: str, steps: int) ->
         "actor_rollout_ref.actor.recompute_old_log_prob=false", "actor_rollout_ref.actor.use_kl_loss=false", "algorithm.adv_estimator=grpo",
         f"custom_reward_function.path={reward}", f"trainer.total_training_steps={steps}", "trainer.test_freq=-1", "trainer.val_before_train=false",
         "trainer.progress_bar=false", "trainer.logger=[jsonl]", f"trainer.default_local_dir={out}", "trainer.device=cpu",
-        "actor_rollout_ref.hybrid_engine.measure_baseline=false",
+        "actor_rollout_ref.hybrid_engine.measure_baseline=false", f"actor_rollout_ref.model.lora_rank={lora_rank}",
     ], schema=HybridFlowConfig)
     trainer = RLTrainer(cfg)
     try:
         hist = [h for h in trainer.fit()["history"] if h["step"] > 0][1:]  # the first step warms up
+        stats = trainer.actor.shard_stats()  # per rank, after the last optimizer step
     finally:
         trainer.shutdown()
     step = statistics.median(h["timing_s/step"] for h in hist)
     tokens = statistics.median(h["response_length/mean"] * PROMPTS * SAMPLES for h in hist)
-    row = {"system": "hybridflow", "step_seconds": step, "tokens_per_second": tokens / step}
+    row = {"system": f"hybridflow+lora{lora_rank}" if lora_rank else "hybridflow", "step_seconds": step, "tokens_per_second": tokens / step,
+           **{k: max(s[k] for s in stats) for k in LORA_KEYS}, **planned_state(model, lora_rank)}
     for s in STAGES:
         if f"timing_s/{s}" in hist[0]:
             row[f"timing_s/{s}"] = statistics.median(h[f"timing_s/{s}"] for h in hist)
@@ -115,6 +131,8 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="a real HF checkpoint (scripts/get_smollm2.py); omitted: tiny model only")
     ap.add_argument("--steps", type=int, default=4, help="steps per system (the first is not timed)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--lora-rank", type=int, default=0, help="also run hybridflow with LoRA adapters of this rank (all-linear)")
+    ap.add_argument("--no-trl", action="store_true", help="hybridflow rows only")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -132,23 +150,35 @@ def main() -> None:
         models[os.path.basename(os.path.normpath(args.model))] = args.model
     out = []
     for name, path in models.items():
-        for system, run in (("hybridflow", lambda: run_hybridflow(str(path), train, reward, os.path.join(tmp, f"hf_{name}"), args.steps)),
-                            ("trl", lambda: run_trl(str(path), rows, os.path.join(tmp, f"trl_{name}"), args.steps))):
+        systems = [("hybridflow", lambda: run_hybridflow(str(path), train, reward, os.path.join(tmp, f"hf_{name}"), args.steps))]
+        if args.lora_rank:
+            systems.append(("hybridflow+lora", lambda: run_hybridflow(str(path), train, reward, os.path.join(tmp, f"lora_{name}"), args.steps, args.lora_rank)))
+        if not args.no_trl:
+            systems.append(("trl", lambda: run_trl(str(path), rows, os.path.join(tmp, f"trl_{name}"), args.steps)))
+        for system, run in systems:
             t = time.perf_counter()
             row = {"model": name, **run()}
             print(f"{system} on {name}: {row['step_seconds']:.2f} s/step ({time.perf_counter() - t:.0f} s)", flush=True)
             out.append(row)
     for name in models:
-        hf, trl = (next(r for r in out if r["model"] == name and r["system"] == s) for s in ("hybridflow", "trl"))
-        hf["vs_trl"] = hf["step_seconds"] / trl["step_seconds"]
+        trl = next((r for r in out if r["model"] == name and r["system"] == "trl"), None)
+        for r in out:
+            if trl and r["model"] == name and r is not trl:
+                r["vs_trl"] = r["step_seconds"] / trl["step_seconds"]
     for r in out:
         r.setdefault("vs_trl", float("nan"))
-        for s in STAGES:
-            r.setdefault(f"timing_s/{s}", float("nan"))
-    columns = [("system", "system", "<11"), ("model", "model", "<14"), ("step_seconds", "step s", ">7.2f"),
+        for s in (*(f"timing_s/{s}" for s in STAGES), *LORA_KEYS, *(f"plan/{k}" for k in LORA_KEYS)):
+            r.setdefault(s, float("nan"))
+        for k in (*LORA_KEYS, *(f"plan/{k}" for k in LORA_KEYS)):
+            r[k] = r[k] / 2**20  # MiB
+    columns = [("system", "system", "<16"), ("model", "model", "<14"), ("step_seconds", "step s", ">7.2f"),
                ("tokens_per_second", "tok/s", ">7.1f"), ("vs_trl", "vs TRL", ">7.2f")]
     columns += [(f"timing_s/{s}", s, f">{max(7, len(s))}.2f") for s in STAGES]
-    print_rows("one GRPO step (8 prompts x 4 samples, 16 new tokens), median over the timed steps", columns, out, args.json)
+    # trainable state per rank (MiB): measured on the workers after the last step, and the planner's figure
+    columns += [("param_bytes", "params", ">8.2f"), ("plan/param_bytes", "plan", ">8.2f"), ("grad_bytes", "grads", ">8.2f"),
+                ("plan/grad_bytes", "plan", ">8.2f"), ("optimizer_bytes", "optim", ">8.2f"), ("plan/optimizer_bytes", "plan", ">8.2f")]
+    print_rows("one GRPO step (8 prompts x 4 samples, 16 new tokens), median over the timed steps; trainable state per rank in MiB "
+               "(measured / the planner's)", columns, out, args.json)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from hybridflow.algorithms import entropy_from_logits, logprobs_from_logits
 from hybridflow.config.schema import FSDPConfig, HybridEngineConfig, OptimConfig
@@ -152,6 +153,18 @@ class TrainEngine:
 
     def load(self, path: str) -> None:
         load_sharded(path, self.module, self.optimizer, self.scheduler, flatten_optimizer=self.layout.pp > 1, trainable_only=self.lora)
+
+    def trainable_state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds: parameters (its shards), gradients (one per trainable shard, alive
+        from backward to the step) and optimizer state (AdamW's moments, after the first step)."""
+        def local(t: torch.Tensor) -> torch.Tensor:
+            return t.to_local() if isinstance(t, DTensor) else t
+
+        params = list(self.module.parameters())
+        state = [t for s in (self.optimizer.state.values() if self.optimizer else ()) for t in s.values() if isinstance(t, torch.Tensor)]
+        return {"param_bytes": sum(local(p).nbytes for p in params),
+                "grad_bytes": sum(local(p).nbytes for p in params if p.requires_grad),
+                "optimizer_bytes": sum(local(t).nbytes for t in state if t.dim() > 0)}  # not AdamW's scalar step counts
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full (unsharded) weights on CPU; a collective: every rank calls it."""

@@ -167,8 +167,10 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def shard_stats(self) -> dict[str, int]:
+        """This rank's share of the model, and its trainable state in bytes: parameters, gradients
+        (allocated for the trainable parameters during backward) and optimizer state."""
         local, total = shard_numel(self.actor.module)
-        return {"local_numel": local, "total_numel": total}
+        return {"local_numel": local, "total_numel": total, **self.actor.trainable_state_bytes()}
 
     # ------------------------------------------------------------------ log-probs
     @register(Dispatch.DP_COMPUTE, layout="train")
