@@ -7,6 +7,8 @@ bytes received (measured) against the planner's theoretical minimum and the naiv
 median wall time, and the peak extra resident memory against the engine's theory. Every reshard is
 checked bit-exact (`engine.max_abs_diff() == 0.0`).
 
+`lora-first` / `lora` (gen TP 1, `--lora-rank`): the same model with LoRA adapters on every
+projection; the first switch moves the frozen base once, every later one the adapters alone.
 `frozen` is `optimized` with the embeddings and lm_head frozen (`actor.freeze_modules`): after the
 first switch they are skipped, 0 bytes. `optimized` keeps the generation buffers between switches (`keep_generation_buffers`, what the
 trainer picks when memory allows); `released` is the same path freeing them after every rollout
@@ -45,7 +47,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def worker(rank: int, world: int, port: int, path: str, repeats: int, out_file: str) -> None:
+def worker(rank: int, world: int, port: int, path: str, repeats: int, out_file: str, lora_rank: int = 0) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo", HF_HUB_OFFLINE="1")
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
@@ -107,8 +109,49 @@ def worker(rank: int, world: int, port: int, path: str, repeats: int, out_file: 
         engine.release()
         actor.requires_grad_(True)
         del engine, rollout
+    if lora_rank:
+        results += lora_rows(path, world, rank, repeats, cluster, lora_rank)
     write_gathered(results, world, rank, out_file)
     dist.destroy_process_group()
+
+
+def lora_rows(path: str, world: int, rank: int, repeats: int, cluster, lora_rank: int) -> list[dict]:
+    """LoRA (all-linear) on the same model, generation TP 1 (what LoRA runs today): `lora-first` is the
+    first switch (the frozen base moves, once), `lora` the steady one (the adapters alone)."""
+    from transformers import AutoModelForCausalLM
+
+    from hybridflow.config.schema import HybridEngineConfig, ModelConfig
+    from hybridflow.hybrid_engine.executor import HybridEngine
+    from hybridflow.hybrid_engine.plan import TrainLayout
+    from hybridflow.models.lora import apply_lora
+    from hybridflow.parallel.fsdp import apply_fsdp2, make_mesh
+    from hybridflow.parallel.tensor_parallel import fsdp_shard_placement_fn, gen_shard_dims
+    from hybridflow.planning.arch import load_arch
+    from hybridflow.planning.cost import MemoryInputs, frozen_params, plan_for, predict_switch
+
+    mcfg = ModelConfig(path=path, lora_rank=lora_rank, lora_alpha=2 * lora_rank)
+    actor = apply_lora(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), mcfg)
+    dims = gen_shard_dims(actor)
+    apply_fsdp2(actor, make_mesh("cpu", world), shard_placement_fn=fsdp_shard_placement_fn(actor, world))
+    with torch.no_grad():  # trained adapters (B is 0 at init)
+        gen = torch.Generator().manual_seed(rank)
+        for p in actor.parameters():
+            if p.requires_grad:
+                p.to_local().add_(torch.randn(p.to_local().shape, generator=gen) * 0.01)
+    rollout = apply_lora(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), mcfg).eval().requires_grad_(False)
+    engine = HybridEngine(actor, rollout, dims, 1, HybridEngineConfig(granularity="layer", keep_generation_buffers=True), "cpu")
+    planned = plan_for(load_arch(path), TrainLayout(dp=world), 1, 4, lora_rank=lora_rank)
+    frozen = frozen_params(planned, MemoryInputs(lora_rank=lora_rank))
+    first = engine.reshard(optimized=True)
+    common = dict(world_size=world, train_layout=f"dp{world}", gen_tp=1, rank=rank, naive_bytes=engine.plan.naive_bytes(rank))
+    rows = [dict(common, mode="lora-first", seconds=first["seconds"], bytes_received=first["bytes_received"], peak_extra_bytes=first["peak_extra_bytes"],
+                 theory_extra_bytes=first["theory_extra_bytes"], min_bytes=engine.plan.min_bytes(rank), planner_bytes=planned.min_bytes(rank),
+                 predicted_seconds=predict_switch(planned, cluster)["optimized"].predicted_seconds)]
+    steady = timed_switches(engine, True, repeats, f"N={world} LoRA rank {lora_rank}")
+    rows.append(dict(common, mode="lora", **steady, min_bytes=engine.plan.min_bytes(rank, engine.frozen), planner_bytes=planned.min_bytes(rank, frozen),
+                     predicted_seconds=predict_switch(planned, cluster, frozen)["optimized"].predicted_seconds))
+    engine.release()
+    return rows
 
 
 def timed_switches(engine, optimized: bool, repeats: int, what: str) -> dict:
@@ -245,7 +288,7 @@ def floor_seconds(engine, repeats: int) -> tuple[float, int]:
     return statistics.median(times), received
 
 
-MODES = ("optimized", "released", "frozen", "naive", "floor")
+MODES = ("optimized", "released", "frozen", "naive", "floor", "lora-first", "lora")
 
 
 def rows_from(per_rank: list[dict]) -> list[dict]:
@@ -286,7 +329,7 @@ def print_table(rows: list[dict]) -> None:
     opt = [r for r in rows if r["mode"] == "optimized"]
     yes = lambda ok: "yes" if ok else "no"  # noqa: E731
     print(f"bytes == theoretical minimum in every optimized layout: "
-          f"{yes(all(r['bytes_per_rank'] == r['min_bytes_per_rank'] for r in rows if r['mode'] in ('optimized', 'released', 'frozen')))}")
+          f"{yes(all(r['bytes_per_rank'] == r['min_bytes_per_rank'] for r in rows if r['mode'] in ('optimized', 'released', 'frozen', 'lora-first', 'lora')))}")
     print(f"hybridflow plan's bytes (config.json only) == measured in every layout and mode: "
           f"{yes(all(r['bytes_per_rank'] == r['planner_bytes_per_rank'] for r in rows))}")
     target = [r for r in opt if (r["train_layout"], r["gen_tp"]) == ("dp4", 2)]
@@ -306,6 +349,7 @@ def main() -> None:
     ap.add_argument("--model-dir", default=None, help="reuse (or build into) this directory instead of a temp dir")
     ap.add_argument("--json", default=None, help="write the rows as a JSON list to this path")
     ap.add_argument("--no-3d", action="store_true", help=f"skip the 3D training layouts {LAYOUTS_3D} at N=4")
+    ap.add_argument("--lora-rank", type=int, default=16, help="LoRA rows (first and steady switch, gen TP 1) at this rank; 0: none")
     args = ap.parse_args()
 
     from hybridflow.models.tiny import make_tiny_model
@@ -331,7 +375,7 @@ def main() -> None:
     for world in (int(w) for w in args.worlds.split(",")):
         t0 = time.perf_counter()
         out_file = os.path.join(tmp.name, f"result_{world}.pkl")
-        mp.spawn(worker, args=(world, free_port(), path, args.repeats, out_file), nprocs=world)
+        mp.spawn(worker, args=(world, free_port(), path, args.repeats, out_file, args.lora_rank), nprocs=world)
         with open(out_file, "rb") as f:
             per_rank += pickle.load(f)
         print(f"N={world}: done in {time.perf_counter() - t0:.1f}s")
