@@ -51,7 +51,7 @@ def _run(model_dir, task_dir, out, reward, *extra):
 
 
 def test_lora_grpo_reference_for_free_adapter_only_sync_and_resume(ray_cluster, tiny_model_dir, task_dir, varied_reward, tmp_path):
-    views, hist, plan = _run(tiny_model_dir, task_dir, tmp_path / "straight", varied_reward)
+    views, hist, plan = _run(tiny_model_dir, task_dir, tmp_path / "straight", varied_reward, "trainer.save_hf_model=true")
     assert "ref" not in views  # no reference role, no reference weights
     first, second = hist
     # step 1 updates from B = 0, where the policy is the base: the adapter-free reference equals it exactly
@@ -95,6 +95,11 @@ def _check_exports(model_dir, step_dir, adapters: dict, tmp_path) -> None:
         assert torch.equal(saved[f"base_model.model.{k.replace('.default.', '.')}"], v)
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
     assert not any(".lora_" in k or "base_layer" in k for k in merged.state_dict())
+    # trainer.save_hf_model wrote the same merged model at the end of the run
+    saved_hf = AutoModelForCausalLM.from_pretrained(step_dir.parent / "hf_model").state_dict()
+    assert saved_hf.keys() == merged.state_dict().keys()
+    for k, v in merged.state_dict().items():
+        torch.testing.assert_close(saved_hf[k], v, rtol=1e-6, atol=1e-6)  # both W + s B A in fp32; the sum order may differ
     with_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), tmp_path / "adapter").eval()
     base = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     prompts = torch.randint(3, 200, (4, 10), generator=torch.Generator().manual_seed(0))
