@@ -348,7 +348,7 @@ def test_policy_losses_are_registered_by_name():
                                                loss_agg_mode="seq-mean-token-mean", unused_by_this_loss=1)
     want = compute_policy_loss(old, new, adv, mask, 0.2, 0.28, 3.0, "seq-mean-token-mean")
     assert torch.equal(loss, want[0]) and [metrics[k] for k in ("pg_clipfrac", "ppo_kl", "pg_clipfrac_lower")] == list(want[1:])
-    with pytest.raises(ValueError, match=r"unknown policy loss 'nope'.*registered: \['vanilla'"):
+    with pytest.raises(ValueError, match=r"unknown policy loss 'nope'.*registered: \['cispo', 'gspo', 'vanilla'"):
         get_policy_loss("nope")
     with pytest.raises(ValueError, match="already registered"):
         register_policy_loss("vanilla")(lambda *a, **k: None)
@@ -370,3 +370,54 @@ def test_policy_losses_are_registered_by_name():
         assert "policy_loss" not in problems, problems
     finally:
         POLICY_LOSSES.pop("reinforce")
+
+
+# ---------------------------------------------------------------- GSPO, CISPO, Dr. GRPO (values by hand)
+def test_gspo_ratio_is_the_exp_of_the_mean_token_log_ratio_and_clips_per_sequence():
+    from hybridflow.algorithms import get_policy_loss
+
+    old = torch.tensor([[-1.0, -2.0, -1.5], [-0.5, -0.5, 0.0]])
+    new = torch.tensor([[-0.9, -1.8, -1.5], [-0.5, -0.9, 0.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    adv = torch.tensor([[1.0, 1.0, 1.0], [-2.0, -2.0, -2.0]])
+    loss, m = get_policy_loss("gspo")(old, new, adv, mask, clip_ratio_low=0.2, clip_ratio_high=0.05, loss_agg_mode="token-mean")
+    # sequence 0: mean log-ratio (0.1 + 0.2 + 0) / 3 = 0.1 -> s = e^0.1 = 1.10517 > 1.05: clipped, A > 0 -> -1.05 per token
+    # sequence 1: (0 - 0.4) / 2 = -0.2 -> s = e^-0.2 = 0.81873 (inside [0.8, 1.05]) -> 2 * 0.81873 per token
+    s1 = math.exp(-0.2)
+    assert loss.item() == pytest.approx((-1.05 + 2 * s1) / 2, abs=1e-6)  # seq-mean-token-mean whatever loss_agg_mode says
+    assert m["pg_clipfrac"].item() == pytest.approx(3 / 5)  # sequence 0's three tokens
+    loss.backward()
+    # clipped sequence: no gradient; sequence 1: d/d new_t of mean_t(2 s) = 2 s / 2 per valid token
+    assert torch.equal(new.grad[0], torch.zeros(3))
+    assert new.grad[1].tolist() == pytest.approx([s1 / 2 * 2 / 2, s1 / 2 * 2 / 2, 0.0], abs=1e-6)
+
+
+def test_cispo_weight_is_clipped_and_detached_so_the_gradient_is_through_log_prob_only():
+    from hybridflow.algorithms import get_policy_loss
+
+    old = torch.tensor([[-1.0, -1.0, -1.0]])
+    new = torch.tensor([[-0.5, -1.0, -3.0]], requires_grad=True)  # ratios e^0.5 = 1.6487, 1, e^-2 = 0.1353
+    adv = torch.tensor([[2.0, 2.0, 2.0]])
+    mask = torch.ones(1, 3)
+    loss, m = get_policy_loss("cispo")(old, new, adv, mask, clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode="token-mean")
+    w = [1.28, 1.0, 0.8]  # clipped to [0.8, 1.28]; PPO would zero the first token's gradient, CISPO keeps it at the cap
+    assert loss.item() == pytest.approx(-sum(2 * wi * x for wi, x in zip(w, [-0.5, -1.0, -3.0])) / 3, abs=1e-6)
+    loss.backward()
+    assert new.grad[0].tolist() == pytest.approx([-2 * wi / 3 for wi in w], abs=1e-6)  # -A * w / n: no ratio derivative
+    assert m["pg_clipfrac"].item() == pytest.approx(2 / 3)
+
+
+def test_dr_grpo_sums_tokens_over_a_constant_and_leaves_advantages_unscaled():
+    from hybridflow.algorithms import agg_loss, get_adv_estimator
+
+    loss = torch.tensor([[1.0, 2.0, 3.0, 0.0], [4.0, 0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
+    # per-sequence sums 6 and 4, over T = 4, averaged over the 2 sequences: (1.5 + 1.0) / 2
+    assert agg_loss(loss, mask, "seq-mean-token-sum-norm").item() == pytest.approx(1.25)
+    rewards = torch.zeros(4, 2)
+    rewards[:, -1] = torch.tensor([1.0, 0.0, 0.0, 0.0])  # one group of 4: mean 0.25
+    import numpy as np
+
+    adv, _ = get_adv_estimator("grpo")(token_level_rewards=rewards, response_mask=torch.ones(4, 2), index=np.zeros(4, dtype=object),
+                                       norm_adv_by_std_in_grpo=False)
+    assert adv[:, 0].tolist() == pytest.approx([0.75, -0.25, -0.25, -0.25])  # r - mean, no division by the std (0.5)

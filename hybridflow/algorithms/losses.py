@@ -10,9 +10,8 @@ from typing import Callable, Optional
 
 import torch
 
+from hybridflow.config.schema import LOSS_AGG_MODES
 from hybridflow.config.validate import register_check
-
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
@@ -51,6 +50,9 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str
     - token-mean:           sum over valid tokens / number of valid tokens (long answers weigh more)
     - seq-mean-token-sum:   per-sequence sum, mean over the B sequences
     - seq-mean-token-mean:  per-sequence mean, mean over the B sequences (an empty one counts as 0)
+    - seq-mean-token-sum-norm: Dr. GRPO: per-sequence sum over a CONSTANT, T (the response tensor's
+      length, data.max_response_length), mean over the B sequences: no length bias either way
+      (verl sums over the sequences instead of averaging; here a micro-batch's share is its sequences')
     """
     if loss_agg_mode == "token-mean":
         return masked_mean(loss_mat, loss_mask)
@@ -58,6 +60,8 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str
         return masked_sum(loss_mat, loss_mask, dim=-1).mean()
     if loss_agg_mode == "seq-mean-token-mean":
         return masked_mean(loss_mat, loss_mask, dim=-1).mean()
+    if loss_agg_mode == "seq-mean-token-sum-norm":
+        return masked_sum(loss_mat, loss_mask, dim=-1).mean() / loss_mask.shape[-1]
     raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; choose one of {list(LOSS_AGG_MODES)}")
 
 
@@ -169,6 +173,39 @@ def vanilla_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, adva
     pg_loss, clipfrac, ppo_kl, clipfrac_lower = compute_policy_loss(old_log_prob, log_prob, advantages, response_mask, clip_ratio_low,
                                                                     clip_ratio_high, clip_ratio_c, loss_agg_mode)
     return pg_loss, {"pg_clipfrac": clipfrac, "ppo_kl": ppo_kl, "pg_clipfrac_lower": clipfrac_lower}
+
+
+@register_policy_loss("gspo")
+def gspo_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor, *,
+                     clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2, **_) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO (Zheng et al. 2025): one importance ratio per sequence, s_i = exp(mean_t (log_prob - old)),
+    clipped to [1 - low, 1 + high] like PPO's, and the loss averaged per sequence (seq-mean-token-mean,
+    whatever loss_agg_mode says). Each token's gradient is s_i * grad log_prob_t / |o_i|: the ratio's
+    value is the sequence's, its gradient the token's (log_prob - sg(log_prob) + sg(mean log-ratio)).
+    GSPO's paper clips at 3e-4 / 4e-4 (clip_ratio_low / clip_ratio_high)."""
+    log_ratio = log_prob - old_log_prob  # [B, T]
+    seq_log_ratio = masked_mean(log_ratio, response_mask, dim=-1)  # [B]
+    log_s = torch.clamp(log_prob - log_prob.detach() + seq_log_ratio.detach().unsqueeze(-1), max=10.0)
+    s = torch.exp(log_s)  # [B, T]: every token of sequence i holds s_i
+    pg_losses1 = -advantages * s
+    pg_losses2 = -advantages * torch.clamp(s, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    pg_loss = agg_loss(torch.maximum(pg_losses1, pg_losses2), response_mask, "seq-mean-token-mean")
+    return pg_loss, {"pg_clipfrac": masked_mean(torch.gt(pg_losses2, pg_losses1).float(), response_mask),
+                     "ppo_kl": masked_mean(-log_ratio, response_mask)}
+
+
+@register_policy_loss("cispo")
+def cispo_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor, *,
+                      clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2, loss_agg_mode: str = "token-mean",
+                      **_) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CISPO (MiniMax-M1, 2025): -sg(clip(ratio, 1 - low, 1 + high)) * A * log_prob per token. The
+    importance weight is clipped and detached, so no token is dropped from the gradient (PPO's clip
+    zeroes it) and the gradient flows only through log_prob: A * w * grad log_prob."""
+    log_ratio = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
+    ratio = torch.exp(log_ratio)
+    weight = torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high).detach()
+    pg_loss = agg_loss(-advantages * weight * log_prob, response_mask, loss_agg_mode)
+    return pg_loss, {"pg_clipfrac": masked_mean(torch.ne(weight, ratio).float(), response_mask), "ppo_kl": masked_mean(-log_ratio, response_mask)}
 
 
 def compute_value_loss(

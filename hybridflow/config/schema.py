@@ -45,6 +45,8 @@ class DataConfig:
 
 # Accepted spellings of a model's dtype (models/hf.py maps them to torch dtypes).
 MODEL_DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+# How a per-token loss [B, T] becomes a scalar (algorithms/losses.py agg_loss); verl's names.
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 # LoRA targets: peft's "all-linear" (every linear layer but the output head), or the decoder's projections.
 LORA_TARGETS = ("all-linear", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

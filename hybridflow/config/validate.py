@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Callable, Literal
 
 from hybridflow.config.loader import ConfigError, literal_choices
-from hybridflow.config.schema import LORA_TARGETS, MODEL_DTYPES, DPOConfig, HybridFlowConfig, ModelConfig, OptimConfig, RewardTrainConfig, SFTConfig, TrainerConfig
+from hybridflow.config.schema import LOSS_AGG_MODES, LORA_TARGETS, MODEL_DTYPES, DPOConfig, HybridFlowConfig, ModelConfig, OptimConfig, RewardTrainConfig, SFTConfig, TrainerConfig
 
 A, R = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
 
@@ -85,7 +85,6 @@ BUFFER_PERCENT_REFUSED = ("actor_rollout_ref.hybrid_engine.resharding_buffer_per
 # Causal-LM checkpoints: config.json "architectures" of a model with a language-modelling head.
 _LM_HEADS = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
 _KL_TYPES = ["kl", "k1", "k2", "mse", "k3", "low_var_kl", "abs"]
-_LOSS_AGG = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
 _PER_WORKER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -485,9 +484,9 @@ def validate_config(cfg: HybridFlowConfig, kind: Literal["rl", "dpo"] = "rl") ->
     if actor.fsdp_config.param_offload and (cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and _cuda_available())):
         p.append(f"{A}.fsdp_config.param_offload is not supported with CUDA yet: the weight sync gathers the "
                  f"shards with NCCL on the GPU; set it to false")
-    p.enum(f"{A}.loss_agg_mode", actor.loss_agg_mode, _LOSS_AGG)
+    p.enum(f"{A}.loss_agg_mode", actor.loss_agg_mode, LOSS_AGG_MODES)
     p.enum(f"{A}.policy_loss.loss_mode", actor.policy_loss.loss_mode, component_check("policy_losses")())
-    p.enum("critic.loss_agg_mode", critic.loss_agg_mode, _LOSS_AGG)
+    p.enum("critic.loss_agg_mode", critic.loss_agg_mode, LOSS_AGG_MODES)
     p.enum(f"{A}.kl_loss_type", actor.kl_loss_type, _KL_TYPES)
     p.enum("algorithm.kl_penalty", alg.kl_penalty, _KL_TYPES)
     p.enum("algorithm.kl_ctrl.type", alg.kl_ctrl.type, ["fixed", "adaptive"])
