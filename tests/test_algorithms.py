@@ -421,3 +421,47 @@ def test_dr_grpo_sums_tokens_over_a_constant_and_leaves_advantages_unscaled():
     adv, _ = get_adv_estimator("grpo")(token_level_rewards=rewards, response_mask=torch.ones(4, 2), index=np.zeros(4, dtype=object),
                                        norm_adv_by_std_in_grpo=False)
     assert adv[:, 0].tolist() == pytest.approx([0.75, -0.25, -0.25, -0.25])  # r - mean, no division by the std (0.5)
+
+
+# ---------------------------------------------------------------- the optimizer's schedule and clipping (by hand)
+def test_warmup_then_cosine_lr_per_step_by_hand():
+    from hybridflow.config.schema import OptimConfig
+    from hybridflow.engine.optim import build_scheduler
+
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=1e-3)
+    sched = build_scheduler(opt, OptimConfig(lr=1e-3, lr_warmup_steps=2, lr_scheduler_type="cosine", min_lr_ratio=0.1), total_steps=10)
+    lrs = []
+    for _ in range(10):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    # warmup: step s < 2 -> lr * s / 2; then lr * (0.1 + 0.9 * (1 + cos(pi * (s - 2) / 8)) / 2)
+    want = [1e-3 * s / 2 for s in range(2)] + [1e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (s - 2) / 8))) for s in range(2, 10)]
+    assert lrs == pytest.approx(want, rel=1e-9, abs=1e-12)
+    const = torch.optim.SGD([p], lr=1e-3)
+    sched = build_scheduler(const, OptimConfig(lr=1e-3, lr_warmup_steps=4), total_steps=10)
+    seen = []
+    for _ in range(6):
+        seen.append(const.param_groups[0]["lr"])
+        const.step()
+        sched.step()
+    assert seen == pytest.approx([0.0, 2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3])
+
+
+def test_grad_clip_clips_to_the_limit_and_reports_the_norm_before():
+    from hybridflow.engine.optim import clip_and_step
+
+    model = torch.nn.Linear(3, 1, bias=False)
+    with torch.no_grad():
+        model.weight.zero_()
+    model.weight.grad = torch.tensor([[3.0, 4.0, 12.0]])  # norm 13
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    assert clip_and_step(model, opt, grad_clip=1.0) == pytest.approx(13.0)
+    # the step moved the weights by exactly the clipped gradient: norm 1, direction kept
+    assert model.weight.detach()[0].tolist() == pytest.approx([-3 / 13, -4 / 13, -12 / 13])
+    assert model.weight.grad is None
+    model.weight.grad = torch.tensor([[0.3, 0.4, 0.0]])  # under the limit: unchanged
+    before = model.weight.detach().clone()
+    assert clip_and_step(model, opt, grad_clip=1.0) == pytest.approx(0.5)
+    assert (before - model.weight.detach())[0].tolist() == pytest.approx([0.3, 0.4, 0.0])
