@@ -465,3 +465,24 @@ def test_grad_clip_clips_to_the_limit_and_reports_the_norm_before():
     before = model.weight.detach().clone()
     assert clip_and_step(model, opt, grad_clip=1.0) == pytest.approx(0.5)
     assert (before - model.weight.detach())[0].tolist() == pytest.approx([0.3, 0.4, 0.0])
+
+
+def test_the_entropy_bonus_and_kl_terms_of_the_actor_loss_by_hand():
+    """loss = pg - entropy_coeff * agg(entropy) + kl_coef * agg(kl): d loss / d entropy_t = -coeff / n_valid (token-mean)."""
+    from hybridflow.algorithms import get_policy_loss
+    from hybridflow.algorithms.actor_loss import ppo_actor_loss
+
+    log_prob = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+    entropy = torch.tensor([[0.7, 0.2, 0.9]], requires_grad=True)
+    mb = {"response_mask": torch.tensor([[1.0, 1.0, 0.0]]), "advantages": torch.tensor([[1.0, 1.0, 1.0]]),
+          "old_log_probs": torch.tensor([[-1.0, -2.0, -0.5]]), "ref_log_prob": torch.tensor([[-1.5, -2.0, 0.0]])}
+    common = dict(policy_loss=get_policy_loss("vanilla"), clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0, loss_agg_mode="token-mean")
+    base, _ = ppo_actor_loss(log_prob, entropy, mb, **common)
+    loss, parts = ppo_actor_loss(log_prob, entropy, mb, **common, entropy_coeff=0.1, use_kl_loss=True, kl_loss_type="k1", kl_loss_coef=0.5)
+    assert parts["entropy"].item() == pytest.approx((0.7 + 0.2) / 2)
+    assert parts["kl_loss"].item() == pytest.approx((0.5 + 0.0) / 2)  # k1 = log_prob - ref over the 2 valid tokens
+    assert loss.item() == pytest.approx(base.item() - 0.1 * 0.45 + 0.5 * 0.25)
+    loss.backward()
+    assert entropy.grad[0].tolist() == pytest.approx([-0.05, -0.05, 0.0])  # -coeff / 2 valid tokens; the padded one none
+    # ratio 1: d pg / d log_prob_t = -A / 2; d kl / d log_prob_t = 0.5 / 2
+    assert log_prob.grad[0].tolist() == pytest.approx([-0.5 + 0.25, -0.5 + 0.25, 0.0])

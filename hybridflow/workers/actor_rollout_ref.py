@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 from transformers import AutoTokenizer
 
-from hybridflow.algorithms import agg_loss, get_loss, get_policy_loss, kl_loss, masked_mean, micro_weight
+from hybridflow.algorithms import get_loss, get_policy_loss, masked_mean, micro_weight
+from hybridflow.algorithms.actor_loss import ppo_actor_loss
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.controller.decorator import Dispatch, register
 from hybridflow.config.pools import ModelPart, worker_role
@@ -225,24 +226,13 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
 
         def ppo_loss(log_prob: torch.Tensor, entropy_tok: torch.Tensor, mb, mini_mask: torch.Tensor) -> torch.Tensor:
             """The micro-batch's share of the mini-batch loss (x loss_scale); log_prob/entropy_tok [b, R]."""
-            mask = mb["response_mask"]
-            entropy = agg_loss(entropy_tok, mask, acfg.loss_agg_mode)
-            pg_loss, pg_metrics = policy_loss(
-                # no old_log_probs (recompute_old_log_prob=false, one on-policy pass): this forward's own, detached
-                mb["old_log_probs"] if "old_log_probs" in mb else log_prob.detach(), log_prob, mb["advantages"], mask,
-                clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=acfg.clip_ratio_c, loss_agg_mode=acfg.loss_agg_mode,
-            )
-            loss = pg_loss - acfg.entropy_coeff * entropy
-            if acfg.use_kl_loss:
-                kl = kl_loss(log_prob, mb["ref_log_prob"], mask, acfg.kl_loss_type, acfg.loss_agg_mode)
-                loss = loss + acfg.kl_loss_coef * kl
-                add("actor/kl_loss", kl.item())
-            add("actor/pg_loss", pg_loss.item())
-            for k, v in pg_metrics.items():
+            loss, parts = ppo_actor_loss(log_prob, entropy_tok, mb, policy_loss=policy_loss, clip_ratio_low=low, clip_ratio_high=high,
+                                         clip_ratio_c=acfg.clip_ratio_c, loss_agg_mode=acfg.loss_agg_mode, entropy_coeff=acfg.entropy_coeff,
+                                         use_kl_loss=acfg.use_kl_loss, kl_loss_type=acfg.kl_loss_type, kl_loss_coef=acfg.kl_loss_coef)
+            for k, v in parts.items():
                 add(f"actor/{k}", v.item())
-            add("actor/entropy", entropy.item())
             # Scale so the accumulated gradient is the mini-batch's loss (fixed or dynamic micro-batches alike).
-            return loss * micro_weight(mask, mini_mask, acfg.loss_agg_mode) * loss_scale
+            return loss * micro_weight(mb["response_mask"], mini_mask, acfg.loss_agg_mode) * loss_scale
 
         if not optimizer_step and (acfg.ppo_epochs > 1 or len(data) > mini_size):
             raise ValueError(f"gradient accumulation across calls needs each call to be at most one mini-batch "
