@@ -208,8 +208,8 @@ def _set(cfg, dotted, value):
     ({"actor_rollout_ref.model.lora_rank": 8, "actor_rollout_ref.model.target_modules": ["q_proj", "qkv"]},
      "actor_rollout_ref.model.target_modules must be [all-linear] or a list of ['q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', "
      "'up_proj', 'down_proj'], got ['q_proj', 'qkv']"),
-    ({"actor_rollout_ref.model.lora_rank": 8, "actor_rollout_ref.rollout.name": "vllm"},
-     "actor_rollout_ref.model.lora_rank=8: LoRA is not supported by the vllm rollout backend (actor_rollout_ref.rollout.name must be hf) yet"),
+    ({"actor_rollout_ref.model.lora_rank": 600, "actor_rollout_ref.rollout.name": "vllm"},
+     "actor_rollout_ref.model.lora_rank=600 is above vLLM's largest max_lora_rank (512)"),
     ({"actor_rollout_ref.model.lora_rank": 8, "actor_rollout_ref.rollout.tensor_model_parallel_size": 2},
      "LoRA is not supported with tensor-parallel generation (actor_rollout_ref.rollout.tensor_model_parallel_size must be 1) yet"),
     ({"actor_rollout_ref.model.lora_rank": 8, "actor_rollout_ref.actor.freeze_modules": ["*embed*"]},

@@ -531,6 +531,8 @@ def validate_config(cfg: HybridFlowConfig, kind: Literal["rl", "dpo"] = "rl") ->
                      "with reward_model.enable=true (use grpo, rloo, reinforce_plus_plus or gae)")
 
     max_pos = p.model("actor_rollout_ref.model", arr.model, lora_refused=_policy_lora_refused(cfg, kind))
+    if roll.name == "vllm" and arr.model.lora_rank > 512:
+        p.append(f"actor_rollout_ref.model.lora_rank={arr.model.lora_rank} is above vLLM's largest max_lora_rank (512); lower it or use {R}.name=hf")
     archs = policy_json.get("architectures")
     archs = [str(a) for a in archs] if isinstance(archs, list) else []
     if archs and not any(a.endswith(_LM_HEADS) for a in archs):
@@ -561,7 +563,6 @@ def _policy_lora_refused(cfg: HybridFlowConfig, kind: str) -> str | None:
     reasons = [(kind == "dpo", "by hybridflow dpo"),
                (a.tensor_model_parallel_size > 1 or a.pipeline_model_parallel_size > 1,
                 "with actor tensor/pipeline parallelism (actor_rollout_ref.actor.tensor/pipeline_model_parallel_size must be 1)"),
-               (roll.name != "hf", f"by the {roll.name} rollout backend ({R}.name must be hf)"),
                (roll.tensor_model_parallel_size > 1, f"with tensor-parallel generation ({R}.tensor_model_parallel_size must be 1)"),
                (cfg.trainer.async_rollout, "with trainer.async_rollout (the rollout pool's sync is full-model)"),
                (bool(a.freeze_modules), "together with actor_rollout_ref.actor.freeze_modules (LoRA freezes the whole base already)"),

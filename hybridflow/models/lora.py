@@ -38,6 +38,11 @@ def is_adapter_param(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
 
 
+def base_name(name: str) -> str:
+    """The plain HF name of a LoRA layer's frozen base ("...q_proj.base_layer.weight" -> "...q_proj.weight")."""
+    return name.replace(".base_layer.", ".")
+
+
 def lora_config(m: ModelConfig):
     from peft import LoraConfig
 

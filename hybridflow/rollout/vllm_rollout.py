@@ -19,13 +19,16 @@ Sleep / wake (freeing the KV cache and weights around training) needs CUDA's mem
 
 from __future__ import annotations
 
+import itertools
 import os
+import tempfile
 import time
 from typing import Iterable, Sequence
 
 import torch
 
 from hybridflow.hybrid_engine.memory import PeakMemory
+from hybridflow.models.lora import base_name, is_adapter_param
 from hybridflow.protocol import Batch, Completion, Request, SamplingParams
 from hybridflow.parallel.dtensor import crop
 from hybridflow.rollout.base import GenLayout, RolloutContext, WeightPiece, generate_batch, register_rollout
@@ -35,6 +38,9 @@ VLLM_ENV = {
     "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # collective_rpc with a local function
     "VLLM_CONFIGURE_LOGGING": "0",
 }
+
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's max_lora_rank choices
 
 
 def vllm_available() -> bool:
@@ -61,11 +67,13 @@ class VLLMRollout:
     """`RolloutBackend` on vLLM ("vllm"): weights pushed in as pieces (`update_weights`)."""
 
     def __init__(self, model_path: str, dtype: str, max_model_len: int, seed: int, device: str, gpu_memory_utilization: float, cpu_kv_cache_gb: float,
-                 tokenizer=None, rank: int = 0, tensor_parallel_size: int = 1, shard_dims: dict | None = None):
+                 tokenizer=None, rank: int = 0, tensor_parallel_size: int = 1, shard_dims: dict | None = None, lora=None):
         """tensor_parallel_size > 1: vLLM's external launcher; the engine runs inside the calling
         worker processes over their (already initialised) process group, TP groups of consecutive
         ranks, each group one replica generating its own prompts. shard_dims: each HF parameter's
-        generation TP dim (the TP table of `parallel/tensor_parallel.py`)."""
+        generation TP dim (the TP table of `parallel/tensor_parallel.py`). lora: the policy's
+        ModelConfig when it trains LoRA adapters: vLLM serves them on the base (enable_lora), and each
+        sync's adapter pieces become the LoRA request of the next generation."""
         for k, v in VLLM_ENV.items():
             os.environ.setdefault(k, v)
         if device == "cpu":
@@ -93,7 +101,11 @@ class VLLMRollout:
             tensor_parallel_size=tensor_parallel_size,
             distributed_executor_backend="external_launcher" if tensor_parallel_size > 1 else None,
             enable_prefix_caching=True,
+            **(dict(enable_lora=True, max_lora_rank=min(r for r in VLLM_LORA_RANKS if r >= lora.lora_rank), max_loras=1) if lora else {}),
         )
+        self.lora = lora
+        self.lora_request = None  # set by the first sync that carries adapters
+        self.lora_dir = tempfile.mkdtemp(prefix=f"hybridflow_lora_{rank}_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None) if lora else None
 
     def layout(self) -> GenLayout:
         """vLLM owns (and on CPU repacks) its weights: the source stages the pieces for it."""
@@ -129,7 +141,7 @@ class VLLMRollout:
                 logprobs=0,
             ))
         completions = []
-        for out in self.llm.generate(prompts, params, use_tqdm=False):
+        for out in self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request):
             c = out.outputs[0]
             toks = tuple(c.token_ids)
             logps = tuple(lp[t].logprob for t, lp in zip(toks, c.logprobs or []))
@@ -143,24 +155,52 @@ class VLLMRollout:
         padded vocab tables, then repack. A piece that is only this rank's slice is placed in a
         whole-shaped scratch (the loader reads only that slice of it): one parameter at a time, so
         the extra memory is one parameter, and nothing beyond the slice was communicated."""
+        adapters: dict[str, torch.Tensor] = {}
+
         def whole():
             for piece in pieces:
                 full_box = tuple((0, n) for n in piece.shape)
                 if piece.box == full_box:
-                    yield piece.name, piece.tensor
+                    tensor = piece.tensor
                 else:
-                    scratch = torch.zeros(piece.shape, dtype=piece.tensor.dtype, device=piece.tensor.device)
-                    crop(scratch, piece.box, full_box).copy_(piece.tensor)
-                    yield piece.name, scratch
+                    tensor = torch.zeros(piece.shape, dtype=piece.tensor.dtype, device=piece.tensor.device)
+                    crop(tensor, piece.box, full_box).copy_(piece.tensor)
+                if is_adapter_param(piece.name):  # LoRA: kept for the adapter request (the staged buffer is reused)
+                    adapters[piece.name] = tensor.detach().to("cpu", copy=True)
+                else:
+                    yield base_name(piece.name), tensor
 
         with PeakMemory(self.device) as mem:  # the caller has woken the engine (RolloutBackend.wake)
             seconds = self.load_weights(whole())
+        if adapters:
+            seconds += self._load_adapter(adapters)
         return {"load_seconds": seconds, "load_peak_extra_bytes": mem.extra_bytes}
+
+    def _load_adapter(self, adapters: dict[str, torch.Tensor]) -> float:
+        """Write the adapters as a PEFT adapter (the format `hybridflow export` writes) and make it the
+        LoRA request of the next generations; vLLM reloads it in place (one adapter id)."""
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        from hybridflow.models.lora import lora_config
+
+        start = time.perf_counter()
+        save_file({f"base_model.model.{n.replace('.default.', '.')}": t.contiguous() for n, t in adapters.items()},
+                  os.path.join(self.lora_dir, "adapter_model.safetensors"))
+        lora_config(self.lora).save_pretrained(self.lora_dir)
+        self.lora_request = LoRARequest("hybridflow", 1, self.lora_dir, load_inplace=True)
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old adapters
+        return time.perf_counter() - start
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> float:
         """Stream (HF name, full tensor) pairs into vLLM's weights in place; reset the prefix cache
         (cached KV blocks were computed with the old weights). Returns seconds."""
         start = time.perf_counter()
+        weights = iter(weights)
+        first = next(weights, None)
+        if first is None:  # nothing but adapters (LoRA after the first switch): the base stays
+            return 0.0
+        weights = itertools.chain([first], weights)
 
         def reload(worker, weights=weights):
             worker.model_runner.reload_weights(weights_iterator=iter(weights))
@@ -185,4 +225,5 @@ def build_vllm_rollout(ctx: RolloutContext) -> VLLMRollout:
     mcfg, rcfg = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.rollout
     max_len = cfg.data.max_prompt_length + cfg.data.max_response_length
     return VLLMRollout(mcfg.path, mcfg.dtype, max_len, cfg.trainer.seed, ctx.device, rcfg.gpu_memory_utilization, rcfg.cpu_kv_cache_gb,
-                       tokenizer=ctx.tokenizer, rank=ctx.rank, tensor_parallel_size=rcfg.tensor_model_parallel_size, shard_dims=ctx.shard_dims)
+                       tokenizer=ctx.tokenizer, rank=ctx.rank, tensor_parallel_size=rcfg.tensor_model_parallel_size, shard_dims=ctx.shard_dims,
+                       lora=mcfg if mcfg.lora_rank > 0 else None)
