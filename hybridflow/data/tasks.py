@@ -218,13 +218,9 @@ def make_multiply_task(out_dir, n_train: int = 2000, n_val: int = 100, n_sft: in
         return f"{x}*{y}", x * y
 
     tools = json.dumps([CALCULATOR_SCHEMA])
-    # Half the conversations on the ~20% of pairs whose product has 5 digits: a small model copies the
-    # tool's result by position, and learns only the 6-digit copy from the natural mix (measured: every
-    # held-out 5-digit answer miscopied, every 6-digit one right).
-    by_len = [[p for p in train if len(str(p[0] * p[1])) == n] for n in (5, 6)]
     sft_rows = []
     for _ in range(n_sft):
-        a, b = rng.choice(by_len[rng.random() < 0.5] or train)
+        a, b = rng.choice(train)
         messages = multiply_prompt(a, b)
         if rng.random() < direct_prob:
             messages.append({"role": "assistant", "content": f"The answer is {near_miss(a * b)}."})
