@@ -557,7 +557,7 @@ def validate_config(cfg: HybridFlowConfig, kind: Literal["rl", "dpo"] = "rl") ->
 
 def _policy_lora_refused(cfg: HybridFlowConfig, kind: str) -> str | None:
     """Why the policy cannot train LoRA adapters in this run (None: it can). Wired: FSDP2 training,
-    the colocated hf rollout with the adapters synced alone, the reference as the adapter-free actor."""
+    the colocated hf or vllm rollout with the adapters synced alone, the reference as the adapter-free actor."""
     arr, R = cfg.actor_rollout_ref, "actor_rollout_ref.rollout"
     a, roll = arr.actor, arr.rollout
     reasons = [(kind == "dpo", "by hybridflow dpo"),
