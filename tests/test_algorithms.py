@@ -486,3 +486,23 @@ def test_the_entropy_bonus_and_kl_terms_of_the_actor_loss_by_hand():
     assert entropy.grad[0].tolist() == pytest.approx([-0.05, -0.05, 0.0])  # -coeff / 2 valid tokens; the padded one none
     # ratio 1: d pg / d log_prob_t = -A / 2; d kl / d log_prob_t = 0.5 / 2
     assert log_prob.grad[0].tolist() == pytest.approx([-0.5 + 0.25, -0.5 + 0.25, 0.0])
+
+
+def test_dapo_overlong_penalty_at_the_buffers_start_middle_and_end():
+    from hybridflow.config.schema import OverlongBufferConfig, RewardModelConfig
+    from hybridflow.protocol import Batch
+    from hybridflow.trainer.driver_stages import overlong_penalty, reward
+
+    # max 20 tokens, buffer 8: no penalty up to 12; 16 is half-way (-0.5 * factor); 20 the end (-factor)
+    lengths = torch.tensor([10, 12, 16, 20])
+    assert overlong_penalty(lengths, 20, 8, 1.0).tolist() == [0.0, 0.0, -0.5, -1.0]
+    assert overlong_penalty(lengths, 20, 8, 0.5).tolist() == [0.0, 0.0, -0.25, -0.5]
+    # in the reward stage: added on each response's last token
+    mask = torch.zeros(4, 20)
+    for i, n in enumerate(lengths.tolist()):
+        mask[i, :n] = 1
+    rm = RewardModelConfig(overlong_buffer=OverlongBufferConfig(enable=True, len=8, penalty_factor=1.0))
+    out = reward(Batch.from_dict(tensors={"response_mask": mask}), lambda b: (torch.ones(4, 20) * 0.0, {}), rm, False, max_response_length=20)
+    scores = out["token_level_scores"]
+    assert [scores[i, n - 1].item() for i, n in enumerate(lengths.tolist())] == [0.0, 0.0, -0.5, -1.0]
+    assert scores.sum().item() == -1.5 and out.meta["metrics"]["reward/overlong_penalty/mean"] == -0.375

@@ -201,6 +201,8 @@ def _set(cfg, dotted, value):
      "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu (10) must hold one whole sequence"),
     ({"trainer.memory_budget_gib": 0.0}, "trainer.memory_budget_gib must be > 0"),
     ({"actor_rollout_ref.model.dtype": "float8"}, "actor_rollout_ref.model.dtype must be one of ['float32', 'fp32', 'bfloat16', 'bf16', 'float16', 'fp16'], got 'float8'"),
+    ({"reward_model.overlong_buffer.enable": True, "reward_model.overlong_buffer.len": 0},
+     "reward_model.overlong_buffer.len must be in [1, data.max_response_length (4)] with overlong_buffer.enable=true, got 0"),
     # LoRA: its own keys, then what it does not combine with yet (each names the key to change)
     ({"actor_rollout_ref.model.lora_rank": -1}, "actor_rollout_ref.model.lora_rank must be an integer >= 0 (0 = full fine-tuning), got -1"),
     ({"actor_rollout_ref.model.lora_rank": 8, "actor_rollout_ref.model.lora_alpha": 0.0}, "actor_rollout_ref.model.lora_alpha must be > 0"),

@@ -231,6 +231,18 @@ class CriticConfig:
 
 
 @dataclass
+class OverlongBufferConfig:
+    """DAPO's overlong reward shaping (verl's reward_model.overlong_buffer): a response longer than
+    data.max_response_length - len loses (length - (max - len)) / len * penalty_factor, growing
+    linearly to penalty_factor at the limit; shorter ones are untouched."""
+
+    enable: bool = False
+    len: int = 0  # tokens before the limit where the penalty starts
+    penalty_factor: float = 1.0
+    log: bool = False  # verl's key; the penalty's mean is always logged (reward/overlong_penalty/mean)
+
+
+@dataclass
 class RewardModelConfig:
     """A sequence-classifier reward model (one label) scoring the policy's responses. It has its
     own tokenizer and chat template: responses are decoded, re-templated and re-tokenized.
@@ -243,6 +255,7 @@ class RewardModelConfig:
     score_weight: float = 1.0
     rule_weight: float = 0.0
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
 
 
 @dataclass

@@ -549,6 +549,12 @@ def validate_config(cfg: HybridFlowConfig, kind: Literal["rl", "dpo"] = "rl") ->
     p.data_files("data.train_files", d.train_files, "data.val_files", d.val_files)
     if cfg.custom_reward_function.path:
         p.exists("custom_reward_function.path", cfg.custom_reward_function.path)
+    ob = cfg.reward_model.overlong_buffer
+    if ob.enable and not (isinstance(ob.len, int) and 0 < ob.len <= d.max_response_length):
+        p.append(f"reward_model.overlong_buffer.len must be in [1, data.max_response_length ({d.max_response_length})] "
+                 f"with overlong_buffer.enable=true, got {ob.len!r}")
+    if ob.enable and not ob.penalty_factor >= 0:
+        p.append(f"reward_model.overlong_buffer.penalty_factor must be >= 0, got {ob.penalty_factor!r}")
     timeout = cfg.custom_reward_function.timeout_s
     if timeout is not None and not timeout > 0:
         p.append(f"custom_reward_function.timeout_s must be > 0 seconds or null (no limit), got {timeout}")

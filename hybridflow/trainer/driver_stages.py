@@ -15,10 +15,11 @@ from hybridflow.protocol import Batch
 from hybridflow.rewards.manager import last_token_index
 
 
-def reward(batch: Batch, reward_fn: Callable, rm: RewardModelConfig, use_rm: bool) -> Batch:
+def reward(batch: Batch, reward_fn: Callable, rm: RewardModelConfig, use_rm: bool, max_response_length: int = 0) -> Batch:
     """token_level_scores [B, R]: the rule reward, or with a reward model
     score_weight * rm_scores + rule_weight * rule (rule_weight 0: the rule is not run); plus a
-    multi-turn trajectory's own reward (tools, environment: `agent_reward` [B]) on its last model token."""
+    multi-turn trajectory's own reward (tools, environment: `agent_reward` [B]) and DAPO's overlong
+    penalty (reward_model.overlong_buffer) on its last model token."""
     if not use_rm:
         scores, metrics = reward_fn(batch)
     else:
@@ -26,7 +27,21 @@ def reward(batch: Batch, reward_fn: Callable, rm: RewardModelConfig, use_rm: boo
         if rm.rule_weight:
             rule, metrics = reward_fn(batch)
             scores = scores + rm.rule_weight * rule
-    return Batch.from_dict(tensors={"token_level_scores": with_agent_reward(scores, batch)}, meta={"metrics": metrics})
+    scores = with_agent_reward(scores, batch)
+    ob = rm.overlong_buffer
+    if ob.enable:
+        penalty = overlong_penalty(batch["response_mask"].sum(-1), max_response_length, ob.len, ob.penalty_factor)  # [B]
+        scores = scores.clone()
+        scores[torch.arange(len(scores)), last_token_index(batch["response_mask"])] += penalty.to(scores.dtype)
+        metrics = {**metrics, "reward/overlong_penalty/mean": float(penalty.mean())}
+    return Batch.from_dict(tensors={"token_level_scores": scores}, meta={"metrics": metrics})
+
+
+def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer_len: int, factor: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment per response [B]: 0 up to max_length - buffer_len tokens, then
+    -(length - (max_length - buffer_len)) / buffer_len * factor, reaching -factor at max_length."""
+    exceed = lengths.float() - (max_length - buffer_len)
+    return torch.clamp(-exceed / buffer_len * factor, max=0.0)
 
 
 def with_agent_reward(scores: torch.Tensor, batch: Batch) -> torch.Tensor:

@@ -209,7 +209,8 @@ class RLTrainer:
     def _reward_stages(self) -> list[Stage]:
         """The reward model (on its pool) and the driver's reward stage that combines it with the rule."""
         use_rm = self.roles.use_rm
-        reward = functools.partial(driver_stages.reward, reward_fn=self.reward_fn, rm=self.cfg.reward_model, use_rm=use_rm)
+        reward = functools.partial(driver_stages.reward, reward_fn=self.reward_fn, rm=self.cfg.reward_model, use_rm=use_rm,
+                                   max_response_length=self.cfg.data.max_response_length)
         return [
             Stage("rm", self.rm.compute_rm_score if self.rm else None, ["responses", "response_mask", "raw_prompt"], ["rm_scores"], enabled=use_rm),
             Stage("reward", reward, REWARD_KEYS + (["rm_scores"] if use_rm else []) + (["agent_reward"] if self.agent is not None else []),
