@@ -506,3 +506,49 @@ def test_dapo_overlong_penalty_at_the_buffers_start_middle_and_end():
     scores = out["token_level_scores"]
     assert [scores[i, n - 1].item() for i, n in enumerate(lengths.tolist())] == [0.0, 0.0, -0.5, -1.0]
     assert scores.sum().item() == -1.5 and out.meta["metrics"]["reward/overlong_penalty/mean"] == -0.375
+
+
+def test_pass_at_k_equals_the_fraction_of_k_subsets_with_a_correct_sample():
+    import itertools
+
+    from hybridflow.trainer.validation import pass_at_k
+
+    for n in range(1, 7):
+        for c in range(n + 1):
+            samples = [1] * c + [0] * (n - c)
+            for k in range(1, n + 1):
+                subsets = list(itertools.combinations(range(n), k))
+                brute = sum(any(samples[i] for i in s) for s in subsets) / len(subsets)
+                assert pass_at_k(n, c, k) == pytest.approx(brute), (n, c, k)
+    assert pass_at_k(4, 1, 1) == 0.25 and pass_at_k(4, 1, 2) == 0.5 and pass_at_k(4, 0, 4) == 0.0
+
+
+def test_validation_reports_mean_best_and_pass_at_k_over_n_samples():
+    """val_kwargs.n = 4 samples per prompt: prompt A solved by 1 of its 4 samples, prompt B by none."""
+    from hybridflow.config import HybridFlowConfig, load_config
+    from hybridflow.protocol import Batch
+    from hybridflow.trainer.keys import SAMPLE_INFO_KEYS
+    from hybridflow.trainer.validation import validate
+
+    cfg = load_config(None, ["actor_rollout_ref.rollout.val_kwargs.n=4", "data.val_batch_size=2"], schema=HybridFlowConfig)
+    rows = [{"prompt_id": 0}, {"prompt_id": 1}]
+
+    def collate(items):
+        n = len(items)
+        return Batch.from_dict(tensors={"prompt_id": torch.tensor([r["prompt_id"] for r in items])},
+                               non_tensors={k: ["src"] * n if k == "data_source" else [None] * n for k in SAMPLE_INFO_KEYS})
+
+    def generate(batch, params):  # sample j of prompt 0 scores 1 when j == 2; prompt 1 never
+        solved = [float(p == 0 and j % 4 == 2) for j, p in enumerate(batch["prompt_id"].tolist())]
+        return Batch.from_dict(tensors={"solved": torch.tensor(solved), "response_mask": torch.ones(len(solved), 3)})
+
+    def reward_fn(batch):
+        scores = torch.zeros(len(batch), 3)
+        scores[:, -1] = batch["solved"]
+        return scores, {}
+
+    out = validate(cfg, rows, collate, generate, reward_fn, None)
+    assert out["val-core/src/acc/mean@4"] == pytest.approx(1 / 8)
+    assert out["val-core/src/acc/best@4/mean"] == pytest.approx(0.5)
+    # prompt A: pass@1 = 1/4, pass@2 = 1 - C(3,2)/C(4,2) = 1/2, pass@4 = 1; prompt B: 0
+    assert [out[f"val-core/src/acc/pass@{k}"] for k in (1, 2, 4)] == pytest.approx([1 / 8, 1 / 4, 1 / 2])
