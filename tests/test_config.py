@@ -216,7 +216,8 @@ def _set(cfg, dotted, value):
      "LoRA is not supported with tensor-parallel generation (actor_rollout_ref.rollout.tensor_model_parallel_size must be 1) yet"),
     ({"actor_rollout_ref.model.lora_rank": 8, "actor_rollout_ref.actor.freeze_modules": ["*embed*"]},
      "together with actor_rollout_ref.actor.freeze_modules (LoRA freezes the whole base already) yet"),
-    ({"critic.model.lora_rank": 8}, "critic.model.lora_rank=8: LoRA is not supported for the critic yet; set critic.model.lora_rank=0"),
+    ({"critic.model.lora_rank": 8, "algorithm.adv_estimator": "gae", "critic.tensor_model_parallel_size": 2},
+     "critic.model.lora_rank=8: LoRA is not supported with critic tensor parallelism (critic.tensor_model_parallel_size must be 1) yet"),
 ])
 def test_validator_rules(world, changes, expected):
     for k, v in changes.items():

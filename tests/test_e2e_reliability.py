@@ -89,10 +89,10 @@ def _step_metrics(run_dir) -> dict[int, dict]:
     ("grpo_overlap_tp2_adaptive_kl", ["actor_rollout_ref.hybrid_engine.resharding_overlap_with_compute=true",
                                       "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "algorithm.use_kl_in_reward=true",
                                       "algorithm.kl_ctrl.type=adaptive"]),
-    # PPO with a critic, the actor training LoRA adapters (its checkpoint: adapters + their optimizer state only)
-    # with a KL loss against the adapter-free reference
-    ("ppo_critic_lora_actor", ["algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.model.lora_rank=4",
-                               "actor_rollout_ref.model.lora_alpha=8", "actor_rollout_ref.actor.use_kl_loss=true"]),
+    # PPO with a critic, actor and critic training LoRA adapters (their checkpoints: adapters, the critic's value
+    # head, and their optimizer state only), the actor with a KL loss against the adapter-free reference
+    ("ppo_critic_lora", ["algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.model.lora_rank=4",
+                         "actor_rollout_ref.model.lora_alpha=8", "actor_rollout_ref.actor.use_kl_loss=true", "critic.model.lora_rank=4"]),
 ])
 def test_sigkill_mid_run_then_resume_equals_the_uninterrupted_run(name, extra, tiny_model_dir, task_dir, varied_reward, tmp_path):
     """A driver killed with SIGKILL after a checkpoint, restarted with the same command, ends with

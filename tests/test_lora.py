@@ -138,3 +138,13 @@ def test_planner_counts_lora_as_peft_builds_it(tiny_model_dir):
     assert lora["optimized"]["memory"]["grads"] == 4 * adapters // 2  # fp32 grads of this rank's adapter shard
     assert lora["optimized"]["memory"]["optimizer"] == 8 * adapters // 2  # AdamW's two moments
     assert full["optimized"]["memory"]["optimizer"] > 10 * lora["optimized"]["memory"]["optimizer"]
+
+
+def test_a_critic_trains_adapters_and_its_new_value_head(tiny_model_dir):
+    from hybridflow.models.hf import load_hf_model
+
+    critic = apply_lora(load_hf_model(ModelConfig(path=str(tiny_model_dir)), "cpu", kind="value"),
+                        ModelConfig(path=str(tiny_model_dir), lora_rank=4), full=("score",))
+    trainable = {n for n, p in critic.named_parameters() if p.requires_grad}
+    assert "score.weight" in trainable and not any("score.lora" in n or "score.base_layer" in n for n, _ in critic.named_parameters())
+    assert trainable - {"score.weight", "score.bias"} == {n for n, _ in critic.named_parameters() if is_adapter_param(n)}

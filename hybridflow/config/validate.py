@@ -542,10 +542,11 @@ def validate_config(cfg: HybridFlowConfig, kind: Literal["rl", "dpo"] = "rl") ->
     if max_pos is not None and d.max_prompt_length + d.max_response_length > max_pos:
         p.append(f"data.max_prompt_length + data.max_response_length ({d.max_prompt_length}+"
                  f"{d.max_response_length}) exceeds the model's max_position_embeddings ({max_pos}); lower them")
+    critic_lora_refused = "with critic tensor parallelism (critic.tensor_model_parallel_size must be 1)" if critic.tensor_model_parallel_size > 1 else None
     if critic.model.path:
-        p.model("critic.model", critic.model, "for the critic")
+        p.model("critic.model", critic.model, critic_lora_refused)
     else:
-        p.lora("critic.model", critic.model, "for the critic")
+        p.lora("critic.model", critic.model, critic_lora_refused)
     p.data_files("data.train_files", d.train_files, "data.val_files", d.val_files)
     if cfg.custom_reward_function.path:
         p.exists("custom_reward_function.path", cfg.custom_reward_function.path)

@@ -43,15 +43,18 @@ def base_name(name: str) -> str:
     return name.replace(".base_layer.", ".")
 
 
-def lora_config(m: ModelConfig):
+def lora_config(m: ModelConfig, exclude: tuple[str, ...] = ()):
     from peft import LoraConfig
 
     targets = m.target_modules[0] if list(m.target_modules) == ["all-linear"] else list(m.target_modules)
-    return LoraConfig(r=m.lora_rank, lora_alpha=m.lora_alpha, target_modules=targets, lora_dropout=m.lora_dropout, bias="none")
+    return LoraConfig(r=m.lora_rank, lora_alpha=m.lora_alpha, target_modules=targets, lora_dropout=m.lora_dropout, bias="none",
+                      exclude_modules=list(exclude) or None)
 
 
-def apply_lora(model: nn.Module, m: ModelConfig) -> nn.Module:
-    """Inject `m`'s adapters into `model` in place (a no-op with lora_rank 0); only adapters train.
+def apply_lora(model: nn.Module, m: ModelConfig, full: tuple[str, ...] = ()) -> nn.Module:
+    """Inject `m`'s adapters into `model` in place (a no-op with lora_rank 0); only adapters train,
+    and the modules named in `full` (a new head, e.g. the critic's value head `score`), which get no
+    adapter and train in full.
 
     "all-linear" (peft's meaning) is every linear layer but the output head. Raises ValueError when
     no module matches the targets."""
@@ -59,9 +62,9 @@ def apply_lora(model: nn.Module, m: ModelConfig) -> nn.Module:
         return model
     from peft import inject_adapter_in_model
 
-    inject_adapter_in_model(lora_config(m), model, adapter_name=ADAPTER)
+    inject_adapter_in_model(lora_config(m, exclude=full), model, adapter_name=ADAPTER)
     for name, p in model.named_parameters():
-        p.requires_grad_(is_adapter_param(name))
+        p.requires_grad_(is_adapter_param(name) or name.split(".")[0] in full)
     return model
 
 

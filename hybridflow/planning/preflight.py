@@ -50,7 +50,7 @@ def pool_memory(cfg: HybridFlowConfig, roles: list[rp.Role] | None = None) -> di
         m = MemoryInputs(param_bytes=4, compute_bytes=compute, gen_bytes=4, strategy=_strategy(fc), seq_len=seq,
                          micro_batch=arr.actor.ppo_micro_batch_size_per_gpu, rollout_seqs=d.train_batch_size * arr.rollout.n,
                          gradient_checkpointing=arr.model.enable_gradient_checkpointing, param_offload=fc.param_offload,
-                         lora_rank=arr.model.lora_rank if role == rp.Role.ACTOR_ROLLOUT else 0)
+                         lora_rank={rp.Role.ACTOR_ROLLOUT: arr.model.lora_rank, rp.Role.CRITIC: cfg.critic.model.lora_rank}.get(role, 0))
         role_arch = load_arch(cfg.critic.model.path) if role == rp.Role.CRITIC and cfg.critic.model.path else arch
         if role == rp.Role.REWARD_MODEL:
             role_arch = load_arch(cfg.reward_model.model.path)

@@ -17,6 +17,7 @@ from hybridflow.controller.worker import Worker, pick_device
 from hybridflow.engine import TrainEngine
 from hybridflow.engine.model import response_logits
 from hybridflow.models.hf import load_hf_model
+from hybridflow.models.lora import apply_lora
 from hybridflow.parallel.dims import ParallelDims
 from hybridflow.parallel.layout import parallel_dims
 from hybridflow.protocol import Batch
@@ -43,8 +44,10 @@ class CriticWorker(Worker):
         ccfg = self.cfg.critic
         mcfg = ccfg.model if ccfg.model.path else self.cfg.actor_rollout_ref.model
         torch.manual_seed(self.cfg.trainer.seed)
+        # LoRA (critic.model.lora_rank): adapters on the backbone, the new value head `score` trained in full.
         # TP on the backbone (the value head is not in the TP table: replicated), then FSDP over dp
-        self.critic = TrainEngine(load_hf_model(mcfg, self.device, kind="value"), parallel_dims(self.layout, self.device), self.device,
+        model = apply_lora(load_hf_model(mcfg, self.device, kind="value"), ccfg.model, full=("score",))
+        self.critic = TrainEngine(model, parallel_dims(self.layout, self.device), self.device,
                                   ccfg.fsdp_config, optim=ccfg.optim, total_steps=self.total_training_steps, grad_clip=ccfg.grad_clip)
 
     def _values(self, module, mb: Batch) -> torch.Tensor:
