@@ -212,12 +212,13 @@ def _set(cfg, dotted, value):
      "'up_proj', 'down_proj'], got ['q_proj', 'qkv']"),
     ({"actor_rollout_ref.model.lora_rank": 600, "actor_rollout_ref.rollout.name": "vllm"},
      "actor_rollout_ref.model.lora_rank=600 is above vLLM's largest max_lora_rank (512)"),
-    ({"actor_rollout_ref.model.lora_rank": 8, "actor_rollout_ref.rollout.tensor_model_parallel_size": 2},
-     "LoRA is not supported with tensor-parallel generation (actor_rollout_ref.rollout.tensor_model_parallel_size must be 1) yet"),
+    ({"actor_rollout_ref.model.lora_rank": 8, "actor_rollout_ref.rollout.tensor_model_parallel_size": 2, "actor_rollout_ref.model.lora_dropout": 0.1},
+     "LoRA is not supported with dropout under tensor parallelism (TP ranks would draw different masks: set actor_rollout_ref.model.lora_dropout=0) yet"),
     ({"actor_rollout_ref.model.lora_rank": 8, "actor_rollout_ref.actor.freeze_modules": ["*embed*"]},
      "together with actor_rollout_ref.actor.freeze_modules (LoRA freezes the whole base already) yet"),
-    ({"critic.model.lora_rank": 8, "algorithm.adv_estimator": "gae", "critic.tensor_model_parallel_size": 2},
-     "critic.model.lora_rank=8: LoRA is not supported with critic tensor parallelism (critic.tensor_model_parallel_size must be 1) yet"),
+    ({"critic.model.lora_rank": 8, "algorithm.adv_estimator": "gae", "critic.tensor_model_parallel_size": 2, "critic.model.lora_dropout": 0.1},
+     "critic.model.lora_rank=8: LoRA is not supported with dropout under tensor parallelism (TP ranks would draw different masks: "
+     "set critic.model.lora_dropout=0) yet"),
 ])
 def test_validator_rules(world, changes, expected):
     for k, v in changes.items():

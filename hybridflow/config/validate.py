@@ -542,7 +542,8 @@ def validate_config(cfg: HybridFlowConfig, kind: Literal["rl", "dpo"] = "rl") ->
     if max_pos is not None and d.max_prompt_length + d.max_response_length > max_pos:
         p.append(f"data.max_prompt_length + data.max_response_length ({d.max_prompt_length}+"
                  f"{d.max_response_length}) exceeds the model's max_position_embeddings ({max_pos}); lower them")
-    critic_lora_refused = "with critic tensor parallelism (critic.tensor_model_parallel_size must be 1)" if critic.tensor_model_parallel_size > 1 else None
+    critic_lora_refused = ("with dropout under tensor parallelism (TP ranks would draw different masks: set critic.model.lora_dropout=0)"
+                           if critic.tensor_model_parallel_size > 1 and critic.model.lora_dropout > 0 else None)
     if critic.model.path:
         p.model("critic.model", critic.model, critic_lora_refused)
     else:
@@ -568,9 +569,9 @@ def _policy_lora_refused(cfg: HybridFlowConfig, kind: str) -> str | None:
     arr, R = cfg.actor_rollout_ref, "actor_rollout_ref.rollout"
     a, roll = arr.actor, arr.rollout
     reasons = [(kind == "dpo", "by hybridflow dpo"),
-               (a.tensor_model_parallel_size > 1 or a.pipeline_model_parallel_size > 1,
-                "with actor tensor/pipeline parallelism (actor_rollout_ref.actor.tensor/pipeline_model_parallel_size must be 1)"),
-               (roll.tensor_model_parallel_size > 1, f"with tensor-parallel generation ({R}.tensor_model_parallel_size must be 1)"),
+               (a.pipeline_model_parallel_size > 1, "with pipeline parallelism (actor_rollout_ref.actor.pipeline_model_parallel_size must be 1)"),
+               ((a.tensor_model_parallel_size > 1 or roll.tensor_model_parallel_size > 1) and arr.model.lora_dropout > 0,
+                "with dropout under tensor parallelism (TP ranks would draw different masks: set actor_rollout_ref.model.lora_dropout=0)"),
                (cfg.trainer.async_rollout, "with trainer.async_rollout (the rollout pool's sync is full-model)"),
                (bool(a.freeze_modules), "together with actor_rollout_ref.actor.freeze_modules (LoRA freezes the whole base already)"),
                ("ref" in cfg.resource_pool.mapping, "with a reference pool (resource_pool.mapping.ref): the reference is the "

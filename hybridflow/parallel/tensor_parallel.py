@@ -146,7 +146,17 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
         plan = {}
         for name, mod in layer.named_modules():
             leaf = name.rsplit(".", 1)[-1]
-            if isinstance(mod, nn.Linear) and leaf in COLWISE:
+            lora = getattr(mod, "lora_A", None)  # a peft LoRA layer (models/lora.py): X(x) = base(x) + B(A(x)) * s
+            if lora is not None and leaf in COLWISE + ROWWISE:
+                # base sharded as X would be; colwise: B by rows (A x is whole, B A x comes out sharded
+                # like base(x)); rowwise: A by columns (its input is the sharded x; A x is all-reduced)
+                plan[f"{name}.base_layer"] = ColwiseParallel() if leaf in COLWISE else RowwiseParallel()
+                for adapter in lora:
+                    if leaf in COLWISE:
+                        plan[f"{name}.lora_B.{adapter}"] = ColwiseParallel()
+                    else:
+                        plan[f"{name}.lora_A.{adapter}"] = RowwiseParallel()
+            elif isinstance(mod, nn.Linear) and leaf in COLWISE:
                 plan[name] = ColwiseParallel()
             elif isinstance(mod, nn.Linear) and leaf in ROWWISE:
                 plan[name] = RowwiseParallel()

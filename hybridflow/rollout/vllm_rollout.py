@@ -89,7 +89,8 @@ class VLLMRollout:
         self.tp_index, self.dp_index = rank % tensor_parallel_size, rank // tensor_parallel_size  # consecutive TP groups
         # vLLM pads the vocabulary per partition (multiples of 64), so its vocab slices are not
         # torch.chunk's: the vocab tables travel whole and vLLM's loaders cut (and pad) them.
-        self.shard_dims = {n: (None if ("embed_tokens" in n or "lm_head" in n) else d) for n, d in (shard_dims or {}).items()}
+        # LoRA adapters too: vLLM slices them itself when it loads the adapter.
+        self.shard_dims = {n: (None if ("embed_tokens" in n or "lm_head" in n or is_adapter_param(n)) else d) for n, d in (shard_dims or {}).items()}
         self.llm = LLM(
             model=model_path,
             dtype=dtype,
