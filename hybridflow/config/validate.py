@@ -564,9 +564,9 @@ def validate_config(cfg: HybridFlowConfig, kind: Literal["rl", "dpo"] = "rl") ->
 
 
 def _policy_lora_refused(cfg: HybridFlowConfig, kind: str) -> str | None:
-    """Why the policy cannot train LoRA adapters in this run (None: it can). Wired: FSDP2 training,
+    """Why the policy cannot train LoRA adapters in this run (None: it can). Wired: FSDP2 (x TP) training,
     the colocated hf or vllm rollout with the adapters synced alone, the reference as the adapter-free actor."""
-    arr, R = cfg.actor_rollout_ref, "actor_rollout_ref.rollout"
+    arr = cfg.actor_rollout_ref
     a, roll = arr.actor, arr.rollout
     reasons = [(kind == "dpo", "by hybridflow dpo"),
                (a.pipeline_model_parallel_size > 1, "with pipeline parallelism (actor_rollout_ref.actor.pipeline_model_parallel_size must be 1)"),
