@@ -138,6 +138,9 @@ def test_planner_counts_lora_as_peft_builds_it(tiny_model_dir):
     assert lora["optimized"]["memory"]["grads"] == 4 * adapters // 2  # fp32 grads of this rank's adapter shard
     assert lora["optimized"]["memory"]["optimizer"] == 8 * adapters // 2  # AdamW's two moments
     assert full["optimized"]["memory"]["optimizer"] > 10 * lora["optimized"]["memory"]["optimizer"]
+    # the 2 ranks on 2 nodes: every steady byte crosses, and only the adapters' (each rank gets the other's half)
+    two_nodes = rows(arch, TrainLayout(dp=2), 1, Cluster(2, 1, 1e9, 1e9, 1e-5, 1e10, 2**34), MemoryInputs(param_bytes=4, lora_rank=4), "fp32")[0]
+    assert two_nodes["cross_node_bytes"] == 4 * adapters
 
 
 def test_a_critic_trains_adapters_and_its_new_value_head(tiny_model_dir):

@@ -278,10 +278,13 @@ class ReshardPlan:
             self._routes[key] = out
         return self._routes[key]
 
-    def cross_node_bytes(self, naive: bool = False) -> int:
+    def cross_node_bytes(self, naive: bool = False, skip: frozenset[str] | set[str] = frozenset()) -> int:
+        """Bytes that cross a node boundary in one switch (parameters in `skip` move nothing)."""
         per_boxes: dict[tuple, int] = {}  # layers of one stage share their box lists: count each once
         total = 0
         for p in self.params:
+            if p.name in skip:
+                continue
             key = (id(p.own), id(p.need))
             if key not in per_boxes:
                 routes = self.routes(p, naive)

@@ -151,7 +151,7 @@ def predict_switch(plan: ReshardPlan, cluster: Cluster, frozen: frozenset[str] =
     opt = sum(seconds(ps, naive=False) for layer in moving.values() if layer for ps in collectives(layer))
     naive = sum(seconds([p], naive=True) for p in plan.params)
     return {
-        "optimized": SwitchCost("optimized", [plan.min_bytes(r, frozen) for r in range(n)], plan.cross_node_bytes(), opt + copy,
+        "optimized": SwitchCost("optimized", [plan.min_bytes(r, frozen) for r in range(n)], plan.cross_node_bytes(skip=frozen), opt + copy,
                                 sum(1 for ps in moving.values() if ps)),
         "naive": SwitchCost("naive", [plan.naive_bytes(r) for r in range(n)], plan.cross_node_bytes(naive=True), naive + copy, len(plan.params)),
     }
