@@ -549,6 +549,45 @@ def test_validation_reports_mean_best_and_pass_at_k_over_n_samples():
 
     out = validate(cfg, rows, collate, generate, reward_fn, None)
     assert out["val-core/src/acc/mean@4"] == pytest.approx(1 / 8)
-    assert out["val-core/src/acc/best@4/mean"] == pytest.approx(0.5)
+    # best@k is bootstrapped (k of the 4 samples with replacement, 1000 draws): prompt A's expected
+    # best is 1 - (3/4)^k, prompt B's 0; 1000 draws of a 0/1 max have a standard error <= 0.016.
+    for k in (2, 4):
+        assert out[f"val-{'core' if k == 4 else 'aux'}/src/acc/best@{k}/mean"] == pytest.approx((1 - 0.75**k) / 2, abs=0.03)
+    assert "val-core/src/acc/maj@4/mean" not in out  # no scorer answer to vote on
     # prompt A: pass@1 = 1/4, pass@2 = 1 - C(3,2)/C(4,2) = 1/2, pass@4 = 1; prompt B: 0
     assert [out[f"val-core/src/acc/pass@{k}"] for k in (1, 2, 4)] == pytest.approx([1 / 8, 1 / 4, 1 / 2])
+
+
+def test_majority_vote_by_hand():
+    from hybridflow.trainer.validation import majority_value
+
+    assert majority_value(["7", "8", "7", None], [1.0, 0.0, 1.0, 0.0]) == 1.0  # "7" twice
+    assert majority_value(["8", "7", "7", "8"], [0.0, 1.0, 1.0, 0.0]) == 0.0  # a tie: the answer seen first
+    assert majority_value([None, None, "9"], [1.0, 1.0, 0.0]) == 0.0  # samples without an answer do not vote
+    assert majority_value([None, None], [1.0, 1.0]) == 0.0
+
+
+def test_bootstrapped_maj_and_best_match_exact_expectations():
+    """maj@4 and best@4 drawn 1000 times agree with the exact expectation over all 4^4 equally
+    likely draws (brute force), within four standard errors."""
+    import itertools
+
+    from hybridflow.trainer.validation import sample_metrics
+
+    preds, scores = ["a", "b", "a", "c"], [1.0, 0.0, 1.0, 0.0]  # the right answer "a" twice
+    m = sample_metrics(scores, preds)
+
+    def maj(draw):  # independent of the implementation: count votes, first-seen wins a tie
+        counts: dict = {}
+        for i in draw:
+            counts[preds[i]] = counts.get(preds[i], 0) + 1
+        best = max(counts.values())
+        return scores[next(i for i in draw if counts[preds[i]] == best)]
+
+    draws = list(itertools.product(range(4), repeat=4))
+    exact_maj = sum(maj(d) for d in draws) / len(draws)
+    exact_best = 1 - 0.5**4
+    assert m["mean@4"] == 0.5 and m["pass@1"] == 0.5 and m["pass@2"] == pytest.approx(1 - 1 / 6)
+    assert m["maj@4/mean"] == pytest.approx(exact_maj, abs=4 * m["maj@4/std"] / 1000**0.5)
+    assert m["best@4/mean"] == pytest.approx(exact_best, abs=4 * m["best@4/std"] / 1000**0.5)
+    assert sample_metrics(scores, preds) == m  # seeded: the same numbers every run

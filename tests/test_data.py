@@ -289,8 +289,8 @@ def test_max_task_rl_dataset_and_reward(max_task, tok):
         it = ds[0]
         assert it["data_source"] == "digit_max"
         assert tok.decode(it["input_ids"]).endswith("<|im_start|>assistant\n")
-    assert compute_score("digit_max", "8", "8") == 1.0
-    assert compute_score("digit_max", "3", "8") == 0.0
+    assert compute_score("digit_max", "8", "8")["score"] == 1.0
+    assert compute_score("digit_max", "3", "8")["score"] == 0.0
 
 
 def test_max_task_is_cli_default(tmp_path, max_task):

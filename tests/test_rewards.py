@@ -28,8 +28,9 @@ def test_exact_answer_score():
     assert exact_answer_score("no number", "8") == 0.0
     assert exact_answer_score("", "0") == 0.0
     assert exact_answer_score("-3", "-3") == 1.0
-    assert compute_score("arith_add", "12", "12") == 1.0
-    assert compute_score("arithmetic", "13", "12") == 0.0
+    assert compute_score("arith_add", "12", "12") == {"score": 1.0, "pred": "12"}
+    assert compute_score("arithmetic", "so 13", "12") == {"score": 0.0, "pred": "13"}
+    assert compute_score("arithmetic", "none", "12") == {"score": 0.0, "pred": None}
 
 
 def test_gsm8k_score():
@@ -41,8 +42,8 @@ def test_gsm8k_score():
     assert gsm8k_score("#### 5\n#### 6", "6") == 1.0
     assert gsm8k_score("#### 5\n#### 6", "5") == 0.0
     assert gsm8k_score("72", "72") == 0.0  # no #### marker -> no credit
-    assert compute_score("openai/gsm8k", "#### -4", "-4") == 1.0
-    assert compute_score("gsm8k", "#### 4.0", "4") == 1.0
+    assert compute_score("openai/gsm8k", "#### -4", "-4") == {"score": 1.0, "pred": "-4"}
+    assert compute_score("gsm8k", "#### 4.0", "4")["score"] == 1.0
 
 
 def test_unknown_data_source():

@@ -28,7 +28,8 @@ class RewardManager:
     The batch needs tensors ``responses`` [B, T] and ``response_mask`` [B, T], and non-tensors
     ``data_source``, ``reward_model`` (dict with ``ground_truth``) and optionally ``extra_info``.
     ``compute_score(data_source=, solution_str=, ground_truth=, extra_info=)`` may return a number
-    or a dict with key ``"score"`` (other numeric keys become ``reward/<key>/mean`` metrics). A
+    or a dict with key ``"score"`` (other numeric keys become ``reward/<key>/mean`` metrics; a
+    ``"pred"``, the extracted answer, is kept in ``last_preds`` for validation's maj@N). A
     sample whose scoring raises (or returns something else) scores 0.0 and is counted in
     ``reward/errors``; one warning per call is logged. ``NotImplementedError`` (no scorer for a
     data_source: a configuration error) propagates. The score sits at the last valid response
@@ -44,6 +45,7 @@ class RewardManager:
         self.timeout_s = timeout_s
         self.last_decoded: list[str] = []
         self.last_scores: list[float] = []
+        self.last_preds: list = []  # per sample: the scorer's "pred" (its extracted answer) or None
 
     def __call__(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         responses = batch["responses"]
@@ -57,6 +59,7 @@ class RewardManager:
         last = last_token_index(mask)
         decoded: list[str] = []
         values: list[float] = []
+        preds: list = []
         extras: dict[str, list[float]] = {}
         errors = timeouts = 0
         first_error = None
@@ -67,12 +70,14 @@ class RewardManager:
             decoded.append(text)
             rm = reward_models[i]
             extra = extra_infos[i] if extra_infos is not None else None
+            pred = None
             try:
                 gt = rm["ground_truth"] if isinstance(rm, dict) else rm
                 out = _call(self.compute_score, self.timeout_s, data_source=data_sources[i], solution_str=text, ground_truth=gt, extra_info=extra)
                 if isinstance(out, dict):
                     if "score" not in out:
                         raise ValueError(f"reward function returned a dict without 'score': {out!r:.200}")
+                    pred = out.get("pred")
                     for k, v in out.items():
                         if k != "score" and isinstance(v, numbers.Number) and not isinstance(v, bool):
                             extras.setdefault(k, []).append(float(v))
@@ -94,6 +99,7 @@ class RewardManager:
                     first_error = (i, data_sources[i], f"{type(e).__name__}: {e}")
                 value = 0.0
             values.append(value)
+            preds.append(pred)
             if T > 0:
                 scores[i, int(last[i])] = value
         if errors:
@@ -104,6 +110,7 @@ class RewardManager:
             )
         self.last_decoded = decoded
         self.last_scores = values
+        self.last_preds = preds
         if timeouts:
             logger.warning("reward function took longer than custom_reward_function.timeout_s=%s for %d of %d samples (scored 0.0)",
                            self.timeout_s, timeouts, bsz)

@@ -55,18 +55,26 @@ def gsm8k_score(solution_str: str, ground_truth: Any, format_score: float = 0.0,
 
 _EXACT_ANSWER = ("arith_add", "arithmetic", "digit_max", "multiply")
 _GSM8K = ("openai/gsm8k", "gsm8k")
+# MATH-style rows (a \boxed{} answer compared as math: hybridflow/rewards/math.py), by verl's names.
+_MATH = ("math", "lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500", "math_dapo", "aime", "aime2024", "aime2025")
 _CODE = ("code",)
 # Rows played against an environment (hybridflow/agent/envs.py): the environment's own reward is the
 # trajectory's (`agent_reward`, added by the trainer); the rule adds nothing.
 _ENVIRONMENT = ("guess",)
 
 
-def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
-    """Default reward dispatcher by ``data_source``."""
+def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float | dict:
+    """Default reward dispatcher by ``data_source``. Sources with an answer return
+    ``{"score": ..., "pred": <the extracted answer>}`` (validation's maj@N votes on ``pred``)."""
     if data_source in _EXACT_ANSWER:
-        return exact_answer_score(solution_str, ground_truth)
+        found = _INT_RE.findall(solution_str or "")
+        return {"score": exact_answer_score(solution_str, ground_truth), "pred": found[-1] if found else None}
     if data_source in _GSM8K:
-        return gsm8k_score(solution_str, ground_truth)
+        return {"score": gsm8k_score(solution_str, ground_truth), "pred": extract_gsm8k_answer(solution_str)}
+    if data_source in _MATH:
+        from hybridflow.rewards.math import math_score
+
+        return math_score(solution_str, ground_truth)
     if data_source in _ENVIRONMENT:
         return 0.0
     if data_source in _CODE:
@@ -74,7 +82,7 @@ def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_
 
         return code_score(solution_str, ground_truth)
     raise NotImplementedError(
-        f"no built-in reward for data_source {data_source!r} (built-in: {', '.join(_EXACT_ANSWER + _GSM8K + _CODE + _ENVIRONMENT)}); "
+        f"no built-in reward for data_source {data_source!r} (built-in: {', '.join(_EXACT_ANSWER + _GSM8K + _MATH + _CODE + _ENVIRONMENT)}); "
         f"set custom_reward_function.path (and custom_reward_function.name) to a file defining "
         f"compute_score(data_source, solution_str, ground_truth, extra_info)"
     )
