@@ -1,4 +1,4 @@
-"""`hybridflow` command line: train | sft | dpo | rm | demo | make-model | make-data | plot | export | plan.
+"""`hybridflow` command line: train | sft | dpo | rm | demo | make-model | make-data | plot | export | plan | prepare.
 
     hybridflow train configs/grpo_tiny.yaml actor_rollout_ref.rollout.n=8 trainer.total_training_steps=20
     hybridflow sft configs/sft_tiny.yaml total_steps=100
@@ -8,6 +8,7 @@
     hybridflow plot runs/demo/grpo/metrics.jsonl -o curves.png
     hybridflow export runs/demo/grpo/global_step_60 runs/policy_hf
     hybridflow plan --preset llama3-8b --nodes 8 --gpus-per-node 8 --train-layout pp2xtp8xdp4 --gen-tp 4
+    hybridflow prepare gsm8k_train.jsonl --split train -o data/gsm8k/train.parquet
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def cmd_rm(args) -> int:
 
 FORWARDED = {"make-model": "hybridflow.models.tiny:main_make_model", "make-data": "hybridflow.data.tasks:main_make_data",
              "plot": "hybridflow.utils.plot:main_plot", "export": "hybridflow.utils.export:main_export",
-             "plan": "hybridflow.planning.cli:main_plan"}
+             "plan": "hybridflow.planning.cli:main_plan", "prepare": "hybridflow.data.prepare:main_prepare"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -67,3 +67,58 @@ def test_pathological_expression_times_out_scores_zero_and_leaves_nothing_runnin
     assert time.perf_counter() - start < 5.0
     assert not [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
     assert math_score(r"\boxed{\sqrt{4}}", "2")["score"] == 1.0  # a fresh helper answers the next one
+
+
+def test_prepare_gsm8k_and_math_files_into_rl_rows_the_scorer_grades(tmp_path, tiny_model_dir):
+    """`hybridflow prepare`: JSONL (GSM8K) and parquet (MATH) -> RL parquet that RLDataset loads;
+    each row's own reference solution scores 1.0 under its data source, a wrong one 0.0."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from transformers import AutoTokenizer
+
+    from hybridflow.cli import main
+    from hybridflow.data.dataset import RLDataset
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+
+    gsm = tmp_path / "gsm8k.jsonl"
+    gsm.write_text("\n".join(json.dumps(r) for r in [
+        {"question": "Natalia sold 48 clips in April and half as many in May. How many in all?", "answer": "48/2 = 24\n48+24 = 72\n#### 72"},
+        {"question": "A shop sells 1,200 pens a day. How many in 3 days?", "answer": "1,200*3 = 3,600\n#### 3,600"},
+    ]) + "\n")
+    math_rows = [{"problem": "What is $\\frac{2}{4}$ as a fraction in lowest terms?", "solution": "It is $\\boxed{\\frac{1}{2}}$.", "level": "Level 1", "type": "Prealgebra"},
+                 {"problem": "Solve $x^2 = 4$ for $x > 0$.", "solution": "So $x = \\boxed{2}$.", "level": "Level 2", "type": "Algebra"}]
+    pq.write_table(pa.Table.from_pylist(math_rows), tmp_path / "math.parquet")
+    out_g, out_m = tmp_path / "g.parquet", tmp_path / "m.parquet"
+    assert main(["prepare", str(gsm), "--split", "test", "-o", str(out_g)]) == 0
+    assert main(["prepare", str(tmp_path / "math.parquet"), "--format", "math", "-o", str(out_m)]) == 0
+    g, m = pq.read_table(out_g).to_pylist(), pq.read_table(out_m).to_pylist()
+    assert [r["reward_model"]["ground_truth"] for r in g] == ["72", "3600"] and g[1]["data_source"] == "openai/gsm8k"
+    assert g[0]["extra_info"]["split"] == "test" and g[1]["extra_info"]["index"] == 1
+    assert g[0]["prompt"][0]["content"].endswith('output the final answer after "####".')
+    assert [r["reward_model"]["ground_truth"] for r in m] == ["\\frac{1}{2}", "2"] and m[0]["extra_info"]["type"] == "Prealgebra"
+    for rows, path in ((g, out_g), (m, out_m)):
+        ds = RLDataset([str(path)], tok, max_prompt_length=256)
+        assert len(ds) == len(rows)
+        for r in rows:
+            truth = r["reward_model"]["ground_truth"]
+            assert compute_score(r["data_source"], r["extra_info"]["answer"], truth)["score"] == 1.0
+            assert compute_score(r["data_source"], "#### 5\n\\boxed{5}", truth)["score"] == 0.0
+
+
+def test_prepare_names_the_bad_row(tmp_path, capsys):
+    import json
+
+    from hybridflow.cli import main
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"question": "q", "answer": "#### 1"}) + "\n" + json.dumps({"question": "q2", "answer": "no marker"}) + "\n")
+    with pytest.raises(SystemExit) as e:
+        main(["prepare", str(bad), "-o", str(tmp_path / "o.parquet")])
+    assert e.value.code == 2
+    assert f"{bad} row 1: the solution in 'answer' has no final answer after '####'" in capsys.readouterr().err
+    assert main(["prepare", str(bad), "--skip-bad", "-o", str(tmp_path / "o.parquet")]) == 0
+    assert "1 rows without a final answer skipped" in capsys.readouterr().out
