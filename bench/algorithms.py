@@ -6,7 +6,8 @@ end, and the wall time of each run.
 
     grpo      algorithm.adv_estimator=grpo (the demo)
     dr_grpo   + loss_agg_mode=seq-mean-token-sum-norm, algorithm.norm_adv_by_std_in_grpo=false
-    dapo      + clip_ratio_low 0.2 / clip_ratio_high 0.28, token-mean, overlong shaping (buffer 2 of 4 tokens)
+    dapo      + clip_ratio_low 0.2 / clip_ratio_high 0.28, token-mean, overlong shaping (buffer 2 of 4 tokens),
+              dynamic sampling (algorithm.filter_groups, up to 20 generation rounds a step); configs/dapo_tiny.yaml
     gspo      + policy_loss.loss_mode=gspo (clip 3e-4 / 4e-4, as the paper)
     cispo     + policy_loss.loss_mode=cispo
 
@@ -29,7 +30,8 @@ ALGORITHMS = {
     "grpo": [],
     "dr_grpo": [f"{A}.loss_agg_mode=seq-mean-token-sum-norm", "algorithm.norm_adv_by_std_in_grpo=false"],
     "dapo": [f"{A}.clip_ratio_low=0.2", f"{A}.clip_ratio_high=0.28", f"{A}.loss_agg_mode=token-mean",
-             "reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=2", "reward_model.overlong_buffer.penalty_factor=1.0"],
+             "reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=2", "reward_model.overlong_buffer.penalty_factor=1.0",
+             "algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=20"],
     "gspo": [f"{A}.policy_loss.loss_mode=gspo", f"{A}.clip_ratio_low=3e-4", f"{A}.clip_ratio_high=4e-4"],
     "cispo": [f"{A}.policy_loss.loss_mode=cispo"],
 }

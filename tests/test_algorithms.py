@@ -591,3 +591,144 @@ def test_bootstrapped_maj_and_best_match_exact_expectations():
     assert m["maj@4/mean"] == pytest.approx(exact_maj, abs=4 * m["maj@4/std"] / 1000**0.5)
     assert m["best@4/mean"] == pytest.approx(exact_best, abs=4 * m["best@4/std"] / 1000**0.5)
     assert sample_metrics(scores, preds) == m  # seeded: the same numbers every run
+
+
+# ------------------------------------------------------------------ rollout correction
+def _corr(**kw):
+    from hybridflow.algorithms.rollout_correction import Correction
+
+    return Correction(**kw)
+
+
+def test_rollout_correction_weights_by_hand():
+    """d = old - rollout log-prob per token; two sequences of 3 tokens, the second with 2 valid."""
+    from hybridflow.algorithms.rollout_correction import correction_weights
+
+    rollout = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -1.0, -9.0]])
+    old = torch.tensor([[-1.0 + math.log(3.0), -2.0 + math.log(0.5), -0.5], [-1.0 + math.log(1.5), -1.0 + math.log(1.2), 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    # token IS, threshold 2: ratios 3 -> 2 (clipped), 0.5, 1 | 1.5, 1.2, padding 0
+    w, keep, m = correction_weights(old, rollout, mask, _corr(rollout_is="token", is_threshold=2.0))
+    assert torch.allclose(w, torch.tensor([[2.0, 0.5, 1.0], [1.5, 1.2, 0.0]]))
+    assert torch.equal(keep, mask.float())
+    assert m["rollout_corr/is_clipped_frac"] == pytest.approx(1 / 5) and m["rollout_corr/is_weight_max"] == pytest.approx(2.0)
+    assert m["rollout_corr/is_weight_mean"] == pytest.approx((2 + 0.5 + 1 + 1.5 + 1.2) / 5)
+    # sequence IS: products 3 * 0.5 * 1 = 1.5 and 1.5 * 1.2 = 1.8, both under 2; threshold 1.6 clips the second
+    w, _, m = correction_weights(old, rollout, mask, _corr(rollout_is="sequence", is_threshold=1.6))
+    assert torch.allclose(w, torch.tensor([[1.5, 1.5, 1.5], [1.6, 1.6, 0.0]]))
+    assert m["rollout_corr/is_clipped_frac"] == pytest.approx(1 / 2)
+    # token RS in [0.6, 2.5]: drops the 3 and the 0.5
+    _, keep, m = correction_weights(old, rollout, mask, _corr(rollout_rs="token", rs_upper=2.5, rs_lower=0.6))
+    assert torch.equal(keep, torch.tensor([[0.0, 0.0, 1.0], [1.0, 1.0, 0.0]]))
+    assert m["rollout_corr/rs_masked_frac"] == pytest.approx(2 / 5) and m["rollout_corr/kept_token_frac"] == pytest.approx(3 / 5)
+    # sequence RS in [0.5, 1.6]: 1.5 stays, 1.8 goes
+    _, keep, _ = correction_weights(old, rollout, mask, _corr(rollout_rs="sequence", rs_upper=1.6, rs_lower=0.5))
+    assert torch.equal(keep, torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]))
+    # geometric RS: (1.5)^(1/3) = 1.1447 and (1.8)^(1/2) = 1.3416; upper 1.2 keeps the first only
+    _, keep, _ = correction_weights(old, rollout, mask, _corr(rollout_rs="geometric", rs_upper=1.2, rs_lower=1 / 1.2))
+    assert torch.equal(keep, torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]))
+    # veto 0.6: the first sequence has a 0.5 token -> dropped whole
+    _, keep, m = correction_weights(old, rollout, mask, _corr(veto_threshold=0.6))
+    assert torch.equal(keep, torch.tensor([[0.0, 0.0, 0.0], [1.0, 1.0, 0.0]])) and m["rollout_corr/veto_frac"] == 0.5
+
+
+def test_rollout_correction_is_exactly_one_for_identical_policies():
+    from hybridflow.algorithms.rollout_correction import correction_weights
+
+    lp = -torch.rand(4, 6) * 3
+    mask = (torch.arange(6)[None, :] < torch.tensor([[6], [3], [1], [5]])).long()
+    for c in (_corr(rollout_is="token"), _corr(rollout_is="sequence", rollout_rs="geometric", rs_upper=1.0001, rs_lower=0.9999, veto_threshold=1e-4)):
+        w, keep, m = correction_weights(lp, lp.clone(), mask, c)
+        assert torch.equal(w, mask.float()) and torch.equal(keep, mask.float())
+        assert m["rollout_corr/is_weight_mean"] == 1.0 and m["rollout_corr/kept_token_frac"] == 1.0
+
+
+def test_rollout_correction_changes_the_update_of_a_stale_rollout():
+    """A stale rollout (the behaviour policy gave token 0 three times the old policy's probability):
+    the gradient of the corrected loss is the plain one scaled per token by the hand weights, and
+    with the weights all 1 it is the plain gradient exactly."""
+    from hybridflow.algorithms import get_policy_loss
+    from hybridflow.algorithms.actor_loss import ppo_actor_loss
+    from hybridflow.algorithms.rollout_correction import correction_weights
+
+    old = torch.tensor([[-1.0, -2.0, -0.7]])
+    rollout = old - torch.tensor([[math.log(1 / 3), 0.0, math.log(1.5)]])  # old / rollout = 1/3, 1, 1.5
+    mask, adv = torch.ones(1, 3), torch.tensor([[1.0, -1.0, 2.0]])
+    kw = dict(policy_loss=get_policy_loss("vanilla"), clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0, loss_agg_mode="token-mean")
+
+    def grad(extra):
+        lp = old.clone().requires_grad_(True)
+        loss, _ = ppo_actor_loss(lp, torch.zeros(1, 3), {"old_log_probs": old, "advantages": adv, "response_mask": mask, **extra}, **kw)
+        loss.backward()
+        return lp.grad
+
+    w, keep, _ = correction_weights(old, rollout, mask, _corr(rollout_is="token", is_threshold=2.0))
+    assert torch.allclose(w, torch.tensor([[1 / 3, 1.0, 1.5]]))
+    plain, corrected = grad({}), grad({"rollout_is_weights": w, "rollout_rs_mask": keep})
+    assert torch.allclose(plain, -adv / 3)  # at ratio 1: d(-A r)/d lp = -A r = -A, over 3 tokens
+    assert torch.allclose(corrected, plain * w) and not torch.allclose(corrected, plain)
+    assert torch.equal(grad({"rollout_is_weights": torch.ones(1, 3), "rollout_rs_mask": torch.ones(1, 3)}), plain)
+    # a rejected token leaves the mean's denominator: token 0 masked -> the other two over 2 tokens
+    masked = grad({"rollout_rs_mask": torch.tensor([[0.0, 1.0, 1.0]])})
+    assert torch.allclose(masked, torch.tensor([[0.0, 1 / 2, -2 / 2]]))
+
+
+# ------------------------------------------------------------------ dynamic sampling
+def test_varied_groups_keeps_groups_with_different_rewards():
+    from hybridflow.trainer.driver_stages import varied_groups
+
+    values = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.5, 0.0])
+    uids = ["a", "a", "b", "b", "c", "c", "d", "d"]
+    assert varied_groups(values, uids).tolist() == [2, 3, 6, 7]
+    assert varied_groups(torch.ones(4), ["a", "a", "b", "b"]).tolist() == []
+
+
+def _dynamic_trainer(rewards_per_round: list[list[float]], max_rounds: int):
+    """An RLTrainer with only what `_sample_groups` reads: 2 prompts x 2 samples per step; the
+    sampling flow's reward stage hands out the next round's scores."""
+    from hybridflow.config import load_config
+    from hybridflow.config.schema import HybridFlowConfig
+    from hybridflow.protocol import Batch
+    from hybridflow.trainer.dataflow import DataFlow, Stage
+    from hybridflow.trainer.rl import RLTrainer
+
+    t = RLTrainer.__new__(RLTrainer)
+    t.cfg = load_config(None, ["data.train_batch_size=2", "actor_rollout_ref.rollout.n=2", "algorithm.filter_groups.enable=true",
+                               f"algorithm.filter_groups.max_num_gen_batches={max_rounds}"], schema=HybridFlowConfig)
+    t._gen_round, t.drawn, t.slept = 0, 0, 0
+    t.actor = type("Actor", (), {"sleep_rollout": lambda self: setattr(t, "slept", t.slept + 1)})()
+    rounds = iter(rewards_per_round)
+
+    def prepare():
+        t.drawn += 1
+        return Batch.from_dict(tensors={"prompt": torch.tensor([10 * t.drawn, 10 * t.drawn, 10 * t.drawn + 1, 10 * t.drawn + 1])},
+                               non_tensors={"uid": [f"{t.drawn}-0", f"{t.drawn}-0", f"{t.drawn}-1", f"{t.drawn}-1"]})
+
+    def gen(b):
+        return Batch.from_dict(tensors={"seed_round": torch.full((len(b),), t._gen_round)})
+
+    def reward(b):
+        return Batch.from_dict(tensors={"token_level_scores": torch.tensor(next(rounds))[:, None] * torch.ones(1, 3)})
+
+    t._prepare_batch = prepare
+    t.sample_flow = DataFlow([Stage("gen", gen, ["prompt"], ["seed_round"]), Stage("reward", reward, ["seed_round"], ["token_level_scores"])])
+    return t, prepare
+
+
+def test_dynamic_sampling_drops_flat_groups_and_refills_the_batch():
+    # round 1: group 0 all 1 (dropped), group 1 varied; round 2: both flat; round 3: group 0 varied
+    t, prepare = _dynamic_trainer([[1, 1, 0, 1], [0, 0, 1, 1], [1, 0, 0, 0]], max_rounds=5)
+    batch, metrics = t._sample_groups(prepare())
+    assert batch["prompt"].tolist() == [11, 11, 30, 30]  # prompt 1 of round 1, prompt 0 of round 3
+    assert batch["seed_round"].tolist() == [0, 0, 2, 2]  # each round sampled with its own seed
+    assert metrics["data/num_gen_batches"] == 3.0 and metrics["data/kept_groups_frac"] == pytest.approx(4 / 12)
+    assert t._gen_round == 0 and "timing_s/gen" in metrics and t.slept == 1  # generation memory freed once, after the rounds
+
+
+def test_dynamic_sampling_stops_at_the_limit_with_a_clear_message():
+    t, prepare = _dynamic_trainer([[1, 1, 0, 1], [0, 0, 1, 1]], max_rounds=2)
+    with pytest.raises(RuntimeError) as e:
+        t._sample_groups(prepare())
+    msg = str(e.value)
+    assert "kept 1 of the 2 groups" in msg and "2 generation rounds" in msg and "algorithm.filter_groups.max_num_gen_batches" in msg
+    assert t._gen_round == 0

@@ -101,7 +101,7 @@ def test_round_trip(tmp_path):
 
 @pytest.mark.parametrize("name, schema", [("grpo_tiny.yaml", HybridFlowConfig), ("ppo_tiny.yaml", HybridFlowConfig),
                                           ("sft_tiny.yaml", SFTConfig), ("dpo_tiny.yaml", HybridFlowConfig),
-                                          ("rm_tiny.yaml", RewardTrainConfig)])
+                                          ("rm_tiny.yaml", RewardTrainConfig), ("dapo_tiny.yaml", HybridFlowConfig)])
 def test_shipped_configs_parse(name, schema):
     cfg = load_config(os.path.join(ROOT, "configs", name), schema=schema)
     assert isinstance(cfg, schema)
@@ -203,6 +203,15 @@ def _set(cfg, dotted, value):
     ({"actor_rollout_ref.model.dtype": "float8"}, "actor_rollout_ref.model.dtype must be one of ['float32', 'fp32', 'bfloat16', 'bf16', 'float16', 'fp16'], got 'float8'"),
     ({"reward_model.overlong_buffer.enable": True, "reward_model.overlong_buffer.len": 0},
      "reward_model.overlong_buffer.len must be in [1, data.max_response_length (4)] with overlong_buffer.enable=true, got 0"),
+    # DAPO's dynamic sampling and rollout correction
+    ({"algorithm.filter_groups.enable": True, "actor_rollout_ref.rollout.n": 1}, "which needs actor_rollout_ref.rollout.n >= 2 samples per prompt (got 1)"),
+    ({"algorithm.filter_groups.enable": True, "algorithm.filter_groups.max_num_gen_batches": -1},
+     "algorithm.filter_groups.max_num_gen_batches must be >= 0 (0 = no limit), got -1"),
+    ({"algorithm.filter_groups.enable": True, "algorithm.filter_groups.metric": "seq_final_reward", "algorithm.use_kl_in_reward": True},
+     "algorithm.filter_groups.metric=seq_final_reward (rewards after the KL penalty) is not available"),
+    ({"algorithm.rollout_correction.rollout_rs": "token", "algorithm.rollout_correction.rollout_rs_threshold_lower": 3.0},
+     "algorithm.rollout_correction: rejection needs 0 < rollout_rs_threshold_lower < rollout_rs_threshold, got 3.0 and 2.0"),
+    ({"algorithm.rollout_correction.rollout_token_veto_threshold": 2.0}, "algorithm.rollout_correction.rollout_token_veto_threshold must be in (0, 1)"),
     # LoRA: its own keys, then what it does not combine with yet (each names the key to change)
     ({"actor_rollout_ref.model.lora_rank": -1}, "actor_rollout_ref.model.lora_rank must be an integer >= 0 (0 = full fine-tuning), got -1"),
     ({"actor_rollout_ref.model.lora_rank": 8, "actor_rollout_ref.model.lora_alpha": 0.0}, "actor_rollout_ref.model.lora_alpha must be > 0"),

@@ -86,6 +86,10 @@ def test_async_rollout_learns_with_staleness_one_and_bit_exact_sync(demo_sft_mod
     # every sync was checked against the trained weights (the trainer raises on any difference)
     assert all(h["reshard/weight_max_diff"] == 0.0 for h in steps)
     assert all(h["reshard/bytes_per_rank"] > 0 for h in steps)
+    # rollout correction is on by default with async rollout (token-level IS, rollout -> the trainer's
+    # old policy): no correction at staleness 0, weights away from 1 once the rollout lags a version
+    assert steps[0]["rollout_corr/is_weight_max"] == pytest.approx(1.0, abs=1e-4)
+    assert max(h["rollout_corr/is_weight_max"] for h in steps[1:]) > 1.001
     val = [h[VAL_KEY] for h in result["history"] if VAL_KEY in h]
     assert val[0] < 0.3 and val[-1] >= 0.9, val
 

@@ -328,3 +328,24 @@ def test_sampling_temperature_and_entropy_bonus_reach_the_trainer(ray_cluster, t
     # the same samples and PG loss (step 1 comes before any update), a different gradient
     assert bonus["critic/score/mean"] == plain["critic/score/mean"] and bonus["actor/pg_loss"] == pytest.approx(plain["actor/pg_loss"], rel=1e-6)
     assert abs(bonus["actor/grad_norm"] - plain["actor/grad_norm"]) > 1e-4 * plain["actor/grad_norm"]
+
+
+def test_dynamic_sampling_and_rollout_correction_end_to_end(ray_cluster, tiny_model_dir, task_dir, varied_reward, tmp_path):
+    """DAPO's dynamic sampling (groups of 2 samples, half of them flat under the parity reward) and
+    token-level IS + rejection on the real workers: every step trains on a full batch of varied
+    groups after extra generation rounds; on-policy, the rollout's and the trainer's log-probs agree,
+    so every weight is 1 (to fp32 noise) and no token is rejected."""
+    trainer = make_trainer(tiny_model_dir, task_dir, tmp_path, f"custom_reward_function.path={varied_reward}", "trainer.total_training_steps=2",
+                           "actor_rollout_ref.rollout.n=2", "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=score",
+                           "algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_rs=token")
+    try:
+        hist = steps(trainer.fit())
+    finally:
+        trainer.shutdown()
+    assert len(hist) == 2 and max(h["data/num_gen_batches"] for h in hist) > 1
+    for h in hist:
+        assert h["data/kept_groups_frac"] <= 1.0 and "timing_s/sampling" in h and "timing_s/rollout_correction" in h
+        assert h["rollout_corr/is_weight_mean"] == pytest.approx(1.0, abs=1e-4) and h["rollout_corr/kept_token_frac"] == 1.0
+        assert abs(h["actor/ppo_kl"]) < 1e-6
+        # every kept group is varied: with 0/1 scores in pairs the batch's mean score is exactly 1/2
+        assert h["critic/score/mean"] == pytest.approx(0.5)

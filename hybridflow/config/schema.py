@@ -274,6 +274,39 @@ class KLControlConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    """DAPO's dynamic sampling (verl's algorithm.filter_groups): a group (the n samples of one
+    prompt) whose `metric` is the same for every sample carries no GRPO signal and is dropped;
+    more prompts are generated until data.train_batch_size groups are kept. `metric`: the per-
+    sequence sum of the token-level scores (acc / score / seq_reward: the rule or reward-model
+    score; seq_final_reward: the same, as KL-in-reward is not allowed here)."""
+
+    enable: bool = False
+    metric: Literal["acc", "score", "seq_reward", "seq_final_reward"] = "acc"
+    max_num_gen_batches: int = 10  # generation rounds per step before giving up (0 = no limit)
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    """Importance sampling between the policy that sampled (the rollout's behaviour log-probs)
+    and the trainer's old policy (verl's algorithm.rollout_correction, decoupled mode), per token
+    t with log-ratio d_t = old_log_prob - rollout_log_prob:
+    - rollout_is (truncated IS): token: w_t = min(exp(d_t), threshold); sequence:
+      w = min(exp(sum_t d_t), threshold) on every token; the policy loss is multiplied by w.
+    - rollout_rs (masked IS / rejection): token: drop tokens whose exp(d_t) is outside
+      [lower, upper]; sequence: drop sequences whose exp(sum d) is; geometric: exp(mean d).
+    - rollout_token_veto_threshold: drop a sequence with any token's exp(d_t) below it.
+    "auto" (the default) is token-level IS with trainer.async_rollout and off otherwise."""
+
+    rollout_is: Optional[Literal["auto", "token", "sequence"]] = "auto"
+    rollout_is_threshold: float = 2.0
+    rollout_rs: Optional[Literal["token", "sequence", "geometric"]] = None
+    rollout_rs_threshold: Optional[float] = None  # None: rollout_is_threshold
+    rollout_rs_threshold_lower: Optional[float] = None  # None: 1 / the upper threshold
+    rollout_token_veto_threshold: Optional[float] = None
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"  # gae | grpo | rloo | reinforce_plus_plus | remax
     gamma: float = 1.0
@@ -282,6 +315,8 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = False
     kl_penalty: str = "kl"  # k1 (= kl) | k2 (= mse) | k3 (= low_var_kl) | abs
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
 
 @dataclass

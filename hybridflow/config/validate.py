@@ -557,10 +557,39 @@ def validate_config(cfg: HybridFlowConfig, kind: Literal["rl", "dpo"] = "rl") ->
                  f"with overlong_buffer.enable=true, got {ob.len!r}")
     if ob.enable and not ob.penalty_factor >= 0:
         p.append(f"reward_model.overlong_buffer.penalty_factor must be >= 0, got {ob.penalty_factor!r}")
+    if kind == "rl":
+        _algorithm_problems(p, cfg)
     timeout = cfg.custom_reward_function.timeout_s
     if timeout is not None and not timeout > 0:
         p.append(f"custom_reward_function.timeout_s must be > 0 seconds or null (no limit), got {timeout}")
     p.raise_if_any(what)
+
+
+def _algorithm_problems(p: _Problems, cfg: HybridFlowConfig) -> None:
+    """Dynamic sampling and rollout correction (algorithm.filter_groups / rollout_correction)."""
+    fg, rc = cfg.algorithm.filter_groups, cfg.algorithm.rollout_correction
+    if fg.enable:
+        if not (isinstance(fg.max_num_gen_batches, int) and fg.max_num_gen_batches >= 0):
+            p.append(f"algorithm.filter_groups.max_num_gen_batches must be >= 0 (0 = no limit), got {fg.max_num_gen_batches!r}")
+        if cfg.actor_rollout_ref.rollout.n < 2:
+            p.append("algorithm.filter_groups.enable=true keeps groups whose samples' rewards differ, which needs "
+                     f"actor_rollout_ref.rollout.n >= 2 samples per prompt (got {cfg.actor_rollout_ref.rollout.n})")
+        if cfg.trainer.async_rollout:
+            p.append("algorithm.filter_groups.enable=true does not combine with trainer.async_rollout (the rollout pool "
+                     "generates one fixed batch ahead); turn one of them off")
+        if fg.metric == "seq_final_reward" and cfg.algorithm.use_kl_in_reward:
+            p.append("algorithm.filter_groups.metric=seq_final_reward (rewards after the KL penalty) is not available: the "
+                     "groups are filtered before the KL term is computed; use metric=seq_reward or use_kl_in_reward=false")
+    key = "algorithm.rollout_correction"
+    if not rc.rollout_is_threshold > 0:
+        p.append(f"{key}.rollout_is_threshold must be > 0, got {rc.rollout_is_threshold!r}")
+    upper = rc.rollout_rs_threshold if rc.rollout_rs_threshold is not None else rc.rollout_is_threshold
+    lower = rc.rollout_rs_threshold_lower if rc.rollout_rs_threshold_lower is not None else (1 / upper if upper else 0)
+    if rc.rollout_rs and not 0 < lower < upper:
+        p.append(f"{key}: rejection needs 0 < rollout_rs_threshold_lower < rollout_rs_threshold, got {lower!r} and {upper!r}")
+    veto = rc.rollout_token_veto_threshold
+    if veto is not None and not 0 < veto < 1:
+        p.append(f"{key}.rollout_token_veto_threshold must be in (0, 1) (e.g. 1e-4) or null, got {veto!r}")
 
 
 def _policy_lora_refused(cfg: HybridFlowConfig, kind: str) -> str | None:

@@ -10,6 +10,7 @@ from typing import Callable
 import torch
 
 from hybridflow.algorithms import apply_kl_penalty, get_adv_estimator
+from hybridflow.algorithms.rollout_correction import Correction, correction_weights
 from hybridflow.config.schema import AlgorithmConfig, RewardModelConfig
 from hybridflow.protocol import Batch
 from hybridflow.rewards.manager import last_token_index
@@ -83,3 +84,21 @@ def advantage_inputs(a: AlgorithmConfig, use_critic: bool) -> list[str]:
 def behaviour_log_probs(batch: Batch) -> Batch:
     """Async rollout: the PPO ratio is against the policy that sampled (one version behind)."""
     return Batch.from_dict(tensors={"old_log_probs": batch["rollout_log_probs"]})
+
+
+def rollout_correction(batch: Batch, correction: Correction) -> Batch:
+    """rollout_is_weights / rollout_rs_mask [B, R] from the rollout's and the trainer's old
+    log-probs (algorithm.rollout_correction; `algorithms/rollout_correction.py`)."""
+    weights, keep, metrics = correction_weights(batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"], correction)
+    return Batch.from_dict(tensors={"rollout_is_weights": weights, "rollout_rs_mask": keep}, meta={"metrics": metrics})
+
+
+def varied_groups(values: torch.Tensor, uids) -> torch.Tensor:
+    """DAPO's dynamic sampling: the row indices [k] of the groups (rows sharing a uid, consecutive)
+    whose values [B] are not all equal; a group with one value for every sample has zero GRPO
+    advantage and teaches nothing."""
+    rows: dict[str, list[int]] = {}
+    for i, uid in enumerate(uids):
+        rows.setdefault(uid, []).append(i)
+    keep = [i for idx in rows.values() if len({float(values[j]) for j in idx}) > 1 for i in idx]
+    return torch.tensor(sorted(keep), dtype=torch.long)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import logging
 import os
 import sys
@@ -34,6 +35,7 @@ import numpy as np
 from transformers import AutoTokenizer
 
 from hybridflow.algorithms import make_kl_controller
+from hybridflow.algorithms.rollout_correction import resolve as resolve_correction
 from hybridflow.config import ConfigError, HybridFlowConfig, save_config, to_dict, validate_config
 from hybridflow.config.pools import Role, pool_specs
 from hybridflow.data.dataset import RLDataset, collate_rl
@@ -93,6 +95,9 @@ class RLTrainer:
         self._load_data()
         a = cfg.algorithm
         self.kl_ctrl = make_kl_controller(a.kl_ctrl.type, a.kl_ctrl.kl_coef, a.kl_ctrl.target_kl, a.kl_ctrl.horizon)
+        self.correction = resolve_correction(a.rollout_correction, cfg.trainer.async_rollout)  # "auto" decided once, here
+        self.sample_flow: DataFlow | None = None  # dynamic sampling: gen + reward, rerun until the batch is full
+        self._gen_round = 0  # dynamic sampling: which generation round of the step (its own sampling seed)
         self.global_step = 0
         self.log_dir = cfg.trainer.log_dir or cfg.trainer.default_local_dir
         self.placed: WorkerGroups | None = None  # set by init_workers
@@ -194,8 +199,9 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ stages
     def _generate(self, batch: Batch) -> Batch:
-        """Sample the step's responses; the generation buffers are freed afterwards (colocated)."""
-        return self._rollout_on(self.actor, batch, self._sampling(), release_after=True)
+        """Sample the step's responses; the generation buffers are freed afterwards (colocated), or
+        with dynamic sampling after the step's last generation round (`_sample_groups`)."""
+        return self._rollout_on(self.actor, batch, self._sampling(), release_after=self.sample_flow is None)
 
     def _rollout_on(self, group, batch: Batch, params: SamplingParams, release_after: bool = False) -> Batch:
         """One response (single-turn) or one trajectory (multi-turn: the agent loop) per row."""
@@ -228,36 +234,46 @@ class RLTrainer:
         return self.async_gen.sync_weights(self.global_step)
 
     def build_dataflow(self) -> DataFlow:
-        a, roles = self.cfg.algorithm, self.roles
+        a, roles, c = self.cfg.algorithm, self.roles, self.correction
         actor, ref, critic = self.actor, self.ref, self.critic
         actor_pool = self.pool_of(Role.ACTOR_ROLLOUT)
         agent_keys = (["raw_prompt", "extra_info"], ["agent_reward"]) if self.agent is not None else ([], [])
         gen_stages = [Stage("gen", self._generate, PROMPT_KEYS + agent_keys[0], GEN_OUTPUTS + agent_keys[1], pool=actor_pool)]
-        recompute = self.cfg.actor_rollout_ref.actor.recompute_old_log_prob or roles.async_rollout
+        # The trainer's old log-probs: recomputed when asked, with async rollout, and for rollout correction.
+        recompute = self.cfg.actor_rollout_ref.actor.recompute_old_log_prob or roles.async_rollout or c.active
         old_log_prob = Stage("old_log_prob", actor.compute_log_prob, TRAIN_KEYS, ["old_log_probs"], enabled=recompute)
         sync = Stage("reshard", self.weight_sync.reshard, [], [], pool=actor_pool)
         if roles.async_rollout:  # generation happens outside the flow, one batch ahead (train_step)
             gen_stages = []
-            old_log_prob = Stage("old_log_prob", driver_stages.behaviour_log_probs, ["rollout_log_probs"], ["old_log_probs"])
+            if not c.active:  # bypass: the PPO ratio against the policy that sampled
+                old_log_prob = Stage("old_log_prob", driver_stages.behaviour_log_probs, ["rollout_log_probs"], ["old_log_probs"])
             sync = Stage("sync_weights", self._sync_rollout, [], [], pool=actor_pool)
-        return DataFlow([
+        correction_keys = ["rollout_is_weights", "rollout_rs_mask"] if c.active else []
+        stages = [
             Stage("reward_baseline", self._reward_baseline, PROMPT_KEYS + SAMPLE_INFO_KEYS, ["reward_baselines"], enabled=a.adv_estimator == "remax", pool=actor_pool),
             *gen_stages,
             *self._reward_stages(),
             old_log_prob,
+            Stage("rollout_correction", functools.partial(driver_stages.rollout_correction, correction=c),
+                  ["old_log_probs", "rollout_log_probs", "response_mask"], correction_keys, enabled=c.active),
             Stage("ref", ref.compute_ref_log_prob if ref else None, TRAIN_KEYS, ["ref_log_prob"], enabled=roles.ref_log_prob),
             Stage("values", critic.compute_values if critic else None, TRAIN_KEYS, ["values"], enabled=roles.use_critic),
             Stage("adv", functools.partial(driver_stages.advantage, a=a, kl_ctrl=self.kl_ctrl), driver_stages.advantage_inputs(a, roles.use_critic),
                   ["token_level_rewards", "advantages", "returns"]),
             Stage("update_critic", critic.update_critic if critic else None, TRAIN_KEYS + ["values", "returns"], [], enabled=roles.use_critic),
             Stage("update_actor", actor.update_actor, TRAIN_KEYS + (["old_log_probs"] if recompute else []) + ["advantages"]
-                  + (["ref_log_prob"] if roles.ref_log_prob else []), []),
+                  + (["ref_log_prob"] if roles.ref_log_prob else []) + correction_keys, []),
             sync,
-        ])
+        ]
+        if a.filter_groups.enable:  # dynamic sampling: generation and reward run (maybe several times) before the rest
+            sampling = {"gen", "rm", "reward"}
+            self.sample_flow = DataFlow([s for s in stages if s.name in sampling])
+            stages = [s for s in stages if s.name not in sampling]
+        return DataFlow(stages)
 
     # ------------------------------------------------------------------ loop
     def _sampling(self, greedy: bool = False, step: int | None = None) -> SamplingParams:
-        seed = self.cfg.trainer.seed * 100_003 + (self.global_step if step is None else step)
+        seed = self.cfg.trainer.seed * 100_003 + (self.global_step if step is None else step) + 1_000_003 * self._gen_round
         return SamplingParams.from_config(self.cfg, greedy, seed)
 
     def _prepare_batch(self) -> Batch:
@@ -269,7 +285,45 @@ class RLTrainer:
 
     def _prepare_batch_keys(self) -> list[str]:
         """The keys a step's batch starts with (the loader's columns and the group ids)."""
-        return PROMPT_KEYS + SAMPLE_INFO_KEYS + ["uid"] + (GEN_OUTPUTS if self.async_rollout else [])  # async: generated outside the flow
+        keys = PROMPT_KEYS + SAMPLE_INFO_KEYS + ["uid"] + (GEN_OUTPUTS if self.async_rollout else [])  # async: generated outside the flow
+        if self.sample_flow is not None:  # dynamic sampling: generated and scored before the flow
+            keys += [k for s in self.sample_flow.stages if s.enabled for k in s.outputs]
+        return keys
+
+    def _sample_groups(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
+        """DAPO's dynamic sampling: generate and score `batch`, keep the groups whose rewards vary,
+        and draw more prompts until data.train_batch_size groups are kept (the first ones, in order)."""
+        fg, n = self.cfg.algorithm.filter_groups, self.cfg.actor_rollout_ref.rollout.n
+        want = self.cfg.data.train_batch_size * n  # rows
+        kept: list[Batch] = []
+        timings: dict[str, float] = {}
+        generated = 0
+        try:
+            for self._gen_round in itertools.count():
+                out, metrics = self.sample_flow.run(batch)
+                generated += len(out)
+                kept.append(out.index(driver_stages.varied_groups(out["token_level_scores"].sum(-1), out["uid"])))
+                for k, v in metrics.items():  # the rounds' times add up; other metrics are the last round's
+                    if k.startswith("perf/pool_busy"):
+                        continue
+                    k = "timing_s/sampling" if k == "timing_s/dataflow" else k
+                    timings[k] = timings.get(k, 0.0) + v if k.startswith("timing_s/") else v
+                have = sum(len(b) for b in kept)
+                if have >= want:
+                    break
+                if 0 < fg.max_num_gen_batches <= self._gen_round + 1:
+                    raise RuntimeError(
+                        f"dynamic sampling (algorithm.filter_groups) kept {have // n} of the {want // n} groups a step needs after "
+                        f"{self._gen_round + 1} generation rounds (max_num_gen_batches={fg.max_num_gen_batches}): too many prompts have "
+                        f"the same reward for every sample (all solved or all failed). Raise algorithm.filter_groups.max_num_gen_batches "
+                        f"(0 = no limit), raise actor_rollout_ref.rollout.n, or use data of a difficulty the policy sometimes solves")
+                batch = self._prepare_batch()
+            rounds = self._gen_round + 1
+        finally:
+            self._gen_round = 0
+            self.actor.sleep_rollout()  # the generation buffers, kept over the rounds, are freed now
+        timings.update({"data/num_gen_batches": float(rounds), "data/kept_groups_frac": have / generated})
+        return Batch.concat(kept).index(slice(0, want)), timings
 
     def _mark_prefetch(self) -> None:
         """The loader is about to hand out the next step's batch early: a checkpoint saves the state before it."""
@@ -290,7 +344,11 @@ class RLTrainer:
         else:
             batch = self._next_batch if self._next_batch is not None else self._prepare_batch()
             self._next_batch = None
+            sampled: dict[str, float] = {}
+            if self.sample_flow is not None:
+                batch, sampled = self._sample_groups(batch)
             batch, metrics = flow.run(batch)
+            metrics.update(sampled)
         if self.weight_sync.pending is not None:  # overlapped: prepare the next batch, then collect
             metrics.update(self.weight_sync.finish_overlapped(self._prefetch_next))
         metrics["timing_s/step"] = time.perf_counter() - start
@@ -318,6 +376,8 @@ class RLTrainer:
         tracker = self._tracker()
         flow = self.flow = self.build_dataflow()
         flow.check(self._prepare_batch_keys())  # the whole graph, before the first step
+        if self.sample_flow is not None:
+            self.sample_flow.check(PROMPT_KEYS + SAMPLE_INFO_KEYS + ["uid"])
         history: list[dict] = []
         val_metrics: dict[str, float] = {}
         if t.val_before_train and self.global_step == 0:

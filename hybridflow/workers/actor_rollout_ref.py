@@ -23,7 +23,7 @@ import torch.distributed as dist
 from transformers import AutoTokenizer
 
 from hybridflow.algorithms import get_loss, get_policy_loss, masked_mean, micro_weight
-from hybridflow.algorithms.actor_loss import ppo_actor_loss
+from hybridflow.algorithms.actor_loss import loss_mask, ppo_actor_loss
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.controller.decorator import Dispatch, register
 from hybridflow.config.pools import ModelPart, worker_role
@@ -197,14 +197,15 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
 
     # ------------------------------------------------------------------ training
     # The per-token fields the PPO loss reads (packed as the pipeline's loss target when pp > 1).
-    _PPO_FIELDS = ("old_log_probs", "advantages", "response_mask", "ref_log_prob")
+    _PPO_FIELDS = ("old_log_probs", "advantages", "response_mask", "ref_log_prob", "rollout_is_weights", "rollout_rs_mask")
 
     @register(Dispatch.DP_COMPUTE, layout="train")
     def update_actor(self, data: Batch, optimizer_step: bool = True, loss_scale: float = 1.0) -> dict[str, float]:
         """PPO-style update on this rank's share of the step's sequences.
 
         data: input_ids/attention_mask/position_ids [b, P+R], responses/response_mask/
-        old_log_probs/advantages [b, R] (+ ref_log_prob when use_kl_loss). Mini-batches of
+        old_log_probs/advantages [b, R] (+ ref_log_prob when use_kl_loss, rollout_is_weights /
+        rollout_rs_mask with rollout correction). Mini-batches of
         ppo_mini_batch_size * n / dp sequences per data-parallel rank, each one optimizer step.
         Gradient accumulation across calls (DataFlow grad_accum_steps): optimizer_step=False only
         accumulates (loss x loss_scale); the next call with optimizer_step=True steps on the sum.
@@ -232,7 +233,7 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
             for k, v in parts.items():
                 add(f"actor/{k}", v.item())
             # Scale so the accumulated gradient is the mini-batch's loss (fixed or dynamic micro-batches alike).
-            return loss * micro_weight(mb["response_mask"], mini_mask, acfg.loss_agg_mode) * loss_scale
+            return loss * micro_weight(loss_mask(mb), mini_mask, acfg.loss_agg_mode) * loss_scale
 
         if not optimizer_step and (acfg.ppo_epochs > 1 or len(data) > mini_size):
             raise ValueError(f"gradient accumulation across calls needs each call to be at most one mini-batch "
@@ -240,7 +241,7 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
                              f"ppo_epochs={acfg.ppo_epochs}: lower the stage's batch_size")
         for _ in range(acfg.ppo_epochs):
             for mini in data.split(mini_size):
-                mini_mask = mini["response_mask"].to(self.device)
+                mini_mask = loss_mask(mini).to(self.device)
                 self.actor.forward_backward(mini, lambda lp, ent, mb: ppo_loss(lp, ent, mb, mini_mask), acfg.ppo_micro_batch_size_per_gpu,
                                             acfg.ppo_max_token_len_per_gpu if acfg.use_dynamic_bsz else None, temperature, self._PPO_FIELDS)
                 if optimizer_step:
