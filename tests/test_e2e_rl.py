@@ -349,3 +349,21 @@ def test_dynamic_sampling_and_rollout_correction_end_to_end(ray_cluster, tiny_mo
         assert abs(h["actor/ppo_kl"]) < 1e-6
         # every kept group is varied: with 0/1 scores in pairs the batch's mean score is exactly 1/2
         assert h["critic/score/mean"] == pytest.approx(0.5)
+
+
+def test_on_policy_distillation_from_itself_is_a_no_op_and_from_another_model_moves(ray_cluster, tiny_model_dir, tiny_llama_dir, task_dir, tmp_path):
+    """The teacher role scores the student's tokens; the advantage is teacher - student log-prob.
+    A student distilled from its own checkpoint (same weights, same FSDP layout) gets advantage 0
+    on every token: no policy gradient. From another model of the same vocabulary it moves."""
+    hist = {}
+    for name, teacher in (("self", tiny_model_dir), ("other", tiny_llama_dir)):
+        trainer = make_trainer(tiny_model_dir, task_dir, tmp_path / name, "trainer.total_training_steps=2", "algorithm.adv_estimator=on_policy_distill",
+                               "teacher.enable=true", f"teacher.model.path={teacher}")
+        try:
+            hist[name] = steps(trainer.fit())
+        finally:
+            trainer.shutdown()
+    for h in hist["self"]:
+        assert h["critic/advantages/max"] == 0.0 and h["critic/advantages/min"] == 0.0 and h["actor/grad_norm"] == 0.0
+        assert "timing_s/teacher" in h
+    assert all(h["actor/grad_norm"] > 0 and h["critic/advantages/min"] < 0 for h in hist["other"])

@@ -206,3 +206,23 @@ def compute_remax_outcome_advantage(
         returns = (token_level_rewards * mask).flip(-1).cumsum(-1).flip(-1)
         advantages = (returns - reward_baselines.to(returns.dtype).unsqueeze(-1)) * mask
     return advantages, returns
+
+
+@register_adv_estimator("on_policy_distill")
+def compute_on_policy_distill_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    teacher_log_prob: Optional[torch.Tensor] = None,
+    old_log_probs: Optional[torch.Tensor] = None,
+    **_ignored: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """On-policy distillation (Agarwal et al. 2024; Thinking Machines 2025): each sampled token's
+    advantage is minus its reverse-KL estimate, log pi_teacher(t) - log pi_student(t), with no
+    discount, baseline or reward: the student raises the tokens the teacher likes more than it
+    does. [B, T] inputs; returns = advantages."""
+    if teacher_log_prob is None or old_log_probs is None:
+        raise ValueError("on_policy_distill needs `teacher_log_prob` and `old_log_probs` [B, T] (a teacher role and the old-log-prob pass)")
+    with torch.no_grad():
+        advantages = (teacher_log_prob - old_log_probs).to(token_level_rewards.dtype) * response_mask
+    return advantages, advantages

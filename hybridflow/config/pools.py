@@ -28,6 +28,7 @@ class Role(str, enum.Enum):
     REF = "ref"  # the frozen reference policy
     CRITIC = "critic"
     REWARD_MODEL = "reward_model"  # a sequence-classifier reward model (reward_model.enable)
+    TEACHER = "teacher"  # on-policy distillation's teacher (teacher.enable)
 
 
 assert tuple(r.value for r in Role) == ROLES
@@ -71,7 +72,8 @@ def ref_is_actor(cfg: HybridFlowConfig) -> bool:
 
 
 def active_roles(cfg: HybridFlowConfig) -> list[Role]:
-    """The roles this algorithm runs: a critic for GAE, a reference for KL, a rollout pool when async."""
+    """The roles this algorithm runs: a critic for GAE, a reference for KL, a rollout pool when async,
+    a reward model and a distillation teacher when enabled."""
     roles = [Role.ACTOR_ROLLOUT]
     if cfg.trainer.async_rollout:
         roles.append(Role.ROLLOUT)
@@ -81,6 +83,8 @@ def active_roles(cfg: HybridFlowConfig) -> list[Role]:
         roles.append(Role.CRITIC)
     if cfg.reward_model.enable:
         roles.append(Role.REWARD_MODEL)
+    if cfg.teacher.enable:
+        roles.append(Role.TEACHER)
     return roles
 
 

@@ -259,6 +259,18 @@ class RewardModelConfig:
 
 
 @dataclass
+class TeacherConfig:
+    """On-policy distillation's teacher (algorithm.adv_estimator=on_policy_distill): a causal LM with
+    the student's tokenizer that scores the student's sampled tokens (teacher_log_prob), on FSDP2
+    over its own pool (resource_pool.mapping.teacher; by default colocated on global_pool)."""
+
+    enable: bool = False
+    model: ModelConfig = field(default_factory=ModelConfig)  # path: an AutoModelForCausalLM checkpoint
+    log_prob_micro_batch_size_per_gpu: int = 16  # sequences per forward per worker
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+
+
+@dataclass
 class CustomRewardFunctionConfig:
     path: Optional[str] = None  # a .py file defining `name`
     name: str = "compute_score"
@@ -413,7 +425,7 @@ class RayInitConfig:
     resources: dict[str, float] = field(default_factory=dict)  # custom resources of the embedded local cluster, e.g. {H100: 2}
 
 
-ROLES = ("actor_rollout", "rollout", "ref", "critic", "reward_model")
+ROLES = ("actor_rollout", "rollout", "ref", "critic", "reward_model", "teacher")
 DEFAULT_POOL = "global_pool"
 
 
@@ -450,6 +462,7 @@ class HybridFlowConfig:
     actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
     custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

@@ -565,8 +565,30 @@ def validate_config(cfg: HybridFlowConfig, kind: Literal["rl", "dpo"] = "rl") ->
     p.raise_if_any(what)
 
 
+def _teacher_problems(p: _Problems, cfg: HybridFlowConfig) -> None:
+    """On-policy distillation: the estimator and the teacher come together; the teacher is a causal
+    LM with the student's vocabulary (it scores the student's token ids as they are)."""
+    distill, tc = cfg.algorithm.adv_estimator == "on_policy_distill", cfg.teacher
+    if distill and not tc.enable:
+        p.append("algorithm.adv_estimator=on_policy_distill learns from a teacher: set teacher.enable=true and teacher.model.path")
+    if tc.enable and not distill:
+        p.append(f"teacher.enable=true is used by algorithm.adv_estimator=on_policy_distill only (got {cfg.algorithm.adv_estimator!r})")
+    if not tc.enable:
+        return
+    p.positive("teacher.log_prob_micro_batch_size_per_gpu", tc.log_prob_micro_batch_size_per_gpu)
+    if p.model("teacher.model", tc.model, "for the teacher") is None:
+        return
+    teacher, student = model_json(tc.model.path), model_json(cfg.actor_rollout_ref.model.path)
+    if not any(str(a).endswith(_LM_HEADS) for a in teacher.get("architectures") or []):
+        p.append(f"teacher.model.path: {tc.model.path!r} is not a causal LM (architectures {teacher.get('architectures')})")
+    if student and teacher.get("vocab_size") != student.get("vocab_size"):
+        p.append(f"teacher.model.path: the teacher's vocab_size ({teacher.get('vocab_size')}) differs from the student's "
+                 f"({student.get('vocab_size')}); on-policy distillation scores the student's token ids, so both need one tokenizer")
+
+
 def _algorithm_problems(p: _Problems, cfg: HybridFlowConfig) -> None:
-    """Dynamic sampling and rollout correction (algorithm.filter_groups / rollout_correction)."""
+    """Dynamic sampling and rollout correction (algorithm.filter_groups / rollout_correction), distillation."""
+    _teacher_problems(p, cfg)
     fg, rc = cfg.algorithm.filter_groups, cfg.algorithm.rollout_correction
     if fg.enable:
         if not (isinstance(fg.max_num_gen_batches, int) and fg.max_num_gen_batches >= 0):

@@ -45,15 +45,16 @@ def pool_memory(cfg: HybridFlowConfig, roles: list[rp.Role] | None = None) -> di
     per_role = {}
     for role, pool in rp.role_pools(cfg, roles).items():
         n = rp.role_world_size(cfg, role, roles)
-        fc = {rp.Role.CRITIC: cfg.critic.fsdp_config, rp.Role.REF: arr.ref.fsdp_config, rp.Role.REWARD_MODEL: cfg.reward_model.fsdp_config}.get(role, arr.actor.fsdp_config)
+        fc = {rp.Role.CRITIC: cfg.critic.fsdp_config, rp.Role.REF: arr.ref.fsdp_config, rp.Role.REWARD_MODEL: cfg.reward_model.fsdp_config,
+              rp.Role.TEACHER: cfg.teacher.fsdp_config}.get(role, arr.actor.fsdp_config)
         compute = DTYPE_BYTES.get(fc.mixed_precision or "fp32", 4)
         m = MemoryInputs(param_bytes=4, compute_bytes=compute, gen_bytes=4, strategy=_strategy(fc), seq_len=seq,
                          micro_batch=arr.actor.ppo_micro_batch_size_per_gpu, rollout_seqs=d.train_batch_size * arr.rollout.n,
                          gradient_checkpointing=arr.model.enable_gradient_checkpointing, param_offload=fc.param_offload,
                          lora_rank={rp.Role.ACTOR_ROLLOUT: arr.model.lora_rank, rp.Role.CRITIC: cfg.critic.model.lora_rank}.get(role, 0))
         role_arch = load_arch(cfg.critic.model.path) if role == rp.Role.CRITIC and cfg.critic.model.path else arch
-        if role == rp.Role.REWARD_MODEL:
-            role_arch = load_arch(cfg.reward_model.model.path)
+        if role in (rp.Role.REWARD_MODEL, rp.Role.TEACHER):
+            role_arch = load_arch((cfg.reward_model if role == rp.Role.REWARD_MODEL else cfg.teacher).model.path)
         gen_tp = arr.rollout.tensor_model_parallel_size if role in (rp.Role.ACTOR_ROLLOUT, rp.Role.ROLLOUT) and n % arr.rollout.tensor_model_parallel_size == 0 else 1
         trains = role in (rp.Role.ACTOR_ROLLOUT, rp.Role.CRITIC)
         a = arr.actor  # the actor's 3D layout; other roles train or score with FSDP

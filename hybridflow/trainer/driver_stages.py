@@ -68,6 +68,8 @@ def advantage(batch: Batch, a: AlgorithmConfig, kl_ctrl) -> Batch:
         index=batch["uid"],
         values=batch["values"] if "values" in batch else None,
         reward_baselines=batch["reward_baselines"] if "reward_baselines" in batch else None,
+        teacher_log_prob=batch["teacher_log_prob"] if "teacher_log_prob" in batch else None,
+        old_log_probs=batch["old_log_probs"] if "old_log_probs" in batch else None,
         gamma=a.gamma,
         lam=a.lam,
         norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo,
@@ -78,7 +80,8 @@ def advantage(batch: Batch, a: AlgorithmConfig, kl_ctrl) -> Batch:
 def advantage_inputs(a: AlgorithmConfig, use_critic: bool) -> list[str]:
     """What `advantage` reads for this algorithm."""
     return (["token_level_scores", "response_mask", "uid"] + (["old_log_probs", "ref_log_prob"] if a.use_kl_in_reward else [])
-            + (["values"] if use_critic else []) + (["reward_baselines"] if a.adv_estimator == "remax" else []))
+            + (["values"] if use_critic else []) + (["reward_baselines"] if a.adv_estimator == "remax" else [])
+            + (["teacher_log_prob", "old_log_probs"] if a.adv_estimator == "on_policy_distill" else []))
 
 
 def behaviour_log_probs(batch: Batch) -> Batch:

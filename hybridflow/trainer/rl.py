@@ -179,6 +179,7 @@ class RLTrainer:
         self.rollout = views["rollout"] if roles.async_rollout else self.actor
         self.critic = views.get("critic")
         self.rm = views.get("reward_model")
+        self.teacher = views.get("teacher")
         pending = [v.submit("init_model") for v in views.values()]  # pools start their models at the same time
         for p in pending:
             p.result()
@@ -239,8 +240,9 @@ class RLTrainer:
         actor_pool = self.pool_of(Role.ACTOR_ROLLOUT)
         agent_keys = (["raw_prompt", "extra_info"], ["agent_reward"]) if self.agent is not None else ([], [])
         gen_stages = [Stage("gen", self._generate, PROMPT_KEYS + agent_keys[0], GEN_OUTPUTS + agent_keys[1], pool=actor_pool)]
-        # The trainer's old log-probs: recomputed when asked, with async rollout, and for rollout correction.
-        recompute = self.cfg.actor_rollout_ref.actor.recompute_old_log_prob or roles.async_rollout or c.active
+        # The trainer's old log-probs: recomputed when asked, with async rollout, for rollout correction
+        # and for distillation (its advantage is teacher - student log-prob).
+        recompute = self.cfg.actor_rollout_ref.actor.recompute_old_log_prob or roles.async_rollout or c.active or roles.use_teacher
         old_log_prob = Stage("old_log_prob", actor.compute_log_prob, TRAIN_KEYS, ["old_log_probs"], enabled=recompute)
         sync = Stage("reshard", self.weight_sync.reshard, [], [], pool=actor_pool)
         if roles.async_rollout:  # generation happens outside the flow, one batch ahead (train_step)
@@ -257,6 +259,7 @@ class RLTrainer:
             Stage("rollout_correction", functools.partial(driver_stages.rollout_correction, correction=c),
                   ["old_log_probs", "rollout_log_probs", "response_mask"], correction_keys, enabled=c.active),
             Stage("ref", ref.compute_ref_log_prob if ref else None, TRAIN_KEYS, ["ref_log_prob"], enabled=roles.ref_log_prob),
+            Stage("teacher", self.teacher.compute_teacher_log_prob if self.teacher else None, TRAIN_KEYS, ["teacher_log_prob"], enabled=roles.use_teacher),
             Stage("values", critic.compute_values if critic else None, TRAIN_KEYS, ["values"], enabled=roles.use_critic),
             Stage("adv", functools.partial(driver_stages.advantage, a=a, kl_ctrl=self.kl_ctrl), driver_stages.advantage_inputs(a, roles.use_critic),
                   ["token_level_rewards", "advantages", "returns"]),

@@ -5,7 +5,7 @@
     role_classes(cfg, roles, roles.on(pool), procs_per_node, total_steps)  # {view name: (class, kwargs)}
 
 Which roles run: `resource_pool.active_roles` for RL (a critic for GAE, a reference for KL, a
-rollout pool when async, a reward model when enabled), `resource_pool.dpo_roles` for DPO. Roles are
+rollout pool when async, a reward model and a distillation teacher when enabled), `resource_pool.dpo_roles` for DPO. Roles are
 `Role` members everywhere on the driver; the policy worker's role string is made in one place,
 `policy_worker`, from the `ModelPart`s it holds.
 """
@@ -65,6 +65,10 @@ class RunRoles:
     def use_rm(self) -> bool:
         return Role.REWARD_MODEL in self.pools
 
+    @property
+    def use_teacher(self) -> bool:
+        return Role.TEACHER in self.pools
+
 
 def policy_worker(cfg: HybridFlowConfig, parts: set[ModelPart] | frozenset[ModelPart], **kwargs) -> tuple[type, dict]:
     """The policy-model worker holding `parts` (typed: the worker reads the ModelPart set), and its arguments."""
@@ -79,6 +83,7 @@ def role_classes(cfg: HybridFlowConfig, run: RunRoles, here: list[Role], procs_p
     from hybridflow.workers.critic import CriticWorker
     from hybridflow.workers.reward_model import RewardModelWorker
     from hybridflow.workers.rollout import RolloutWorker
+    from hybridflow.workers.teacher import TeacherWorker
 
     t = cfg.trainer
     classes: dict[str, tuple[type, dict]] = {}
@@ -96,4 +101,9 @@ def role_classes(cfg: HybridFlowConfig, run: RunRoles, here: list[Role], procs_p
         classes["reward_model"] = (RewardModelWorker, {"model": rm.model, "fsdp": rm.fsdp_config, "micro_batch_size": rm.micro_batch_size_per_gpu,
                                                        "device": t.device, "seed": t.seed, "policy_tokenizer": mcfg.tokenizer_path or mcfg.path,
                                                        "collective_timeout_s": t.collective_timeout_s})
+    if Role.TEACHER in here:
+        tc = cfg.teacher
+        classes["teacher"] = (TeacherWorker, {"model": tc.model, "fsdp": tc.fsdp_config, "micro_batch_size": tc.log_prob_micro_batch_size_per_gpu,
+                                              "device": t.device, "seed": t.seed, "remove_padding": cfg.actor_rollout_ref.model.use_remove_padding,
+                                              "collective_timeout_s": t.collective_timeout_s})
     return classes
