@@ -14,6 +14,9 @@ Other recipes (`--recipe`) replace step 4, from the same SFT model and the same 
 - rm-grpo: train a reward model on those pairs (from the SFT model's backbone; its held-out
   pairwise accuracy is `rm_val_pair_acc`), then GRPO with the reward model as the only reward.
 - online-dpo: sample 4 answers per prompt, rank them with the rule scorer, DPO on best vs worst.
+- distill: on-policy distillation without any reward: a larger tiny model (3 layers, hidden 192)
+  trained by SFT on correct answers is the teacher; the student samples, the teacher scores each
+  sampled token, and the student's per-token advantage is teacher - student log-prob.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ VAL_KEY = val_key("grpo")
 
 SFT_STEPS = 300
 RL_STEPS = 60
-RECIPE_STEPS = {"grpo": RL_STEPS, "dpo": 40, "rm-grpo": 40, "online-dpo": 40, "tool": 40, "guess": 40}
+RECIPE_STEPS = {"grpo": RL_STEPS, "dpo": 40, "rm-grpo": 40, "online-dpo": 40, "tool": 40, "guess": 40, "distill": 40}
 RM_STEPS = 100
 TOOL_SFT_STEPS, TOOL_LAYERS = 700, 2
 GUESS_SFT_STEPS = 300
@@ -103,6 +106,27 @@ def demo_guess_rl_config(files: dict, model_dir: str, out_dir: str, steps: int, 
                        *overrides)
 
 
+def demo_distill_config(files: dict, model_dir: str, teacher_dir: str, out_dir: str, steps: int, *overrides: str) -> HybridFlowConfig:
+    """On-policy distillation from `teacher_dir`: the demo's GRPO run with the teacher's per-token
+    advantage instead of the reward's (the rule reward is still computed, for the train metrics)."""
+    return demo_rl_config(files, model_dir, out_dir, steps, "algorithm.adv_estimator=on_policy_distill", "teacher.enable=true",
+                          f"teacher.model.path={teacher_dir}", *overrides)
+
+
+def train_teacher(out: str, layers: int = 3, hidden: int = 192, steps: int = SFT_STEPS) -> str:
+    """The distillation teacher: a larger tiny model (the same tokenizer) after SFT on the task's
+    correct answers (the same train / held-out split as the student's data). Returns its directory."""
+    from hybridflow.data.tasks import make_max_task
+    from hybridflow.models.tiny import make_tiny_model
+    from hybridflow.trainer.sft import run_sft
+
+    files = make_max_task(os.path.join(out, "teacher_data"), bias_prob=0.0)  # every demonstration right
+    base = make_tiny_model(os.path.join(out, "teacher_base"), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers)
+    cfg = demo_sft_config(files["sft"], str(base), os.path.join(out, "teacher"), steps)
+    run_sft(cfg)
+    return cfg.save_dir
+
+
 def demo_dpo_config(files: dict, model_dir: str, out_dir: str, steps: int, *overrides: str) -> HybridFlowConfig:
     """Offline DPO on the preference pairs: 32 pairs per step, held-out greedy accuracy every 10 steps."""
     return _policy_run(files["pref_train"], files["val"], model_dir, out_dir, steps, 32, 32, "dpo.beta=0.1", *overrides)
@@ -159,6 +183,13 @@ def run_recipe(recipe: str, files: dict, sft_dir: str, out: str, steps: int, *ov
         cfg = demo_rl_config(files, sft_dir, f"{out}/rm_grpo", steps, "reward_model.enable=true",
                              f"reward_model.model.path={out}/reward_model", *overrides)
         print(f"[demo] GRPO with the reward model as the only reward: {steps} steps", flush=True)
+        result = _fit(RLTrainer(cfg))
+    elif recipe == "distill":
+        print(f"[demo] teacher: SFT of a 3-layer tiny model on correct answers ({SFT_STEPS} steps)", flush=True)
+        teacher = train_teacher(out)
+        cfg = demo_distill_config(files, sft_dir, teacher, f"{out}/distill", steps, *overrides)
+        print(f"[demo] on-policy distillation (no reward in the update): {steps} steps, {cfg.data.train_batch_size} prompts x "
+              f"{cfg.actor_rollout_ref.rollout.n} samples scored token by token by the teacher, {_workers(cfg)}", flush=True)
         result = _fit(RLTrainer(cfg))
     elif recipe in ("tool", "guess"):
         make = demo_tool_rl_config if recipe == "tool" else demo_guess_rl_config
