@@ -95,7 +95,7 @@ def cmd_rm(args) -> int:
 
 FORWARDED = {"make-model": "hybridflow.models.tiny:main_make_model", "make-data": "hybridflow.data.tasks:main_make_data",
              "plot": "hybridflow.utils.plot:main_plot", "export": "hybridflow.utils.export:main_export",
-             "plan": "hybridflow.planning.cli:main_plan", "prepare": "hybridflow.data.prepare:main_prepare"}
+             "plan": "hybridflow.planning.cli:main_plan", "prepare": "hybridflow.utils.prepare:main_prepare"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -76,12 +76,26 @@ class Request:
 @dataclass(frozen=True)
 class Completion:
     """What a backend returns per request: the generated token ids (a stop token or stop string
-    included), each one's log-prob under the sampling temperature, and why generation ended:
-    "stop" (EOS, a stop token id or a stop string) or "length" (max_new_tokens reached)."""
+    included), their log-probs and why generation ended: "stop" (EOS, a stop token id or a stop
+    string) or "length" (max_new_tokens reached). Two log-probs per token:
+    - log_probs: the behaviour log-prob, under the distribution the token was sampled from (after
+      temperature, top-k and top-p: the truncated, renormalised one); rollout correction's;
+    - untruncated_log_probs: under the temperature alone (None: the same, nothing was truncated),
+      what the trainer computes; the rollout-vs-trainer mismatch metric's."""
 
     token_ids: tuple[int, ...]
     log_probs: tuple[float, ...]
     finish_reason: Literal["stop", "length"]
+    untruncated_log_probs: Optional[tuple[float, ...]] = None
+
+    @property
+    def untruncated(self) -> tuple[float, ...]:
+        return self.log_probs if self.untruncated_log_probs is None else self.untruncated_log_probs
+
+    def cut(self, n: int) -> "Completion":
+        """The first n tokens, finish_reason "length" (a request's own limit inside a shared call)."""
+        return Completion(self.token_ids[:n], self.log_probs[:n], "length",
+                          None if self.untruncated_log_probs is None else self.untruncated_log_probs[:n])
 
 
 def _to_object_array(key: str, value: Any) -> np.ndarray:

@@ -174,6 +174,8 @@ def test_uniform_signature() -> None:
         index=np.array(["a", "a", "b", "b"], dtype=object),
         values=torch.rand(4, 3),
         reward_baselines=torch.zeros(4),
+        teacher_log_prob=-torch.rand(4, 3),
+        old_log_probs=-torch.rand(4, 3),
         gamma=1.0,
         lam=0.95,
         norm_adv_by_std_in_grpo=True,
@@ -185,6 +187,17 @@ def test_uniform_signature() -> None:
         adv, ret = fn(torch.rand(4, 3), mask, **kwargs)
         assert adv.shape == ret.shape == (4, 3), name
         assert torch.all(adv[:, 2] == 0), name  # masked positions are zero
+
+
+def test_on_policy_distill_advantage_is_teacher_minus_student_log_prob() -> None:
+    fn = ADV_ESTIMATORS["on_policy_distill"]
+    teacher = T([[-0.5, -2.0, -1.0], [-1.0, -0.1, -3.0]])
+    student = T([[-1.0, -1.5, -1.0], [-0.2, -0.1, -9.0]])
+    mask = T([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    adv, ret = fn(torch.ones(2, 3), mask, teacher_log_prob=teacher, old_log_probs=student)  # the reward plays no part
+    assert torch.allclose(adv, T([[0.5, -0.5, 0.0], [-0.8, 0.0, 0.0]])) and torch.equal(adv, ret)
+    with pytest.raises(ValueError, match="teacher role"):
+        fn(torch.ones(2, 3), mask, old_log_probs=student)
 
 
 # ------------------------------------------------------------------ policy / value losses

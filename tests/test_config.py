@@ -311,7 +311,7 @@ def test_pool_mapping_parses_and_sizes_roles(world):
 
 
 @pytest.mark.parametrize("items, expected", [
-    (["resource_pool.mapping.actor=global_pool"], "resource_pool.mapping: unknown role 'actor'; roles are ['actor_rollout', 'rollout', 'ref', 'critic', 'reward_model']"),
+    (["resource_pool.mapping.actor=global_pool"], "resource_pool.mapping: unknown role 'actor'; roles are ['actor_rollout', 'rollout', 'ref', 'critic', 'reward_model', 'teacher']"),
     (["resource_pool.mapping.critic=gpu"], "resource_pool.mapping.critic: unknown pool 'gpu'"),
     (["resource_pool.pools.a.workers_per_node=0", "resource_pool.mapping.actor_rollout=a"], "resource_pool.pools.a.workers_per_node must be a positive integer"),
     (["resource_pool.pools.a.resources.H100=0", "resource_pool.mapping.actor_rollout=a"], "resource_pool.pools.a.resources.H100 must be > 0"),

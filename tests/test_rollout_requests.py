@@ -87,3 +87,49 @@ def test_the_batch_api_is_the_same_requests(backend):
         assert out["responses"][i, :n].tolist() == list(c.token_ids)
         assert torch.allclose(out["rollout_log_probs"][i, :n], torch.tensor(c.log_probs))
     assert torch.equal(out["prompts"], ids) and out["input_ids"].shape == (3, P + 5)
+
+
+def _truncated_logprob(logits: torch.Tensor, token: int, top_p: float, top_k: int) -> float:
+    """log-prob of `token` under softmax(logits) cut to its top_k tokens, then to the smallest set
+    whose probability reaches top_p (largest first), renormalised: written out by hand."""
+    probs = torch.softmax(logits.double(), -1)
+    order = sorted(range(len(probs)), key=lambda i: -float(probs[i]))
+    kept = order[:top_k] if top_k > 0 else order
+    mass = sum(float(probs[i]) for i in kept)
+    nucleus, acc = [], 0.0
+    for i in kept:
+        nucleus.append(i)
+        acc += float(probs[i]) / mass
+        if acc >= top_p:
+            break
+    assert token in nucleus, "a sampled token lies in the nucleus"
+    return float(torch.log(probs[token] / sum(probs[i] for i in nucleus)))
+
+
+@pytest.mark.parametrize("top_p, top_k", [(0.9, -1), (1.0, 5), (0.8, 8)])
+def test_behaviour_and_untruncated_log_probs_under_top_p_and_top_k(backend, top_p, top_k):
+    """Each sampled token carries two log-probs: the behaviour one (the truncated, renormalised
+    distribution it was drawn from) and the untruncated one (temperature alone, what the trainer
+    computes); both equal a plain forward pass's numbers put through the truncation by hand."""
+    rollout, model, tok = backend
+    T = 1.3
+    params = SamplingParams(max_new_tokens=6, temperature=T, top_p=top_p, top_k=top_k, seed=7)
+    reqs = [Request(tok.encode(t), params) for t in ("max 3 8 1", "max 9 2", "max 1 1 1 1 4")]
+    gaps = []
+    with torch.no_grad():
+        for r, c in zip(reqs, rollout.generate_requests(reqs)):
+            full = torch.tensor([list(r.prompt_ids) + list(c.token_ids)])
+            logits = model(input_ids=full).logits[0, len(r.prompt_ids) - 1 : -1].float() / T  # [n, V]
+            for t, tokid in enumerate(c.token_ids):
+                untrunc = float(torch.log_softmax(logits[t], -1)[tokid])
+                assert c.untruncated[t] == pytest.approx(untrunc, abs=1e-4)
+                assert c.log_probs[t] == pytest.approx(_truncated_logprob(logits[t], tokid, top_p, top_k), abs=1e-4)
+                gaps.append(c.log_probs[t] - c.untruncated[t])  # -log(kept mass) >= 0
+    assert min(gaps) >= -1e-6 and max(gaps) > 1e-3  # the truncation shows
+
+
+def test_greedy_and_untruncated_sampling_report_one_log_prob(backend):
+    rollout, _, tok = backend
+    for params in (SamplingParams(max_new_tokens=4, do_sample=False), SamplingParams(max_new_tokens=4, temperature=0.7, seed=3)):
+        c = rollout.generate_requests([Request(tok.encode("max 3 8 1"), params)])[0]
+        assert c.log_probs == pytest.approx(c.untruncated, abs=1e-6)

@@ -215,3 +215,32 @@ def test_vllm_rollout_generates_with_the_synced_lora_adapters(ray_cluster, vllm_
     assert hist[0]["actor/kl_loss"] == 0.0 and min(h["actor/kl_loss"] for h in hist[1:]) > 1e-3
     for h in hist[1:]:  # after the first switch: the adapters alone
         assert h["reshard/bytes_per_rank"] == max(plan["min_bytes_per_rank"]) < max(plan["first_switch_bytes_per_rank"])
+
+
+@pytest.mark.parametrize("temperature", [1.0, 1.3])
+def test_vllm_reports_behaviour_and_untruncated_log_probs(vllm_model_dir, temperature):
+    """The vLLM backend's two log-probs at top-p 0.8 / top-k 8, against a plain HF forward pass put
+    through the truncation by hand: the behaviour one (vLLM's processed log-probs: the truncated,
+    renormalised distribution) and the untruncated one (its scoring pass; temperature alone)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hybridflow.protocol import Request, SamplingParams
+    from hybridflow.rollout.vllm_rollout import VLLMRollout
+    from test_rollout_requests import _truncated_logprob
+
+    tok = AutoTokenizer.from_pretrained(vllm_model_dir)
+    rollout = VLLMRollout(str(vllm_model_dir), "float32", 64, 0, "cpu", 0.5, 1, tokenizer=tok)
+    model = AutoModelForCausalLM.from_pretrained(vllm_model_dir, dtype=torch.float32).eval()
+    params = SamplingParams(max_new_tokens=8, temperature=temperature, top_p=0.8, top_k=8, seed=5)
+    reqs = [Request(tok.encode(t), params) for t in ("max 3 8 1", "max 9 2 7", "max 1 1 4")]
+    gaps = []
+    with torch.no_grad():
+        for r, c in zip(reqs, rollout.generate_requests(reqs)):
+            assert c.untruncated_log_probs is not None and len(c.untruncated) == len(c.log_probs) == len(c.token_ids) > 0
+            full = torch.tensor([list(r.prompt_ids) + list(c.token_ids)])
+            logits = model(input_ids=full).logits[0, len(r.prompt_ids) - 1 : -1].float() / temperature
+            for t, tokid in enumerate(c.token_ids):
+                assert c.untruncated[t] == pytest.approx(float(torch.log_softmax(logits[t], -1)[tokid]), abs=1e-3)
+                assert c.log_probs[t] == pytest.approx(_truncated_logprob(logits[t], tokid, 0.8, 8), abs=1e-3)
+                gaps.append(c.log_probs[t] - c.untruncated[t])
+    assert max(gaps) > 1e-2  # the two meanings differ where the truncation cut mass

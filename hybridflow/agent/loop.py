@@ -43,7 +43,8 @@ class Trajectory:
     prompt_ids: list[int]
     response_ids: list[int] = field(default_factory=list)
     response_mask: list[int] = field(default_factory=list)  # 1 = sampled by the model, 0 = tool / environment
-    log_probs: list[float] = field(default_factory=list)  # the backend's log-prob per model token, 0.0 elsewhere
+    log_probs: list[float] = field(default_factory=list)  # the backend's behaviour log-prob per model token, 0.0 elsewhere
+    untruncated_log_probs: list[float] = field(default_factory=list)  # under the temperature alone (Completion's)
     num_turns: int = 0  # assistant turns
     tool_calls: int = 0
     tool_errors: int = 0
@@ -53,10 +54,13 @@ class Trajectory:
     finish: str = ""  # "answer" | "max_turns" | "length" | "env_done" | "truncated"
     finished_at: float = 0.0  # time.monotonic() when the trajectory ended
 
-    def append(self, ids: Sequence[int], model: bool, log_probs: Sequence[float] | None = None) -> None:
+    def append(self, ids: Sequence[int], model: bool, log_probs: Sequence[float] | None = None,
+               untruncated_log_probs: Sequence[float] | None = None) -> None:
         self.response_ids.extend(int(t) for t in ids)
         self.response_mask.extend([1 if model else 0] * len(ids))
-        self.log_probs.extend(float(x) for x in log_probs) if log_probs is not None else self.log_probs.extend([0.0] * len(ids))
+        zeros = [0.0] * len(ids)
+        self.log_probs.extend(float(x) for x in (zeros if log_probs is None else log_probs))
+        self.untruncated_log_probs.extend(float(x) for x in (zeros if untruncated_log_probs is None else untruncated_log_probs))
 
 
 @dataclass(frozen=True)
@@ -102,7 +106,7 @@ class RequestBatcher:
                     f.set_exception(e)
                 continue
             for (_, n, f), c in zip(batch, out):  # n: this request's own limit within the shared call
-                f.set_result(c if len(c.token_ids) <= n else Completion(c.token_ids[:n], c.log_probs[:n], "length"))
+                f.set_result(c if len(c.token_ids) <= n else c.cut(n))
 
 
 AGENT_LOOPS: dict[str, type["AgentLoop"]] = {}
@@ -148,7 +152,7 @@ class AgentLoop:
                 traj.finish = "length"
                 break
             c = await batcher.generate(traj.prompt_ids + traj.response_ids, left)
-            traj.append(c.token_ids, model=True, log_probs=c.log_probs)
+            traj.append(c.token_ids, model=True, log_probs=c.log_probs, untruncated_log_probs=c.untruncated)
             traj.num_turns += 1
             if c.finish_reason != "stop":  # cut by the budget: the turn never closed, nothing may follow it
                 traj.finish = "length"

@@ -117,13 +117,14 @@ def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def rollout_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, responses: torch.Tensor, log_probs: torch.Tensor, lengths: torch.Tensor,
-                  params: SamplingParams, loss_mask: torch.Tensor | None = None) -> Batch:
+                  params: SamplingParams, loss_mask: torch.Tensor | None = None, untruncated_log_probs: torch.Tensor | None = None) -> Batch:
     """What every backend returns. Inputs: prompts [b, P] (left-padded), responses / log_probs
-    [b, R], generated lengths [b]. Output: prompts, responses, response_mask [b, R], the full
-    input_ids / attention_mask / position_ids [b, P+R] and rollout_log_probs [b, R] (under the
-    sampling temperature, for the rollout-vs-trainer check and off-policy ratios). loss_mask [b, R]:
-    the response_mask when it is not every valid token (multi-turn: 0 on tool tokens, which
-    attention still sees)."""
+    [b, R] (behaviour log-probs, `Completion`), generated lengths [b], untruncated_log_probs [b, R]
+    (None: the same). Output: prompts, responses, response_mask [b, R], the full input_ids /
+    attention_mask / position_ids [b, P+R], rollout_log_probs [b, R] (behaviour: rollout correction
+    and async rollout's old log-probs) and rollout_untruncated_log_probs [b, R] (the temperature
+    alone: the rollout-vs-trainer mismatch metric). loss_mask [b, R]: the response_mask when it is
+    not every valid token (multi-turn: 0 on tool tokens, which attention still sees)."""
     R = params.max_new_tokens
     valid = (torch.arange(R, device=responses.device) < lengths[:, None]).long()  # [b, R]
     response_mask = valid if loss_mask is None else loss_mask.long()
@@ -137,6 +138,7 @@ def rollout_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, respons
             "attention_mask": full_mask.cpu(),
             "position_ids": position_ids_from(full_mask).cpu(),
             "rollout_log_probs": (log_probs * response_mask).cpu(),
+            "rollout_untruncated_log_probs": ((log_probs if untruncated_log_probs is None else untruncated_log_probs) * response_mask).cpu(),
         },
         meta={"temperature": params.effective_temperature},
     )
@@ -156,10 +158,12 @@ def generate_batch(backend, prompts: Batch, params: SamplingParams, pad_id: int)
     b, R = len(completions), params.max_new_tokens
     responses = torch.full((b, R), pad_id, dtype=torch.long)
     logps = torch.zeros((b, R), dtype=torch.float32)
+    untruncated = torch.zeros((b, R), dtype=torch.float32)
     lengths = torch.zeros(b, dtype=torch.long)
     for i, c in enumerate(completions):
         n = len(c.token_ids)
         lengths[i] = n
         responses[i, :n] = torch.tensor(c.token_ids, dtype=torch.long)
         logps[i, :n] = torch.tensor(c.log_probs, dtype=torch.float32)
-    return rollout_batch(prompts["input_ids"], prompts["attention_mask"], responses, logps, lengths, params)
+        untruncated[i, :n] = torch.tensor(c.untruncated, dtype=torch.float32)
+    return rollout_batch(prompts["input_ids"], prompts["attention_mask"], responses, logps, lengths, params, untruncated_log_probs=untruncated)

@@ -109,13 +109,16 @@ class HFRollout:
             eos_token_id=stop_ids,
             pad_token_id=tok.pad_token_id,
             stop_strings=list(params.stop) or None,
-            output_logits=True,
+            output_logits=True,  # raw: the untruncated log-probs
+            output_scores=sample,  # after temperature, top-k and top-p: the behaviour log-probs
             return_dict_in_generate=True,
         )
         out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=gen_cfg, tokenizer=tok)
         gen = out.sequences[:, input_ids.shape[1] :]  # [b, R'] with R' <= R
         logits = torch.stack(out.logits, dim=1).float() / temperature  # [b, R', V]
-        logp = logprobs_from_logits(logits, gen).cpu()  # [b, R']
+        untruncated = logprobs_from_logits(logits, gen).cpu()  # [b, R']
+        # HF's processed scores: logits / T with the tokens top-k / top-p cut set to -inf
+        logp = logprobs_from_logits(torch.stack(out.scores, dim=1).float(), gen).cpu() if sample else untruncated
         lengths = response_lengths(gen, stop_ids, tok.pad_token_id).tolist()  # [b]
         completions = []
         for row, n in zip(gen.tolist(), lengths):
@@ -123,7 +126,9 @@ class HFRollout:
             # "length" only when the limit cut it: the last token is no stop id and no stop string ends it
             stopped = n < params.max_new_tokens or (n > 0 and toks[-1] in stop_ids) or (
                 bool(params.stop) and tok.decode(toks).endswith(tuple(params.stop)))
-            completions.append(Completion(tuple(toks), tuple(logp[len(completions), :n].tolist()), "stop" if stopped else "length"))
+            i = len(completions)
+            completions.append(Completion(tuple(toks), tuple(logp[i, :n].tolist()), "stop" if stopped else "length",
+                                          tuple(untruncated[i, :n].tolist())))
         return completions
 
 

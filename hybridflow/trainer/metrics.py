@@ -30,9 +30,10 @@ def compute_data_metrics(batch: Batch, world_size: int, step_seconds: float) -> 
     m["response_length/clip_ratio"] = float((resp_len >= max_resp).float().mean())
     m.update(_stats("prompt_length", prompt_len))
     # (async rollout: the old log-probs ARE the rollout's, marked by the policy version in meta)
-    if "rollout_log_probs" in batch and "old_log_probs" in batch and "policy_version" not in batch.meta and batch.meta.get("temperature", 1.0) > 0:
-        # Rollout engine vs training engine log-probs of the sampled tokens (same weights).
-        diff = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs() * mask
+    if "rollout_untruncated_log_probs" in batch and "old_log_probs" in batch and "policy_version" not in batch.meta and batch.meta.get("temperature", 1.0) > 0:
+        # Rollout engine vs training engine log-probs of the sampled tokens (same weights), both
+        # under the temperature alone: the backends' truncation (top-p / top-k) is not a mismatch.
+        diff = (batch["rollout_untruncated_log_probs"] - batch["old_log_probs"]).abs() * mask
         m["rollout/logprob_diff_max"] = float(diff.max())
         m["rollout/logprob_diff_mean"] = float(masked_mean(diff, mask))
     tokens = float(batch["attention_mask"].sum())
