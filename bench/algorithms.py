@@ -10,6 +10,8 @@ end, and the wall time of each run.
               dynamic sampling (algorithm.filter_groups, up to 20 generation rounds a step); configs/dapo_tiny.yaml
     gspo      + policy_loss.loss_mode=gspo (clip 3e-4 / 4e-4, as the paper)
     cispo     + policy_loss.loss_mode=cispo
+    distill   on-policy distillation, no reward in the update: a 3-layer teacher SFT'd on correct answers
+              scores each sampled token (demo --recipe distill; the wall time includes the teacher's SFT)
 
 Run:  .venv/bin/python bench/algorithms.py --json runs/bench_algorithms.json [--steps 60] [--only gspo,cispo]
 """
@@ -34,6 +36,7 @@ ALGORITHMS = {
              "algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=20"],
     "gspo": [f"{A}.policy_loss.loss_mode=gspo", f"{A}.clip_ratio_low=3e-4", f"{A}.clip_ratio_high=4e-4"],
     "cispo": [f"{A}.policy_loss.loss_mode=cispo"],
+    "distill": [],  # its own recipe: run_recipe("distill")
 }
 
 
@@ -58,7 +61,7 @@ def main() -> None:
     rows = []
     for name in (args.only.split(",") if args.only else ALGORITHMS):
         start = time.perf_counter()
-        run = run_recipe("grpo", files, os.path.join(out, "sft_model"), os.path.join(out, name), args.steps, "trainer.progress_bar=false",
+        run = run_recipe("distill" if name == "distill" else "grpo", files, os.path.join(out, "sft_model"), os.path.join(out, name), args.steps, "trainer.progress_bar=false",
                          "trainer.logger=[jsonl]", *ALGORITHMS[name])
         curve = dict(run["val_curve"])
         rows.append({"algorithm": name, "val_after_sft": curve[0], "val_step_20": curve.get(20, float("nan")), "val_final": run["val_curve"][-1][1],

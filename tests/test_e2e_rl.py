@@ -357,7 +357,7 @@ def test_on_policy_distillation_from_itself_is_a_no_op_and_from_another_model_mo
     on every token: no policy gradient. From another model of the same vocabulary it moves."""
     hist = {}
     for name, teacher in (("self", tiny_model_dir), ("other", tiny_llama_dir)):
-        trainer = make_trainer(tiny_model_dir, task_dir, tmp_path / name, "trainer.total_training_steps=2", "algorithm.adv_estimator=on_policy_distill",
+        trainer = make_trainer(tiny_model_dir, task_dir, tmp_path / name, "trainer.total_training_steps=1", "algorithm.adv_estimator=on_policy_distill",
                                "teacher.enable=true", f"teacher.model.path={teacher}")
         try:
             hist[name] = steps(trainer.fit())

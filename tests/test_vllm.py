@@ -217,11 +217,11 @@ def test_vllm_rollout_generates_with_the_synced_lora_adapters(ray_cluster, vllm_
         assert h["reshard/bytes_per_rank"] == max(plan["min_bytes_per_rank"]) < max(plan["first_switch_bytes_per_rank"])
 
 
-@pytest.mark.parametrize("temperature", [1.0, 1.3])
-def test_vllm_reports_behaviour_and_untruncated_log_probs(vllm_model_dir, temperature):
+def test_vllm_reports_behaviour_and_untruncated_log_probs(vllm_model_dir):
     """The vLLM backend's two log-probs at top-p 0.8 / top-k 8, against a plain HF forward pass put
     through the truncation by hand: the behaviour one (vLLM's processed log-probs: the truncated,
-    renormalised distribution) and the untruncated one (its scoring pass; temperature alone)."""
+    renormalised distribution) and the untruncated one (its scoring pass; temperature alone), at
+    temperature 1 (raw prompt log-probs) and 1.3 (the whole vocabulary, rescaled)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hybridflow.protocol import Request, SamplingParams
@@ -231,11 +231,12 @@ def test_vllm_reports_behaviour_and_untruncated_log_probs(vllm_model_dir, temper
     tok = AutoTokenizer.from_pretrained(vllm_model_dir)
     rollout = VLLMRollout(str(vllm_model_dir), "float32", 64, 0, "cpu", 0.5, 1, tokenizer=tok)
     model = AutoModelForCausalLM.from_pretrained(vllm_model_dir, dtype=torch.float32).eval()
-    params = SamplingParams(max_new_tokens=8, temperature=temperature, top_p=0.8, top_k=8, seed=5)
-    reqs = [Request(tok.encode(t), params) for t in ("max 3 8 1", "max 9 2 7", "max 1 1 4")]
+    reqs = [Request(tok.encode(t), SamplingParams(max_new_tokens=8, temperature=temperature, top_p=0.8, top_k=8, seed=5))
+            for temperature in (1.0, 1.3) for t in ("max 3 8 1", "max 9 2 7", "max 1 1 4")]
     gaps = []
     with torch.no_grad():
         for r, c in zip(reqs, rollout.generate_requests(reqs)):
+            temperature = r.params.temperature
             assert c.untruncated_log_probs is not None and len(c.untruncated) == len(c.log_probs) == len(c.token_ids) > 0
             full = torch.tensor([list(r.prompt_ids) + list(c.token_ids)])
             logits = model(input_ids=full).logits[0, len(r.prompt_ids) - 1 : -1].float() / temperature
