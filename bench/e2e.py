@@ -11,7 +11,11 @@ switches on (prompts padded to the batch's longest, padding removed, no separate
 pass, generation buffers kept); TRL runs one process (its default). Also the pair on the demo's
 tiny model (`model: tiny`), where a step is mostly fixed overhead. Rows: system, model,
 step_seconds (median over the steps after the first), tokens_per_second (generated tokens / step
-seconds), and hybridflow's per-stage medians (timing_s/*).
+seconds), and hybridflow's per-stage medians (timing_s/*). FLOP accounting (`flops.py`): this
+machine's matmul peak is measured in the same run (fp32 and bf16, on 1 thread as each of
+hybridflow's 2 workers runs, and on torch's thread count as TRL's one process runs); each row gets
+the FLOPs of its generation and update (from the step's mean prompt and response lengths) and the
+achieved fraction of the peak (MFU) per stage and for the whole step.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import print_rows  # noqa: E402
+from flops import forward_flops, generation_flops, matmul_peak  # noqa: E402
 
 PROMPTS, SAMPLES, NEW_TOKENS, LR = 8, 4, 16, 2e-6
 REWARD = '''
@@ -84,6 +89,7 @@ def run_hybridflow(model: str, train: str, reward: str, out: str, steps: int, lo
     step = statistics.median(h["timing_s/step"] for h in hist)
     tokens = statistics.median(h["response_length/mean"] * PROMPTS * SAMPLES for h in hist)
     row = {"system": f"hybridflow+lora{lora_rank}" if lora_rank else "hybridflow", "step_seconds": step, "tokens_per_second": tokens / step,
+           "prompt_len": statistics.median(h["prompt_length/mean"] for h in hist), "response_len": statistics.median(h["response_length/mean"] for h in hist),
            **{k: max(s[k] for s in stats) for k in LORA_KEYS}, **planned_state(model, lora_rank)}
     for s in STAGES:
         if f"timing_s/{s}" in hist[0]:
@@ -123,7 +129,22 @@ def run_trl(model: str, rows: list[dict], out: str, steps: int) -> dict:
     trainer.train()
     step = statistics.median(times[1:])
     tokens = statistics.median(lengths[1:]) * PROMPTS * SAMPLES if lengths else float("nan")
-    return {"system": "trl", "step_seconds": step, "tokens_per_second": tokens / step}
+    prompt_len = statistics.mean(len(tok.apply_chat_template(r["prompt"], add_generation_prompt=True)) for r in rows)
+    return {"system": "trl", "step_seconds": step, "tokens_per_second": tokens / step, "prompt_len": prompt_len,
+            "response_len": statistics.median(lengths[1:]) if lengths else float("nan")}
+
+
+def add_mfu(row: dict, arch, peak: float) -> None:
+    """The row's step FLOPs (generation + one forward and backward over every sequence, from its
+    mean lengths) and MFU against `peak` FLOP/s, per stage where the stage was timed."""
+    n = PROMPTS * SAMPLES
+    p, r = round(row["prompt_len"]), round(row["response_len"])
+    gen = generation_flops(arch, [p] * n, [r] * n)
+    update = 3 * forward_flops(arch, [p + r] * n)
+    row.update({"gflop/gen": gen / 1e9, "gflop/update": update / 1e9, "mfu/step": (gen + update) / row["step_seconds"] / peak})
+    if "timing_s/gen" in row:
+        row["mfu/gen"] = gen / row["timing_s/gen"] / peak
+        row["mfu/update"] = update / row["timing_s/update_actor"] / peak
 
 
 def main() -> None:
@@ -136,8 +157,11 @@ def main() -> None:
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+    import torch
+
     from hybridflow.data.tasks import write_parquet
     from hybridflow.models.tiny import make_tiny_model
+    from hybridflow.planning.arch import load_arch
 
     tmp = tempfile.mkdtemp(prefix="bench_e2e_")
     reward = os.path.join(tmp, "exact.py")
@@ -148,6 +172,10 @@ def main() -> None:
     models = {"tiny": make_tiny_model(os.path.join(tmp, "tiny"), hidden_size=128, intermediate_size=256, num_hidden_layers=2)}
     if args.model:
         models[os.path.basename(os.path.normpath(args.model))] = args.model
+    # This machine's matmul peak, measured now: hybridflow's 2 workers run 1 thread each, TRL one process with torch's threads.
+    peaks = {(dt, th): matmul_peak(dt, th) for dt in (torch.float32, torch.bfloat16) for th in (1, torch.get_num_threads())}
+    hybridflow_peak, trl_peak = 2 * peaks[(torch.float32, 1)], peaks[(torch.float32, torch.get_num_threads())]
+    print("matmul peak (GFLOP/s): " + ", ".join(f"{str(dt).split('.')[-1]} x {th} thread(s) {v / 1e9:.1f}" for (dt, th), v in peaks.items()), flush=True)
     out = []
     for name, path in models.items():
         systems = [("hybridflow", lambda: run_hybridflow(str(path), train, reward, os.path.join(tmp, f"hf_{name}"), args.steps))]
@@ -158,6 +186,7 @@ def main() -> None:
         for system, run in systems:
             t = time.perf_counter()
             row = {"model": name, **run()}
+            add_mfu(row, load_arch(str(path)), trl_peak if system == "trl" else hybridflow_peak)
             print(f"{system} on {name}: {row['step_seconds']:.2f} s/step ({time.perf_counter() - t:.0f} s)", flush=True)
             out.append(row)
     for name in models:
@@ -167,18 +196,22 @@ def main() -> None:
                 r["vs_trl"] = r["step_seconds"] / trl["step_seconds"]
     for r in out:
         r.setdefault("vs_trl", float("nan"))
-        for s in (*(f"timing_s/{s}" for s in STAGES), *LORA_KEYS, *(f"plan/{k}" for k in LORA_KEYS)):
+        for s in (*(f"timing_s/{s}" for s in STAGES), *LORA_KEYS, *(f"plan/{k}" for k in LORA_KEYS), "mfu/gen", "mfu/update"):
             r.setdefault(s, float("nan"))
         for k in (*LORA_KEYS, *(f"plan/{k}" for k in LORA_KEYS)):
             r[k] = r[k] / 2**20  # MiB
     columns = [("system", "system", "<16"), ("model", "model", "<14"), ("step_seconds", "step s", ">7.2f"),
                ("tokens_per_second", "tok/s", ">7.1f"), ("vs_trl", "vs TRL", ">7.2f")]
     columns += [(f"timing_s/{s}", s, f">{max(7, len(s))}.2f") for s in STAGES]
+    # FLOPs per step (GFLOP) and the fraction of this machine's fp32 matmul peak reached (MFU)
+    columns += [("gflop/gen", "GF gen", ">7.2f"), ("gflop/update", "GF upd", ">7.2f"), ("mfu/gen", "MFU gen", ">7.3f"),
+                ("mfu/update", "MFU upd", ">7.3f"), ("mfu/step", "MFU step", ">8.3f")]
     # trainable state per rank (MiB): measured on the workers after the last step, and the planner's figure
     columns += [("param_bytes", "params", ">8.2f"), ("plan/param_bytes", "plan", ">8.2f"), ("grad_bytes", "grads", ">8.2f"),
                 ("plan/grad_bytes", "plan", ">8.2f"), ("optimizer_bytes", "optim", ">8.2f"), ("plan/optimizer_bytes", "plan", ">8.2f")]
     print_rows("one GRPO step (8 prompts x 4 samples, 16 new tokens), median over the timed steps; trainable state per rank in MiB "
-               "(measured / the planner's)", columns, out, args.json)
+               f"(measured / the planner's); MFU against the fp32 matmul peak measured now (hybridflow: 2 x 1 thread = "
+               f"{hybridflow_peak / 1e9:.1f} GFLOP/s, TRL: {torch.get_num_threads()} threads = {trl_peak / 1e9:.1f} GFLOP/s)", columns, out, args.json)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,65 @@
+"""FLOP accounting for the benches: the machine's measured matmul peak and the FLOPs of an RL step.
+
+Per sequence of L tokens through a decoder with M matmul parameters (every linear layer and the
+LM head; the embedding lookup does no matmul), n layers and attention width a = heads x head_dim:
+
+    forward      2 M L  +  2 n a L^2            (causal: QK^T and AV each ~L^2/2 dot products of width a)
+    fwd + bwd    3 x forward                   (the backward is twice the forward)
+    generation   prefill over the P prompt tokens: 2 M P + 2 n a P^2,
+                 then each new token t (t = 0 .. R-1): 2 M + 4 n a (P + t)  (one query against P + t keys)
+
+MFU = FLOPs / seconds / peak, where the peak is `matmul_peak` measured in the same run with the
+thread count the stage's processes use (hybridflow's workers: 1 thread each, 2 workers; TRL: one
+process with torch's threads), so the fraction says how far a stage is from what this machine's
+matmuls reach, not from a datasheet.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def matmul_params(arch) -> int:
+    """M: the parameters that take part in a matmul per token (the LM head counts even when tied)."""
+    n = 0
+    for name, shape in arch.param_shapes().items():
+        if len(shape) == 2 and "embed_tokens" not in name:
+            n += shape[0] * shape[1]
+    return n + (arch.vocab * arch.hidden if arch.tied else 0)
+
+
+def forward_flops(arch, lengths: list[int]) -> float:
+    """One forward over sequences of these lengths (prompt + response, no padding)."""
+    m, a = matmul_params(arch), arch.heads * arch.head_dim
+    return float(sum(2 * m * n + 2 * arch.layers * a * n * n for n in lengths))
+
+
+def generation_flops(arch, prompt_lengths: list[int], response_lengths: list[int]) -> float:
+    """Prefill of each prompt, then one decode step per generated token (with a KV cache)."""
+    m, a = matmul_params(arch), arch.heads * arch.head_dim
+    total = 0.0
+    for p, r in zip(prompt_lengths, response_lengths):
+        total += 2 * m * p + 2 * arch.layers * a * p * p
+        total += sum(2 * m + 4 * arch.layers * a * (p + t) for t in range(r))
+    return total
+
+
+def matmul_peak(dtype: torch.dtype, threads: int, size: tuple[int, int, int] = (2048, 576, 1536), seconds: float = 1.0) -> float:
+    """FLOP/s of a [m, k] @ [k, n] matmul on `threads` threads (the best of repeated timings)."""
+    m, k, n = size
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+        for _ in range(3):
+            a @ b
+        best, end = float("inf"), time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            t = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - t)
+    finally:
+        torch.set_num_threads(before)
+    return 2 * m * k * n / best

@@ -1,0 +1,29 @@
+"""The benches' FLOP accounting (bench/flops.py) against torch's own FLOP counter on a real forward."""
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import AutoModelForCausalLM
+
+from bench.flops import forward_flops, generation_flops, matmul_params
+from hybridflow.planning.arch import load_arch
+
+
+def test_forward_flops_match_torch_flop_counter(tiny_model_dir):
+    """torch counts every matmul of an eager forward: the linear layers and LM head (2 M L) plus
+    QK^T and AV in full (4 n a L^2); the causal accounting counts half of the attention."""
+    arch = load_arch(str(tiny_model_dir))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    assert matmul_params(arch) == sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    L = 24
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(input_ids=torch.randint(0, arch.vocab, (1, L)))
+    a = arch.heads * arch.head_dim
+    assert counter.get_total_flops() == forward_flops(arch, [L]) + 2 * arch.layers * a * L * L
+
+
+def test_generation_flops_are_prefill_plus_decode_by_hand(tiny_model_dir):
+    arch = load_arch(str(tiny_model_dir))
+    m, a, n = matmul_params(arch), arch.heads * arch.head_dim, arch.layers
+    # prompt 5, 3 new tokens: prefill 2*m*5 + 2*n*a*25, decodes at contexts 5, 6, 7
+    want = 2 * m * 5 + 2 * n * a * 25 + 3 * 2 * m + 4 * n * a * (5 + 6 + 7)
+    assert generation_flops(arch, [5], [3]) == want
