@@ -17,15 +17,16 @@ LORA_DEMO = ("actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lor
 
 def test_demo_learns_on_held_out_prompts_with_gen_tp_1_and_2(ray_cluster, tmp_path):
     out = tmp_path / "demo"
-    assert cli_main(["demo", "--output-dir", str(out), "--rl-steps", "40", "trainer.progress_bar=false"]) == 0
+    assert cli_main(["demo", "--output-dir", str(out), "--rl-steps", "30", "trainer.progress_bar=false"]) == 0
     summary = json.loads((out / "summary.json").read_text())
     for key in ("val_acc_after_sft", "val_acc_final", "steps", "wall_seconds"):
         assert key in summary
-    assert summary["steps"] == 40
+    assert summary["steps"] == 30
     # SFT learned the format and the wrong rule; RL fixed the rule on prompts neither saw.
     assert summary["sft_final_loss"] < 0.5
     assert summary["val_acc_after_sft"] < 0.3
-    # measured 0.014 -> 0.979 at 40 steps (0.958 at step 20) on this seed: a broken update cannot reach 0.9
+    # measured 0.021 -> 0.910 / 0.958 / 0.972 at steps 10 / 20 / 30 on this seed (bench/algorithms.py's grpo
+    # row, the same run): a broken update cannot reach 0.9
     assert summary["val_acc_final"] >= 0.9
     assert (out / "sft_model" / "config.json").exists()
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the demo's curves, a valid PNG
