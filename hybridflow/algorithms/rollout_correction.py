@@ -25,6 +25,8 @@ from typing import Optional
 
 import torch
 
+from hybridflow.algorithms.losses import masked_mean, masked_sum
+
 SAFETY_BOUND = 20.0
 
 
@@ -47,13 +49,8 @@ class Correction:
 def resolve(rc, async_rollout: bool) -> Correction:
     """RolloutCorrectionConfig -> Correction: rollout_is "auto" is token-level IS with async rollout, off otherwise."""
     rollout_is = ("token" if async_rollout else None) if rc.rollout_is == "auto" else rc.rollout_is
-    upper = rc.rollout_rs_threshold if rc.rollout_rs_threshold is not None else rc.rollout_is_threshold
-    lower = rc.rollout_rs_threshold_lower if rc.rollout_rs_threshold_lower is not None else 1.0 / upper
+    lower, upper = rc.rs_bounds()
     return Correction(rollout_is, rc.rollout_is_threshold, rc.rollout_rs, upper, lower, rc.rollout_token_veto_threshold)
-
-
-def _masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (x * mask).sum(-1)  # [B]
 
 
 def correction_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor,
@@ -63,8 +60,7 @@ def correction_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Ten
     mask = response_mask.float()
     d = ((old_log_probs - rollout_log_probs) * mask).detach()  # [B, T] log pi_old - log pi_rollout
     d_tok = d.clamp(-SAFETY_BOUND, SAFETY_BOUND)
-    n_tok = mask.sum(-1).clamp(min=1.0)  # [B]
-    d_seq = _masked_sum(d, mask).clamp(-SAFETY_BOUND, SAFETY_BOUND)  # [B] log of the sequence's ratio product
+    d_seq = masked_sum(d, mask, dim=-1).clamp(-SAFETY_BOUND, SAFETY_BOUND)  # [B] log of the sequence's ratio product
     metrics: dict[str, float] = {}
     valid_tokens = mask.sum().clamp(min=1.0)
     seq_valid = (mask.sum(-1) > 0).float()  # [B]
@@ -87,7 +83,7 @@ def correction_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Ten
         if c.rollout_rs == "token":
             ratio = d_tok.exp()  # [B, T]
         else:
-            log_r = d_seq if c.rollout_rs == "sequence" else (_masked_sum(d, mask) / n_tok).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+            log_r = d_seq if c.rollout_rs == "sequence" else masked_mean(d, mask, dim=-1).clamp(-SAFETY_BOUND, SAFETY_BOUND)
             ratio = log_r.exp()[:, None].expand_as(mask)  # [B, T]
         inside = ((ratio >= c.rs_lower) & (ratio <= c.rs_upper)).float()
         keep = keep * inside

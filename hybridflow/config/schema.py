@@ -317,6 +317,12 @@ class RolloutCorrectionConfig:
     rollout_rs_threshold_lower: Optional[float] = None  # None: 1 / the upper threshold
     rollout_token_veto_threshold: Optional[float] = None
 
+    def rs_bounds(self) -> tuple[float, float]:
+        """(lower, upper) of the rejection band, the defaults filled in (0 when the upper one is 0)."""
+        upper = self.rollout_rs_threshold if self.rollout_rs_threshold is not None else self.rollout_is_threshold
+        lower = self.rollout_rs_threshold_lower if self.rollout_rs_threshold_lower is not None else (1.0 / upper if upper else 0.0)
+        return lower, upper
+
 
 @dataclass
 class AlgorithmConfig:

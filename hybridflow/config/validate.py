@@ -605,8 +605,7 @@ def _algorithm_problems(p: _Problems, cfg: HybridFlowConfig) -> None:
     key = "algorithm.rollout_correction"
     if not rc.rollout_is_threshold > 0:
         p.append(f"{key}.rollout_is_threshold must be > 0, got {rc.rollout_is_threshold!r}")
-    upper = rc.rollout_rs_threshold if rc.rollout_rs_threshold is not None else rc.rollout_is_threshold
-    lower = rc.rollout_rs_threshold_lower if rc.rollout_rs_threshold_lower is not None else (1 / upper if upper else 0)
+    lower, upper = rc.rs_bounds()
     if rc.rollout_rs and not 0 < lower < upper:
         p.append(f"{key}: rejection needs 0 < rollout_rs_threshold_lower < rollout_rs_threshold, got {lower!r} and {upper!r}")
     veto = rc.rollout_token_veto_threshold

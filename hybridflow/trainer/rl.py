@@ -299,7 +299,7 @@ class RLTrainer:
         fg, n = self.cfg.algorithm.filter_groups, self.cfg.actor_rollout_ref.rollout.n
         want = self.cfg.data.train_batch_size * n  # rows
         kept: list[Batch] = []
-        timings: dict[str, float] = {}
+        merged: dict[str, float] = {}  # the rounds' metrics
         generated = 0
         try:
             for self._gen_round in itertools.count():
@@ -310,7 +310,7 @@ class RLTrainer:
                     if k.startswith("perf/pool_busy"):
                         continue
                     k = "timing_s/sampling" if k == "timing_s/dataflow" else k
-                    timings[k] = timings.get(k, 0.0) + v if k.startswith("timing_s/") else v
+                    merged[k] = merged.get(k, 0.0) + v if k.startswith("timing_s/") else v
                 have = sum(len(b) for b in kept)
                 if have >= want:
                     break
@@ -325,8 +325,8 @@ class RLTrainer:
         finally:
             self._gen_round = 0
             self.actor.sleep_rollout()  # the generation buffers, kept over the rounds, are freed now
-        timings.update({"data/num_gen_batches": float(rounds), "data/kept_groups_frac": have / generated})
-        return Batch.concat(kept).index(slice(0, want)), timings
+        merged.update({"data/num_gen_batches": float(rounds), "data/kept_groups_frac": have / generated})
+        return Batch.concat(kept).index(slice(0, want)), merged
 
     def _mark_prefetch(self) -> None:
         """The loader is about to hand out the next step's batch early: a checkpoint saves the state before it."""

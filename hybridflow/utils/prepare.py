@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from hybridflow.data.dataset import DataError
+from hybridflow.data.tasks import write_parquet
 from hybridflow.rewards.math import last_boxed
 from hybridflow.rewards.scorers import extract_gsm8k_answer
 
@@ -39,14 +40,15 @@ class Format:
     answer_key: str
     instruction: str  # appended to the question (verl's wording)
     final_answer: Callable[[str], str | None]  # the reference solution -> the ground truth
+    answer_place: str  # where final_answer looks, for the error message
     extra_keys: tuple[str, ...] = ()
 
 
 FORMATS = {
     "gsm8k": Format("openai/gsm8k", "question", "answer", "Let's think step by step and output the final answer after \"####\".",
-                    extract_gsm8k_answer),
+                    extract_gsm8k_answer, "after '####'"),
     "math": Format("lighteval/MATH", "problem", "solution", "Let's think step by step and output the final answer within \\boxed{}.",
-                   last_boxed, ("level", "type")),
+                   last_boxed, "in a \\boxed{}", ("level", "type")),
 }
 
 
@@ -96,8 +98,7 @@ def convert(path: str, fmt_name: str, split: str, data_source: str | None = None
                 raise DataError(f"{path} row {i}: no reference solution in column {ak!r}")
             truth = fmt.final_answer(solution)
             if truth is None:
-                where = "after '####'" if fmt.final_answer is extract_gsm8k_answer else "in a \\boxed{}"
-                raise DataError(f"{path} row {i}: the solution in {ak!r} has no final answer {where}")
+                raise DataError(f"{path} row {i}: the solution in {ak!r} has no final answer {fmt.answer_place}")
         except DataError:
             if not skip_bad:
                 raise
@@ -131,10 +132,6 @@ def main_prepare(argv: list[str] | None = None) -> int:
     except DataError as e:
         p.exit(2, f"hybridflow prepare: {e}\n")
     rows = rows[:a.limit] if a.limit is not None else rows
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    os.makedirs(os.path.dirname(os.path.abspath(a.output)), exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(rows), a.output)
+    write_parquet(rows, a.output)
     print(f"wrote {len(rows)} rows to {a.output}" + (f" ({skipped} rows without a final answer skipped)" if skipped else ""))
     return 0
