@@ -9,6 +9,7 @@ checked bit-exact (`engine.max_abs_diff() == 0.0`).
 
 `lora-first` / `lora` (gen TP 1, `--lora-rank`): the same model with LoRA adapters on every
 projection; the first switch moves the frozen base once, every later one the adapters alone.
+`bf16`: the fp32 shards to bf16 generation weights (mixed precision), half the bytes of `optimized`.
 `frozen` is `optimized` with the embeddings and lm_head frozen (`actor.freeze_modules`): after the
 first switch they are skipped, 0 bytes. `optimized` keeps the generation buffers between switches (`keep_generation_buffers`, what the
 trainer picks when memory allows); `released` is the same path freeing them after every rollout
@@ -109,10 +110,37 @@ def worker(rank: int, world: int, port: int, path: str, repeats: int, out_file: 
         engine.release()
         actor.requires_grad_(True)
         del engine, rollout
+        results.append(bf16_row(path, actor, dims, world, tp, rank, repeats, cluster))
     if lora_rank:
         results += lora_rows(path, world, rank, repeats, cluster, lora_rank)
     write_gathered(results, world, rank, out_file)
     dist.destroy_process_group()
+
+
+def bf16_row(path: str, actor, dims: dict, world: int, tp: int, rank: int, repeats: int, cluster) -> dict:
+    """`bf16`: the same fp32 training shards to bf16 generation weights (mixed-precision training
+    generates in bf16): each shard is cast once before it is sent, so the wire carries 2 bytes per
+    element; checked bit-exact against the trained weights rounded to bf16."""
+    from transformers import AutoModelForCausalLM
+
+    from hybridflow.config.schema import HybridEngineConfig
+    from hybridflow.hybrid_engine.executor import HybridEngine
+    from hybridflow.hybrid_engine.plan import TrainLayout
+    from hybridflow.parallel.tensor_parallel import apply_tensor_parallel, gen_mesh
+    from hybridflow.planning.arch import load_arch
+    from hybridflow.planning.cost import plan_for, predict_switch
+
+    rollout = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval().requires_grad_(False)
+    if tp > 1:
+        apply_tensor_parallel(rollout, gen_mesh("cpu", world, tp)["tp"])
+    engine = HybridEngine(actor, rollout, dims, tp, HybridEngineConfig(granularity="layer", keep_generation_buffers=True), "cpu", dtype=torch.bfloat16)
+    planned = plan_for(load_arch(path), TrainLayout(dp=world), tp, 2)
+    row = dict(world_size=world, train_layout=f"dp{world}", gen_tp=tp, mode="bf16", rank=rank,
+               **timed_switches(engine, True, repeats, f"N={world} gen_tp={tp} bf16"),
+               min_bytes=engine.plan.min_bytes(rank), naive_bytes=engine.plan.naive_bytes(rank), planner_bytes=planned.min_bytes(rank),
+               predicted_seconds=predict_switch(planned, cluster)["optimized"].predicted_seconds)
+    engine.release()
+    return row
 
 
 def lora_rows(path: str, world: int, rank: int, repeats: int, cluster, lora_rank: int) -> list[dict]:
@@ -288,7 +316,7 @@ def floor_seconds(engine, repeats: int) -> tuple[float, int]:
     return statistics.median(times), received
 
 
-MODES = ("optimized", "released", "frozen", "naive", "floor", "lora-first", "lora")
+MODES = ("optimized", "released", "frozen", "naive", "floor", "bf16", "lora-first", "lora")
 
 
 def rows_from(per_rank: list[dict]) -> list[dict]:
@@ -309,9 +337,9 @@ def rows_from(per_rank: list[dict]) -> list[dict]:
         ))
     for row in rows:
         same = {r["mode"]: r for r in rows if (r["world_size"], r["train_layout"], r["gen_tp"]) == (row["world_size"], row["train_layout"], row["gen_tp"])}
-        if row["mode"] in ("optimized", "released", "frozen"):
+        if row["mode"] in ("optimized", "released", "frozen", "bf16"):
             row["speedup"] = same["naive"]["seconds"] / row["seconds"] if row["seconds"] > 0 else float("inf")
-            if "floor" in same:
+            if "floor" in same and row["mode"] != "bf16":  # the floor moves fp32 bytes
                 row["ratio_vs_floor"] = row["seconds"] / same["floor"]["seconds"] if same["floor"]["seconds"] > 0 else float("inf")
     return rows
 
@@ -329,7 +357,11 @@ def print_table(rows: list[dict]) -> None:
     opt = [r for r in rows if r["mode"] == "optimized"]
     yes = lambda ok: "yes" if ok else "no"  # noqa: E731
     print(f"bytes == theoretical minimum in every optimized layout: "
-          f"{yes(all(r['bytes_per_rank'] == r['min_bytes_per_rank'] for r in rows if r['mode'] in ('optimized', 'released', 'frozen', 'lora-first', 'lora')))}")
+          f"{yes(all(r['bytes_per_rank'] == r['min_bytes_per_rank'] for r in rows if r['mode'] in ('optimized', 'released', 'frozen', 'bf16', 'lora-first', 'lora')))}")
+    halves = [(r, next(o for o in opt if (o["world_size"], o["train_layout"], o["gen_tp"]) == (r["world_size"], r["train_layout"], r["gen_tp"])))
+              for r in rows if r["mode"] == "bf16"]
+    if halves:
+        print(f"bf16 bytes == exactly half the fp32 optimized bytes in every layout: {yes(all(2 * b['bytes_per_rank'] == o['bytes_per_rank'] for b, o in halves))}")
     print(f"hybridflow plan's bytes (config.json only) == measured in every layout and mode: "
           f"{yes(all(r['bytes_per_rank'] == r['planner_bytes_per_rank'] for r in rows))}")
     target = [r for r in opt if (r["train_layout"], r["gen_tp"]) == ("dp4", 2)]

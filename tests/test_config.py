@@ -607,3 +607,17 @@ def test_shipped_configs_validate_as_the_readme_uses_them(tmp_path, monkeypatch)
         extra = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16"] if p.data_parallel_size == 4 else []
         base = load_config(os.path.join(configs, "grpo_tiny.yaml"), [f"trainer.n_gpus_per_node={world}", *extra])
         validate_config(apply_parallel_config(base, p))
+
+
+def test_bf16_mixed_precision_generates_in_bf16(tiny_model_dir):
+    """One key sets the precision: bf16 mixed precision on the actor makes the rollout's weights bf16
+    too (the pre-flight memory plan counts 2 bytes per generation weight), model.dtype otherwise."""
+    from hybridflow.planning.preflight import pool_memory
+
+    base = [f"actor_rollout_ref.model.path={tiny_model_dir}", "data.train_files=[x]"]
+    fp32, bf16 = load_config(None, base), load_config(None, [*base, "actor_rollout_ref.actor.fsdp_config.mixed_precision=bf16"])
+    assert fp32.actor_rollout_ref.generation_dtype() == "float32"
+    assert bf16.actor_rollout_ref.generation_dtype() == "bfloat16"
+    assert load_config(None, [*base, "actor_rollout_ref.model.dtype=bfloat16"]).actor_rollout_ref.generation_dtype() == "bfloat16"
+    gen = [next(iter(pool_memory(c).values()))["parts"]["actor_rollout"]["gen_weights"] for c in (fp32, bf16)]
+    assert gen[1] * 2 == gen[0] > 0

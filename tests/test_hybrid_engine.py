@@ -280,13 +280,13 @@ BY_HAND_MIN = [4 * (20816 + 2 * 65 * 64), 4 * (20816 + 2 * 65 * 64), 4 * (20816 
 BY_HAND_NAIVE = [4 * (115776 - 20656 - 2 * 65 * 64)] * 3 + [4 * (115776 - 20656 - 2 * 64 * 64)]
 
 
-def _by_hand_worker(rank: int, world: int, port: int, path: str) -> None:
+def _by_hand_worker(rank: int, world: int, port: int, path: str, uneven: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", HF_HUB_OFFLINE="1")
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
     from hybridflow.config.schema import HybridEngineConfig
-    from hybridflow.hybrid_engine.executor import HybridEngine
+    from hybridflow.hybrid_engine.executor import HybridEngine, build_plan, local
     from hybridflow.parallel.fsdp import apply_fsdp2, make_mesh
     from hybridflow.parallel.tensor_parallel import apply_tensor_parallel, fsdp_shard_placement_fn, gen_mesh, gen_shard_dims
 
@@ -295,15 +295,34 @@ def _by_hand_worker(rank: int, world: int, port: int, path: str) -> None:
     assert sum(p.numel() for p in actor.parameters()) == 115776  # the model the numbers above describe
     dims = gen_shard_dims(actor)
     apply_fsdp2(actor, make_mesh("cpu", world), shard_placement_fn=fsdp_shard_placement_fn(actor, world))
-    for granularity in ("layer", "full"):
-        rollout = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
+    # bf16 generation from the fp32 shards: the same elements at 2 bytes each, so exactly half the
+    # bytes, and the generation weights equal the trained ones rounded to bf16 (max_abs_diff casts
+    # the gathered fp32 tensor itself: its oracle does not go through the switch's cast).
+    for dtype, granularity in ((torch.float32, "layer"), (torch.float32, "full"), (torch.bfloat16, "layer"), (torch.bfloat16, "full")):
+        rollout = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval().requires_grad_(False)
         apply_tensor_parallel(rollout, gen_mesh("cpu", world, 2)["tp"])
-        engine = HybridEngine(actor, rollout, dims, 2, HybridEngineConfig(granularity=granularity), "cpu")
+        engine = HybridEngine(actor, rollout, dims, 2, HybridEngineConfig(granularity=granularity), "cpu", dtype=dtype)
+        per_4_bytes = dtype.itemsize / 4
         for optimized, expected in ((True, BY_HAND_MIN), (False, BY_HAND_NAIVE)):
             engine.release()
             stats = engine.reshard(optimized=optimized)
             assert engine.max_abs_diff() == 0.0
-            assert stats["bytes_received"] == expected[rank], (granularity, optimized, rank, stats["bytes_received"], expected[rank])
+            assert all(local(p.data).dtype == dtype for p in rollout.parameters())
+            want = expected[rank] * per_4_bytes
+            assert stats["bytes_received"] == want, (dtype, granularity, optimized, rank, stats["bytes_received"], want)
+    # The general exchange (all_to_all; sizes that do not divide by 4) in bf16: bit-exact, and half
+    # the bytes of the fp32 plan of the same layout.
+    actor = AutoModelForCausalLM.from_pretrained(uneven, dtype=torch.float32)
+    dims = gen_shard_dims(actor)
+    apply_fsdp2(actor, make_mesh("cpu", world), shard_placement_fn=fsdp_shard_placement_fn(actor, world))
+    rollout = AutoModelForCausalLM.from_pretrained(uneven, dtype=torch.bfloat16).eval().requires_grad_(False)
+    apply_tensor_parallel(rollout, gen_mesh("cpu", world, 2)["tp"])
+    engine = HybridEngine(actor, rollout, dims, 2, HybridEngineConfig(), "cpu", dtype=torch.bfloat16)
+    fp32_min = build_plan(actor, dims, engine.layout).min_bytes(rank)
+    assert not all(p.aligned for p in engine.plan.params if p.moves)
+    stats = engine.reshard()
+    assert engine.max_abs_diff() == 0.0
+    assert stats["bytes_received"] == engine.plan.min_bytes(rank) == fp32_min // 2 > 0
     dist.destroy_process_group()
 
 
@@ -313,7 +332,7 @@ def test_bytes_received_equal_a_count_by_hand(engine_models):
     the planner's."""
     import torch.multiprocessing as mp
 
-    mp.spawn(_by_hand_worker, args=(4, _free_port(), str(engine_models["even"])), nprocs=4)
+    mp.spawn(_by_hand_worker, args=(4, _free_port(), str(engine_models["even"]), str(engine_models["uneven"])), nprocs=4)
 
 
 # ---------------------------------------------------------------- peak memory, by hand

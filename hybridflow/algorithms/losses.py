@@ -243,7 +243,8 @@ def sft_nll_loss(log_prob: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tenso
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy [...] of softmax(logits [..., V]) = logsumexp(z) - sum(softmax(z) * z)."""
+    """Entropy [...] of softmax(logits [..., V]) = logsumexp(z) - sum(softmax(z) * z), in fp32 (bf16 logits too)."""
+    logits = logits.float()
     pd = torch.softmax(logits, dim=-1)
     return torch.logsumexp(logits, dim=-1) - (pd * logits).sum(dim=-1)
 

@@ -214,6 +214,11 @@ class ActorRolloutRefConfig:
     ref: RefConfig = field(default_factory=RefConfig)
     hybrid_engine: HybridEngineConfig = field(default_factory=HybridEngineConfig)
 
+    def generation_dtype(self) -> str:
+        """The rollout's weight dtype: the actor's mixed-precision compute dtype when it has one
+        (bf16 training generates in bf16, so the switch moves half the bytes), else model.dtype."""
+        return {"bf16": "bfloat16", "fp16": "float16"}.get(self.actor.fsdp_config.mixed_precision or "", self.model.dtype)
+
 
 @dataclass
 class CriticConfig:

@@ -264,10 +264,14 @@ def _vllm_problems(cfg: HybridFlowConfig, n_workers: int) -> list[str]:
         if not 0 < roll.gpu_memory_utilization <= 1:
             out.append(f"{R}.gpu_memory_utilization must be in (0, 1], got {roll.gpu_memory_utilization}")
         return out
-    if model.dtype in ("float16", "fp16"):
-        out.append(f"actor_rollout_ref.model.dtype={model.dtype}: vLLM on CPU has no float16 kernels; use float32 (or bfloat16 on a CPU with AVX512-BF16)")
-    if model.dtype in ("bfloat16", "bf16") and "avx512_bf16" not in _cpu_flags():
-        out.append(f"actor_rollout_ref.model.dtype={model.dtype}: this CPU has no AVX512-BF16, which vLLM's CPU bfloat16 path needs; use float32")
+    # the generation dtype: the actor's mixed precision when set, else model.dtype
+    gen_dtype = cfg.actor_rollout_ref.generation_dtype()
+    where = ("actor_rollout_ref.actor.fsdp_config.mixed_precision=" + cfg.actor_rollout_ref.actor.fsdp_config.mixed_precision
+             if cfg.actor_rollout_ref.actor.fsdp_config.mixed_precision else f"actor_rollout_ref.model.dtype={model.dtype}")
+    if gen_dtype in ("float16", "fp16"):
+        out.append(f"{where}: vLLM on CPU has no float16 kernels; use float32 (or bfloat16 on a CPU with AVX512-BF16)")
+    if gen_dtype in ("bfloat16", "bf16") and "avx512_bf16" not in _cpu_flags():
+        out.append(f"{where}: this CPU has no AVX512-BF16, which vLLM's CPU bfloat16 path (the generation dtype) needs; use float32")
     mj = model_json(model.path)
     if mj.get("num_attention_heads"):
         head_dim = mj.get("head_dim") or mj["hidden_size"] // mj["num_attention_heads"]

@@ -185,11 +185,12 @@ class TrainEngine:
 
     # ------------------------------------------------------------------ weights for generation
     def attach_generation(self, gen_model, gen_shard_dims: dict[str, int | None], gen_tp: int, cfg: HybridEngineConfig,
-                          consecutive: bool | None = None):
+                          consecutive: bool | None = None, dtype: torch.dtype | None = None):
         """The 3D-HybridEngine from this engine's layout to a generation layout (`rollout.GenLayout`):
-        gen_model is the backend's own storages (written in place) or None (staged pieces)."""
+        gen_model is the backend's own storages (written in place) or None (staged pieces); dtype:
+        the generation weights' (None = the training parameters')."""
         self.hybrid = HybridEngine(self.module, gen_model, gen_shard_dims, gen_tp, cfg, self.device, layout=self.layout,
-                                   full_shapes=self.full_shapes, consecutive=consecutive)
+                                   full_shapes=self.full_shapes, consecutive=consecutive, dtype=dtype)
         return self.hybrid
 
     def weights(self, optimized: bool = True) -> Iterator:

@@ -70,27 +70,30 @@ def train_shard_dim(p: torch.Tensor) -> int | None:
 
 
 def build_plan(train_model: nn.Module, gen_shard_dims: dict[str, int | None], dims: ParallelDims,
-               full_shapes: dict[str, tuple[tuple[int, ...], int]] | None = None) -> ReshardPlan:
+               full_shapes: dict[str, tuple[tuple[int, ...], int]] | None = None, itemsize: int | None = None) -> ReshardPlan:
     """The plan for this FSDP2 model in the layout `dims` (training and generation), with each
-    parameter's training shard dim as FSDP2 placed it.
+    parameter's training shard dim as FSDP2 placed it. itemsize: bytes per element on the wire (the
+    generation dtype's; None = the training parameters' own).
 
     3D layouts (pp or tp > 1): `full_shapes` = {FQN: (shape, itemsize)} of the WHOLE model in module
     order (a pipeline stage holds only some of it); FSDP2 shards every TP slice over dp along
     `plan.fsdp_dim` (`parallel/layout.py` places it there)."""
     if not dims.trivial:
-        shapes = {n: (shape, itemsize, fsdp_dim(shape, gen_shard_dims[n], dims), gen_shard_dims[n]) for n, (shape, itemsize) in full_shapes.items()}
+        shapes = {n: (shape, itemsize or size, fsdp_dim(shape, gen_shard_dims[n], dims), gen_shard_dims[n]) for n, (shape, size) in full_shapes.items()}
     else:
-        shapes = {n: (tuple(p.shape), p.element_size(), train_shard_dim(p), gen_shard_dims[n]) for n, p in train_model.named_parameters()}
+        shapes = {n: (tuple(p.shape), itemsize or p.element_size(), train_shard_dim(p), gen_shard_dims[n]) for n, p in train_model.named_parameters()}
     return ReshardPlan.build(shapes, dist.get_world_size(), dims.gen_tp, layout=dims)
 
 
 class HybridEngine:
     def __init__(self, train_model: nn.Module, gen_model: nn.Module | dict | None, gen_shard_dims: dict[str, int | None], gen_tp: int, cfg: HybridEngineConfig,
                  device: str, procs_per_node: int | None = None, layout: ParallelDims | None = None, full_shapes: dict | None = None,
-                 consecutive: bool | None = None):
+                 consecutive: bool | None = None, dtype: torch.dtype | None = None):
         """gen_model: the generation model, or its {name: parameter} (the backend's own storages: the
         switch writes there in place), or None: the engine keeps this rank's generation slices in
-        buffers of its own and `pieces()` hands them to the backend. layout: the `ParallelDims` of
+        buffers of its own and `pieces()` hands them to the backend. dtype: the generation weights'
+        dtype (None = the training parameters'): bf16 generation from fp32 training shards casts each
+        shard once before it is sent, so the switch moves half the bytes. layout: the `ParallelDims` of
         the group (None = FSDP over it), with gen_tp, procs_per_node and consecutive (generation TP
         groups of consecutive ranks, vLLM's launcher, instead of HybridFlow's strided grouping) set
         on it, None keeping the layout's; full_shapes: see `build_plan`."""
@@ -100,16 +103,20 @@ class HybridEngine:
         self.device = device
         self.train_model = train_model
         self.train = self._sharded_params()
-        self.plan = build_plan(train_model, gen_shard_dims, self.layout, full_shapes)
         dtypes = {p.dtype for p in self.train.values()}
         if len(dtypes) != 1:
             raise ValueError(f"the hybrid engine expects one parameter dtype, found {dtypes}")
-        self.dtype = dtypes.pop()
+        self.train_dtype = dtypes.pop()
+        self.dtype = dtype or self.train_dtype  # every buffer and message of the switch is in this dtype
+        self.plan = build_plan(train_model, gen_shard_dims, self.layout, full_shapes, torch.empty(0, dtype=self.dtype).element_size())
         if gen_model is None:  # staged: this rank's generation slice of every parameter
             self.gen = {p.name: nn.Parameter(torch.empty([hi - lo for lo, hi in p.need[self.rank]], dtype=self.dtype, device=device), requires_grad=False)
                         for p in self.plan.params}
         else:
             self.gen = dict(gen_model) if isinstance(gen_model, dict) else dict(gen_model.named_parameters())
+            wrong = {n: p.dtype for n, p in self.gen.items() if p.dtype != self.dtype}
+            if wrong:
+                raise ValueError(f"generation parameters must be {self.dtype} (the switch's dtype), found {wrong}")
         self.staged = gen_model is None
         for p in self.gen.values():
             _own_storage(p)
@@ -209,7 +216,10 @@ class HybridEngine:
             stage = self._take(size * train.numel(), pool)
             recv = stage.view(size * out_rows, c)
             copies.append((gen.view(out_rows, size, c), stage.view(size, out_rows, c).transpose(0, 1)))
-        send = train.contiguous()
+        if train.dtype == self.dtype:
+            send = train.contiguous()
+        else:  # cast into this rank's own slot of the receive buffer: an in-place gather, no temporary
+            send = recv.view(size, -1)[p.group[self.rank].index(self.rank)].view(train.shape).copy_(train)
         _all_gather(recv, send, group=group)
         return _received(recv, send)
 
@@ -305,6 +315,8 @@ class HybridEngine:
         """The whole trained tensor on every rank (a collective): DTensor's gather over the owning
         ranks' mesh, then, with pipeline stages, a broadcast from the owning stage's first rank."""
         t = self.train.get(p.name)
+        if t is not None and t.dtype != self.dtype:
+            t = t.detach().to(self.dtype)  # cast the shard, then gather: the wire carries the generation dtype
         full = None if t is None else (t.full_tensor() if isinstance(t, DTensor) else t.data)
         if self.layout.pp == 1:
             return full
@@ -318,7 +330,7 @@ class HybridEngine:
         keep.append(full)  # full granularity holds every gathered tensor until the copies
         copies.append((gen, crop(full, p.need[self.rank], tuple((0, n) for n in full.shape))))
         own = self._train_local(p)  # what this rank held before the gather (None: another stage's)
-        return _received(full, own) if own is not None else full.numel() * full.element_size()
+        return (full.numel() - own.numel()) * full.element_size() if own is not None else full.numel() * full.element_size()
 
     # ------------------------------------------------------------------ the switch
     @torch.no_grad()
@@ -419,10 +431,13 @@ class HybridEngine:
         return received
 
     def _naive_transient_bytes(self) -> int:
+        """The full tensors gathered at once (one layer's, or the whole model's), plus, when the
+        switch casts, the largest shard cast before its gather (freed after it)."""
         full = {}
         for p in self.plan.params:
             full[p.layer] = full.get(p.layer, 0) + math.prod(p.shape) * p.itemsize
-        return max(full.values()) if self.cfg.granularity == "layer" else sum(full.values())
+        cast = max(volume(p.own[self.rank]) * p.itemsize for p in self.plan.params) if self.dtype != self.train_dtype else 0
+        return (max(full.values()) if self.cfg.granularity == "layer" else sum(full.values())) + cast
 
     @torch.no_grad()
     def max_abs_diff(self) -> float:

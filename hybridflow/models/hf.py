@@ -10,13 +10,14 @@ from hybridflow.config.schema import ModelConfig
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
-def load_hf_model(cfg: ModelConfig, device: str, kind: str = "causal_lm", pad_token_id: int | None = None) -> nn.Module:
+def load_hf_model(cfg: ModelConfig, device: str, kind: str = "causal_lm", pad_token_id: int | None = None, dtype: str | None = None) -> nn.Module:
     """An HF model from a local path; kind "value" puts a 1-output token head on the backbone,
     kind "reward" is a 1-label sequence classifier (from a classifier checkpoint, or a causal LM's
-    backbone with a new score head); it pools at the last non-pad token, so it needs pad_token_id."""
+    backbone with a new score head); it pools at the last non-pad token, so it needs pad_token_id.
+    dtype: the weights' dtype (None = cfg.dtype; the rollout passes its generation dtype)."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModelForTokenClassification
 
-    dtype = DTYPES[cfg.dtype]
+    dtype = DTYPES[dtype or cfg.dtype]
     if kind == "reward":
         from transformers import AutoConfig
 

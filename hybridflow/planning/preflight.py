@@ -48,7 +48,8 @@ def pool_memory(cfg: HybridFlowConfig, roles: list[rp.Role] | None = None) -> di
         fc = {rp.Role.CRITIC: cfg.critic.fsdp_config, rp.Role.REF: arr.ref.fsdp_config, rp.Role.REWARD_MODEL: cfg.reward_model.fsdp_config,
               rp.Role.TEACHER: cfg.teacher.fsdp_config}.get(role, arr.actor.fsdp_config)
         compute = DTYPE_BYTES.get(fc.mixed_precision or "fp32", 4)
-        m = MemoryInputs(param_bytes=4, compute_bytes=compute, gen_bytes=4, strategy=_strategy(fc), seq_len=seq,
+        gen = DTYPE_BYTES[arr.generation_dtype()]  # the rollout's weights: bf16 under bf16 mixed precision
+        m = MemoryInputs(param_bytes=4, compute_bytes=compute, gen_bytes=gen, strategy=_strategy(fc), seq_len=seq,
                          micro_batch=arr.actor.ppo_micro_batch_size_per_gpu, rollout_seqs=d.train_batch_size * arr.rollout.n,
                          gradient_checkpointing=arr.model.enable_gradient_checkpointing, param_offload=fc.param_offload,
                          lora_rank={rp.Role.ACTOR_ROLLOUT: arr.model.lora_rank, rp.Role.CRITIC: cfg.critic.model.lora_rank}.get(role, 0))

@@ -38,13 +38,14 @@ class GenLayout:
     """How a backend lays the weights out over the generation ranks, for the weight source that
     feeds it: gen_tp, which ranks form a TP group (HybridFlow's strided micro-DP grouping, or
     consecutive ranks as vLLM's launcher does), each parameter's TP shard dim (None = whole on
-    every rank), and the backend's own parameter storages when the source may write there in place
-    (None: the source stages the pieces and the backend copies them in)."""
+    every rank), the backend's own parameter storages when the source may write there in place
+    (None: the source stages the pieces and the backend copies them in), and the weights' dtype."""
 
     gen_tp: int
     consecutive: bool
     shard_dims: dict[str, Optional[int]]
     buffers: Optional[dict[str, torch.nn.Parameter]] = None
+    dtype: Optional[torch.dtype] = None  # the generation weights' dtype (the switch casts to it); None = the trainer's
 
 
 class RolloutBackend(Protocol):

@@ -45,7 +45,7 @@ class HFRollout:
         self.shard_dims = gen_shard_dims(model)
 
     def layout(self) -> GenLayout:
-        return GenLayout(self.gen_tp, consecutive=False, shard_dims=self.shard_dims, buffers=self.params)
+        return GenLayout(self.gen_tp, consecutive=False, shard_dims=self.shard_dims, buffers=self.params, dtype=next(iter(self.params.values())).dtype)
 
     @torch.no_grad()
     def update_weights(self, pieces: Iterable[WeightPiece]) -> dict:
@@ -145,7 +145,7 @@ def build_hf_rollout(ctx: RolloutContext) -> HFRollout:
     # With LoRA the generation model carries the same adapters, unmerged: the same names as training,
     # so the hybrid engine moves the frozen base once and the adapters at every switch.
     mcfg = ctx.cfg.actor_rollout_ref.model
-    model = apply_lora(load_hf_model(mcfg, ctx.device), mcfg).eval().requires_grad_(False)
+    model = apply_lora(load_hf_model(mcfg, ctx.device, dtype=ctx.cfg.actor_rollout_ref.generation_dtype()), mcfg).eval().requires_grad_(False)
     if gen_tp > 1:
         apply_tensor_parallel(model, gen_mesh(ctx.device, ctx.world_size, gen_tp, ctx.train_layout)["tp"])
     return HFRollout(model, ctx.tokenizer, ctx.device, tp_index, dp_index, gen_tp)

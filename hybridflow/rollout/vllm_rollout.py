@@ -33,6 +33,7 @@ from typing import Iterable, Sequence
 import torch
 
 from hybridflow.hybrid_engine.memory import PeakMemory
+from hybridflow.models.hf import DTYPES
 from hybridflow.models.lora import base_name, is_adapter_param
 from hybridflow.protocol import Batch, Completion, Request, SamplingParams
 from hybridflow.parallel.dtensor import crop
@@ -88,7 +89,7 @@ class VLLMRollout:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(cpu_kv_cache_gb))))
         from vllm import LLM
 
-        self.device = device
+        self.device, self.dtype = device, DTYPES[dtype]
         self.tokenizer = tokenizer
         self.gen_tp = tensor_parallel_size
         self.tp_index, self.dp_index = rank % tensor_parallel_size, rank // tensor_parallel_size  # consecutive TP groups
@@ -116,7 +117,7 @@ class VLLMRollout:
 
     def layout(self) -> GenLayout:
         """vLLM owns (and on CPU repacks) its weights: the source stages the pieces for it."""
-        return GenLayout(self.gen_tp, consecutive=True, shard_dims=self.shard_dims, buffers=None)
+        return GenLayout(self.gen_tp, consecutive=True, shard_dims=self.shard_dims, buffers=None, dtype=self.dtype)
 
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
         return generate_batch(self, prompts, params, self.tokenizer.pad_token_id)
@@ -259,6 +260,6 @@ def build_vllm_rollout(ctx: RolloutContext) -> VLLMRollout:
     cfg = ctx.cfg
     mcfg, rcfg = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.rollout
     max_len = cfg.data.max_prompt_length + cfg.data.max_response_length
-    return VLLMRollout(mcfg.path, mcfg.dtype, max_len, cfg.trainer.seed, ctx.device, rcfg.gpu_memory_utilization, rcfg.cpu_kv_cache_gb,
+    return VLLMRollout(mcfg.path, cfg.actor_rollout_ref.generation_dtype(), max_len, cfg.trainer.seed, ctx.device, rcfg.gpu_memory_utilization, rcfg.cpu_kv_cache_gb,
                        tokenizer=ctx.tokenizer, rank=ctx.rank, tensor_parallel_size=rcfg.tensor_model_parallel_size, shard_dims=ctx.shard_dims,
                        lora=mcfg if mcfg.lora_rank > 0 else None)

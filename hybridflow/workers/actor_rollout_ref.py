@@ -117,7 +117,8 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
         ctx = RolloutContext(self.cfg, self.tokenizer, self.device, self.rank, self.world_size, self.train_layout, self.gen_dims)
         self.rollout = make_rollout(rcfg.name, ctx)
         lay = self.rollout.layout()
-        self.hybrid = self.actor.attach_generation(lay.buffers, lay.shard_dims, lay.gen_tp, self.cfg.actor_rollout_ref.hybrid_engine, lay.consecutive)
+        self.hybrid = self.actor.attach_generation(lay.buffers, lay.shard_dims, lay.gen_tp, self.cfg.actor_rollout_ref.hybrid_engine, lay.consecutive,
+                                                   lay.dtype)
         if lay.buffers is not None:  # the engine writes into the backend's storages: it also frees / re-acquires them
             self.rollout.memory = self.hybrid
         self.plan = self.hybrid.plan
