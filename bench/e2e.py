@@ -5,7 +5,9 @@
     .venv/bin/python bench/e2e.py --model runs/models/smollm2-135m --json runs/bench_e2e.json
 
 The same step for both: 8 arithmetic prompts x 4 samples, 16 new tokens at temperature 1, the
-exact-answer reward, lr 2e-6, no KL term, one on-policy update on all 32 sequences, fp32 on CPU.
+exact-answer reward, lr 2e-6, no KL term, one on-policy update on all 32 sequences, in fp32
+and/or bf16 (`--precision fp32,bf16`: hybridflow with `fsdp_config.mixed_precision=bf16`, so bf16
+compute over fp32 shards and bf16 generation weights; TRL with `bf16=True`).
 hybridflow runs 2 workers (Ray, FSDP2, HF rollout through the hybrid engine) with its speed
 switches on (prompts padded to the batch's longest, padding removed, no separate old-log-prob
 pass, generation buffers kept); TRL runs one process (its default). Also the pair on the demo's
@@ -66,7 +68,7 @@ def planned_state(model: str, lora_rank: int) -> dict:
     return {"plan/param_bytes": mem["params"], "plan/grad_bytes": mem["grads"], "plan/optimizer_bytes": mem["optimizer"]}
 
 
-def run_hybridflow(model: str, train: str, reward: str, out: str, steps: int, lora_rank: int = 0) -> dict:
+def run_hybridflow(model: str, train: str, reward: str, out: str, steps: int, lora_rank: int = 0, precision: str = "fp32") -> dict:
     from hybridflow.config import HybridFlowConfig, load_config
     from hybridflow.trainer.rl import RLTrainer
 
@@ -79,6 +81,7 @@ def run_hybridflow(model: str, train: str, reward: str, out: str, steps: int, lo
         f"custom_reward_function.path={reward}", f"trainer.total_training_steps={steps}", "trainer.test_freq=-1", "trainer.val_before_train=false",
         "trainer.progress_bar=false", "trainer.logger=[jsonl]", f"trainer.default_local_dir={out}", "trainer.device=cpu",
         "actor_rollout_ref.hybrid_engine.measure_baseline=false", f"actor_rollout_ref.model.lora_rank={lora_rank}",
+        *(["actor_rollout_ref.actor.fsdp_config.mixed_precision=bf16"] if precision == "bf16" else []),  # bf16 compute and generation
     ], schema=HybridFlowConfig)
     trainer = RLTrainer(cfg)
     try:
@@ -97,7 +100,7 @@ def run_hybridflow(model: str, train: str, reward: str, out: str, steps: int, lo
     return row
 
 
-def run_trl(model: str, rows: list[dict], out: str, steps: int) -> dict:
+def run_trl(model: str, rows: list[dict], out: str, steps: int, precision: str = "fp32") -> dict:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -121,7 +124,7 @@ def run_trl(model: str, rows: list[dict], out: str, steps: int) -> dict:
 
     tok = AutoTokenizer.from_pretrained(model)
     policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-    args = GRPOConfig(output_dir=out, use_cpu=True, bf16=False, report_to="none", learning_rate=LR, beta=0.0, num_generations=SAMPLES,
+    args = GRPOConfig(output_dir=out, use_cpu=True, bf16=precision == "bf16", report_to="none", learning_rate=LR, beta=0.0, num_generations=SAMPLES,
                       per_device_train_batch_size=PROMPTS * SAMPLES, gradient_accumulation_steps=1, max_completion_length=NEW_TOKENS,
                       temperature=1.0, max_steps=steps, logging_steps=1, save_strategy="no", seed=1, disable_tqdm=True)
     data = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
@@ -154,6 +157,8 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--lora-rank", type=int, default=0, help="also run hybridflow with LoRA adapters of this rank (all-linear)")
     ap.add_argument("--no-trl", action="store_true", help="hybridflow rows only")
+    ap.add_argument("--precision", default="fp32", help="comma-separated: fp32 and/or bf16 (hybridflow: fsdp_config.mixed_precision=bf16, "
+                    "bf16 generation; TRL: bf16=True); each precision's MFU is against that dtype's measured peak")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -174,33 +179,39 @@ def main() -> None:
         models[os.path.basename(os.path.normpath(args.model))] = args.model
     # This machine's matmul peak, measured now: hybridflow's 2 workers run 1 thread each, TRL one process with torch's threads.
     peaks = {(dt, th): matmul_peak(dt, th) for dt in (torch.float32, torch.bfloat16) for th in (1, torch.get_num_threads())}
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    precisions = args.precision.split(",")
     hybridflow_peak, trl_peak = 2 * peaks[(torch.float32, 1)], peaks[(torch.float32, torch.get_num_threads())]
     print("matmul peak (GFLOP/s): " + ", ".join(f"{str(dt).split('.')[-1]} x {th} thread(s) {v / 1e9:.1f}" for (dt, th), v in peaks.items()), flush=True)
     out = []
     for name, path in models.items():
-        systems = [("hybridflow", lambda: run_hybridflow(str(path), train, reward, os.path.join(tmp, f"hf_{name}"), args.steps))]
-        if args.lora_rank:
-            systems.append(("hybridflow+lora", lambda: run_hybridflow(str(path), train, reward, os.path.join(tmp, f"lora_{name}"), args.steps, args.lora_rank)))
-        if not args.no_trl:
-            systems.append(("trl", lambda: run_trl(str(path), rows, os.path.join(tmp, f"trl_{name}"), args.steps)))
-        for system, run in systems:
-            t = time.perf_counter()
-            row = {"model": name, **run()}
-            add_mfu(row, load_arch(str(path)), trl_peak if system == "trl" else hybridflow_peak)
-            print(f"{system} on {name}: {row['step_seconds']:.2f} s/step ({time.perf_counter() - t:.0f} s)", flush=True)
-            out.append(row)
+        for prec in precisions:
+            systems = [("hybridflow", lambda: run_hybridflow(str(path), train, reward, os.path.join(tmp, f"hf_{name}_{prec}"), args.steps, precision=prec))]
+            if args.lora_rank:
+                systems.append(("hybridflow+lora", lambda: run_hybridflow(str(path), train, reward, os.path.join(tmp, f"lora_{name}_{prec}"), args.steps,
+                                                                          args.lora_rank, precision=prec)))
+            if not args.no_trl:
+                systems.append(("trl", lambda: run_trl(str(path), rows, os.path.join(tmp, f"trl_{name}_{prec}"), args.steps, precision=prec)))
+            for system, run in systems:
+                t = time.perf_counter()
+                row = {"model": name, "precision": prec, **run()}
+                threads = 1 if system != "trl" else torch.get_num_threads()  # hybridflow: 2 workers x 1 thread
+                add_mfu(row, load_arch(str(path)), peaks[(dtypes[prec], threads)] * (2 if system != "trl" else 1))
+                print(f"{system} on {name} ({prec}): {row['step_seconds']:.2f} s/step ({time.perf_counter() - t:.0f} s)", flush=True)
+                out.append(row)
     for name in models:
-        trl = next((r for r in out if r["model"] == name and r["system"] == "trl"), None)
-        for r in out:
-            if trl and r["model"] == name and r is not trl:
-                r["vs_trl"] = r["step_seconds"] / trl["step_seconds"]
+        for prec in precisions:
+            trl = next((r for r in out if (r["model"], r["precision"], r["system"]) == (name, prec, "trl")), None)
+            for r in out:
+                if trl and (r["model"], r["precision"]) == (name, prec) and r is not trl:
+                    r["vs_trl"] = r["step_seconds"] / trl["step_seconds"]
     for r in out:
         r.setdefault("vs_trl", float("nan"))
         for s in (*(f"timing_s/{s}" for s in STAGES), *LORA_KEYS, *(f"plan/{k}" for k in LORA_KEYS), "mfu/gen", "mfu/update"):
             r.setdefault(s, float("nan"))
         for k in (*LORA_KEYS, *(f"plan/{k}" for k in LORA_KEYS)):
             r[k] = r[k] / 2**20  # MiB
-    columns = [("system", "system", "<16"), ("model", "model", "<14"), ("step_seconds", "step s", ">7.2f"),
+    columns = [("system", "system", "<16"), ("model", "model", "<14"), ("precision", "prec", "<5"), ("step_seconds", "step s", ">7.2f"),
                ("tokens_per_second", "tok/s", ">7.1f"), ("vs_trl", "vs TRL", ">7.2f")]
     columns += [(f"timing_s/{s}", s, f">{max(7, len(s))}.2f") for s in STAGES]
     # FLOPs per step (GFLOP) and the fraction of this machine's fp32 matmul peak reached (MFU)
@@ -210,8 +221,8 @@ def main() -> None:
     columns += [("param_bytes", "params", ">8.2f"), ("plan/param_bytes", "plan", ">8.2f"), ("grad_bytes", "grads", ">8.2f"),
                 ("plan/grad_bytes", "plan", ">8.2f"), ("optimizer_bytes", "optim", ">8.2f"), ("plan/optimizer_bytes", "plan", ">8.2f")]
     print_rows("one GRPO step (8 prompts x 4 samples, 16 new tokens), median over the timed steps; trainable state per rank in MiB "
-               f"(measured / the planner's); MFU against the fp32 matmul peak measured now (hybridflow: 2 x 1 thread = "
-               f"{hybridflow_peak / 1e9:.1f} GFLOP/s, TRL: {torch.get_num_threads()} threads = {trl_peak / 1e9:.1f} GFLOP/s)", columns, out, args.json)
+               f"(measured / the planner's); MFU against the row precision's matmul peak measured now (fp32: hybridflow 2 x 1 thread = "
+               f"{hybridflow_peak / 1e9:.1f} GFLOP/s, TRL {torch.get_num_threads()} threads = {trl_peak / 1e9:.1f} GFLOP/s)", columns, out, args.json)
 
 
 if __name__ == "__main__":

@@ -137,20 +137,28 @@ def rl_overrides(model_dir, task_dir, out_dir, *extra: str) -> list[str]:
     ]
 
 
-@pytest.fixture(scope="session")
-def demo_sft_model(ray_cluster, tmp_path_factory):
-    """The demo's data and SFT warm start, once per session: (task files, SFT model dir)."""
-    from hybridflow.data.tasks import make_max_task
-    from hybridflow.demo import demo_sft_config
-    from hybridflow.models.tiny import make_tiny_model
-    from hybridflow.trainer.sft import run_sft
+DEMO_RL_STEPS = 20
 
-    out = tmp_path_factory.mktemp("demo_sft")
-    files = make_max_task(out / "data")
-    base = make_tiny_model(out / "tiny_model", hidden_size=128, intermediate_size=256, num_hidden_layers=2)
-    cfg = demo_sft_config(files["sft"], str(base), str(out))
-    cfg.trainer.logger = ["jsonl"]
-    run_sft(cfg)
+
+@pytest.fixture(scope="session")
+def demo_run(ray_cluster, tmp_path_factory):
+    """The main job once per session, as a user types it: `hybridflow demo` (task data, tiny model,
+    SFT warm start, then DEMO_RL_STEPS GRPO steps). Returns (output dir, summary.json). Its SFT
+    model is the warm start every other e2e test shares (`demo_sft_model`): one SFT per session."""
+    import json
+
+    from hybridflow.cli import main as cli_main
+
+    out = tmp_path_factory.mktemp("demo") / "demo"
+    assert cli_main(["demo", "--output-dir", str(out), "--rl-steps", str(DEMO_RL_STEPS), "trainer.progress_bar=false"]) == 0
+    return out, json.loads((out / "summary.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def demo_sft_model(demo_run):
+    """The demo's data and SFT warm start: (task files, SFT model dir)."""
+    out, _ = demo_run
+    files = {k: str(out / "data" / f"{k}.parquet") for k in ("train", "val", "sft", "pref_train", "pref_val")}
     return files, str(out / "sft_model")
 
 

@@ -9,19 +9,17 @@ import sys
 
 import pytest
 
-from hybridflow.cli import main as cli_main
+from conftest import DEMO_RL_STEPS
 
 LORA_DEMO = ("actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16", "actor_rollout_ref.actor.optim.lr=2e-3",
              "actor_rollout_ref.actor.use_kl_loss=true")
 
 
-def test_demo_learns_on_held_out_prompts_with_gen_tp_1_and_2(ray_cluster, tmp_path):
-    out = tmp_path / "demo"
-    assert cli_main(["demo", "--output-dir", str(out), "--rl-steps", "30", "trainer.progress_bar=false"]) == 0
-    summary = json.loads((out / "summary.json").read_text())
+def test_demo_learns_on_held_out_prompts_with_gen_tp_1_and_2(demo_run, tmp_path):
+    out, summary = demo_run  # `hybridflow demo --rl-steps 20` (conftest; its SFT model is the other e2e tests' warm start)
     for key in ("val_acc_after_sft", "val_acc_final", "steps", "wall_seconds"):
         assert key in summary
-    assert summary["steps"] == 30
+    assert summary["steps"] == DEMO_RL_STEPS == 20
     # SFT learned the format and the wrong rule; RL fixed the rule on prompts neither saw.
     assert summary["sft_final_loss"] < 0.5
     assert summary["val_acc_after_sft"] < 0.3
