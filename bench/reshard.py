@@ -10,6 +10,9 @@ checked bit-exact (`engine.max_abs_diff() == 0.0`).
 `lora-first` / `lora` (gen TP 1, `--lora-rank`): the same model with LoRA adapters on every
 projection; the first switch moves the frozen base once, every later one the adapters alone.
 `bf16`: the fp32 shards to bf16 generation weights (mixed precision), half the bytes of `optimized`.
+A second table: the switch + the generation's first forward (prefill), one after the other and
+streamed (`HybridEngine.stream`: each layer completed by a forward pre-hook just before it runs),
+and the fraction of the switch's time the overlap hid.
 `frozen` is `optimized` with the embeddings and lm_head frozen (`actor.freeze_modules`): after the
 first switch they are skipped, 0 bytes. `optimized` keeps the generation buffers between switches (`keep_generation_buffers`, what the
 trainer picks when memory allows); `released` is the same path freeing them after every rollout
@@ -111,6 +114,7 @@ def worker(rank: int, world: int, port: int, path: str, repeats: int, out_file: 
         actor.requires_grad_(True)
         del engine, rollout
         results.append(bf16_row(path, actor, dims, world, tp, rank, repeats, cluster))
+        results.append(overlap_row(path, actor, dims, world, tp, rank, repeats))
     if lora_rank:
         results += lora_rows(path, world, rank, repeats, cluster, lora_rank)
     write_gathered(results, world, rank, out_file)
@@ -141,6 +145,79 @@ def bf16_row(path: str, actor, dims: dict, world: int, tp: int, rank: int, repea
                predicted_seconds=predict_switch(planned, cluster)["optimized"].predicted_seconds)
     engine.release()
     return row
+
+
+PREFILL = (4, 64)  # the generation's first forward: 4 prompts x 64 tokens
+
+
+def overlap_row(path: str, actor, dims: dict, world: int, tp: int, rank: int, repeats: int) -> dict:
+    """`overlap`: the switch followed by the generation's first forward (prefill, PREFILL), run one
+    after the other (`reshard()`, then the forward) and streamed (`HybridEngine.stream()`: forward
+    pre-hooks complete each layer just before it runs, so layer i+1's gathers are in flight while
+    layer i computes). Medians of `repeats` after a warm-up; the streamed logits must equal the
+    sequential ones."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from hybridflow.config.schema import HybridEngineConfig
+    from hybridflow.hybrid_engine.executor import HybridEngine
+    from hybridflow.parallel.tensor_parallel import apply_tensor_parallel, gen_mesh
+
+    rollout = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
+    if tp > 1:
+        apply_tensor_parallel(rollout, gen_mesh("cpu", world, tp)["tp"])
+    engine = HybridEngine(actor, rollout, dims, tp, HybridEngineConfig(granularity="layer", keep_generation_buffers=True), "cpu")
+    ids = torch.randint(3, rollout.config.vocab_size, PREFILL, generator=torch.Generator().manual_seed(0))
+
+    def timed(fn) -> float:
+        dist.barrier()
+        t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t
+
+    def prefill():
+        with torch.no_grad():
+            return rollout(input_ids=ids).logits
+
+    def streamed():
+        stream = engine.stream()
+        handles = stream.hooks(rollout)
+        try:
+            out = prefill()
+        finally:
+            for h in handles:
+                h.remove()
+        stream.finish()
+        return out
+
+    runs = {"switch": [], "prefill": [], "sequential": [], "overlapped": []}
+    for i in range(1 + repeats):
+        times = {"switch": timed(engine.reshard), "prefill": timed(prefill)}
+        want = prefill()
+        times["sequential"] = timed(lambda: (engine.reshard(), prefill()))
+        got = []
+        times["overlapped"] = timed(lambda: got.append(streamed()))
+        if not torch.equal(got[0], want):
+            raise RuntimeError(f"N={world} gen_tp={tp}: the streamed switch's prefill logits differ from the sequential ones")
+        if i:
+            for k, v in times.items():
+                runs[k].append(v)
+    engine.release()
+    return dict(world_size=world, train_layout=f"dp{world}", gen_tp=tp, mode="overlap", rank=rank, **{k: statistics.median(v) for k, v in runs.items()})
+
+
+def print_overlap(rows: list[dict]) -> None:
+    """One row per layout (the slowest rank of each quantity): hidden = the part of the switch's
+    time the overlap removed from switch + prefill."""
+    print(f"\nswitch + prefill ({PREFILL[0]} prompts x {PREFILL[1]} tokens), sequential vs streamed behind the prefill's layers")
+    head = f"{'N':>2} {'gen_tp':>6} {'switch s':>8} {'prefill s':>9} {'sequential s':>12} {'overlapped s':>12} {'hidden':>7}"
+    print(head + "\n" + "-" * len(head))
+    keys = sorted({(r["world_size"], r["gen_tp"]) for r in rows})
+    for n, tp in keys:
+        rs = [r for r in rows if (r["world_size"], r["gen_tp"]) == (n, tp)]
+        w = {k: max(r[k] for r in rs) for k in ("switch", "prefill", "sequential", "overlapped")}
+        hidden = (w["sequential"] - w["overlapped"]) / w["switch"] if w["switch"] > 0 else float("nan")
+        print(f"{n:>2} {tp:>6} {w['switch']:>8.3f} {w['prefill']:>9.3f} {w['sequential']:>12.3f} {w['overlapped']:>12.3f} {hidden:>7.0%}")
 
 
 def lora_rows(path: str, world: int, rank: int, repeats: int, cluster, lora_rank: int) -> list[dict]:
@@ -423,10 +500,12 @@ def main() -> None:
         print(f"3D layouts {', '.join(LAYOUTS_3D)} (N=4, {MODEL_3D['num_hidden_layers']} layers): done in {time.perf_counter() - t0:.1f}s")
     print(f"total {time.perf_counter() - start:.1f}s\n")
 
-    rows = rows_from(per_rank)
+    overlap = [r for r in per_rank if r["mode"] == "overlap"]
+    rows = rows_from([r for r in per_rank if r["mode"] != "overlap"])
     print_table(rows)
+    print_overlap(overlap)
     if args.json:
-        write_rows(args.json, rows)
+        write_rows(args.json, rows + overlap)
 
 
 if __name__ == "__main__":

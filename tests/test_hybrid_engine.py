@@ -310,6 +310,28 @@ def _by_hand_worker(rank: int, world: int, port: int, path: str, uneven: str) ->
             assert all(local(p.data).dtype == dtype for p in rollout.parameters())
             want = expected[rank] * per_4_bytes
             assert stats["bytes_received"] == want, (dtype, granularity, optimized, rank, stats["bytes_received"], want)
+    # The streamed switch behind a prefill: forward pre-hooks complete each layer just before it runs
+    # (the buffers start freed, so a module that ran early would fail), with the same logits, weights
+    # and bytes as the switch run to completion first.
+    rollout = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
+    apply_tensor_parallel(rollout, gen_mesh("cpu", world, 2)["tp"])
+    engine = HybridEngine(actor, rollout, dims, 2, HybridEngineConfig(), "cpu")
+    ids = torch.randint(3, 200, (2, 7))
+    engine.reshard()
+    with torch.no_grad():
+        want = rollout(input_ids=ids).logits
+    engine.release()
+    stream = engine.stream()
+    completed = []  # layers complete when each decoder layer's first module starts
+    handles = stream.hooks(rollout) + [rollout.model.layers[i].register_forward_pre_hook(lambda *_: completed.append(stream.done)) for i in range(2)]
+    with torch.no_grad():
+        got = rollout(input_ids=ids).logits
+    for h in handles:
+        h.remove()
+    stats = stream.finish()
+    assert torch.equal(got, want)
+    assert engine.max_abs_diff() == 0.0 and stats["bytes_received"] == BY_HAND_MIN[rank]
+    assert completed == [1, 2]  # layers.0 started with only embed_tokens complete, layers.1 after layers.0: on demand
     # The general exchange (all_to_all; sizes that do not divide by 4) in bf16: bit-exact, and half
     # the bytes of the fp32 plan of the same layout.
     actor = AutoModelForCausalLM.from_pretrained(uneven, dtype=torch.float32)

@@ -24,11 +24,11 @@ trainer.fit()
 def test_torchrun_grpo_learns_like_the_demo(demo_sft_model, tmp_path):
     files, sft_dir = demo_sft_model
     _torchrun("examples/train_ppo.py", "--output-dir", str(tmp_path), "--sft-model", sft_dir, "--data-dir", os.path.dirname(files["train"]),
-              "--rl-steps", "30", "trainer.progress_bar=false", "trainer.logger=[jsonl]")
+              "--rl-steps", "20", "trainer.progress_bar=false", "trainer.logger=[jsonl]")
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["launcher"] == "torchrun" and summary["world_size"] == 2 and summary["steps"] == 30
+    assert summary["launcher"] == "torchrun" and summary["world_size"] == 2 and summary["steps"] == 20
     assert summary["val_acc_after_sft"] < 0.3
-    assert summary["val_acc_final"] >= 0.9  # the Ray demo on this seed: 0.979 at step 30
+    assert summary["val_acc_final"] >= 0.9  # the Ray demo on this seed: 0.958 at step 20
 
 
 def _step3(run_dir) -> dict:
@@ -56,11 +56,18 @@ def test_a_checkpoint_resumes_under_the_other_launcher(tiny_model_dir, task_dir,
         _torchrun(str(script), *rl_overrides(tiny_model_dir, task_dir, run_dir, *base, f"trainer.total_training_steps={steps}",
                                               "trainer.launcher=torchrun"))
 
-    ray_run(tmp_path / "straight", 3)
-    torchrun_run(tmp_path / "t2r", 2)
-    ray_run(tmp_path / "t2r", 3)
-    ray_run(tmp_path / "r2t", 2)
-    torchrun_run(tmp_path / "r2t", 3)
+    # Each torchrun leg runs beside a Ray leg it does not depend on (the comparison is to 1e-6 of
+    # the same operations, which contention does not change): the test waits for 3 runs, not 5.
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        t2r = pool.submit(torchrun_run, tmp_path / "t2r", 2)
+        ray_run(tmp_path / "straight", 3)
+        ray_run(tmp_path / "r2t", 2)
+        t2r.result()
+        r2t = pool.submit(torchrun_run, tmp_path / "r2t", 3)
+        ray_run(tmp_path / "t2r", 3)
+        r2t.result()
     want = _step3(tmp_path / "straight")
     for run in ("t2r", "r2t"):
         got = _step3(tmp_path / run)

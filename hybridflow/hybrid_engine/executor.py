@@ -430,6 +430,13 @@ class HybridEngine:
             pending = nxt
         return received
 
+    def stream(self) -> "SwitchStream":
+        """The optimized layer-granularity switch, driven by its consumer (see `SwitchStream`): the
+        first two layers' collectives start now, the rest as `ensure` completes layers."""
+        if self.cfg.granularity != "layer":
+            raise ValueError("a streamed switch needs actor_rollout_ref.hybrid_engine.granularity=layer")
+        return SwitchStream(self)
+
     def _naive_transient_bytes(self) -> int:
         """The full tensors gathered at once (one layer's, or the whole model's), plus, when the
         switch casts, the largest shard cast before its gather (freed after it)."""
@@ -461,3 +468,69 @@ class HybridEngine:
             elif not torch.equal(gen, expect):
                 worst = max(worst, float((gen - expect).abs().max()))
         return worst
+
+
+class SwitchStream:
+    """A switch whose layers complete on demand, so it overlaps the generation's first forward
+    (prefill): `ensure(layer)` waits for the layers up to `layer` (plan order = forward order:
+    embed_tokens, layers.0 .. layers.L-1, norm, lm_head) and copies them into place, and each
+    completed layer frees its staging slot for the layer two ahead, so layer i+1's gathers are in
+    flight while layer i computes. `hooks(model)` calls `ensure` from forward pre-hooks on the
+    generation model's modules; `finish()` completes whatever the forward did not reach and returns
+    the switch's stats as `HybridEngine.reshard` does (bytes received, seconds from start to finish).
+    Every rank must drive its stream through the same layers in the same order (the same forward)."""
+
+    def __init__(self, engine: HybridEngine):
+        e = self.engine = engine
+        self.start = time.perf_counter()
+        e.train = e._sharded_params()
+        skip = e.frozen if e.frozen_synced else frozenset()
+        by_layer: dict[str, list[ParamPlan]] = {}
+        for p in e.plan.params:
+            if p.name not in skip:
+                by_layer.setdefault(p.layer, []).append(p)
+        self.layers = list(by_layer.items())
+        self.index = {name: i for i, (name, _) in enumerate(self.layers)}
+        self.skipped = len(skip)
+        self.done, self.received, self.pending = 0, 0, {}
+        e.acquire()
+        for i in range(min(2, len(self.layers))):
+            self._launch(i)
+
+    def _launch(self, i: int) -> None:
+        self.pending[i] = self.engine._launch_layer(self.layers[i][1], (i % 2) * self.engine.slot_numel)[0]
+
+    def ensure(self, layer: str) -> None:
+        """Complete every layer up to `layer` (a layer not in the switch: nothing)."""
+        target = self.index.get(layer, -1)
+        e, r = self.engine, self.engine.rank
+        while self.done <= target:
+            i = self.done
+            with e.trace.span(f"stream {self.layers[i][0]}", "copy"):
+                for p in self.layers[i][1]:  # nothing to fetch: the rank's own slice
+                    if not p.moves or (p.aligned and len(p.group[r]) == 1):
+                        local(e.gen[p.name].data).copy_(crop(e._train_local(p), p.need[r], p.own[r]))
+                self.received += e._finish_layer(self.pending.pop(i))
+            self.done += 1
+            if i + 2 < len(self.layers):  # its slot (i % 2) is free again
+                self._launch(i + 2)
+
+    def hooks(self, model: nn.Module) -> list:
+        """Forward pre-hooks on every module that directly holds a switched parameter: before it
+        runs, its layer is complete. Returns the handles (remove them after the forward)."""
+        layer_of_param = {p.name: p.layer for p in self.engine.plan.params}
+        handles = []
+        for mod_name, mod in model.named_modules():
+            layers = {layer_of_param[f"{mod_name}.{n}" if mod_name else n] for n, _ in mod.named_parameters(recurse=False)
+                      if (f"{mod_name}.{n}" if mod_name else n) in layer_of_param}
+            for layer in layers:
+                handles.append(mod.register_forward_pre_hook(lambda _m, _a, layer=layer: self.ensure(layer)))
+        return handles
+
+    def finish(self) -> dict:
+        if self.layers:
+            self.ensure(self.layers[-1][0])
+        e = self.engine
+        e.frozen_synced = True
+        return {"seconds": time.perf_counter() - self.start, "layers": [n for n, _ in self.layers], "skipped_params": self.skipped,
+                "bytes_received": self.received, "optimized": True}
