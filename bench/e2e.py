@@ -132,7 +132,8 @@ def run_trl(model: str, rows: list[dict], out: str, steps: int, precision: str =
     trainer.train()
     step = statistics.median(times[1:])
     tokens = statistics.median(lengths[1:]) * PROMPTS * SAMPLES if lengths else float("nan")
-    prompt_len = statistics.mean(len(tok.apply_chat_template(r["prompt"], add_generation_prompt=True)) for r in rows)
+    # tokens of each chat-formatted prompt (transformers 5 returns a dict here by default: count its input_ids)
+    prompt_len = statistics.mean(len(tok.apply_chat_template(r["prompt"], add_generation_prompt=True, return_dict=True)["input_ids"]) for r in rows)
     return {"system": "trl", "step_seconds": step, "tokens_per_second": tokens / step, "prompt_len": prompt_len,
             "response_len": statistics.median(lengths[1:]) if lengths else float("nan")}
 
