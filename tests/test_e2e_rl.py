@@ -206,6 +206,26 @@ def test_bf16_mixed_precision_generates_from_bf16_weights_half_the_bytes(ray_clu
         assert math.isfinite(h["actor/pg_loss"])
 
 
+def test_bf16_async_rollout_pool_receives_bf16_pieces_bit_exact(ray_cluster, tiny_model_dir, task_dir, tmp_path):
+    """Async rollout on its own pool under bf16 mixed precision: the actor publishes its pieces cast
+    to bf16 (half the fp32 bytes: the rollout rank's whole model at 2 bytes per element), and the
+    sync check (every piece in place, fingerprints of the trained weights cast to bf16) passes."""
+    from hybridflow.models.hf import load_hf_model
+
+    trainer = make_trainer(tiny_model_dir, task_dir, tmp_path, "trainer.async_rollout=true", "trainer.check_weight_sync=true",
+                           "trainer.total_training_steps=2", "actor_rollout_ref.actor.fsdp_config.mixed_precision=bf16",
+                           "resource_pool.pools.actor_pool.workers_per_node=2", "resource_pool.pools.rollout_pool.workers_per_node=1",
+                           "resource_pool.mapping.actor_rollout=actor_pool", "resource_pool.mapping.rollout=rollout_pool")
+    try:
+        result = trainer.fit()
+        assert trainer.rollout.weight_fingerprints() == [trainer.actor.weight_fingerprints(1, 1)]
+    finally:
+        trainer.shutdown()
+    numel = sum(p.numel() for p in load_hf_model(trainer.cfg.actor_rollout_ref.model, "cpu").parameters())
+    for h in steps(result):
+        assert h["reshard/weight_max_diff"] == 0.0 and h["reshard/bytes_per_rank"] == 2 * numel
+
+
 def test_response_lengths():
     from hybridflow.rollout.base import response_lengths
 

@@ -35,9 +35,11 @@ def need_box(shape: tuple[int, ...], gen_dim: int | None, gen_tp: int, dst_world
 
 
 @torch.no_grad()
-def publish(train_model: nn.Module, gen_dims: dict[str, int | None], rank: int, world: int, gen_tp: int, dst_world: int) -> list:
+def publish(train_model: nn.Module, gen_dims: dict[str, int | None], rank: int, world: int, gen_tp: int, dst_world: int,
+            dtype: torch.dtype | None = None) -> list:
     """Training rank `rank`: one object-store ref per generation rank with exactly the pieces of
-    this rank's shards that it needs: {name: (whole shape, [(box, tensor)])} (CPU tensors)."""
+    this rank's shards that it needs: {name: (whole shape, [(box, tensor)])} (CPU tensors, in the
+    generation dtype `dtype`, None = the training one: bf16 generation ships half the bytes)."""
     import ray
 
     per_dst: list[dict[str, tuple]] = [{} for _ in range(dst_world)]
@@ -50,7 +52,8 @@ def publish(train_model: nn.Module, gen_dims: dict[str, int | None], rank: int, 
                 continue
             box = intersect(own, need_box(p.shape, gen_dims[name], gen_tp, dst_world, d))
             if box:
-                per_dst[d].setdefault(name, (tuple(p.shape), []))[1].append((box, crop(shard, box, own).detach().to("cpu", copy=True).contiguous()))
+                piece = crop(shard, box, own).detach().to("cpu", dtype=dtype or shard.dtype, copy=True).contiguous()
+                per_dst[d].setdefault(name, (tuple(p.shape), []))[1].append((box, piece))
     return [ray.put(pieces) for pieces in per_dst]
 
 
@@ -60,12 +63,14 @@ def fingerprint(t: torch.Tensor) -> str:
 
 
 @torch.no_grad()
-def trained_fingerprints(train_model: nn.Module, gen_dims: dict[str, int | None], gen_tp: int, dst_world: int) -> dict[str, str]:
+def trained_fingerprints(train_model: nn.Module, gen_dims: dict[str, int | None], gen_tp: int, dst_world: int,
+                         dtype: torch.dtype | None = None) -> dict[str, str]:
     """Every rank runs it (full_tensor is a collective): {"name@box": digest} of every generation
-    slice of the trained weights."""
+    slice of the trained weights (cast to the generation dtype `dtype`, as `publish` ships them)."""
     out = {}
     for name, p in train_model.named_parameters():
         full = p.full_tensor() if isinstance(p, DTensor) else p
+        full = full if dtype is None else full.to(dtype)
         whole = tuple((0, n) for n in full.shape)
         for d in range(dst_world):
             box = need_box(full.shape, gen_dims[name], gen_tp, dst_world, d)

@@ -31,7 +31,7 @@ from hybridflow.controller.worker import Worker, pick_device
 from hybridflow.engine import TrainEngine
 from hybridflow.hybrid_engine import cross_pool
 from hybridflow.hybrid_engine.memory import rss_bytes
-from hybridflow.models.hf import load_hf_model
+from hybridflow.models.hf import DTYPES, load_hf_model
 from hybridflow.models.lora import adapters_disabled, apply_lora
 from hybridflow.parallel.dims import ParallelDims
 from hybridflow.parallel.fsdp import shard_numel
@@ -106,6 +106,7 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
             if any(fnmatch.fnmatchcase(name, pattern) for pattern in acfg.freeze_modules):
                 p.requires_grad_(False)
         self.gen_dims = gen_shard_dims(model)
+        self.gen_dtype = DTYPES[self.cfg.actor_rollout_ref.generation_dtype()]  # what a rollout pool holds (async: publish casts to it)
         self.actor = TrainEngine(model, self.dims, self.device, acfg.fsdp_config, optim=acfg.optim, total_steps=self.total_training_steps,
                                  grad_clip=acfg.grad_clip, pipeline_schedule=acfg.pipeline_schedule, remove_padding=self.remove_padding)
 
@@ -151,12 +152,12 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
     def publish_weights(self, gen_tp: int, dst_world: int) -> list:
         """For a rollout pool of `dst_world` ranks: object refs, one per generation rank, holding
         exactly the pieces of this rank's shards that generation rank needs (`cross_pool`)."""
-        return cross_pool.publish(self.actor.module, self.gen_dims, self.rank, self.world_size, gen_tp, dst_world)
+        return cross_pool.publish(self.actor.module, self.gen_dims, self.rank, self.world_size, gen_tp, dst_world, self.gen_dtype)
 
     @register(Dispatch.RANK_ZERO)
     def weight_fingerprints(self, gen_tp: int, dst_world: int) -> dict[str, str]:
         """Digests of every generation slice of the trained weights (a collective: all ranks run it)."""
-        return cross_pool.trained_fingerprints(self.actor.module, self.gen_dims, gen_tp, dst_world)
+        return cross_pool.trained_fingerprints(self.actor.module, self.gen_dims, gen_tp, dst_world, self.gen_dtype)
 
     @register(Dispatch.RANK_ZERO)
     def reshard_plan(self) -> dict:
