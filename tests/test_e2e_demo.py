@@ -46,6 +46,15 @@ def test_demo_learns_on_held_out_prompts_with_gen_tp_1_and_2(demo_run, tmp_path)
     assert dict(lora["val_curve"])[30] >= 0.9
 
 
+def run_clis(*commands: tuple[str, ...]) -> list[subprocess.CompletedProcess]:
+    """Several independent `hybridflow` commands at once (each a fresh interpreter that spends most
+    of its time importing): their results in order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(commands)) as pool:
+        return list(pool.map(lambda args: run_cli(*args), commands))
+
+
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "hybridflow.cli", *args], capture_output=True, text=True, timeout=120)
 
@@ -67,14 +76,13 @@ def test_validation_names_keys_before_ray_starts(tmp_path):
 
 
 def test_make_model_and_make_data_commands(tmp_path):
-    proc = run_cli("make-model", str(tmp_path / "m"), "--arch", "llama", "--hidden-size", "32", "--heads", "2", "--kv-heads", "1")
-    assert proc.returncode == 0, proc.stderr
+    procs = run_clis(("make-model", str(tmp_path / "m"), "--arch", "llama", "--hidden-size", "32", "--heads", "2", "--kv-heads", "1"),
+                     ("make-data", str(tmp_path / "d"), "--task", "digit_max"),
+                     ("make-model", str(tmp_path / "rm"), "--reward", "--hidden-size", "32", "--heads", "2", "--kv-heads", "1"))
+    for proc in procs:
+        assert proc.returncode == 0, proc.stderr
     assert json.loads((tmp_path / "m" / "config.json").read_text())["model_type"] == "llama"
-    proc = run_cli("make-data", str(tmp_path / "d"), "--task", "digit_max")
-    assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["pref_train.parquet", "pref_val.parquet", "sft.parquet", "train.parquet", "val.parquet"]
-    proc = run_cli("make-model", str(tmp_path / "rm"), "--reward", "--hidden-size", "32", "--heads", "2", "--kv-heads", "1")
-    assert proc.returncode == 0, proc.stderr
     assert json.loads((tmp_path / "rm" / "config.json").read_text())["architectures"] == ["Qwen2ForSequenceClassification"]
 
 
@@ -87,8 +95,7 @@ def test_preference_commands_name_bad_keys_before_ray_starts(tmp_path):
         (("dpo", "configs/dpo_tiny.yaml", "dpo.loss_type=kto"), "dpo.loss_type must be one of ['sigmoid', 'ipo', 'hinge'], got 'kto'"),
         (("rm", "configs/rm_tiny.yaml", f"model.path={lm}", "micro_batch_size_per_gpu=3"), "micro_batch_size_per_gpu (3) must be even"),
     ]
-    for args, message in cases:
-        proc = run_cli(*args)
+    for (args, message), proc in zip(cases, run_clis(*(args for args, _ in cases))):
         assert proc.returncode != 0 and message in proc.stderr, proc.stderr
         assert "Started a local Ray instance" not in proc.stderr + proc.stdout
 
@@ -118,8 +125,8 @@ def test_bad_inputs_are_one_line_without_a_traceback(tmp_path, tiny_model_dir, t
         ([f"data.train_files=[{task_dir}/train.parquet]", "trainer.memory_budget_gib=0.001"],
          "config error: memory: the estimated peak per worker of pool global_pool (actor_rollout) is"),
     ]
-    for extra, message in cases:
-        proc = run_cli("train", "configs/grpo_tiny.yaml", *base, *extra)
+    procs = run_clis(*(("train", "configs/grpo_tiny.yaml", *base, *extra) for extra, _ in cases))
+    for (extra, message), proc in zip(cases, procs):
         assert proc.returncode == 1, proc.stderr
         err = "\n".join(line for line in proc.stderr.splitlines() if not line.startswith("[INFO]")).strip()  # the memory plan's log line
         assert err.startswith(message), proc.stderr
