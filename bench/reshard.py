@@ -51,6 +51,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def gen_model(path: str, world: int, tp: int, dtype: torch.dtype = torch.float32):
+    """The generation model the switch writes into: loaded from `path` in `dtype`, TP over `tp` ranks."""
+    from transformers import AutoModelForCausalLM
+
+    from hybridflow.parallel.tensor_parallel import apply_tensor_parallel, gen_mesh
+
+    rollout = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval().requires_grad_(False)
+    if tp > 1:
+        apply_tensor_parallel(rollout, gen_mesh("cpu", world, tp)["tp"])
+    return rollout
+
+
 def worker(rank: int, world: int, port: int, path: str, repeats: int, out_file: str, lora_rank: int = 0) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo", HF_HUB_OFFLINE="1")
     import torch.distributed as dist
@@ -60,7 +72,7 @@ def worker(rank: int, world: int, port: int, path: str, repeats: int, out_file: 
     from hybridflow.config.schema import HybridEngineConfig
     from hybridflow.hybrid_engine.executor import HybridEngine
     from hybridflow.parallel.fsdp import apply_fsdp2, make_mesh
-    from hybridflow.parallel.tensor_parallel import apply_tensor_parallel, fsdp_shard_placement_fn, gen_mesh, gen_shard_dims
+    from hybridflow.parallel.tensor_parallel import fsdp_shard_placement_fn, gen_shard_dims
 
     from hybridflow.hybrid_engine.plan import TrainLayout
     from hybridflow.planning.arch import load_arch
@@ -84,9 +96,7 @@ def worker(rank: int, world: int, port: int, path: str, repeats: int, out_file: 
     for tp in (1, 2, 4):
         if world % tp or cfg.num_attention_heads % tp or cfg.num_key_value_heads % tp:
             continue
-        rollout = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
-        if tp > 1:
-            apply_tensor_parallel(rollout, gen_mesh("cpu", world, tp)["tp"])
+        rollout = gen_model(path, world, tp)
         engine = HybridEngine(actor, rollout, dims, tp, HybridEngineConfig(granularity="layer", keep_generation_buffers=True), "cpu")
         planned = plan_for(load_arch(path), TrainLayout(dp=world), tp, 4)  # from config.json alone
         predicted = predict_switch(planned, cluster)
@@ -125,18 +135,13 @@ def bf16_row(path: str, actor, dims: dict, world: int, tp: int, rank: int, repea
     """`bf16`: the same fp32 training shards to bf16 generation weights (mixed-precision training
     generates in bf16): each shard is cast once before it is sent, so the wire carries 2 bytes per
     element; checked bit-exact against the trained weights rounded to bf16."""
-    from transformers import AutoModelForCausalLM
-
     from hybridflow.config.schema import HybridEngineConfig
     from hybridflow.hybrid_engine.executor import HybridEngine
     from hybridflow.hybrid_engine.plan import TrainLayout
-    from hybridflow.parallel.tensor_parallel import apply_tensor_parallel, gen_mesh
     from hybridflow.planning.arch import load_arch
     from hybridflow.planning.cost import plan_for, predict_switch
 
-    rollout = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval().requires_grad_(False)
-    if tp > 1:
-        apply_tensor_parallel(rollout, gen_mesh("cpu", world, tp)["tp"])
+    rollout = gen_model(path, world, tp, torch.bfloat16)
     engine = HybridEngine(actor, rollout, dims, tp, HybridEngineConfig(granularity="layer", keep_generation_buffers=True), "cpu", dtype=torch.bfloat16)
     planned = plan_for(load_arch(path), TrainLayout(dp=world), tp, 2)
     row = dict(world_size=world, train_layout=f"dp{world}", gen_tp=tp, mode="bf16", rank=rank,
@@ -157,15 +162,11 @@ def overlap_row(path: str, actor, dims: dict, world: int, tp: int, rank: int, re
     layer i computes). Medians of `repeats` after a warm-up; the streamed logits must equal the
     sequential ones."""
     import torch.distributed as dist
-    from transformers import AutoModelForCausalLM
 
     from hybridflow.config.schema import HybridEngineConfig
     from hybridflow.hybrid_engine.executor import HybridEngine
-    from hybridflow.parallel.tensor_parallel import apply_tensor_parallel, gen_mesh
 
-    rollout = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
-    if tp > 1:
-        apply_tensor_parallel(rollout, gen_mesh("cpu", world, tp)["tp"])
+    rollout = gen_model(path, world, tp)
     engine = HybridEngine(actor, rollout, dims, tp, HybridEngineConfig(granularity="layer", keep_generation_buffers=True), "cpu")
     ids = torch.randint(3, rollout.config.vocab_size, PREFILL, generator=torch.Generator().manual_seed(0))
 

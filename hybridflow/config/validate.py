@@ -265,9 +265,8 @@ def _vllm_problems(cfg: HybridFlowConfig, n_workers: int) -> list[str]:
             out.append(f"{R}.gpu_memory_utilization must be in (0, 1], got {roll.gpu_memory_utilization}")
         return out
     # the generation dtype: the actor's mixed precision when set, else model.dtype
-    gen_dtype = cfg.actor_rollout_ref.generation_dtype()
-    where = ("actor_rollout_ref.actor.fsdp_config.mixed_precision=" + cfg.actor_rollout_ref.actor.fsdp_config.mixed_precision
-             if cfg.actor_rollout_ref.actor.fsdp_config.mixed_precision else f"actor_rollout_ref.model.dtype={model.dtype}")
+    gen_dtype, mp = cfg.actor_rollout_ref.generation_dtype(), cfg.actor_rollout_ref.actor.fsdp_config.mixed_precision
+    where = f"actor_rollout_ref.actor.fsdp_config.mixed_precision={mp}" if mp else f"actor_rollout_ref.model.dtype={model.dtype}"
     if gen_dtype in ("float16", "fp16"):
         out.append(f"{where}: vLLM on CPU has no float16 kernels; use float32 (or bfloat16 on a CPU with AVX512-BF16)")
     if gen_dtype in ("bfloat16", "bf16") and "avx512_bf16" not in _cpu_flags():

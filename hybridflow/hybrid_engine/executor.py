@@ -343,10 +343,7 @@ class HybridEngine:
         self.train = self._sharded_params()
         received = 0
         skip = self.frozen if optimized and self.frozen_synced else frozenset()
-        by_layer: dict[str, list[ParamPlan]] = {}
-        for p in self.plan.params:
-            if p.name not in skip:
-                by_layer.setdefault(p.layer, []).append(p)
+        by_layer = self._by_layer(skip)
         layers = list(by_layer)
         with PeakMemory(self.device) as mem:  # includes (re-)allocating the generation buffers
             self.acquire()
@@ -417,18 +414,28 @@ class HybridEngine:
         for i, (layer, params) in enumerate(layers):
             with self.trace.span(f"gather {layer}", "gather", optimized=optimized):
                 nxt = self._launch_layer(layers[i + 1][1], ((i + 1) % 2) * self.slot_numel)[0] if i + 1 < len(layers) else []
-                copies: list = []
-                for p in params:
-                    if p.moves and not (p.aligned and len(p.group[self.rank]) == 1):
-                        continue  # in `pending`
-                    # nothing to fetch (a size-1 group, or gen_tp = N): the rank's own slice
-                    copies.append((local(self.gen[p.name].data), crop(self._train_local(p), p.need[self.rank], p.own[self.rank])))
+                copies = self._own_slice_copies(params)
             with self.trace.span(f"copy {layer}", "copy"):
                 for dst, src in copies:
                     dst.copy_(src)
                 received += self._finish_layer(pending)
             pending = nxt
         return received
+
+    def _by_layer(self, skip: frozenset) -> dict[str, list[ParamPlan]]:
+        """The plan's parameters but `skip`, by layer in plan (= forward) order."""
+        by_layer: dict[str, list[ParamPlan]] = {}
+        for p in self.plan.params:
+            if p.name not in skip:
+                by_layer.setdefault(p.layer, []).append(p)
+        return by_layer
+
+    def _own_slice_copies(self, params: list[ParamPlan]) -> list:
+        """(destination, source) copies of the parameters with nothing to fetch (a size-1 group, or
+        gen_tp = N): the rank's own slice; the others arrive through `_launch_layer`."""
+        r = self.rank
+        return [(local(self.gen[p.name].data), crop(self._train_local(p), p.need[r], p.own[r]))
+                for p in params if not p.moves or (p.aligned and len(p.group[r]) == 1)]
 
     def stream(self) -> "SwitchStream":
         """The optimized layer-granularity switch, driven by its consumer (see `SwitchStream`): the
@@ -485,11 +492,7 @@ class SwitchStream:
         self.start = time.perf_counter()
         e.train = e._sharded_params()
         skip = e.frozen if e.frozen_synced else frozenset()
-        by_layer: dict[str, list[ParamPlan]] = {}
-        for p in e.plan.params:
-            if p.name not in skip:
-                by_layer.setdefault(p.layer, []).append(p)
-        self.layers = list(by_layer.items())
+        self.layers = list(e._by_layer(skip).items())
         self.index = {name: i for i, (name, _) in enumerate(self.layers)}
         self.skipped = len(skip)
         self.done, self.received, self.pending = 0, 0, {}
@@ -503,13 +506,12 @@ class SwitchStream:
     def ensure(self, layer: str) -> None:
         """Complete every layer up to `layer` (a layer not in the switch: nothing)."""
         target = self.index.get(layer, -1)
-        e, r = self.engine, self.engine.rank
+        e = self.engine
         while self.done <= target:
             i = self.done
             with e.trace.span(f"stream {self.layers[i][0]}", "copy"):
-                for p in self.layers[i][1]:  # nothing to fetch: the rank's own slice
-                    if not p.moves or (p.aligned and len(p.group[r]) == 1):
-                        local(e.gen[p.name].data).copy_(crop(e._train_local(p), p.need[r], p.own[r]))
+                for dst, src in e._own_slice_copies(self.layers[i][1]):
+                    dst.copy_(src)
                 self.received += e._finish_layer(self.pending.pop(i))
             self.done += 1
             if i + 2 < len(self.layers):  # its slot (i % 2) is free again
@@ -521,9 +523,8 @@ class SwitchStream:
         layer_of_param = {p.name: p.layer for p in self.engine.plan.params}
         handles = []
         for mod_name, mod in model.named_modules():
-            layers = {layer_of_param[f"{mod_name}.{n}" if mod_name else n] for n, _ in mod.named_parameters(recurse=False)
-                      if (f"{mod_name}.{n}" if mod_name else n) in layer_of_param}
-            for layer in layers:
+            names = (f"{mod_name}.{n}" if mod_name else n for n, _ in mod.named_parameters(recurse=False))
+            for layer in {layer_of_param[n] for n in names if n in layer_of_param}:
                 handles.append(mod.register_forward_pre_hook(lambda _m, _a, layer=layer: self.ensure(layer)))
         return handles
 
