@@ -11,7 +11,9 @@ compute over fp32 shards and bf16 generation weights; TRL with `bf16=True`).
 hybridflow runs 2 workers (Ray, FSDP2, HF rollout through the hybrid engine) with its speed
 switches on (prompts padded to the batch's longest, padding removed, no separate old-log-prob
 pass, generation buffers kept); TRL runs one process (its default). Also the pair on the demo's
-tiny model (`model: tiny`), where a step is mostly fixed overhead. Rows: system, model,
+tiny model (`model: tiny`), where a step is mostly fixed overhead. `--async-rollout` adds
+`hybridflow async`: async rollout on split pools, one worker training on batch k while the other
+generates batch k+1 (staleness 1; its stages are the update, `gen_wait` and `sync_weights`). Rows: system, model,
 step_seconds (median over the steps after the first), tokens_per_second (generated tokens / step
 seconds), and hybridflow's per-stage medians (timing_s/*). FLOP accounting (`flops.py`): this
 machine's matmul peak is measured in the same run (fp32 and bf16, on 1 thread as each of
@@ -40,7 +42,11 @@ REWARD = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     return float(solution_str.strip().split("<")[0].strip() == str(ground_truth))
 '''
-STAGES = ("gen", "reward", "old_log_prob", "adv", "update_actor", "reshard")
+STAGES = ("gen", "reward", "old_log_prob", "adv", "update_actor", "reshard", "gen_wait", "sync_weights")
+# Async rollout on split pools: 1 actor rank trains while 1 rollout rank generates the next batch (staleness 1).
+SPLIT_POOLS = ("trainer.async_rollout=true", "resource_pool.pools.actor_pool.workers_per_node=1",
+               "resource_pool.pools.rollout_pool.workers_per_node=1", "resource_pool.mapping.actor_rollout=actor_pool",
+               "resource_pool.mapping.rollout=rollout_pool")
 
 
 def arithmetic_rows(n: int, seed: int = 0) -> list[dict]:
@@ -68,7 +74,9 @@ def planned_state(model: str, lora_rank: int) -> dict:
     return {"plan/param_bytes": mem["params"], "plan/grad_bytes": mem["grads"], "plan/optimizer_bytes": mem["optimizer"]}
 
 
-def run_hybridflow(model: str, train: str, reward: str, out: str, steps: int, lora_rank: int = 0, precision: str = "fp32") -> dict:
+def run_hybridflow(model: str, train: str, reward: str, out: str, steps: int, lora_rank: int = 0, precision: str = "fp32",
+                   split: bool = False) -> dict:
+    """split: async rollout on split pools (1 + 1 workers) instead of 2 colocated workers."""
     from hybridflow.config import HybridFlowConfig, load_config
     from hybridflow.trainer.rl import RLTrainer
 
@@ -82,6 +90,7 @@ def run_hybridflow(model: str, train: str, reward: str, out: str, steps: int, lo
         "trainer.progress_bar=false", "trainer.logger=[jsonl]", f"trainer.default_local_dir={out}", "trainer.device=cpu",
         "actor_rollout_ref.hybrid_engine.measure_baseline=false", f"actor_rollout_ref.model.lora_rank={lora_rank}",
         *(["actor_rollout_ref.actor.fsdp_config.mixed_precision=bf16"] if precision == "bf16" else []),  # bf16 compute and generation
+        *(SPLIT_POOLS if split else ()),
     ], schema=HybridFlowConfig)
     trainer = RLTrainer(cfg)
     try:
@@ -91,7 +100,8 @@ def run_hybridflow(model: str, train: str, reward: str, out: str, steps: int, lo
         trainer.shutdown()
     step = statistics.median(h["timing_s/step"] for h in hist)
     tokens = statistics.median(h["response_length/mean"] * PROMPTS * SAMPLES for h in hist)
-    row = {"system": f"hybridflow+lora{lora_rank}" if lora_rank else "hybridflow", "step_seconds": step, "tokens_per_second": tokens / step,
+    system = f"hybridflow+lora{lora_rank}" if lora_rank else "hybridflow async" if split else "hybridflow"
+    row = {"system": system, "step_seconds": step, "tokens_per_second": tokens / step,
            "prompt_len": statistics.median(h["prompt_length/mean"] for h in hist), "response_len": statistics.median(h["response_length/mean"] for h in hist),
            **{k: max(s[k] for s in stats) for k in LORA_KEYS}, **planned_state(model, lora_rank)}
     for s in STAGES:
@@ -138,17 +148,19 @@ def run_trl(model: str, rows: list[dict], out: str, steps: int, precision: str =
             "response_len": statistics.median(lengths[1:]) if lengths else float("nan")}
 
 
-def add_mfu(row: dict, arch, peak: float) -> None:
+def add_mfu(row: dict, arch, peak: float, update_peak: float | None = None) -> None:
     """The row's step FLOPs (generation + one forward and backward over every sequence, from its
-    mean lengths) and MFU against `peak` FLOP/s, per stage where the stage was timed."""
+    mean lengths) and MFU against `peak` FLOP/s, per stage where the stage was timed (the update
+    against `update_peak` when it runs on fewer threads than the step: split pools)."""
     n = PROMPTS * SAMPLES
     p, r = round(row["prompt_len"]), round(row["response_len"])
     gen = generation_flops(arch, [p] * n, [r] * n)
     update = 3 * forward_flops(arch, [p + r] * n)
     row.update({"gflop/gen": gen / 1e9, "gflop/update": update / 1e9, "mfu/step": (gen + update) / row["step_seconds"] / peak})
-    if "timing_s/gen" in row:
+    if "timing_s/gen" in row:  # split pools generate behind the update: no gen stage of their own
         row["mfu/gen"] = gen / row["timing_s/gen"] / peak
-        row["mfu/update"] = update / row["timing_s/update_actor"] / peak
+    if "timing_s/update_actor" in row:
+        row["mfu/update"] = update / row["timing_s/update_actor"] / (update_peak or peak)
 
 
 def main() -> None:
@@ -158,6 +170,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--lora-rank", type=int, default=0, help="also run hybridflow with LoRA adapters of this rank (all-linear)")
     ap.add_argument("--no-trl", action="store_true", help="hybridflow rows only")
+    ap.add_argument("--async-rollout", action="store_true", help="also hybridflow with async rollout on split pools (1 worker trains, 1 generates)")
     ap.add_argument("--precision", default="fp32", help="comma-separated: fp32 and/or bf16 (hybridflow: fsdp_config.mixed_precision=bf16, "
                     "bf16 generation; TRL: bf16=True); each precision's MFU is against that dtype's measured peak")
     args = ap.parse_args()
@@ -191,13 +204,19 @@ def main() -> None:
             if args.lora_rank:
                 systems.append(("hybridflow+lora", lambda: run_hybridflow(str(path), train, reward, os.path.join(tmp, f"lora_{name}_{prec}"), args.steps,
                                                                           args.lora_rank, precision=prec)))
+            if args.async_rollout:
+                systems.append(("hybridflow async", lambda: run_hybridflow(str(path), train, reward, os.path.join(tmp, f"async_{name}_{prec}"), args.steps,
+                                                                           precision=prec, split=True)))
             if not args.no_trl:
                 systems.append(("trl", lambda: run_trl(str(path), rows, os.path.join(tmp, f"trl_{name}_{prec}"), args.steps, precision=prec)))
             for system, run in systems:
                 t = time.perf_counter()
                 row = {"model": name, "precision": prec, **run()}
-                threads = 1 if system != "trl" else torch.get_num_threads()  # hybridflow: 2 workers x 1 thread
-                add_mfu(row, load_arch(str(path)), peaks[(dtypes[prec], threads)] * (2 if system != "trl" else 1))
+                if system == "trl":  # one process on torch's threads
+                    add_mfu(row, load_arch(str(path)), peaks[(dtypes[prec], torch.get_num_threads())])
+                else:  # 2 workers x 1 thread; split pools train on one of them
+                    one = peaks[(dtypes[prec], 1)]
+                    add_mfu(row, load_arch(str(path)), 2 * one, update_peak=one if system == "hybridflow async" else None)
                 print(f"{system} on {name} ({prec}): {row['step_seconds']:.2f} s/step ({time.perf_counter() - t:.0f} s)", flush=True)
                 out.append(row)
     for name in models:

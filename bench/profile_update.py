@@ -1,0 +1,136 @@
+"""Where a worker's update time goes: one micro-batch's forward + backward, op by op.
+
+    .venv/bin/python bench/profile_update.py --model runs/models/smollm2-135m
+    .venv/bin/python bench/profile_update.py            # the demo's tiny model
+
+Runs what each of bench/e2e.py's 2 workers runs in its update, on one thread: 16 sequences of
+--prompt + --response tokens, the response log-probs (`response_logits`, `logits_to_keep`) and
+entropies, a policy-gradient-shaped loss, backward; without FSDP's collectives (the e2e table has
+those as the gap between this and `timing_s/update_actor`). One warm-up pass, then --passes
+profiled ones (torch.profiler, self CPU time per op). Each allocator setting runs in a fresh
+process: `worker` is the workers' default (MALLOC_MMAP_THRESHOLD_=65536, every tensor over 64 KiB
+its own mmap, so RSS measures what is held), `glibc` the C library's default (what TRL's process
+runs with). Rows per setting: op category, seconds per pass, share, and for matmuls the achieved
+GFLOP/s against this machine's measured 1-thread peak (`flops.matmul_peak`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+ALLOCATORS = {"worker": {"MALLOC_MMAP_THRESHOLD_": "65536"}, "glibc": {}}
+# op name prefix -> category (first match wins); everything else is "other"
+CATEGORIES = (
+    ("matmul", ("aten::mm", "aten::addmm", "aten::bmm")),
+    ("attention", ("aten::_scaled_dot_product", "aten::_softmax", "aten::_softmax_backward")),
+    ("log-softmax / entropy", ("aten::_log_softmax", "aten::logsumexp", "aten::gather", "aten::scatter")),
+    ("copies / layout", ("aten::copy_", "aten::clone", "aten::contiguous", "aten::cat", "aten::index")),
+    ("fill / alloc", ("aten::fill_", "aten::zero_", "aten::zeros", "aten::empty", "aten::ones", "aten::full")),
+)
+MATMULS = CATEGORIES[0][1]
+TOP_OTHER = 6  # the largest ops of "other", listed under it
+
+
+def category(op: str) -> str:
+    return next((name for name, prefixes in CATEGORIES if op.startswith(prefixes)), "other")
+
+
+def child(args) -> None:
+    """One setting: profile --passes forward+backward passes, print {category: [s per pass, matmul flops per pass]} as JSON."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from hybridflow.algorithms import entropy_from_logits, logprobs_from_logits
+    from hybridflow.config.schema import ModelConfig
+    from hybridflow.engine.model import response_logits
+    from hybridflow.models.hf import load_hf_model
+    from hybridflow.protocol import Batch
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = load_hf_model(ModelConfig(path=args.model_path), "cpu").train()
+    b, p, r = args.seqs, args.prompt, args.response
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (b, p + r))
+    mb = Batch({"input_ids": ids, "attention_mask": torch.ones_like(ids), "position_ids": torch.arange(p + r).expand(b, -1),
+                "responses": ids[:, p:]})
+    adv = torch.randn(b, 1)
+
+    def one_pass() -> None:
+        logits = response_logits(model, mb)  # [b, R, V] fp32
+        logp, ent = logprobs_from_logits(logits, mb["responses"]), entropy_from_logits(logits)
+        (-(adv * logp).mean() - 0.0 * ent.mean()).backward()
+        model.zero_grad(set_to_none=True)
+
+    one_pass()  # warm-up: first-touch allocations, lazy init
+    with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
+        for _ in range(args.passes):
+            one_pass()
+    out: dict[str, list[float]] = {}
+    others = []
+    for e in prof.key_averages():
+        row = out.setdefault(category(e.key), [0.0, 0.0])
+        row[0] += e.self_cpu_time_total / 1e6 / args.passes
+        row[1] += (e.flops or 0) / args.passes if e.key.startswith(MATMULS) else 0.0
+        if category(e.key) == "other":
+            others.append((e.self_cpu_time_total / 1e6 / args.passes, e.key))
+    print("RESULT " + json.dumps({"categories": out, "top_other": sorted(others, reverse=True)[:TOP_OTHER]}), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="an HF checkpoint; omitted: the demo's tiny model")
+    ap.add_argument("--seqs", type=int, default=16, help="sequences per micro-batch (bench/e2e.py: 32 over 2 workers)")
+    ap.add_argument("--prompt", type=int, default=45, help="prompt tokens (bench/e2e.py's SmolLM2 chat prompts: ~45)")
+    ap.add_argument("--response", type=int, default=16)
+    ap.add_argument("--passes", type=int, default=2)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--model-path", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        return child(args)
+
+    import torch
+
+    from common import print_rows
+    from flops import matmul_peak
+
+    path = args.model
+    if path is None:
+        from hybridflow.models.tiny import make_tiny_model
+
+        path = str(make_tiny_model(os.path.join(tempfile.mkdtemp(prefix="bench_profile_"), "tiny"), hidden_size=128,
+                                   intermediate_size=256, num_hidden_layers=2))
+    peak = matmul_peak(torch.float32, 1)
+    rows = []
+    for name, extra in ALLOCATORS.items():
+        env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"} | extra | {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model-path", path, "--seqs", str(args.seqs),
+               "--prompt", str(args.prompt), "--response", str(args.response), "--passes", str(args.passes)]
+        res = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+        result = json.loads(next(line for line in res.stdout.splitlines() if line.startswith("RESULT "))[7:])
+        cats = result["categories"]
+        total = sum(s for s, _ in cats.values())
+        for cat, (s, flops) in sorted(cats.items(), key=lambda kv: -kv[1][0]):
+            rows.append({"allocator": name, "category": cat, "seconds": s, "share": s / total,
+                         "gflops": flops / s / 1e9 if flops else float("nan"), "of_peak": flops / s / peak if flops else float("nan")})
+            if cat == "other":
+                rows += [{"allocator": name, "category": f"  {op}", "seconds": t, "share": t / total, "gflops": float("nan"),
+                          "of_peak": float("nan")} for t, op in result["top_other"]]
+        rows.append({"allocator": name, "category": "total", "seconds": total, "share": 1.0, "gflops": float("nan"), "of_peak": float("nan")})
+    print_rows(f"one forward + backward of {args.seqs} x ({args.prompt} + {args.response}) tokens on 1 thread, {os.path.basename(path)}, "
+               f"self CPU seconds per pass by op category; matmul GFLOP/s against the measured 1-thread fp32 peak {peak / 1e9:.1f}",
+               [("allocator", "allocator", "<9"), ("category", "category", "<34"), ("seconds", "s/pass", ">8.3f"), ("share", "share", ">6.2f"),
+                ("gflops", "GFLOP/s", ">8.1f"), ("of_peak", "of peak", ">8.2f")], rows, args.json)
+
+
+if __name__ == "__main__":
+    main()
