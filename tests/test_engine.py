@@ -93,3 +93,32 @@ def test_engine_matches_plain_pytorch(tiny_model_dir, tmp_path):
         assert float((g - p.grad).abs().max()) <= 1e-5 * scale + 1e-12, name
     assert got[0]["norm"] == pytest.approx(want_norm, rel=1e-5) and got[1]["norm"] == got[0]["norm"]
     assert got[0]["lr"] == pytest.approx(1e-3)
+
+
+def test_trimming_right_padding_keeps_every_rows_logits(tiny_model_dir):
+    """SFT batches are right-padded to max_length; the worker computes only up to the longest row.
+    Oracle: each row alone, unpadded (no hybridflow code). Tolerance 1e-5: other matmul shapes
+    reorder fp32 sums."""
+    from transformers import AutoModelForCausalLM
+
+    from hybridflow.engine.model import trim_right_padding
+    from hybridflow.protocol import Batch
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    lengths, width = [5, 9, 3], 12
+    rows = [torch.randint(3, model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(n)) for n in lengths]
+    ids, mask = torch.zeros(3, width, dtype=torch.long), torch.zeros(3, width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)], mask[i, : len(r)] = r, 1
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    batch = Batch.from_dict(tensors={"input_ids": ids, "attention_mask": mask, "position_ids": pos})
+    t = trim_right_padding(batch, ("input_ids", "attention_mask", "position_ids"))
+    assert {k: tuple(v.shape) for k, v in t.items()} == {k: (3, 9) for k in t}
+    with torch.no_grad():
+        logits = model(**t).logits
+        for i, r in enumerate(rows):
+            alone = model(input_ids=r[None]).logits[0]
+            torch.testing.assert_close(logits[i, : len(r)], alone, rtol=0, atol=1e-5)
+    # a left-padded batch ends in tokens: nothing to cut
+    left = Batch.from_dict(tensors={"input_ids": ids.flip(1), "attention_mask": mask.flip(1)})
+    assert trim_right_padding(left, ("input_ids",))["input_ids"].shape == (3, width)

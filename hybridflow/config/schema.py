@@ -366,9 +366,10 @@ class PrometheusConfig:
 
 
 # trainer.worker_env's default, tuned for CPU workers: one BLAS thread per worker (N workers share
-# few cores), no hub access, quiet tokenizers and transformers, and every large tensor its own mmap,
-# returned to the OS when freed (so RSS measures what the hybrid engine really holds; see
-# hybrid_engine/memory.py).
+# few cores), no hub access, quiet tokenizers and transformers. glibc's own malloc settings: adding
+# MALLOC_MMAP_THRESHOLD_=65536 makes every large tensor its own mmap, returned to the OS when freed,
+# so the switch's measured peak (hybrid_engine/memory.py) is exact, but every activation then costs
+# fresh zeroed pages: a multi-turn SFT step ran 1.5x slower with it (docs/performance.md).
 DEFAULT_WORKER_ENV = {
     "OMP_NUM_THREADS": "1",
     "MKL_NUM_THREADS": "1",
@@ -376,7 +377,6 @@ DEFAULT_WORKER_ENV = {
     "HF_HUB_OFFLINE": "1",
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",
     "TRANSFORMERS_VERBOSITY": "error",
-    "MALLOC_MMAP_THRESHOLD_": "65536",
     "RAY_USAGE_STATS_ENABLED": "0",
 }
 

@@ -44,6 +44,14 @@ def response_logits(model: nn.Module, mb: Batch, temperature: float = 1.0, remov
     return logits / temperature if temperature != 1.0 else logits
 
 
+def trim_right_padding(batch: Batch, keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """`keys` of right-padded rows [b, L] cut to [b, last + 1], `last` the last column any row
+    attends to: the columns after it hold no token, and under causal attention cutting them changes
+    no valid position's output (a batch whose last column holds tokens, e.g. left-padded, is not cut)."""
+    last = int(batch["attention_mask"].any(0).nonzero().max())
+    return {k: batch[k][:, : last + 1] for k in keys}
+
+
 def micro_batches(batch: Batch, size: int, max_tokens: int | None = None) -> list[Batch]:
     """Consecutive micro-batches of `size` sequences, or (max_tokens) as many consecutive sequences
     as fit `max_tokens` valid tokens (at least one each): the dynamic batch size."""

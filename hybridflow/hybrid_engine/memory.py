@@ -1,9 +1,10 @@
 """Peak-memory measurement around one operation, per process.
 
 CUDA: the caching allocator's peak. CPU: the kernel's resident-set high-water mark (VmHWM), reset
-through /proc/self/clear_refs before the operation. Workers set MALLOC_MMAP_THRESHOLD_ so every
-large tensor is its own mmap and is returned to the OS when freed; otherwise glibc would keep freed
-memory and the RSS would under-report what an operation needs.
+through /proc/self/clear_refs before the operation. Exact when the process runs with
+MALLOC_MMAP_THRESHOLD_=65536 (bench/reshard.py, the memory test; add it to trainer.worker_env):
+every large tensor is then its own mmap and is returned to the OS when freed; otherwise glibc may
+keep freed memory and the RSS under-reports what an operation needs.
 """
 
 from __future__ import annotations

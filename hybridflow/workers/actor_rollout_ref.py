@@ -29,6 +29,7 @@ from hybridflow.controller.decorator import Dispatch, register
 from hybridflow.config.pools import ModelPart, worker_role
 from hybridflow.controller.worker import Worker, pick_device
 from hybridflow.engine import TrainEngine
+from hybridflow.engine.model import trim_right_padding
 from hybridflow.hybrid_engine import cross_pool
 from hybridflow.hybrid_engine.memory import rss_bytes
 from hybridflow.models.hf import DTYPES, load_hf_model
@@ -260,9 +261,11 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
         token weighs the same across ranks (normalised by the GLOBAL number of loss tokens)."""
         acfg = self.cfg.actor_rollout_ref.actor
         sft_loss = get_loss("sft", "nll")
+        # SFTDataset right-pads rows to max_length: compute only up to the rank's longest row.
+        t = trim_right_padding(data, ("input_ids", "attention_mask", "position_ids", "loss_mask"))
         # The next-token view: the logits at t predict token t+1, i.e. "responses" = input_ids[:, 1:].
-        view = Batch.from_dict(tensors={"input_ids": data["input_ids"], "attention_mask": data["attention_mask"], "position_ids": data["position_ids"],
-                                        "responses": data["input_ids"][:, 1:], "loss_mask": data["loss_mask"][:, 1:].float()}).to(self.device)
+        view = Batch.from_dict(tensors={"input_ids": t["input_ids"], "attention_mask": t["attention_mask"], "position_ids": t["position_ids"],
+                                        "responses": t["input_ids"][:, 1:], "loss_mask": t["loss_mask"][:, 1:].float()}).to(self.device)
         local_tokens = view["loss_mask"].sum()
         global_tokens = local_tokens.clone()
         dist.all_reduce(global_tokens, group=self.dims.dp_group)
