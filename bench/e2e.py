@@ -63,13 +63,13 @@ def arithmetic_rows(n: int, seed: int = 0) -> list[dict]:
 LORA_KEYS = ("param_bytes", "grad_bytes", "optimizer_bytes")
 
 
-def planned_state(model: str, lora_rank: int) -> dict:
-    """The planner's parameters / gradients / optimizer bytes per rank for this bench's layout (fp32, FSDP over 2)."""
+def planned_state(model: str, lora_rank: int, dp: int = 2) -> dict:
+    """The planner's parameters / gradients / optimizer bytes per rank for this bench's layout (fp32, FSDP over `dp`)."""
     from hybridflow.hybrid_engine.plan import TrainLayout
     from hybridflow.planning.arch import load_arch
     from hybridflow.planning.cost import MemoryInputs, plan_for, worst_memory
 
-    arch, layout = load_arch(model), TrainLayout(dp=2)
+    arch, layout = load_arch(model), TrainLayout(dp=dp)
     mem = worst_memory(plan_for(arch, layout, 1, 4, lora_rank=lora_rank), arch, layout, MemoryInputs(param_bytes=4, lora_rank=lora_rank))
     return {"plan/param_bytes": mem["params"], "plan/grad_bytes": mem["grads"], "plan/optimizer_bytes": mem["optimizer"]}
 
@@ -85,7 +85,8 @@ def run_hybridflow(model: str, train: str, reward: str, out: str, steps: int, lo
         "data.prompt_padding=longest", f"actor_rollout_ref.model.path={model}",
         f"actor_rollout_ref.rollout.n={SAMPLES}", "actor_rollout_ref.rollout.temperature=1.0", f"actor_rollout_ref.actor.optim.lr={LR}",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={PROMPTS}", f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={PROMPTS * SAMPLES // 2}",
-        "actor_rollout_ref.actor.recompute_old_log_prob=false", "actor_rollout_ref.actor.use_kl_loss=false", "algorithm.adv_estimator=grpo",
+        # one on-policy pass needs no separate old-log-prob pass; split pools are off-policy (staleness 1): they need it
+        f"actor_rollout_ref.actor.recompute_old_log_prob={str(split).lower()}", "actor_rollout_ref.actor.use_kl_loss=false", "algorithm.adv_estimator=grpo",
         f"custom_reward_function.path={reward}", f"trainer.total_training_steps={steps}", "trainer.test_freq=-1", "trainer.val_before_train=false",
         "trainer.progress_bar=false", "trainer.logger=[jsonl]", f"trainer.default_local_dir={out}", "trainer.device=cpu",
         "actor_rollout_ref.hybrid_engine.measure_baseline=false", f"actor_rollout_ref.model.lora_rank={lora_rank}",
@@ -103,7 +104,7 @@ def run_hybridflow(model: str, train: str, reward: str, out: str, steps: int, lo
     system = f"hybridflow+lora{lora_rank}" if lora_rank else "hybridflow async" if split else "hybridflow"
     row = {"system": system, "step_seconds": step, "tokens_per_second": tokens / step,
            "prompt_len": statistics.median(h["prompt_length/mean"] for h in hist), "response_len": statistics.median(h["response_length/mean"] for h in hist),
-           **{k: max(s[k] for s in stats) for k in LORA_KEYS}, **planned_state(model, lora_rank)}
+           **{k: max(s[k] for s in stats) for k in LORA_KEYS}, **planned_state(model, lora_rank, dp=1 if split else 2)}
     for s in STAGES:
         if f"timing_s/{s}" in hist[0]:
             row[f"timing_s/{s}"] = statistics.median(h[f"timing_s/{s}"] for h in hist)

@@ -19,15 +19,16 @@ def test_vllm_grpo_learns_and_matches_trainer_logprobs(ray_cluster, tmp_path):
     from hybridflow.cli import main as cli_main
 
     out = tmp_path / "demo"
-    assert cli_main(["demo", "--output-dir", str(out), "--rl-steps", "20", "trainer.progress_bar=false", "actor_rollout_ref.rollout.name=vllm"]) == 0
+    assert cli_main(["demo", "--output-dir", str(out), "--rl-steps", "10", "trainer.progress_bar=false", "actor_rollout_ref.rollout.name=vllm"]) == 0
     summary = json.loads((out / "summary.json").read_text())
+    # the HF backend's demo: 0.021 -> 0.910 held-out at step 10 (docs/performance.md); vLLM samples the same policy
     assert summary["val_acc_final"] >= 0.6 and summary["val_acc_final"] >= 2 * summary["val_acc_after_sft"]
     steps_all = [json.loads(line) for line in (out / "grpo" / "metrics.jsonl").read_text().splitlines() if '"critic/score/mean"' in line]
     scores = [s["critic/score/mean"] for s in steps_all]
-    assert len(scores) == 20 and sum(scores[-5:]) / 5 > sum(scores[:5]) / 5  # training reward, averaged over 5 steps each end
+    assert len(scores) == 10 and sum(scores[-5:]) / 5 > sum(scores[:5]) / 5  # training reward, averaged over 5 steps each end
     steps = [json.loads(line) for line in (out / "grpo" / "metrics.jsonl").read_text().splitlines()]
     steps = [s for s in steps if "rollout/logprob_diff_max" in s]
-    assert len(steps) == 20
+    assert len(steps) == 10
     # vLLM's log-probs of its samples vs the FSDP2 trainer's recomputation, fp32, every step.
     assert max(s["rollout/logprob_diff_max"] for s in steps) < 1e-3
     assert all(abs(s["actor/ppo_kl"]) < 1e-6 for s in steps)
