@@ -123,7 +123,7 @@ def main() -> None:
             rows.append({"allocator": name, "category": cat, "seconds": s, "share": s / total,
                          "gflops": flops / s / 1e9 if flops else float("nan"), "of_peak": flops / s / peak if flops else float("nan")})
             if cat == "other":
-                rows += [{"allocator": name, "category": f"  {op}", "seconds": t, "share": t / total, "gflops": float("nan"),
+                rows += [{"allocator": name, "category": f"  {op[:32]}", "seconds": t, "share": t / total, "gflops": float("nan"),
                           "of_peak": float("nan")} for t, op in result["top_other"]]
         rows.append({"allocator": name, "category": "total", "seconds": total, "share": 1.0, "gflops": float("nan"), "of_peak": float("nan")})
     print_rows(f"one forward + backward of {args.seqs} x ({args.prompt} + {args.response}) tokens on 1 thread, {os.path.basename(path)}, "
