@@ -34,7 +34,6 @@ CATEGORIES = (
     ("copies / layout", ("aten::copy_", "aten::clone", "aten::contiguous", "aten::cat", "aten::index")),
     ("fill / alloc", ("aten::fill_", "aten::zero_", "aten::zeros", "aten::empty", "aten::ones", "aten::full")),
 )
-MATMULS = CATEGORIES[0][1]
 TOP_OTHER = 6  # the largest ops of "other", listed under it
 
 
@@ -55,7 +54,7 @@ def child(args) -> None:
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = load_hf_model(ModelConfig(path=args.model_path), "cpu").train()
+    model = load_hf_model(ModelConfig(path=args.model), "cpu").train()
     b, p, r = args.seqs, args.prompt, args.response
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (b, p + r))
@@ -66,7 +65,7 @@ def child(args) -> None:
     def one_pass() -> None:
         logits = response_logits(model, mb)  # [b, R, V] fp32
         logp, ent = logprobs_from_logits(logits, mb["responses"]), entropy_from_logits(logits)
-        (-(adv * logp).mean() - 0.0 * ent.mean()).backward()
+        (-(adv * logp).mean() - 0.0 * ent.mean()).backward()  # entropy in the graph, as the actor's loss has it
         model.zero_grad(set_to_none=True)
 
     one_pass()  # warm-up: first-touch allocations, lazy init
@@ -76,11 +75,12 @@ def child(args) -> None:
     out: dict[str, list[float]] = {}
     others = []
     for e in prof.key_averages():
-        row = out.setdefault(category(e.key), [0.0, 0.0])
-        row[0] += e.self_cpu_time_total / 1e6 / args.passes
-        row[1] += (e.flops or 0) / args.passes if e.key.startswith(MATMULS) else 0.0
-        if category(e.key) == "other":
-            others.append((e.self_cpu_time_total / 1e6 / args.passes, e.key))
+        cat, seconds = category(e.key), e.self_cpu_time_total / 1e6 / args.passes
+        row = out.setdefault(cat, [0.0, 0.0])
+        row[0] += seconds
+        row[1] += (e.flops or 0) / args.passes if cat == "matmul" else 0.0
+        if cat == "other":
+            others.append((seconds, e.key))
     print("RESULT " + json.dumps({"categories": out, "top_other": sorted(others, reverse=True)[:TOP_OTHER]}), flush=True)
 
 
@@ -92,8 +92,7 @@ def main() -> None:
     ap.add_argument("--response", type=int, default=16)
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--model-path", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one allocator setting, --model a path
     args = ap.parse_args()
     if args.child:
         return child(args)
@@ -113,7 +112,7 @@ def main() -> None:
     rows = []
     for name, extra in ALLOCATORS.items():
         env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"} | extra | {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model-path", path, "--seqs", str(args.seqs),
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model", path, "--seqs", str(args.seqs),
                "--prompt", str(args.prompt), "--response", str(args.response), "--passes", str(args.passes)]
         res = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
         result = json.loads(next(line for line in res.stdout.splitlines() if line.startswith("RESULT "))[7:])

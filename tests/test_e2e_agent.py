@@ -60,7 +60,6 @@ def test_multi_turn_grpo_step_masks_environment_tokens(ray_cluster, tiny_model_d
     assert any(0 in t.response_mask[:max(i for i, m in enumerate(t.response_mask) if m) + 1] for t in rollouts[1])
 
 
-
 def test_guess_recipe_learns_to_bisect(ray_cluster, tmp_path):
     """`hybridflow demo --recipe guess`, short: its SFT as the recipe runs it (300 steps, ~1 s each on
     2 cores) on games that mostly count up from 1, then 10 GRPO steps instead of 30 against the turn
