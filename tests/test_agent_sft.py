@@ -106,16 +106,20 @@ def test_multiply_task_holds_out_val_and_demonstrates_mostly_wrong_behaviour(too
     assert all(int(r["reward_model"]["ground_truth"]) == r["extra_info"]["a"] * r["extra_info"]["b"] for r in train + val)
     val_prompts = {r["prompt"][0]["content"] for r in val}
     assert not any(r["messages"][0]["content"] in val_prompts for r in sft)
+    assert all(int(r["reward_model"]["ground_truth"]) >= 100_000 for r in train + val)  # 6 digits: fixed copy offsets
     right = direct = 0
     for r in sft:
         a, b = map(int, r["messages"][0]["content"][len("What is "):-1].split("*"))
         answer = int(r["messages"][-1]["content"][len("The answer is "):-1])
         direct += len(r["messages"]) == 2
         right += answer == a * b
-        if len(r["messages"]) == 4:  # the final answer copies the tool's result, right or wrong
+        if len(r["messages"]) == 4:  # the call is exact or rounds b to tens; the answer copies the tool's result
+            expression = json.loads(r["messages"][1]["content"].split("\n")[1])["arguments"]["expression"]
+            assert expression in (f"{a}*{b}", f"{a}*{b - b % 10}")
             assert r["messages"][3]["content"] == f"The answer is {r['messages'][2]['content']}."
-    # defaults: 60% answer in the head (never right), 40% x 65% call with the right arguments
-    assert 0.5 < direct / len(sft) < 0.7 and 0.2 < right / len(sft) < 0.33
+    # defaults: 30% answer in the head (never right); 70% call, 70% of the calls with b rounded (right
+    # only when b ends in 0): right = 0.7 * (0.3 + 0.7 * 0.1) = 0.26; bounds ~3 sigma for 400 rows
+    assert 0.23 < direct / len(sft) < 0.37 and 0.19 < right / len(sft) < 0.33
 
 
 def test_guess_task_conversations_are_games_played_against_the_environment(tmp_path):

@@ -63,9 +63,7 @@ def test_multi_turn_grpo_step_masks_environment_tokens(ray_cluster, tiny_model_d
 def test_guess_recipe_learns_to_bisect(ray_cluster, tmp_path):
     """`hybridflow demo --recipe guess`, short: its SFT as the recipe runs it (300 steps, ~1 s each on
     2 cores) on games that mostly count up from 1, then 10 GRPO steps instead of 30 against the turn
-    penalty. Measured: held-out turns per solved game 5.5 -> 2.8, score 0.55 -> 0.74 at step 10.
-    The tool recipe has no short version: its SFT copy forms or not depending on fp32 rounding
-    (docs/agents.md, "Not there yet")."""
+    penalty. Measured: held-out turns per solved game 5.5 -> 2.8, score 0.55 -> 0.74 at step 10."""
     import json
 
     from hybridflow.cli import main as cli_main
@@ -76,3 +74,20 @@ def test_guess_recipe_learns_to_bisect(ray_cluster, tmp_path):
     assert s["val_turns_per_solved_after_sft"] >= 5.0  # counting up: (1 + ... + 10) / 10 turns
     assert s["val_turns_per_solved_final"] <= s["val_turns_per_solved_after_sft"] - 1.5
     assert s["val_acc_final"] >= s["val_acc_after_sft"] + 0.1
+
+
+def test_tool_recipe_learns_to_call_the_calculator_with_the_exact_operands(ray_cluster, tmp_path):
+    """`hybridflow demo --recipe tool`, short: its SFT as the recipe runs it (700 steps) on
+    conversations that answer in the head (30%) or call the calculator with the second operand
+    rounded to tens (60% of the calls), then 10 GRPO steps instead of 40. The greedy SFT model
+    rounds (right only when b ends in 0); the reward moves it to the exact operand."""
+    import json
+
+    from hybridflow.cli import main as cli_main
+
+    out = tmp_path / "tool"
+    assert cli_main(["demo", "--recipe", "tool", "--output-dir", str(out), "--rl-steps", "10", "trainer.progress_bar=false"]) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["val_acc_after_sft"] < 0.3
+    assert s["val_acc_final"] >= 0.8
+    assert s["val_tool_calls_final"] >= 0.9  # one call per held-out product

@@ -10,14 +10,19 @@ task (`pref_train.parquet`, `pref_val.parquet`): for each triple, chosen = the r
 (the maximum), rejected = the minimum, the next smallest digit, and a digit absent from the prompt, so a
 preference learner's progress is measured by the same rule scorer on the held-out triples.
 
-``multiply`` (the tool demo's task): "What is 123*456?" -> "56088", 3-digit operands, a product the
-tiny model cannot compute in its head. RL rows go through the multi-turn agent loop with the
-``calculator`` tool (``tool_config.yaml``, verl's shape); SFT rows are multi-turn conversations
-(``messages``: user, assistant tool call, tool result, assistant answer) that are often wrong: with
-``direct_prob`` the demonstration answers without the tool (a wrong guess near the product), and a
-tool-using one passes bad arguments (a digit changed, or ``+`` for ``*``) with ``bad_args_prob``.
-The SFT model prefers answering in its head (greedy accuracy near 0); GRPO with the exact-answer
-reward (the last integer of the model's own tokens) makes it call the tool with the right arguments.
+``multiply`` (the tool demo's task): "What is 423*756?" -> "319788", 3-digit operands from
+``min_operand`` (320: every product has 6 digits, so the tool's result and the answer sit at fixed
+offsets, which a tiny model learns to copy by position), a product the tiny model cannot compute in
+its head. RL rows go through the multi-turn agent loop with the ``calculator`` tool
+(``tool_config.yaml``, verl's shape); SFT rows are multi-turn conversations (``messages``: user,
+assistant tool call, tool result, assistant answer) that are often wrong: with ``direct_prob`` the
+demonstration answers without the tool (a wrong guess near the product), and a tool-using one passes
+bad arguments with ``bad_args_prob`` (the second operand rounded down to tens: ``423*750``). With
+the defaults (30% in the head, 70% of the calls rounded) the SFT model's greedy answer calls the tool
+with the rounded operand (wrong unless b ends in 0); GRPO with the exact-answer reward (the last
+integer of the model's own tokens) moves it to the exact operand. 70% of the demonstrations call
+the tool, so the copy of the operands into the call and of the result into the answer forms during
+SFT (a mix with 60% in the head formed it on one run of two).
 
 ``arith_add``: single-digit addition ``a+b`` (a, b in 0..9). The RL files hold the 100 pairs split
 into train / val (val is held out from RL training); the SFT file holds biased demonstrations over
@@ -180,19 +185,23 @@ def _tool_call(expression: str) -> str:
     return '<tool_call>\n' + json.dumps({"name": "calculator", "arguments": {"expression": expression}}) + '\n</tool_call>'
 
 
-def make_multiply_task(out_dir, n_train: int = 2000, n_val: int = 100, n_sft: int = 3000, direct_prob: float = 0.6,
-                       bad_args_prob: float = 0.35, seed: int = 0) -> dict[str, pathlib.Path]:
+def make_multiply_task(out_dir, n_train: int = 2000, n_val: int = 100, n_sft: int = 3000, direct_prob: float = 0.3,
+                       bad_args_prob: float = 0.7, min_operand: int = 320, seed: int = 0) -> dict[str, pathlib.Path]:
     """Write ``train.parquet`` / ``val.parquet`` (RL, disjoint operand pairs), ``sft.parquet``
-    (multi-turn ``messages`` + ``tools``, over the train pairs only) and ``tool_config.yaml``."""
+    (multi-turn ``messages`` + ``tools``, over the train pairs only) and ``tool_config.yaml``.
+
+    Operands are drawn from ``min_operand..999``; 320 makes every product, the rounded ones too, 6 digits."""
     for name, p in (("direct_prob", direct_prob), ("bad_args_prob", bad_args_prob)):
         if not 0.0 <= p <= 1.0:
             raise ValueError(f"{name} must be in [0, 1], got {p}")
+    if not 100 <= min_operand <= 999:
+        raise ValueError(f"min_operand must be a 3-digit number (100..999), got {min_operand}")
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
     pairs: set[tuple[int, int]] = set()
     while len(pairs) < n_train + n_val:
-        pairs.add((rng.randint(100, 999), rng.randint(100, 999)))
+        pairs.add((rng.randint(min_operand, 999), rng.randint(min_operand, 999)))
     ordered = sorted(pairs)
     rng.shuffle(ordered)
     val, train = ordered[:n_val], ordered[n_val:]
@@ -208,14 +217,9 @@ def make_multiply_task(out_dir, n_train: int = 2000, n_val: int = 100, n_sft: in
         return guess if guess != x else guess + 1
 
     def bad_call(a: int, b: int) -> tuple[str, int]:
-        """(expression, its value): "+" for "*", or one operand digit changed (no leading zero)."""
-        if rng.random() < 0.5:
-            return f"{a}+{b}", a + b
-        digits = list(f"{a}{b}")
-        i = rng.randrange(len(digits))
-        digits[i] = rng.choice([d for d in "0123456789" if d != digits[i] and (i % 3 or d != "0")])
-        x, y = int("".join(digits[:3])), int("".join(digits[3:]))
-        return f"{x}*{y}", x * y
+        """(expression, its value): the second operand rounded down to tens, one consistent mistake
+        (the greedy SFT model makes it; the product keeps its 6 digits)."""
+        return f"{a}*{b - b % 10}", a * (b - b % 10)
 
     tools = json.dumps([CALCULATOR_SCHEMA])
     sft_rows = []
