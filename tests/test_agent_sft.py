@@ -117,9 +117,9 @@ def test_multiply_task_holds_out_val_and_demonstrates_mostly_wrong_behaviour(too
             expression = json.loads(r["messages"][1]["content"].split("\n")[1])["arguments"]["expression"]
             assert expression in (f"{a}*{b}", f"{a}*{b - b % 10}")
             assert r["messages"][3]["content"] == f"The answer is {r['messages'][2]['content']}."
-    # defaults: 30% answer in the head (never right); 70% call, 70% of the calls with b rounded (right
-    # only when b ends in 0): right = 0.7 * (0.3 + 0.7 * 0.1) = 0.26; bounds ~3 sigma for 400 rows
-    assert 0.23 < direct / len(sft) < 0.37 and 0.19 < right / len(sft) < 0.33
+    # defaults: 10% answer in the head (never right); 90% call, 70% of the calls with b rounded (right
+    # only when b ends in 0): right = 0.9 * (0.3 + 0.7 * 0.1) = 0.33; bounds ~3 sigma for 400 rows
+    assert 0.05 < direct / len(sft) < 0.15 and 0.26 < right / len(sft) < 0.40
 
 
 def test_guess_task_conversations_are_games_played_against_the_environment(tmp_path):

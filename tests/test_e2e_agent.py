@@ -78,7 +78,7 @@ def test_guess_recipe_learns_to_bisect(ray_cluster, tmp_path):
 
 def test_tool_recipe_learns_to_call_the_calculator_with_the_exact_operands(ray_cluster, tmp_path):
     """`hybridflow demo --recipe tool`, short: its SFT as the recipe runs it (700 steps) on
-    conversations that answer in the head (30%) or call the calculator with the second operand
+    conversations that answer in the head (10%) or call the calculator with the second operand
     rounded to tens (60% of the calls), then 10 GRPO steps instead of 40. The greedy SFT model
     rounds (right only when b ends in 0); the reward moves it to the exact operand."""
     import json

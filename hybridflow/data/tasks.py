@@ -18,11 +18,11 @@ its head. RL rows go through the multi-turn agent loop with the ``calculator`` t
 assistant tool call, tool result, assistant answer) that are often wrong: with ``direct_prob`` the
 demonstration answers without the tool (a wrong guess near the product), and a tool-using one passes
 bad arguments with ``bad_args_prob`` (the second operand rounded down to tens: ``423*750``). With
-the defaults (30% in the head, 70% of the calls rounded) the SFT model's greedy answer calls the tool
+the defaults (10% in the head, 70% of the calls rounded) the SFT model's greedy answer calls the tool
 with the rounded operand (wrong unless b ends in 0); GRPO with the exact-answer reward (the last
-integer of the model's own tokens) moves it to the exact operand. 70% of the demonstrations call
+integer of the model's own tokens) moves it to the exact operand. 90% of the demonstrations call
 the tool, so the copy of the operands into the call and of the result into the answer forms during
-SFT (a mix with 60% in the head formed it on one run of two).
+SFT (docs/agents.md: with 30% or 60% in the head it did not form on every seed).
 
 ``arith_add``: single-digit addition ``a+b`` (a, b in 0..9). The RL files hold the 100 pairs split
 into train / val (val is held out from RL training); the SFT file holds biased demonstrations over
@@ -185,7 +185,7 @@ def _tool_call(expression: str) -> str:
     return '<tool_call>\n' + json.dumps({"name": "calculator", "arguments": {"expression": expression}}) + '\n</tool_call>'
 
 
-def make_multiply_task(out_dir, n_train: int = 2000, n_val: int = 100, n_sft: int = 3000, direct_prob: float = 0.3,
+def make_multiply_task(out_dir, n_train: int = 2000, n_val: int = 100, n_sft: int = 3000, direct_prob: float = 0.1,
                        bad_args_prob: float = 0.7, min_operand: int = 320, seed: int = 0) -> dict[str, pathlib.Path]:
     """Write ``train.parquet`` / ``val.parquet`` (RL, disjoint operand pairs), ``sft.parquet``
     (multi-turn ``messages`` + ``tools``, over the train pairs only) and ``tool_config.yaml``.
