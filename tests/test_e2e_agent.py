@@ -79,8 +79,10 @@ def test_guess_recipe_learns_to_bisect(ray_cluster, tmp_path):
 def test_tool_recipe_learns_to_call_the_calculator_with_the_exact_operands(ray_cluster, tmp_path):
     """`hybridflow demo --recipe tool`, short: its SFT as the recipe runs it (700 steps) on
     conversations that answer in the head (10%) or call the calculator with the second operand
-    rounded to tens (60% of the calls), then 10 GRPO steps instead of 40. The greedy SFT model
-    rounds (right only when b ends in 0); the reward moves it to the exact operand."""
+    rounded to tens (70% of the calls), then 10 GRPO steps instead of 40. The greedy SFT model
+    rounds (right only when b ends in 0); the reward moves it to the exact operand. Measured at
+    step 10 (docs/agents.md): 0.08 -> 1.00 (this recipe), 0.09 -> 0.98 and 0.13 -> 0.39 on two other
+    seeds; the last stays below 0.5 by step 40, so the bar here is a rise of 0.2, not 0.8."""
     import json
 
     from hybridflow.cli import main as cli_main
@@ -89,5 +91,5 @@ def test_tool_recipe_learns_to_call_the_calculator_with_the_exact_operands(ray_c
     assert cli_main(["demo", "--recipe", "tool", "--output-dir", str(out), "--rl-steps", "10", "trainer.progress_bar=false"]) == 0
     s = json.loads((out / "summary.json").read_text())
     assert s["val_acc_after_sft"] < 0.3
-    assert s["val_acc_final"] >= 0.8
+    assert s["val_acc_final"] >= s["val_acc_after_sft"] + 0.2
     assert s["val_tool_calls_final"] >= 0.9  # one call per held-out product
