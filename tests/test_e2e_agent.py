@@ -60,6 +60,7 @@ def test_multi_turn_grpo_step_masks_environment_tokens(ray_cluster, tiny_model_d
     assert any(0 in t.response_mask[:max(i for i, m in enumerate(t.response_mask) if m) + 1] for t in rollouts[1])
 
 
+@pytest.mark.timeout(1200)  # its 300-step SFT is ~5-7 min on 2 cores, near the suite's 600 s
 def test_guess_recipe_learns_to_bisect(ray_cluster, tmp_path):
     """`hybridflow demo --recipe guess`, short: its SFT as the recipe runs it (300 steps, ~1 s each on
     2 cores) on games that mostly count up from 1, then 10 GRPO steps instead of 30 against the turn
@@ -76,6 +77,7 @@ def test_guess_recipe_learns_to_bisect(ray_cluster, tmp_path):
     assert s["val_acc_final"] >= s["val_acc_after_sft"] + 0.1
 
 
+@pytest.mark.timeout(1500)  # the 700-step SFT alone is ~7-9 min on 2 cores, over the suite's 600 s
 def test_tool_recipe_learns_to_call_the_calculator_with_the_exact_operands(ray_cluster, tmp_path):
     """`hybridflow demo --recipe tool`, short: its SFT as the recipe runs it (700 steps) on
     conversations that answer in the head (10%) or call the calculator with the second operand
