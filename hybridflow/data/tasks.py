@@ -219,7 +219,8 @@ def make_multiply_task(out_dir, n_train: int = 2000, n_val: int = 100, n_sft: in
     def bad_call(a: int, b: int) -> tuple[str, int]:
         """(expression, its value): the second operand rounded down to tens, one consistent mistake
         (the greedy SFT model makes it; the product keeps its 6 digits)."""
-        return f"{a}*{b - b % 10}", a * (b - b % 10)
+        rounded = b - b % 10
+        return f"{a}*{rounded}", a * rounded
 
     tools = json.dumps([CALCULATOR_SCHEMA])
     sft_rows = []
