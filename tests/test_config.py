@@ -137,6 +137,68 @@ def test_valid_configs_pass(world):
     validate_config(world)  # the ppo_tiny shape
 
 
+# (data.train_batch_size, rollout.n, workers, extra keys) -> (mini-batch, actor micro, critic micro), by hand:
+# mini = the largest divisor of train_batch_size <= 8 whose prompts x n split over the workers; micro = the
+# largest divisor <= 8 of mini x n / workers (DPO: pairs, micro even over both sides); critic as the actor.
+DERIVED = [
+    ((8, 1, 2, {}), (8, 4, 4)),  # the seed's PPOTrainer example: 8 x 1 / 2 = 4 sequences per worker
+    ((8, 1, 1, {}), (8, 8, 8)),
+    ((8, 1, 4, {}), (8, 2, 2)),
+    ((8, 8, 4, {}), (8, 8, 8)),  # 16 per worker: the cap
+    ((6, 1, 2, {}), (6, 3, 3)),
+    ((4, 2, 4, {}), (4, 2, 2)),  # a batch below the cap
+    ((12, 1, 4, {}), (4, 1, 1)),  # 6 does not split over 4 workers, 4 does
+    ((16, 2, 2, {"actor_rollout_ref.actor.recompute_old_log_prob": False}), (16, 8, 8)),  # one on-policy pass: the whole batch
+    ((8, 2, 2, {"critic.ppo_mini_batch_size": 2}), (8, 8, 2)),  # the critic's own mini-batch: 2 x 2 / 2 = 2
+]
+
+
+@pytest.mark.parametrize("sizes, expected", DERIVED)
+def test_unset_batch_sizes_are_derived_from_the_layout(sizes, expected, world):
+    from hybridflow.config.derive import derive_defaults
+
+    train, n, workers, extra = sizes
+    cfg = load_config(None, [f"actor_rollout_ref.model.path={world.actor_rollout_ref.model.path}", f"data.train_files={world.data.train_files}",
+                             "data.max_prompt_length=32", "algorithm.adv_estimator=gae", f"data.train_batch_size={train}", f"actor_rollout_ref.rollout.n={n}",
+                             f"trainer.n_gpus_per_node={workers}", *(f"{k}={v}" for k, v in extra.items())])
+    assert cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu is None  # not set by the user
+    validate_config(cfg)  # a default is never refused
+    out = derive_defaults(cfg)
+    a = out.actor_rollout_ref.actor
+    assert (a.ppo_mini_batch_size, a.ppo_micro_batch_size_per_gpu, out.critic.ppo_micro_batch_size_per_gpu) == expected
+    assert cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu is None  # derive_defaults returns a copy
+
+
+@pytest.mark.parametrize("train, workers, expected", [(8, 2, (8, 8)), (6, 2, (6, 6)), (8, 4, (8, 4))])
+def test_unset_dpo_batch_sizes_are_derived_in_whole_pairs(train, workers, expected, world):
+    from hybridflow.config.derive import derive_defaults
+
+    cfg = load_config(None, [f"actor_rollout_ref.model.path={world.actor_rollout_ref.model.path}", f"data.train_files={world.data.train_files}",
+                             "data.max_prompt_length=32", f"data.train_batch_size={train}", f"trainer.n_gpus_per_node={workers}"])
+    validate_config(cfg, "dpo")
+    a = derive_defaults(cfg, "dpo").actor_rollout_ref.actor
+    assert (a.ppo_mini_batch_size, a.ppo_micro_batch_size_per_gpu) == expected
+
+
+def test_a_size_the_user_set_is_still_refused_and_a_derived_one_is_logged_once(world, caplog, monkeypatch):
+    from hybridflow.config import derive
+    from hybridflow.trainer.rl import resolve_config
+
+    monkeypatch.setattr(derive, "_LOGGED", set())  # other tests in this process may have logged it already
+    base = [f"actor_rollout_ref.model.path={world.actor_rollout_ref.model.path}", f"data.train_files={world.data.train_files}",
+            "data.max_prompt_length=32", "algorithm.adv_estimator=gae"]
+    with pytest.raises(ConfigError) as e:
+        validate_config(load_config(None, [*base, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8"]))
+    assert "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu (8) is larger than the per-worker mini-batch" in str(e.value)
+    assert "critic.ppo_micro_batch_size_per_gpu" not in str(e.value)  # unset: derived, not refused
+    with caplog.at_level("INFO", logger="hybridflow"):
+        for _ in range(2):  # a second trainer in the same process does not repeat it
+            cfg = resolve_config(load_config(None, base), None, {}, "rl")
+    assert cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == 4
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("actor micro batch 4: derived from")]
+    assert len(lines) == 1 and "per-worker mini-batch of 4 sequences" in lines[0], lines
+
+
 def _set(cfg, dotted, value):
     *parents, leaf = dotted.split(".")
     obj = cfg
@@ -285,7 +347,7 @@ def test_sft_validation(tmp_path, world):
     assert "train_batch_size (63) must be divisible by n_workers" in msg
     assert "model.path" in msg and "hybridflow make-model" in msg
     assert "val_files: file '/nonexistent/v.parquet'" in msg
-    cfg.train_batch_size, cfg.model.path, cfg.val_files = 32, model, []
+    cfg.train_batch_size, cfg.model.path, cfg.val_files, cfg.micro_batch_size_per_gpu = 32, model, [], 32  # set: 32 x 2 workers > 32
     with pytest.raises(ConfigError, match=r"(?s)micro_batch_size_per_gpu \* n_workers.*max_length \(100\) exceeds"):
         validate_sft_config(cfg)
 
@@ -576,36 +638,51 @@ def test_worker_env_is_validated(world, env, expected):
         load_config(None, ["trainer.worker_env.OMP_NUM_THREADS=4"])
 
 
-def test_shipped_configs_validate_as_the_readme_uses_them(tmp_path, monkeypatch):
-    """Every shipped config, as written, over what `hybridflow make-data runs/data` and
-    `hybridflow make-model runs/tiny_model` (and the SFT model the README trains) create; each
-    parallel config over grpo_tiny.yaml with its worker count."""
+@pytest.fixture(scope="module")
+def readme_runs(tmp_path_factory):
+    """What `hybridflow make-data runs/data` and `hybridflow make-model runs/tiny_model` (and the SFT
+    model the README trains) create, under a directory the shipped configs' relative paths resolve in."""
     import shutil
 
-    from hybridflow.config import validate_rm_config, validate_sft_config
-    from hybridflow.config.parallel import apply_parallel_config, load_parallel_config
     from hybridflow.data.tasks import make_max_task
     from hybridflow.models.tiny import make_tiny_model
 
-    make_max_task(tmp_path / "runs" / "data")
-    make_tiny_model(tmp_path / "runs" / "tiny_model")
-    shutil.copytree(tmp_path / "runs" / "tiny_model", tmp_path / "runs" / "sft_model")
-    monkeypatch.chdir(tmp_path)
+    root = tmp_path_factory.mktemp("readme")
+    make_max_task(root / "runs" / "data")
+    make_tiny_model(root / "runs" / "tiny_model")
+    shutil.copytree(root / "runs" / "tiny_model", root / "runs" / "sft_model")
+    return root
+
+
+@pytest.mark.parametrize("workers", [1, 2, 4])
+def test_shipped_configs_validate_at_1_2_and_4_workers(workers, readme_runs, monkeypatch):
+    """Every shipped config, as written, with only the worker count added (the user's one key), passes
+    validation at 1, 2 and 4 data-parallel workers; each parallel config over each RL config with its
+    own worker count. A batch size a file does not set is derived from the layout, never refused."""
+    from hybridflow.config import validate_rm_config
+    from hybridflow.config.parallel import apply_parallel_config, load_parallel_config
+
+    monkeypatch.chdir(readme_runs)
     configs = os.path.join(ROOT, "configs")
-    validate_config(load_config(os.path.join(configs, "grpo_tiny.yaml")))
-    validate_config(load_config(os.path.join(configs, "ppo_tiny.yaml")))
-    validate_config(load_config(os.path.join(configs, "dpo_tiny.yaml")), "dpo")
-    validate_sft_config(load_config(os.path.join(configs, "sft_tiny.yaml"), schema=SFTConfig))
-    validate_rm_config(load_config(os.path.join(configs, "rm_tiny.yaml"), schema=RewardTrainConfig))
-    parallel = sorted(glob.glob(os.path.join(configs, "parallel_*.yaml")))
+    names = sorted(os.path.basename(f) for f in glob.glob(os.path.join(configs, "*.yaml")))
+    run_configs = [n for n in names if not n.startswith("parallel_")]
+    assert run_configs == ["dapo_tiny.yaml", "dpo_tiny.yaml", "grpo_tiny.yaml", "ppo_tiny.yaml", "rm_tiny.yaml", "sft_tiny.yaml"]
+    count = [f"trainer.n_gpus_per_node={workers}"]
+    for name in ("dapo_tiny.yaml", "grpo_tiny.yaml", "ppo_tiny.yaml"):
+        validate_config(load_config(os.path.join(configs, name), count))
+    validate_config(load_config(os.path.join(configs, "dpo_tiny.yaml"), count), "dpo")
+    validate_sft_config(load_config(os.path.join(configs, "sft_tiny.yaml"), count, schema=SFTConfig))
+    validate_rm_config(load_config(os.path.join(configs, "rm_tiny.yaml"), count, schema=RewardTrainConfig))
+    parallel = [n for n in names if n.startswith("parallel_")]
     assert len(parallel) >= 4
-    for path in parallel:
-        p = load_parallel_config(path)
+    for name in parallel:
+        p = load_parallel_config(os.path.join(configs, name))
         world = (p.pipeline_parallel_size or 1) * (p.model_parallel_size or 1) * p.data_parallel_size
-        # grpo_tiny's 64 sequences per step over dp 4 is 16 per worker: its micro-batch of 32 must shrink
-        extra = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16"] if p.data_parallel_size == 4 else []
-        base = load_config(os.path.join(configs, "grpo_tiny.yaml"), [f"trainer.n_gpus_per_node={world}", *extra])
-        validate_config(apply_parallel_config(base, p))
+        assert world in (1, 2, 4), name  # so one of the parametrizations checks it
+        if world != workers:
+            continue  # a parallel config runs at its own worker count
+        for base in ("dapo_tiny.yaml", "grpo_tiny.yaml", "ppo_tiny.yaml"):
+            validate_config(apply_parallel_config(load_config(os.path.join(configs, base), [f"trainer.n_gpus_per_node={world}"]), p))
 
 
 def test_bf16_mixed_precision_generates_in_bf16(tiny_model_dir):

@@ -11,6 +11,10 @@ Batch-size semantics (a classic source of confusion, stated plainly):
   multiplied by ``rollout.n`` internally (as in verl).
 - ``*_micro_batch_size_per_gpu``: SEQUENCES per forward/backward on ONE worker (gradient
   accumulation happens across micro-batches).
+
+Sizes that the layout constrains (mini- and micro-batches) default to None = not set: the run derives
+them from the layout (``config/derive.py``, logged once), so a default never fails validation; only a
+value the user set can be refused.
 """
 
 from __future__ import annotations
@@ -47,6 +51,11 @@ class DataConfig:
 MODEL_DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 # How a per-token loss [B, T] becomes a scalar (algorithms/losses.py agg_loss); verl's names.
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+# Upper bounds of the sizes a run derives when they are not set (config/derive.py): the largest
+# divisor of what one worker gets, up to these (the fixed defaults these fields had before).
+MINI_BATCH_CAP = 8  # actor.ppo_mini_batch_size: prompts per optimizer step
+MICRO_BATCH_CAP = 8  # actor / critic ppo_micro_batch_size_per_gpu: sequences per forward/backward
+SFT_MICRO_BATCH_CAP = 32  # SFTConfig / RewardTrainConfig micro_batch_size_per_gpu
 # LoRA targets: peft's "all-linear" (every linear layer but the output head), or the decoder's projections.
 LORA_TARGETS = ("all-linear", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -100,8 +109,12 @@ class PolicyLossConfig:
 @dataclass
 class ActorConfig:
     # Training is FSDP2 (verl's `strategy: fsdp | fsdp2` is accepted as a verl key: config/verl_compat.py).
-    ppo_mini_batch_size: int = 8  # prompts per optimizer step, global (x rollout.n inside)
-    ppo_micro_batch_size_per_gpu: int = 8  # sequences per forward/backward per worker
+    # prompts per optimizer step, global (x rollout.n inside). None = derived: the largest divisor of
+    # data.train_batch_size up to MINI_BATCH_CAP (8) whose sequences split evenly over the data-parallel ranks.
+    ppo_mini_batch_size: Optional[int] = None
+    # sequences per forward/backward per worker. None = derived: the largest divisor of the per-worker
+    # mini-batch (ppo_mini_batch_size * rollout.n / data-parallel ranks) up to MICRO_BATCH_CAP (8).
+    ppo_micro_batch_size_per_gpu: Optional[int] = None
     # Micro-batches by token budget instead of by count: consecutive sequences while their valid
     # tokens fit ppo_max_token_len_per_gpu (the gradient is the same: losses are weighted by their
     # share of the mini-batch's sequences or, for token-mean, tokens).
@@ -225,7 +238,7 @@ class CriticConfig:
     model: ModelConfig = field(default_factory=ModelConfig)  # path "" = the actor's path
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4))
     ppo_mini_batch_size: Optional[int] = None  # None = the actor's
-    ppo_micro_batch_size_per_gpu: int = 8
+    ppo_micro_batch_size_per_gpu: Optional[int] = None  # None = derived, as the actor's (over the critic's data-parallel ranks)
     ppo_epochs: int = 1
     cliprange_value: float = 0.5
     loss_agg_mode: str = "token-mean"
@@ -504,7 +517,8 @@ class SFTConfig:
     multiturn: SFTMultiTurnConfig = field(default_factory=SFTMultiTurnConfig)
     max_length: int = 64
     train_batch_size: int = 64  # sequences per optimizer step, global
-    micro_batch_size_per_gpu: int = 32
+    # None = derived: the largest divisor of train_batch_size / workers up to SFT_MICRO_BATCH_CAP (32)
+    micro_batch_size_per_gpu: Optional[int] = None
     total_steps: int = 300
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3))
@@ -531,7 +545,9 @@ class RewardTrainConfig:
     max_prompt_length: int = 64
     max_response_length: int = 16
     train_batch_size: int = 32  # pairs per optimizer step, global
-    micro_batch_size_per_gpu: int = 32  # sequences per forward per worker (even: both sides of a pair)
+    # sequences per forward per worker (even: both sides of a pair). None = derived: the largest even
+    # divisor of the 2 * train_batch_size / workers sequences a worker gets, up to SFT_MICRO_BATCH_CAP (32)
+    micro_batch_size_per_gpu: Optional[int] = None
     total_steps: int = 100
     margin: float = 0.0  # loss -log sigma(r_c - r_r - margin); a `margin` column in the data adds per pair
     model: ModelConfig = field(default_factory=ModelConfig)

@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Literal
 
+from hybridflow.config.derive import derive_defaults, derive_rm_defaults, derive_sft_defaults
 from hybridflow.config.loader import ConfigError, literal_choices
 from hybridflow.config.schema import LOSS_AGG_MODES, LORA_TARGETS, MODEL_DTYPES, DPOConfig, HybridFlowConfig, ModelConfig, OptimConfig, RewardTrainConfig, SFTConfig, TrainerConfig
 
@@ -225,9 +226,10 @@ def model_json(path: str) -> dict:
 
 def _batch_checks(p: _Problems, who: str, mini: int, micro: int, train_bs: int, n: int, n_workers: int, unit: str = "workers"):
     """Mini-batch (prompts, global) vs train batch, workers and micro-batch (sequences, per worker).
-    n_workers: the data-parallel ranks (`unit` names them: with TP/PP training, the dp groups)."""
+    n_workers: the data-parallel ranks (`unit` names them: with TP/PP training, the dp groups).
+    None: not set and not derivable from the layout (`derive.py`), whose own problem is reported."""
     mini_key, micro_key = f"{who}.ppo_mini_batch_size", f"{who}.ppo_micro_batch_size_per_gpu"
-    if not (p.positive(mini_key, mini) & p.positive(micro_key, micro)):
+    if not ((mini is None or p.positive(mini_key, mini)) & (micro is None or p.positive(micro_key, micro))) or mini is None:
         return
     if mini > train_bs:
         p.append(f"{mini_key} ({mini}) must be <= data.train_batch_size ({train_bs}); lower it")
@@ -238,6 +240,8 @@ def _batch_checks(p: _Problems, who: str, mini: int, micro: int, train_bs: int, 
                  f"{unit}; set {mini_key} so that the product is a multiple of {n_workers}")
         return
     per_worker = mini * n // n_workers
+    if micro is None:
+        return
     if micro > per_worker:
         p.append(f"{micro_key} ({micro}) is larger than the per-worker mini-batch ({mini_key} * {R}.n / "
                  f"n_workers = {per_worker} sequences); lower {micro_key} to a divisor of {per_worker}")
@@ -411,7 +415,10 @@ def _critic_tp_problems(p: _Problems, cfg: HybridFlowConfig, n_workers: int) -> 
 
 def validate_config(cfg: HybridFlowConfig, kind: Literal["rl", "dpo"] = "rl") -> None:
     """Raise one ConfigError listing every problem in ``cfg`` (no-op when it is fine).
-    kind: "rl" (`hybridflow train`) or "dpo" (`hybridflow dpo`, offline or online)."""
+    kind: "rl" (`hybridflow train`) or "dpo" (`hybridflow dpo`, offline or online).
+    Checks `cfg` as it runs: the batch sizes left unset (None) derived from the layout first
+    (`derive.derive_defaults`), so only values the user set can be refused."""
+    cfg = derive_defaults(cfg, kind)
     p = _Problems()
     d, arr, alg = cfg.data, cfg.actor_rollout_ref, cfg.algorithm
     actor, roll, critic = arr.actor, arr.rollout, cfg.critic
@@ -506,7 +513,7 @@ def validate_config(cfg: HybridFlowConfig, kind: Literal["rl", "dpo"] = "rl") ->
         if on and isinstance(budget, int) and isinstance(seq_len, int) and budget < seq_len:
             p.append(f"{key} ({budget}) must hold one whole sequence: at least data.max_prompt_length + data.max_response_length = {seq_len}")
     if kind == "rl" and not actor.recompute_old_log_prob:
-        single = actor.ppo_epochs == 1 and actor.ppo_mini_batch_size == d.train_batch_size
+        single = actor.ppo_epochs == 1 and actor.ppo_mini_batch_size in (None, d.train_batch_size)  # None: derived as train_batch_size
         if not single or alg.use_kl_in_reward or cfg.trainer.async_rollout:
             p.append(f"{A}.recompute_old_log_prob=false needs the update to be one on-policy pass: {A}.ppo_epochs=1, "
                      f"{A}.ppo_mini_batch_size = data.train_batch_size, algorithm.use_kl_in_reward=false (it reads the old "
@@ -633,13 +640,14 @@ def _policy_lora_refused(cfg: HybridFlowConfig, kind: str) -> str | None:
 
 
 def validate_sft_config(cfg: SFTConfig) -> None:
-    """The SFT analogue of :func:`validate_config`."""
+    """The SFT analogue of :func:`validate_config` (an unset micro_batch_size_per_gpu derived first)."""
+    cfg = derive_sft_defaults(cfg)
     p = _Problems()
     n_workers = p.trainer(cfg.trainer)
-    ok = p.positive("train_batch_size", cfg.train_batch_size) & p.positive(
-        "micro_batch_size_per_gpu", cfg.micro_batch_size_per_gpu)
+    micro = cfg.micro_batch_size_per_gpu
+    ok = p.positive("train_batch_size", cfg.train_batch_size) & (micro is None or p.positive("micro_batch_size_per_gpu", micro))
     if ok and n_workers >= 1:
-        per = cfg.micro_batch_size_per_gpu * n_workers
+        per = (micro or 1) * n_workers
         if cfg.train_batch_size % n_workers:
             p.append(f"train_batch_size ({cfg.train_batch_size}) must be divisible by n_workers ({n_workers}); "
                      f"set it to a multiple of {n_workers}")
@@ -657,14 +665,17 @@ def validate_sft_config(cfg: SFTConfig) -> None:
 
 
 def validate_rm_config(cfg: RewardTrainConfig) -> None:
-    """`hybridflow rm`: pairs per step and per forward, the starting model, the data files."""
+    """`hybridflow rm`: pairs per step and per forward, the starting model, the data files (an unset
+    micro_batch_size_per_gpu derived first)."""
+    cfg = derive_rm_defaults(cfg)
     p = _Problems()
     n_workers = p.trainer(cfg.trainer)
-    if p.positive("train_batch_size", cfg.train_batch_size) & p.positive("micro_batch_size_per_gpu", cfg.micro_batch_size_per_gpu) and n_workers >= 1:
+    micro = cfg.micro_batch_size_per_gpu
+    if p.positive("train_batch_size", cfg.train_batch_size) & (micro is None or p.positive("micro_batch_size_per_gpu", micro)) and n_workers >= 1:
         per_worker = 2 * cfg.train_batch_size // n_workers
         if cfg.train_batch_size % n_workers:
             p.append(f"train_batch_size ({cfg.train_batch_size} pairs) must be divisible by the {n_workers} workers")
-        elif cfg.micro_batch_size_per_gpu % 2 or per_worker % cfg.micro_batch_size_per_gpu:
+        elif micro is not None and (micro % 2 or per_worker % micro):
             p.append(f"micro_batch_size_per_gpu ({cfg.micro_batch_size_per_gpu}) must be even and divide the {per_worker} "
                      f"sequences (both sides of {per_worker // 2} pairs) each worker gets per step")
     for key in ("max_prompt_length", "max_response_length", "total_steps"):

@@ -53,6 +53,7 @@ class PolicyGroup:
 
     def __init__(self, cfg: HybridFlowConfig, model: Any, num_workers: int):
         from hybridflow.config import validate_config
+        from hybridflow.config.derive import derive_defaults
         from hybridflow.config.schema import PoolSpec
         from hybridflow.config.pools import ModelPart, needs_ref_log_prob, ref_is_actor
         from hybridflow.trainer.placement import start_groups
@@ -70,6 +71,7 @@ class PolicyGroup:
             raise ValueError(f"model {self.path} has no tokenizer; set actor_rollout_ref.model.tokenizer_path in the flow's config")
         cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node = 1, num_workers
         cfg.resource_pool.pools, cfg.resource_pool.mapping = {}, {}
+        cfg = derive_defaults(cfg)  # unset batch sizes from num_workers
         validate_config(cfg)  # batch sizes against num_workers, the model, ... before any worker starts
         self.cfg = cfg
         use_ref = needs_ref_log_prob(cfg) and not ref_is_actor(cfg)

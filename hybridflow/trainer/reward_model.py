@@ -17,6 +17,7 @@ import torch
 from transformers import AutoTokenizer
 
 from hybridflow.config import RewardTrainConfig, validate_rm_config
+from hybridflow.config.derive import derive_rm_defaults
 from hybridflow.config.schema import PoolSpec
 from hybridflow.data.preference import PreferenceDataset, collate_pairs
 from hybridflow.trainer.loader import PromptLoader
@@ -30,6 +31,7 @@ def pair_accuracy(scores: torch.Tensor) -> float:
 
 
 def run_rm(cfg: RewardTrainConfig, log_every: int = 25) -> dict:
+    cfg = derive_rm_defaults(cfg)  # an unset micro-batch from the workers (logged once)
     validate_rm_config(cfg)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
     P, R = cfg.max_prompt_length, cfg.max_response_length

@@ -69,13 +69,16 @@ class NonFiniteError(RuntimeError):
 
 
 def resolve_config(cfg: HybridFlowConfig, parallel_config: str | dict | ParallelConfig | None, engine_kwargs: dict, kind: str) -> HybridFlowConfig:
-    """`cfg` with a parallel config (only the keys it sets) and hybrid-engine switches applied, validated."""
+    """`cfg` with a parallel config (only the keys it sets) and hybrid-engine switches applied, the
+    unset batch sizes derived from the layout (`config/derive.py`), validated."""
+    from hybridflow.config.derive import derive_defaults
     from hybridflow.config.parallel import apply_engine_kwargs, apply_parallel_config, as_parallel_config
 
     if parallel_config is not None:
         cfg = apply_parallel_config(cfg, as_parallel_config(parallel_config))
     if engine_kwargs:
         cfg = apply_engine_kwargs(cfg, **engine_kwargs)
+    cfg = derive_defaults(cfg, kind)  # what the workers get: every size set
     validate_config(cfg, kind)  # before any worker (or Ray) starts
     return cfg
 

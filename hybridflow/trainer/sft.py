@@ -15,6 +15,7 @@ from transformers import AutoTokenizer
 
 from hybridflow.agent.sft_data import MultiTurnSFTDataset
 from hybridflow.config import HybridFlowConfig, SFTConfig, validate_sft_config
+from hybridflow.config.derive import derive_sft_defaults
 from hybridflow.config.schema import DEFAULT_POOL, ActorConfig, ActorRolloutRefConfig, PoolSpec
 from hybridflow.config.pools import ModelPart
 from hybridflow.data.dataset import SFTDataset, collate_sft
@@ -31,6 +32,7 @@ def _actor_config(cfg: SFTConfig) -> HybridFlowConfig:
 
 
 def run_sft(cfg: SFTConfig, log_every: int = 50) -> dict:
+    cfg = derive_sft_defaults(cfg)  # an unset micro-batch from the workers (logged once)
     validate_sft_config(cfg)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
     mt = cfg.multiturn
