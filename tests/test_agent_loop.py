@@ -192,5 +192,11 @@ def test_multi_turn_config_errors_name_the_key(tmp_path):
     with pytest.raises(ConfigError, match=r"multi_turn.tool_config_path: file not found: /nope.yaml"):
         validate_config(load_config(None, ["actor_rollout_ref.model.path=x", "actor_rollout_ref.rollout.multi_turn.enable=true",
                                            "actor_rollout_ref.rollout.multi_turn.tool_config_path=/nope.yaml"]))
+    tools = tmp_path / "tools.yaml"  # a typo in a sandbox limit: refused here, not as a tool error on every call
+    tools.write_text("tools:\n  - class_name: python\n    config: {type: native, limits: {wal_s: 3}}\n")
+    with pytest.raises(ConfigError, match=r"tool_config_path: .*PythonTool config: limits\.wal_s: not a sandbox limit .*"
+                                          r"did you mean limits\.wall_s\?"):
+        validate_config(load_config(None, ["actor_rollout_ref.model.path=x", "actor_rollout_ref.rollout.multi_turn.enable=true",
+                                           f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tools}"]))
     with pytest.raises(ConfigError, match=r"multi_turn.format must be one of \['hermes'\]"):
         load_config(None, ["actor_rollout_ref.rollout.multi_turn.format=chatml"])

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 
 import pytest
+import yaml
 
 from hybridflow.agent.envs import GuessNumberEnv, make_env, make_env_for_row
 from hybridflow.agent.format import (
@@ -32,6 +33,7 @@ from hybridflow.agent.tools import (
     ToolResult,
     ToolSession,
     ToolSetupError,
+    function_schema,
     get_tool_class,
     load_tool_config,
     sandbox_result_to_tool_result,
@@ -284,13 +286,15 @@ def test_python_tool_calls_the_sandbox_lazily(monkeypatch):
         seen["code"], seen["limits"] = code, limits
         return FakeRun(stdout="3\n")
 
-    fake = types.SimpleNamespace(run_python=run_python)  # no SandboxLimits: overrides go as a dict
+    from hybridflow.agent.sandbox import LIMIT_FIELDS, SandboxLimits  # a dataclass: importing it starts nothing
+
+    fake = types.SimpleNamespace(run_python=run_python, LIMIT_FIELDS=LIMIT_FIELDS, SandboxLimits=SandboxLimits)
     monkeypatch.setitem(sys.modules, "hybridflow.agent.sandbox", fake)
     monkeypatch.setattr(agent_pkg, "sandbox", fake, raising=False)
     tool = PythonTool({"limits": {"wall_s": 2}})
     res = run(tool.execute("i", {"code": "print(1+2)"}))
     assert (res.text, res.error) == ("3", False)
-    assert seen == {"code": "print(1+2)", "limits": {"wall_s": 2}}
+    assert seen == {"code": "print(1+2)", "limits": SandboxLimits(wall_s=2)}
     assert run(tool.execute("i", {})).error
 
 
@@ -329,8 +333,38 @@ def test_python_tool_in_the_real_sandbox():
     assert crash.error and "ZeroDivisionError" in crash.text and "exit code 1" in crash.text
     slow = run(go("while True: pass"))
     assert slow.error and "timed out" in slow.text
-    bad = run(ToolSession([PythonTool({"limits": {"wall_s": -1}})]).call(ToolCall("python", {"code": "1"})))
+    bad = run(ToolSession([tool], {"python": {"execute_kwargs": {"limits": {"wall_s": -1}}}}).call(
+        ToolCall("python", {"code": "1"})))  # a per-row override is only seen at call time
     assert bad.error and "bad sandbox limits" in bad.text
+
+
+@pytest.mark.parametrize("limits, message", [
+    ({"wal_s": 3}, r"limits\.wal_s: not a sandbox limit .*did you mean limits\.wall_s\?"),
+    ({"wall_s": 0}, r"limits\.wall_s must be a number > 0, got 0"),
+    ({"memory_mb": -1}, r"limits\.memory_mb must be a number > 0"),
+    ({"cpu_s": "fast"}, r"limits\.cpu_s must be a number > 0, got 'fast'"),
+    ({"max_procs": True}, r"limits\.max_procs must be a number > 0"),
+])
+def test_python_tool_limits_are_checked_when_the_config_loads(tmp_path, limits, message):
+    with pytest.raises(ToolConfigError, match=message):
+        PythonTool({"limits": limits})
+    path = tmp_path / "tools.yaml"  # the same from verl's YAML, before any call
+    path.write_text(yaml.safe_dump({"tools": [{"class_name": "python", "config": {"type": "native", "limits": limits}}]}))
+    with pytest.raises(ToolConfigError, match=message):
+        load_tool_config(path)
+
+
+def test_tool_output_loses_control_characters_and_counts_them():
+    class Noisy(Tool):
+        default_schema = function_schema("noisy", "prints escapes", {}, [])
+
+        async def execute(self, instance_id, parameters, **kw):
+            return "red \x1b[31mtext\x1b[0m\x00\tcol\r\nnext\x07 \u00e9\x9b"
+
+    res = run(ToolSession([Noisy()]).call(ToolCall("noisy", {})))
+    # two ESC, NUL, CR, BEL and the C1 CSI go (6 characters); tab, newline and printable text stay
+    assert res.text == "red [31mtext[0m\tcol\nnext \u00e9"
+    assert res.metrics["control_chars"] == 6
 
 
 # ------------------------------------------------------------------------------------ hermes

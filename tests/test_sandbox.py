@@ -9,14 +9,15 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import shutil
 import socket
 import uuid
 
 import pytest
 
-from hybridflow.agent.sandbox import Sandbox, SandboxLimits, SandboxResult, SandboxUnavailable, run_python
-from hybridflow.rewards.code import code_score, extract_code, parse_test_cases
+from hybridflow.agent.sandbox import Sandbox, SandboxLimits, SandboxResult, SandboxUnavailable, core, run_python
+from hybridflow.rewards.code import code_case_results, code_score, extract_code, parse_test_cases
 from hybridflow.rewards.scorers import compute_score
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -55,6 +56,15 @@ def test_runs_code_with_stdin_and_reports_exit_status(sb):
     res = py(sb, "import sys; print(sys.stdin.read().upper()); sys.exit(3)", stdin="hi")
     assert (res.stdout, res.exit_code, res.timed_out, res.killed_reason, res.ok) == ("HI\n", 3, False, None, False)
     assert py(sb, "print(6 * 7)").ok
+
+
+@pytest.mark.parametrize("status", [152, 137, 129])
+def test_exit_status_is_reported_as_it_was_not_as_a_signal(sb, status):
+    # 152 = 128 + SIGXCPU, 137 = 128 + SIGKILL: a shell init reported these as "killed by the limit"
+    res = py(sb, f"import sys; sys.exit({status})")
+    assert (res.exit_code, res.killed_reason, res.timed_out) == (status, None, False)
+    killed = py(sb, "import os, signal; os.kill(os.getpid(), signal.SIGXCPU)")  # control: a real signal
+    assert (killed.exit_code, killed.killed_reason) == (-24, "cpu time limit")
 
 
 def test_no_network(sb):
@@ -252,6 +262,184 @@ if {hang!r}:
     assert host_processes_with(marker) == []
 
 
+# ------------------------------------------------------------------ limits for the whole sandbox
+def whole_sandbox(sb: Sandbox, res: SandboxResult) -> None:
+    """Skip (saying so) where this machine gave the sandbox no cgroup; the result must then say so too."""
+    if sb.enforcement.cgroup is None:
+        assert res.enforcement.cgroup is None and "per process only" in res.enforcement.weaker()[0]
+        pytest.skip(f"no cgroup here, and the result reports it: {res.enforcement.weaker()[0]}")
+
+
+def host_shmem_kib() -> int:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Shmem:"))
+
+
+def test_memfds_count_against_the_memory_limit(sb):
+    # 64 memfds of 16 MiB (1 GiB), each under file_size_mb: RLIMIT_AS never sees these pages.
+    code = """
+import os
+fds = []
+for i in range(64):
+    fd = os.memfd_create(f"m{i}")
+    os.write(fd, b"x" * (16 << 20))
+    fds.append(fd)
+    print(i + 1, flush=True)
+print("held 1 GiB")
+"""
+    before = host_shmem_kib()
+    res = py(sb, code, SandboxLimits(memory_mb=256, file_size_mb=32, wall_s=20, cpu_s=10))
+    whole_sandbox(sb, res)
+    held_mib = 16 * max([int(w) for w in res.stdout.split() if w.isdigit()] or [0])
+    assert "held 1 GiB" not in res.stdout and 64 <= held_mib <= 256 + 32, res  # it got going, then was stopped
+    assert res.killed_reason and "memory limit" in res.killed_reason and not res.ok
+    assert host_shmem_kib() - before < 64 << 10  # nothing stayed behind on the host
+
+
+def test_memory_limit_holds_across_processes(sb):
+    code = """
+import os, time
+kids = []
+for i in range(4):
+    pid = os.fork()
+    if pid == 0:
+        a = bytearray(200 << 20)  # each under the per-process limit of 256 MiB
+        print("child", i, flush=True)
+        time.sleep(3)
+        os._exit(0)
+    kids.append(pid)
+ok = sum(os.waitpid(p, 0)[1] == 0 for p in kids)
+print("children ok", ok)
+"""
+    res = py(sb, code, SandboxLimits(memory_mb=256, wall_s=20, cpu_s=10))
+    whole_sandbox(sb, res)
+    assert res.stdout.count("child") >= 1  # control: one 200 MiB child fits
+    assert "children ok 4" not in res.stdout and res.peak_memory_mb <= 256 + 32
+    assert res.killed_reason and "memory limit" in res.killed_reason and not res.ok
+
+
+def test_cpu_limit_is_summed_over_processes(sb):
+    code = """
+import os
+for i in range(4):
+    if os.fork() == 0:
+        while True:
+            pass
+os.wait()
+"""
+    res = py(sb, code, SandboxLimits(cpu_s=1, wall_s=20))
+    whole_sandbox(sb, res)
+    # 4 children x their own RLIMIT_CPU of 1 s would be 4 s; the sum is stopped at 1 s + 0.5 s grace + a poll.
+    assert res.killed_reason and res.killed_reason.startswith("cpu time limit"), res
+    assert 1.0 <= res.cpu_s < 2.2 and not res.timed_out
+
+
+# ------------------------------------------------------------------ what the kernel does not namespace
+KEYCTL = """
+import ctypes, sys
+libc = ctypes.CDLL(None, use_errno=True)
+SYS = {"x86_64": (248, 250), "aarch64": (217, 219)}[__import__("os").uname().machine]  # add_key, keyctl
+def add_key(desc, payload, ring):
+    n = libc.syscall(SYS[0], b"user", desc.encode(), payload, len(payload), ring)
+    return n, ctypes.get_errno()
+def read_key(serial):
+    buf = ctypes.create_string_buffer(256)
+    n = libc.syscall(SYS[1], 11, serial, buf, 256)  # KEYCTL_READ
+    return (buf.raw[:n] if n >= 0 else None), ctypes.get_errno()
+"""
+
+
+def test_keyrings_are_out_of_reach(sb):
+    ns: dict = {}
+    exec(KEYCTL, ns)
+    secret = f"s3cret-{uuid.uuid4().hex}".encode()
+    serial, err = ns["add_key"](f"hf-test-{uuid.uuid4().hex}", secret, -3)  # the host's session keyring
+    if serial < 0:
+        pytest.skip(f"this host cannot add a key (errno {err})")
+    assert ns["read_key"](serial)[0] == secret  # control: the host reads it back
+    planted = f"hf-planted-{uuid.uuid4().hex}"
+    code = KEYCTL + f"""
+print(read_key({serial}))
+print(add_key({planted!r}, b"x", -3), add_key({planted!r}, b"x", -4))  # session, user keyring
+"""
+    res = py(sb, code)
+    assert res.ok, res.stderr
+    read, plant = res.stdout.splitlines()
+    assert secret.decode() not in res.stdout and read.startswith("(None, ")
+    assert plant == "(-1, 1) (-1, 1)"  # EPERM both: nothing is left behind for the next run
+    search = py(sb, KEYCTL + f"print(libc.syscall(SYS[1], 10, -4, b'user', {planted!r}.encode(), 0))")  # KEYCTL_SEARCH
+    assert search.ok and search.stdout == "-1\n"
+
+
+def test_no_nested_namespaces_ptrace_or_mounts(sb):
+    code = """
+import ctypes, os, subprocess
+libc = ctypes.CDLL(None, use_errno=True)
+def call(f, *a):
+    return f(*a), ctypes.get_errno()
+print(call(libc.unshare, 0x10000000))                      # CLONE_NEWUSER
+print(call(libc.unshare, 0x00020000))                      # CLONE_NEWNS
+print(call(libc.ptrace, 16, 1, None, None))                # PTRACE_ATTACH to the sandbox's init
+print(subprocess.run(["unshare", "-U", "-r", "true"], capture_output=True).returncode)
+pid = os.fork()                                            # control: a plain fork works
+if pid == 0:
+    os._exit(7)
+print(os.waitpid(pid, 0)[1] >> 8)
+"""
+    res = py(sb, code)
+    assert res.ok, res.stderr
+    userns, mountns, ptrace, tool, forked = res.stdout.splitlines()
+    assert (userns, mountns, ptrace) == ("(-1, 1)", "(-1, 1)", "(-1, 1)")
+    assert tool != "0" and forked == "7"
+    assert res.enforcement.seccomp and res.enforcement.keyring
+
+
+def test_file_names_cannot_inject_commands(sb, monkeypatch):
+    probe = f"hf-pwned-{uuid.uuid4().hex}"
+    evil = f"$(touch {probe})"  # relative: the unshare setup script runs as host root in /
+    with pytest.raises(ValueError, match="plain names"):
+        sb.run_python("print(1)", files={evil: "x"})
+    # And inert should a name ever get past the check: it is quoted wherever it reaches a shell.
+    monkeypatch.setattr(core, "_FILE_NAME", re.compile(r"[^/]+"))
+    res = sb.run_python("import os; print(sorted(os.listdir('.')))", files={"a b;`x`": "x", evil: "y"})
+    assert not os.path.exists(f"/{probe}") and not os.path.exists(probe)
+    assert res.ok and ast.literal_eval(res.stdout) == sorted(["a b;`x`", evil, "main.py"])
+
+
+def test_weaker_limits_are_reported_not_silent(tmp_path, caplog):
+    # A v1-shaped root that is not a cgroup file system (what a read-only or foreign path looks like).
+    for c in ("memory", "pids", "cpuacct"):
+        (tmp_path / c).mkdir()
+    sb = Sandbox(backend="unshare", cgroup=str(tmp_path))
+    assert sb.enforcement.cgroup is None and str(tmp_path) in sb.enforcement.why
+    res = py(sb, "print(1)")
+    assert res.ok and not res.enforcement.full and res.cpu_s is None
+    assert res.enforcement.weaker() == [f"memory, process and CPU limits per process only (no cgroup: {sb.enforcement.why})"]
+    off = Sandbox(backend="unshare", cgroup="none")
+    assert off.enforcement.cgroup is None and "disabled" in off.enforcement.why
+
+
+def test_a_read_only_cgroup_root_falls_back_and_says_so(tmp_path):
+    """The machine without cgroup write access, simulated: the real v1 hierarchies bound read-only
+    in a private mount namespace; a run there reports per-process limits."""
+    if os.geteuid() != 0 or not all(os.path.isdir(f"/sys/fs/cgroup/{c}") for c in ("memory", "pids", "cpuacct")):
+        pytest.skip("needs root and cgroup v1 hierarchies to bind read-only")
+    import subprocess
+    import sys
+
+    root = tmp_path / "ro-cgroup"
+    mounts = "; ".join(f"mkdir -p {root}/{c} && mount --bind -o ro /sys/fs/cgroup/{c} {root}/{c}"
+                       for c in ("memory", "pids", "cpuacct"))
+    check = ("from hybridflow.agent.sandbox import Sandbox; sb = Sandbox(backend='unshare'); "
+             "r = sb.run_python('print(6 * 7)'); print(r.stdout.strip(), r.enforcement.cgroup, r.enforcement.weaker())")
+    out = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", f"{mounts}; exec \"$0\" -c \"$1\"",
+                          sys.executable, check], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "HYBRIDFLOW_SANDBOX_CGROUP": str(root)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("42 None ['memory, process and CPU limits per process only (no cgroup: ")
+    assert "Read-only file system" in out.stdout and "limits hold per process only" in out.stderr
+
+
 def test_module_level_run_python_and_unavailable_backend(monkeypatch):
     assert run_python("print('hi')").stdout == "hi\n"
     monkeypatch.setenv("PATH", "/nonexistent")
@@ -279,6 +467,43 @@ def test_code_reward_is_the_fraction_of_cases_passed():
     assert compute_score("code", fn, asserts) == pytest.approx(2 / 3)
     assert compute_score("code", "```python\nwhile True: pass\n```", io[:1]) == 0.0  # a hang scores 0
     assert compute_score("code", "```python\nimport sys; print(4); sys.exit(1)\n```", io[:1]) == 0.0  # so does a crash
+    assert compute_score("code", "```python\ndef add(a, b):\n    return 1 / 0\n```", asserts) == 0.0
     assert parse_test_cases("assert f() == 1")[0].check == "assert f() == 1"
     with pytest.raises(ValueError, match="fn_name"):
         parse_test_cases({"inputs": [[1]], "outputs": [2], "fn_name": "f"})
+
+
+WRONG_ADD = "def add(a, b):\n    return a - b\n"
+RIGHT_ADD = "def add(a, b):\n    return a + b\n"
+EXITS = {
+    "SystemExit": "raise SystemExit(0)\n",
+    "sys.exit": "import sys\nsys.exit(0)\n",
+    "os._exit": "import os\nos._exit(0)\n",
+    "atexit": "import atexit, os\natexit.register(os._exit, 0)\n",
+    "exit-in-call": None,  # add() itself ends the process
+    "forged-verdict": "print('0' * 32 + ' [{\"case\": 0, \"ok\": true}, {\"case\": 1, \"ok\": true}]')\n",
+}
+
+
+@pytest.mark.parametrize("trick", list(EXITS))
+def test_code_reward_cannot_be_passed_by_exiting(sb, monkeypatch, trick):
+    monkeypatch.setattr(core, "_DEFAULT", sb)  # the reward's sandbox is this backend
+    checks = ["assert add(1, 2) == 3", "assert add(2, 2) == 4"]
+    if EXITS[trick] is None:
+        wrong = "import os\ndef add(a, b):\n    os._exit(0)\n"
+        right = "import os, atexit\natexit.register(os._exit, 0)\n" + RIGHT_ADD
+    else:
+        wrong, right = WRONG_ADD + EXITS[trick], RIGHT_ADD + EXITS[trick]
+    assert code_score(wrong, checks) == 0.0
+    assert code_score(right, checks) == 1.0  # the controls without a trick are in test_code_reward_reports_each_case
+
+
+def test_code_reward_reports_each_case(sb, monkeypatch):
+    monkeypatch.setattr(core, "_DEFAULT", sb)
+    half = "def add(a, b):\n    return a + b if a < 5 else 0\n"
+    results = code_case_results(half, ["assert add(1, 2) == 3", "assert add(7, 1) == 8", "assert add(0, 0) == 0"])
+    assert [r.passed for r in results] == [True, False, True]
+    assert "assertion failed" in results[1].why
+    assert code_score(WRONG_ADD, ["assert add(1, 2) == 3"]) == 0.0 and code_score(RIGHT_ADD, ["assert add(1, 2) == 3"]) == 1.0
+    killer = "import os, signal\ndef add(a, b):\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+    assert [r.passed for r in code_case_results(killer, ["assert add(1, 2) == 3"])] == [False]

@@ -50,6 +50,8 @@ class Trajectory:
     tool_errors: int = 0
     tool_seconds: float = 0.0
     sandbox_kills: int = 0
+    sandbox_weaker: int = 0  # sandbox runs without the full protections (no cgroup, seccomp or keyring)
+    tool_control_chars: int = 0  # control characters removed from tool output before the model read it
     reward: float = 0.0  # sum of the tools' / environment's rewards
     finish: str = ""  # "answer" | "max_turns" | "length" | "env_done" | "truncated"
     finished_at: float = 0.0  # time.monotonic() when the trajectory ended
@@ -204,6 +206,8 @@ class ToolAgentLoop(AgentLoop):
             traj.tool_calls += 1
             traj.tool_errors += int(result.error)
             traj.sandbox_kills += int(bool(result.metrics.get("sandbox_killed", 0)))
+            traj.sandbox_weaker += int(result.metrics.get("sandbox_weaker", 0))
+            traj.tool_control_chars += int(result.metrics.get("control_chars", 0))
             traj.reward += float(result.reward)
             replies.append(self.fmt.tool_message(self.clip(result.text), name=call.name))
         for err in parsed.errors:  # a malformed call: the model reads why
@@ -271,6 +275,8 @@ def trajectory_metrics(trajs: Sequence[Trajectory], batcher: RequestBatcher | No
         "agent/tool_errors": float(sum(t.tool_errors for t in trajs)),
         "agent/tool_seconds/mean": sum(t.tool_seconds for t in trajs) / n,
         "agent/sandbox_kills": float(sum(t.sandbox_kills for t in trajs)),
+        "agent/sandbox_weaker": float(sum(t.sandbox_weaker for t in trajs)),
+        "agent/tool_control_chars": float(sum(t.tool_control_chars for t in trajs)),
         "agent/model_tokens/mean": sum(sum(t.response_mask) for t in trajs) / n,
         "agent/tool_tokens/mean": sum(len(t.response_mask) - sum(t.response_mask) for t in trajs) / n,
     }

@@ -27,12 +27,14 @@ from __future__ import annotations
 import ast
 import asyncio
 import dataclasses
+import difflib
 import hashlib
 import importlib
 import importlib.util
 import math
 import operator
 import os
+import re
 import sys
 import uuid
 from dataclasses import dataclass, field
@@ -334,11 +336,11 @@ class ToolSession:
             if call.name not in self.instance_ids:
                 self.instance_ids[call.name] = await tool.create(None, **self._kw(call.name, "create_kwargs"))
             out = await tool.execute(self.instance_ids[call.name], dict(call.arguments), **self._kw(call.name, "execute_kwargs"))
-            return ToolResult.coerce(out)
+            return sanitized(ToolResult.coerce(out))
         except ToolSetupError:
             raise
         except Exception as e:  # noqa: BLE001 - reported to the model as the tool's answer
-            return ToolResult(f"tool {call.name!r} failed: {type(e).__name__}: {e}", error=True)
+            return sanitized(ToolResult(f"tool {call.name!r} failed: {type(e).__name__}: {e}", error=True))
 
     async def close(self) -> None:
         ids, self.instance_ids = self.instance_ids, {}
@@ -353,6 +355,20 @@ class ToolSession:
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
+
+
+# C0 controls but \t and \n, DEL, and C1 controls: a terminal escape (ESC [ ...), NUL or CR from a tool
+# would reach the prompt and the logs as is (and a log viewer or terminal would interpret them).
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def sanitized(result: ToolResult) -> ToolResult:
+    """``result`` with control characters other than newline and tab removed from its text; how
+    many were removed is in ``metrics["control_chars"]`` (when any; the agent loop sums it per step)."""
+    text, n = _CONTROL.subn("", result.text)
+    if n == 0:
+        return result
+    return dataclasses.replace(result, text=text, metrics={**result.metrics, "control_chars": n})
 
 
 def truncate_middle(text: str, limit: int) -> str:
@@ -485,8 +501,26 @@ class CalculatorTool(Tool):
 @dataclass
 class PythonToolConfig:
     max_output_chars: int = 2000  # per stream; the middle is cut (see truncate_middle)
-    # SandboxLimits fields (sandbox.py): cpu_s, memory_mb, max_procs, file_size_mb, wall_s, output_bytes, tmp_mb
+    # SandboxLimits fields (sandbox/core.py): cpu_s, memory_mb, max_procs, file_size_mb, wall_s, output_bytes,
+    # tmp_mb, open_files; checked when the config loads (a typo or a limit <= 0 is refused there, naming the key)
     limits: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.limits:
+            return
+        from hybridflow.agent.sandbox import LIMIT_FIELDS, SandboxLimits  # cheap: starts nothing
+
+        if not isinstance(self.limits, Mapping):
+            raise ValueError(f"limits: expected a mapping of {list(LIMIT_FIELDS)}, got {self.limits!r}")
+        for key in self.limits:
+            if key not in LIMIT_FIELDS:
+                close = difflib.get_close_matches(str(key), LIMIT_FIELDS, n=1)
+                hint = f"; did you mean limits.{close[0]}?" if close else ""
+                raise ValueError(f"limits.{key}: not a sandbox limit (known: {', '.join(LIMIT_FIELDS)}){hint}")
+        try:
+            SandboxLimits(**self.limits)
+        except ValueError as e:  # "SandboxLimits.wall_s must be a number > 0, got 0"
+            raise ValueError(str(e).replace("SandboxLimits.", "limits.")) from None
 
 
 @register_tool("python")
@@ -551,6 +585,9 @@ def sandbox_result_to_tool_result(res: Any, max_chars: int) -> ToolResult:
         parts.append(f"error: exit code {code}")
     text = "\n".join(parts) if parts else "(no output)"
     metrics = {"exit_code": code, "timed_out": timed_out, "sandbox_killed": timed_out or bool(killed)}
+    enforcement = getattr(res, "enforcement", None)
+    if enforcement is not None:  # which protections held (a weaker sandbox is counted, never silent)
+        metrics["sandbox_weaker"] = int(not enforcement.full)
     return ToolResult(text, error=timed_out or bool(killed) or code not in (0, None), metrics=metrics)
 
 

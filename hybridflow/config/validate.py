@@ -490,6 +490,13 @@ def validate_config(cfg: HybridFlowConfig, kind: Literal["rl", "dpo"] = "rl") ->
             p.append(f"{R}.multi_turn.max_assistant_turns must be >= 1, got {mt.max_assistant_turns}")
         if mt.tool_config_path and not os.path.isfile(mt.tool_config_path):
             p.append(f"{R}.multi_turn.tool_config_path: file not found: {mt.tool_config_path}")
+        elif mt.tool_config_path:  # the tools' own options (e.g. the python tool's sandbox limits), before any worker
+            from hybridflow.agent.tools import ToolConfigError, load_tool_config
+
+            try:
+                load_tool_config(mt.tool_config_path)
+            except ToolConfigError as e:
+                p.append(f"{R}.multi_turn.tool_config_path: {e}")
     p.enum(f"{R}.multi_turn.format", roll.multi_turn.format, literal_choices(type(roll.multi_turn), "format"))
     if actor.fsdp_config.param_offload and (cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and _cuda_available())):
         p.append(f"{A}.fsdp_config.param_offload is not supported with CUDA yet: the weight sync gathers the "

@@ -5,7 +5,9 @@ The score is the fraction of test cases passed. A test case is either
   exits 0 within the limits and its stdout equals the expected one up to trailing whitespace on
   each line and trailing blank lines; or
 - assert-style: a string of Python (``"assert add(1, 2) == 3"``) run after the program; it passes
-  when the whole exits 0 within the limits.
+  when the grading harness (``code_harness.py``) reports it passed. The harness, not the program's
+  exit status, decides: a program that exits early (``raise SystemExit(0)``, ``os._exit(0)``,
+  ``atexit.register(os._exit, 0)``) cannot make a check pass that its code fails.
 
 ``ground_truth`` may be a list of test cases, one test case, the APPS / verl "prime code" dict
 ``{"inputs": [...], "outputs": [...]}`` (call-based ``fn_name`` tests are not supported), or any of
@@ -18,7 +20,9 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from hybridflow.agent.sandbox import SandboxLimits, run_python
@@ -28,6 +32,7 @@ _ANY_FENCE = re.compile(r"```[^\n`]*\n(.*?)```", re.S)
 
 # Graded programs are small: tighter than the sandbox defaults so a batch of hanging answers stays cheap.
 DEFAULT_LIMITS = SandboxLimits(cpu_s=4, wall_s=6, memory_mb=512, output_bytes=64 * 1024)
+_HARNESS = (Path(__file__).with_name("code_harness.py")).read_text()
 
 
 @dataclass(frozen=True)
@@ -88,19 +93,53 @@ def _normalize(out: str) -> str:
     return "\n".join(line.rstrip() for line in out.strip("\n").splitlines()).rstrip()
 
 
-def run_test_case(code: str, case: CodeTest, limits: SandboxLimits | None = None) -> bool:
-    program = code if case.check is None else f"{code}\n\n{case.check}\n"
-    res = run_python(program, limits or DEFAULT_LIMITS, stdin=case.stdin)
+@dataclass(frozen=True)
+class CaseResult:
+    passed: bool
+    why: str = ""  # for a failed case: what happened (assertion, crash, limit, no verdict)
+
+
+def run_test_case(code: str, case: CodeTest, limits: SandboxLimits | None = None) -> CaseResult:
+    """Run one test case in its own sandbox (a hanging case costs only itself)."""
+    limits = limits or DEFAULT_LIMITS
+    if case.check is not None:
+        return _run_checks(code, [case.check], limits)[0]
+    res = run_python(code, limits, stdin=case.stdin)
     if not res.ok:
-        return False
-    return case.expected is None or _normalize(res.stdout) == _normalize(case.expected)
+        return CaseResult(False, res.killed_reason or f"exit code {res.exit_code}")
+    if _normalize(res.stdout) != _normalize(case.expected or ""):
+        return CaseResult(False, "wrong output")
+    return CaseResult(True)
+
+
+def _run_checks(code: str, checks: list[str], limits: SandboxLimits) -> list[CaseResult]:
+    """Assert-style checks through the grading harness; a check without a verdict failed."""
+    sentinel = secrets.token_hex(16)
+    job = json.dumps({"solution": code, "checks": checks})
+    res = run_python(_HARNESS, limits, stdin=f"{sentinel}\n{job}")
+    verdicts: dict[int, CaseResult] = {}
+    for line in res.stdout.splitlines():
+        if line.startswith(sentinel + " "):
+            for v in json.loads(line[len(sentinel) + 1:]):
+                verdicts[int(v["case"])] = CaseResult(bool(v["ok"]), str(v.get("why", "")))
+    if res.killed_reason and not verdicts:
+        missing = CaseResult(False, res.killed_reason)
+    else:
+        missing = CaseResult(False, "no verdict: the program ended the grader before this check ran")
+    return [verdicts.get(i, missing) for i in range(len(checks))]
+
+
+def code_case_results(solution_str: str, ground_truth: Any, limits: SandboxLimits | None = None) -> list[CaseResult]:
+    """Each test case's result for the response's program, in the order of ``ground_truth``."""
+    cases = parse_test_cases(ground_truth)
+    code = extract_code(solution_str)
+    return [run_test_case(code, c, limits) for c in cases]
 
 
 def code_score(solution_str: str, ground_truth: Any, limits: SandboxLimits | None = None) -> float:
     """Fraction of the test cases that the response's program passes."""
-    cases = parse_test_cases(ground_truth)
-    code = extract_code(solution_str)
-    return sum(run_test_case(code, c, limits) for c in cases) / len(cases)
+    results = code_case_results(solution_str, ground_truth, limits)
+    return sum(r.passed for r in results) / len(results)
 
 
 def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:

@@ -23,15 +23,22 @@ builtins, audit hooks) are escapable, so containment is done by the kernel, with
     since Linux 5.14 it counts per user namespace, so each sandbox gets its own process budget
     (a fork bomb meets EAGAIN at ``max_procs``), not one shared with every ``nobody`` process.
     It also puts file permissions in the way should a mount ever leak.
-- **Limits** are rlimits set by ``prlimit`` (util-linux) right before the interpreter starts:
-  CPU seconds (SIGXCPU, then SIGKILL a second later), address space (``MemoryError``), processes,
-  file size, no core files.
-- **Wall time** is enforced here. The pid namespace's init is a small ``sh`` that runs the command
-  as its child (so the command keeps normal signal semantics). At the deadline the command is
-  SIGKILLed, the init exits, the kernel kills every other process of the namespace (even ones that
-  called ``setsid``), and each wrapper reaps its child: nothing is left, not even a zombie. When
-  the command ends by itself, the same teardown happens. A ``timeout -s KILL`` wrapper is the
-  backstop should this (host) process die first.
+- **Limits for the whole sandbox** come from a cgroup made for the run (``cgroup.py``): memory
+  including tmpfs, memfd and shared-memory pages, processes, and CPU time summed over every
+  process (the host kills the run when the sum passes ``cpu_s``). Per-process rlimits stay as a
+  first line (``MemoryError`` for one huge allocation, ``SIGXCPU`` for one busy loop, file size,
+  open files, no core files). Where no cgroup can be made, only the rlimits hold, and every
+  result says so (``SandboxResult.enforcement``; a warning once per process).
+- **System calls and keys**: the code runs under a seccomp filter (``seccomp.py``: no keyrings,
+  ptrace, new namespaces, mounts, bpf, userfaultfd, ...) in a fresh anonymous session keyring.
+- **The init** of the pid namespace is a small program of ours (``init.py``, run by the system
+  Python) that sets up the program's process, reaps orphans and reports the program's real wait
+  status on a pipe only it holds: an ``exit(152)`` is reported as exit 152, not as "killed by
+  signal 24" (a shell's ``$?`` cannot tell the two apart).
+- **Wall time** is enforced here: at the deadline the cgroup (or, without one, the namespace's
+  init) is SIGKILLed; the kernel kills every other process of the namespace when its init dies
+  (even ones that called ``setsid``), and each wrapper reaps its child: nothing is left, not even
+  a zombie. A ``timeout -s KILL`` wrapper is the backstop should this (host) process die first.
 - **Output** is read incrementally with a selector and at most ``output_bytes`` per stream are
   kept (the rest is drained and dropped), then decoded as UTF-8 with ``errors="replace"``.
 
@@ -49,7 +56,10 @@ is bound read-only at its own path (with bwrap as root it must be readable by ``
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import re
 import selectors
 import shlex
 import shutil
@@ -59,9 +69,15 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Mapping, Sequence
 
-__all__ = ["Sandbox", "SandboxLimits", "SandboxResult", "SandboxUnavailable", "default_sandbox", "run_python"]
+from hybridflow.agent.sandbox.cgroup import CgroupRoot, CgroupUnavailable, RunCgroup, find_cgroup_root
+from hybridflow.agent.sandbox.seccomp import SeccompUnavailable, filter_bpf
+
+__all__ = ["Enforcement", "Sandbox", "SandboxLimits", "SandboxResult", "SandboxUnavailable", "default_sandbox", "run_python"]
+
+log = logging.getLogger(__name__)
 
 NOBODY = 65534  # the sandbox's uid/gid when the host is root (see the module docstring)
 WORKDIR = "/tmp"  # the sandbox's only writable directory, and its cwd
@@ -76,8 +92,13 @@ _SANDBOX_ENV = {
 _ETC = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime", "/etc/alternatives")
 _TOP_LEVEL = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")  # links into /usr on merged-/usr systems
 _DEVICES = ("null", "zero", "full", "random", "urandom")
+_FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")  # what `files=` names may be
+_INIT_SOURCE = (Path(__file__).with_name("init.py")).read_text()
+_WRAPPER_MB = 32  # memory of our processes around the code (init, bwrap, ...) on top of memory_mb
+_CPU_GRACE_S = 0.5  # the summed CPU limit fires at cpu_s + this: one busy process meets its own RLIMIT_CPU first
+_POLL_S = 0.05  # how often the summed CPU time is read
 _INSTALL_HINT = ("install bubblewrap (Debian/Ubuntu: apt-get install bubblewrap; Fedora: dnf install bubblewrap), "
-                 "or util-linux (unshare, setpriv, prlimit, mount, pivot_root) on a kernel that allows user namespaces "
+                 "or util-linux (unshare, setpriv, mount, pivot_root) on a kernel that allows user namespaces "
                  "(sysctl user.max_user_namespaces > 0; on Debian/Ubuntu also kernel.unprivileged_userns_clone=1 and "
                  "kernel.apparmor_restrict_unprivileged_userns=0)")
 
@@ -88,8 +109,11 @@ class SandboxUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class SandboxLimits:
-    """Per-run limits. CPU, memory and file size are per process; ``max_procs`` counts the
-    sandbox's processes and threads; ``tmp_mb`` caps everything written to ``/tmp``."""
+    """Per-run limits. With a cgroup (see :class:`Enforcement`), ``memory_mb`` (everything the run
+    holds in memory: processes, ``/tmp`` files, shared memory; plus a fixed allowance for our own
+    wrappers), ``max_procs`` and ``cpu_s`` (summed over processes) hold for the whole sandbox; each
+    process also meets them as rlimits. ``tmp_mb`` caps everything written to ``/tmp``,
+    ``open_files`` the descriptors of each process."""
 
     cpu_s: float = 5.0
     memory_mb: int = 512
@@ -98,11 +122,42 @@ class SandboxLimits:
     wall_s: float = 10.0
     output_bytes: int = 8192  # per stream
     tmp_mb: int = 64
+    open_files: int = 256
 
     def __post_init__(self) -> None:
-        for name in ("cpu_s", "memory_mb", "max_procs", "file_size_mb", "wall_s", "output_bytes", "tmp_mb"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"SandboxLimits.{name} must be > 0, got {getattr(self, name)!r}")
+        for name in LIMIT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"SandboxLimits.{name} must be a number > 0, got {value!r}")
+
+
+LIMIT_FIELDS = ("cpu_s", "memory_mb", "max_procs", "file_size_mb", "wall_s", "output_bytes", "tmp_mb", "open_files")
+
+
+@dataclass(frozen=True)
+class Enforcement:
+    """Which protections held for a run. ``cgroup`` "v1"/"v2": memory, processes and CPU limits
+    hold for the whole sandbox; None: per process only (rlimits), ``why`` says why."""
+
+    cgroup: str | None
+    seccomp: bool
+    keyring: bool  # the code ran in a fresh anonymous session keyring
+    why: str = ""
+
+    @property
+    def full(self) -> bool:
+        return self.cgroup is not None and self.seccomp and self.keyring
+
+    def weaker(self) -> list[str]:
+        """What this run had less of than the full promise (docs/agents.md, "Threat model")."""
+        out = []
+        if self.cgroup is None:
+            out.append(f"memory, process and CPU limits per process only (no cgroup: {self.why or 'unavailable'})")
+        if not self.seccomp:
+            out.append("no seccomp filter")
+        if not self.keyring:
+            out.append("no fresh session keyring")
+        return out
 
 
 @dataclass(frozen=True)
@@ -116,6 +171,9 @@ class SandboxResult:
     killed_reason: str | None  # why the sandbox (not the program) ended it, e.g. "cpu time limit"
     wall_s: float
     truncated: bool = False  # some output went over output_bytes and was dropped
+    enforcement: Enforcement | None = None
+    cpu_s: float | None = None  # CPU time of all its processes, summed (with a cgroup)
+    peak_memory_mb: float | None = None  # with a cgroup
 
     @property
     def ok(self) -> bool:
@@ -131,19 +189,31 @@ _KILL_REASONS = {
 
 class Sandbox:
     """Runs commands in the sandbox. ``backend``: "auto" (bwrap, else unshare), "bwrap" or "unshare";
-    the choice is checked once with a trial run and :class:`SandboxUnavailable` says what to install."""
+    the choice is checked once with a trial run and :class:`SandboxUnavailable` says what to install.
+    ``cgroup``: where run cgroups are made (a v1 root or a v2 directory; "none" for rlimits only);
+    by default ``$HYBRIDFLOW_SANDBOX_CGROUP``, else found (see ``cgroup.py``)."""
 
-    def __init__(self, limits: SandboxLimits | None = None, backend: str = "auto", python: str | None = None):
+    def __init__(self, limits: SandboxLimits | None = None, backend: str = "auto", python: str | None = None,
+                 cgroup: str | None = None):
         self.limits = limits or SandboxLimits()
         self.python = python or _default_python()
         self._as_nobody = os.geteuid() == 0
         self._ro_paths, self._links = _visible_paths(self.python)
         # Host-side tools by absolute path: Popen looks names up in the sandbox's PATH, not ours.
         search = os.pathsep.join([os.environ.get("PATH", ""), "/usr/local/bin", "/usr/bin", "/bin", "/usr/sbin", "/sbin"])
-        tools = ("timeout", "setpriv", "bwrap", "unshare", "prlimit", "mount", "pivot_root")
+        tools = ("timeout", "setpriv", "bwrap", "unshare", "mount", "pivot_root")
         self._tools = {t: shutil.which(t, path=search) for t in tools}
         if backend not in ("auto", "bwrap", "unshare"):
             raise ValueError(f"backend must be 'auto', 'bwrap' or 'unshare', got {backend!r}")
+        self._cgroup, cgroup_why = _cgroup_root(cgroup)
+        try:
+            self._bpf_hex = filter_bpf().hex()
+        except SeccompUnavailable as e:
+            self._bpf_hex = ""
+            _warn_once(f"sandbox: no seccomp filter: {e}")
+        self.enforcement = Enforcement(self._cgroup and f"v{self._cgroup.version}", bool(self._bpf_hex), True, cgroup_why)
+        if self._cgroup is None:
+            _warn_once(f"sandbox: limits hold per process only: no cgroup ({cgroup_why})")
         failures = []
         for name in ("bwrap", "unshare") if backend == "auto" else (backend,):
             why = self._try(name)
@@ -167,34 +237,62 @@ class Sandbox:
         """Run ``argv`` (paths as seen inside the sandbox) in ``/tmp``, holding ``files``. Files and
         stdin travel as in-memory files (memfd), so nothing is written on the host's disk."""
         lim = limits or self.limits
+        for name in files or {}:
+            if not isinstance(name, str) or not _FILE_NAME.fullmatch(name):
+                raise ValueError(f"sandbox file names are plain names in {WORKDIR} (letters, digits, '_', '-', '.'; "
+                                 f"not starting with '.' or '-'), got {name!r}")
         fds: list[tuple[int, str]] = []
+        cg: RunCgroup | None = None
+        status_r, status_w = os.pipe()
         try:
             for name, data in (files or {}).items():
-                if not name or "/" in name or name in (".", ".."):
-                    raise ValueError(f"sandbox file names are plain names in {WORKDIR}, got {name!r}")
                 fds.append((_memfd(name, data), name))
             stdin_fd = _memfd("stdin", stdin)
-            fds_only = [fd for fd, _ in fds]
             try:
-                return _execute(self._command(self.backend, lim, list(argv), fds), lim, stdin_fd, fds_only)
+                if self._cgroup is not None:
+                    cg = self._cgroup.create(_mib(lim.memory_mb + _WRAPPER_MB), int(lim.max_procs))
+                cmd = self._command(self.backend, lim, list(argv), fds, status_w)
+                if cg is not None:
+                    cmd = cg.join_prefix() + cmd
+                return _execute(cmd, lim, stdin_fd, [fd for fd, _ in fds] + [status_w], status_r, status_w, cg,
+                                self.enforcement)
             finally:
                 os.close(stdin_fd)
+                if cg is not None:
+                    cg.remove()
         finally:
             for fd, _ in fds:
                 os.close(fd)
+            for fd in (status_r, status_w):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass  # _execute closed the write end once the run had started
 
     # ------------------------------------------------------------------ command lines
-    def _command(self, backend: str, lim: SandboxLimits, argv: list[str], files: list[tuple[int, str]]) -> list[str]:
-        inner = [*_prlimit(lim), "--", *argv]
+    def _command(self, backend: str, lim: SandboxLimits, argv: list[str], files: list[tuple[int, str]],
+                 status_fd: int) -> list[str]:
         # Backstop: should this process die before it can enforce the wall time, `timeout` does.
         outer = [self._tools["timeout"], "-s", "KILL", f"{lim.wall_s + 5:g}"]
-        drop = [self._tools["setpriv"], f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"] if self._as_nobody else []
         if backend == "bwrap":
-            # sh is the pid namespace's init and runs the command as its child (see _unshare). bwrap's
-            # own init would report the exit status and leave, before the namespace is torn down.
-            init = ["/bin/sh", "-c", '"$@"; exit $?', "sandbox-init"]
-            return [*outer, *drop, *self._bwrap(lim, files), "--", *init, *inner]
-        return [*outer, *self._unshare(lim, files, inner)]
+            # bwrap makes the user namespace (uid nobody when we are root: setpriv drops first).
+            drop = [self._tools["setpriv"], f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"] if self._as_nobody else []
+            init = self._init(lim, argv, status_fd, drop=None, userns=None)
+            return [*outer, *drop, *self._bwrap(lim, files), "--", *init]
+        # unshare: the init starts as root in the new namespaces (no user namespace yet), so it drops
+        # to nobody and makes the program's user namespace itself.
+        uid = {"uid": NOBODY, "gid": NOBODY}
+        init = self._init(lim, argv, status_fd, drop=uid if self._as_nobody else None, userns=uid)
+        return [*outer, *self._unshare(lim, files, init)]
+
+    def _init(self, lim: SandboxLimits, argv: list[str], status_fd: int, drop: dict | None, userns: dict | None) -> list[str]:
+        """The namespace's init (init.py) with this run's settings, then the program's argv."""
+        cpu = max(1, int(lim.cpu_s + 0.999))
+        rlimits = {"cpu": (cpu, cpu + 1), "as": (_mib(lim.memory_mb),) * 2, "nproc": (int(lim.max_procs),) * 2,
+                   "fsize": (_mib(lim.file_size_mb),) * 2, "core": (0, 0), "nofile": (int(lim.open_files),) * 2}
+        cfg = {"status_fd": status_fd, "env": _SANDBOX_ENV, "rlimits": rlimits, "drop": drop, "userns": userns,
+               "bpf": self._bpf_hex}
+        return [self.python, "-I", "-S", "-B", "-c", _INIT_SOURCE, json.dumps(cfg, separators=(",", ":")), "--", *argv]
 
     def _bwrap(self, lim: SandboxLimits, files: list[tuple[int, str]]) -> list[str]:
         cmd = [self._tools["bwrap"], "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--as-pid-1", "--new-session",
@@ -212,11 +310,11 @@ class Sandbox:
             cmd += ["--file", str(fd), f"{WORKDIR}/{name}"]
         return cmd + ["--chdir", WORKDIR, "--remount-ro", "/"]
 
-    def _unshare(self, lim: SandboxLimits, files: list[tuple[int, str]], inner: list[str]) -> list[str]:
-        """unshare runs a setup script as the new pid namespace's init: it builds the root on a tmpfs
-        (mounted over /tmp, in the private mount namespace only), pivots into it, drops to the sandbox
-        identity and runs the command as its child, so the command is not the namespace's init (whose
-        default signal dispositions the kernel ignores)."""
+    def _unshare(self, lim: SandboxLimits, files: list[tuple[int, str]], init: list[str]) -> list[str]:
+        """unshare runs a setup script as the new pid namespace's first process: it builds the root on a
+        tmpfs (mounted over /tmp, in the private mount namespace only), pivots into it and execs the
+        init, which drops to the sandbox identity and runs the command as its child. Every name in
+        the script is quoted; file names are checked in ``run`` as well."""
         q = shlex.quote
         lines = ["set -eu", "export PATH=/usr/sbin:/usr/bin:/sbin:/bin", "R=/tmp",
                  'mount -t tmpfs -o mode=0755,size=4m,nosuid,nodev sandbox-root "$R"']
@@ -235,40 +333,36 @@ class Sandbox:
                   'mount -t proc -o nosuid,nodev,noexec proc "$R/proc"',
                   f'mount -t tmpfs -o mode=0755,size={_mib(lim.tmp_mb)},nosuid,nodev sandbox-tmp "$R/tmp"']
         for fd, name in files:
-            lines.append(f'cat /dev/fd/{fd} > "$R/tmp/{name}"')  # (sh redirections only take fds 0-9)
+            lines.append(f'cat /dev/fd/{int(fd)} > "$R/tmp/"{q(name)}')  # (sh redirections only take fds 0-9)
         if self._as_nobody:
             lines.append(f'chown -R {NOBODY}:{NOBODY} "$R/tmp"')
         lines += ['mkdir "$R/.oldroot"', 'cd "$R"', "pivot_root . .oldroot", "umount -l /.oldroot", "rmdir /.oldroot",
-                  "mount -o remount,bind,ro /", f"cd {WORKDIR}"]
-        # The command: clean environment, sandbox uid, no new privileges, and a user namespace of its
-        # own (per-sandbox RLIMIT_NPROC accounting; execve as non-root there drops every capability).
-        drop = [f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"] if self._as_nobody else []
-        env = [f"{k}={v}" for k, v in _SANDBOX_ENV.items()]
-        run = ["env", "-i", *env, "setpriv", *drop, "--no-new-privs", "--",
-               "unshare", "--user", f"--map-user={NOBODY}", f"--map-group={NOBODY}", "--", *inner]
-        # Not the script's last command, or sh would exec it and make it the namespace's init.
-        lines += ["set +e", " ".join(q(a) for a in run), "exit $?"]
+                  "mount -o remount,bind,ro /", f"cd {WORKDIR}", "exec " + " ".join(q(a) for a in init)]
         userns = [] if self._as_nobody else ["--user", "--map-root-user"]  # as root: a mount ns needs no user ns
         return [self._tools["unshare"], *userns, "--mount", "--propagation", "private", "--pid", "--fork", "--kill-child",
                 "--net", "--ipc", "--uts", "--cgroup", "--", "/bin/sh", "-c", "\n".join(lines)]
 
     def _try(self, backend: str) -> str | None:
         """None when ``backend`` runs the interpreter here, else why not."""
-        need = ["timeout", "prlimit", *(["bwrap"] if backend == "bwrap" else ["unshare", "mount", "pivot_root"]),
-                *(["setpriv"] if self._as_nobody or backend == "unshare" else [])]
+        need = ["timeout", *(["bwrap"] if backend == "bwrap" else ["unshare", "mount", "pivot_root"]),
+                *(["setpriv"] if self._as_nobody and backend == "bwrap" else [])]
         missing = [t for t in need if self._tools[t] is None]
         if missing:
             return f"{', '.join(missing)} not found"
         self.backend = backend
         res = self.run_python("print('ok')", SandboxLimits(wall_s=20.0))
         if res.stdout == "ok\n" and res.ok:
+            if res.enforcement is not None and not res.enforcement.keyring:
+                self.enforcement = Enforcement(self.enforcement.cgroup, self.enforcement.seccomp, False, self.enforcement.why)
+                _warn_once("sandbox: the kernel refused a fresh session keyring (the seccomp filter still refuses key calls)")
             return None
-        return f"trial run failed (exit {res.exit_code}): {res.stderr.strip()[-500:] or '(no stderr)'}"
+        return f"trial run failed (exit {res.exit_code}, {res.killed_reason}): {res.stderr.strip()[-500:] or '(no stderr)'}"
 
 
 # ---------------------------------------------------------------------- module-level API
 _DEFAULT: Sandbox | None = None
 _DEFAULT_LOCK = threading.Lock()
+_WARNED: set[str] = set()
 
 
 def default_sandbox() -> Sandbox:
@@ -287,6 +381,19 @@ def run_python(code: str, limits: SandboxLimits | None = None, *, stdin: str | b
 
 
 # ---------------------------------------------------------------------- helpers
+def _warn_once(msg: str) -> None:
+    if msg not in _WARNED:
+        _WARNED.add(msg)
+        log.warning(msg)
+
+
+def _cgroup_root(explicit: str | None) -> tuple[CgroupRoot | None, str]:
+    try:
+        return find_cgroup_root(explicit), ""
+    except CgroupUnavailable as e:
+        return None, str(e)
+
+
 def _default_python() -> str:
     if os.access("/usr/bin/python3", os.X_OK):
         return "/usr/bin/python3"
@@ -310,12 +417,6 @@ def _visible_paths(python: str) -> tuple[list[str], list[tuple[str, str]]]:
     return ro, links
 
 
-def _prlimit(lim: SandboxLimits) -> list[str]:
-    cpu = max(1, int(lim.cpu_s + 0.999))
-    return ["prlimit", f"--cpu={cpu}:{cpu + 1}", f"--as={_mib(lim.memory_mb)}", f"--nproc={int(lim.max_procs)}",
-            f"--fsize={_mib(lim.file_size_mb)}", "--core=0"]
-
-
 def _mib(n: float) -> int:
     return int(n * (1 << 20))
 
@@ -329,24 +430,36 @@ def _memfd(name: str, data: str | bytes) -> int:
     return fd
 
 
-def _execute(cmd: list[str], lim: SandboxLimits, stdin_fd: int, pass_fds: list[int]) -> SandboxResult:
-    """Start ``cmd``, collect bounded output until it ends or the wall time is up, then make sure
-    none of its processes is left."""
+def _execute(cmd: list[str], lim: SandboxLimits, stdin_fd: int, pass_fds: list[int], status_r: int, status_w: int,
+             cg: RunCgroup | None, enforcement: Enforcement) -> SandboxResult:
+    """Start ``cmd``, collect bounded output until it ends, the wall time is up or (with a cgroup)
+    the summed CPU time is, then make sure none of its processes is left."""
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdin=stdin_fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=pass_fds,
                             env=dict(_SANDBOX_ENV), cwd="/", start_new_session=True)
+    os.close(status_w)  # only the sandbox's init holds the write end now: EOF once it is gone
     bufs = {proc.stdout: bytearray(), proc.stderr: bytearray()}
-    truncated = timed_out = False
+    truncated = timed_out = cpu_out = exited = False
     deadline = start + lim.wall_s
+    pidfd = os.pidfd_open(proc.pid)  # readable once the run's outermost process has exited
     try:
         with selectors.DefaultSelector() as sel:
             for f in bufs:
                 sel.register(f, selectors.EVENT_READ)
-            while sel.get_map():
+            sel.register(pidfd, selectors.EVENT_READ)
+            while len(sel.get_map()) > (0 if exited else 1) or not exited:
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    timed_out = not exited
                     break
-                for key, _ in sel.select(left):
+                if cg is not None and not exited and cg.cpu_seconds() > lim.cpu_s + _CPU_GRACE_S:
+                    cpu_out = True
+                    break
+                for key, _ in sel.select(min(left, _POLL_S) if cg is not None else left):
+                    if key.fd == pidfd:
+                        exited = True
+                        sel.unregister(pidfd)
+                        continue
                     chunk = os.read(key.fd, 65536)
                     if not chunk:
                         sel.unregister(key.fileobj)
@@ -355,30 +468,64 @@ def _execute(cmd: list[str], lim: SandboxLimits, stdin_fd: int, pass_fds: list[i
                     room = lim.output_bytes - len(buf)
                     truncated |= len(chunk) > room
                     buf += chunk[:max(room, 0)]  # the rest is drained and dropped
-        try:
-            proc.wait(max(deadline - time.monotonic(), 0))
-        except subprocess.TimeoutExpired:
-            timed_out = True
     finally:
+        os.close(pidfd)
         if proc.poll() is None:
+            if cg is not None:
+                cg.kill()
             _stop(proc)
+        proc.wait()
         for f in bufs:
             f.close()
-    rc = proc.returncode
-    # bwrap and the unshare script's sh report "killed by signal N" as exit status 128+N.
-    code = 128 - rc if rc > 128 and rc - 128 in _SIGNALS else rc
+    status = _read_status(status_r)
     reason = None
+    if "signal" in status:
+        code = -int(status["signal"])
+    elif "exit" in status:
+        code = int(status["exit"])
+    else:  # the init itself was killed (wall/cpu limit, out of memory) or never started
+        rc = proc.returncode
+        code = 128 - rc if rc > 128 and rc - 128 in _SIGNALS else rc
+    if "error" in status:  # the program never ran
+        reason = f"sandbox setup failed: {status['error']}"
+    oom = cg.oom_kills() if cg is not None else 0
     if timed_out:
         reason = f"wall time limit ({lim.wall_s:g} s)"
-    elif code < 0:
+    elif cpu_out:
+        reason = f"cpu time limit ({lim.cpu_s:g} s summed over the sandbox's processes)"
+    elif oom:
+        reason = f"memory limit ({lim.memory_mb:g} MiB for the whole sandbox: {oom} process(es) killed)"
+    elif reason is None and code < 0:
         reason = _KILL_REASONS.get(-code)  # other signals are the program's own doing (SIGSEGV, SIGABRT, ...)
+    setup = status.get("setup", {})
+    ran = Enforcement(enforcement.cgroup, bool(setup.get("seccomp")), bool(setup.get("keyring")), enforcement.why)
     return SandboxResult(stdout=bufs[proc.stdout].decode("utf-8", errors="replace"),
                          stderr=bufs[proc.stderr].decode("utf-8", errors="replace"),
                          exit_code=code, timed_out=timed_out, killed_reason=reason,
-                         wall_s=round(time.monotonic() - start, 3), truncated=truncated)
+                         wall_s=round(time.monotonic() - start, 3), truncated=truncated, enforcement=ran,
+                         cpu_s=round(cg.cpu_seconds(), 3) if cg is not None else None,
+                         peak_memory_mb=round(cg.peak_memory_bytes() / (1 << 20), 1) if cg is not None else None)
 
 
 _SIGNALS = {s.value for s in signal.Signals}
+
+
+def _read_status(fd: int) -> dict:
+    """The init's status lines (see init.py), merged; {} when it wrote none."""
+    os.set_blocking(fd, False)
+    data = b""
+    try:
+        while chunk := os.read(fd, 65536):
+            data += chunk
+    except BlockingIOError:
+        pass
+    out: dict = {}
+    for line in data.decode(errors="replace").splitlines():
+        try:
+            out.update(json.loads(line))
+        except (json.JSONDecodeError, TypeError, ValueError):
+            pass
+    return out
 
 
 def _stop(proc: subprocess.Popen) -> None:
