@@ -190,8 +190,93 @@ def test_engine_and_fsdp_enums_are_validated():
     msg = _problems(cfg)
     assert "actor_rollout_ref.hybrid_engine.granularity must be one of ['layer', 'full'], got 'block'" in msg
     assert "actor_rollout_ref.ref.fsdp_config.sharding_strategy must be one of" in msg
-    assert "critic.fsdp_config.mixed_precision must be one of [None, 'bf16', 'fp16'], got 'fp8'" in msg
+    assert ("critic.fsdp_config.mixed_precision must be false (off), true or \"amp\" (the device's preferred low precision), "
+            "bf16 or fp16, got 'fp8'") in msg
     assert "hybrid_engine." not in _problems(HybridFlowConfig())  # defaults are fine
+
+
+# ---------------------------------------------------------------- mixed_precision: true / "amp"
+def _gpu(monkeypatch, bf16: bool):
+    """Pretend this process sees one CUDA GPU that does (A100) or does not (V100) compute bf16."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "A100" if bf16 else "V100")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: bf16)
+
+
+# spelling, device, GPU computes bf16 -> what the spec says it means
+MIXED_PRECISION = [
+    (None, "cpu", None, None), (False, "cpu", None, None), ("bf16", "cpu", None, "bf16"), ("bfloat16", "cuda", False, "bf16"),
+    ("fp16", "cpu", None, "fp16"), ("float16", "cuda", True, "fp16"),
+    (True, "cpu", None, "bf16"), ("amp", "cpu", None, "bf16"), ("AMP", "auto", None, "bf16"),  # auto without a GPU: the CPU
+    (True, "cuda", True, "bf16"), ("amp", "cuda", False, "fp16"), ("amp", "auto", False, "fp16"), (True, "cuda:1", True, "bf16"),
+]
+
+
+@pytest.mark.parametrize("value, device, gpu_bf16, want", MIXED_PRECISION)
+def test_mixed_precision_true_and_amp_mean_the_devices_preferred_low_precision(value, device, gpu_bf16, want, monkeypatch):
+    from hybridflow.config.derive import resolve_mixed_precision
+
+    if gpu_bf16 is None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    else:
+        _gpu(monkeypatch, gpu_bf16)
+    assert resolve_mixed_precision(value, device, "k.mixed_precision") == want
+
+
+def test_mixed_precision_is_refused_with_the_reason_where_it_has_no_meaning(monkeypatch, caplog):
+    from hybridflow.config import derive
+
+    with pytest.raises(ConfigError, match=r"x\.mixed_precision='amp' asks for the device's preferred low precision: .* known for cuda "
+                                          r"and cpu, not 'mps'; set bf16 or fp16 \(or false\)"):
+        derive.resolve_mixed_precision("amp", "mps", "x.mixed_precision")
+    with pytest.raises(ConfigError, match=r"x\.mixed_precision must be false \(off\), true or \"amp\" .*got 'fp8'"):
+        derive.resolve_mixed_precision("fp8", "cpu", "x.mixed_precision")
+    # a CPU without bf16 units still computes bf16 (as mixed_precision: bf16 does), with a warning that it is slow there
+    monkeypatch.setattr(derive, "_cpu_has_bf16_units", lambda: False)
+    monkeypatch.setattr(derive, "_LOGGED", set())
+    with caplog.at_level("INFO", logger="hybridflow"):
+        assert derive.resolve_mixed_precision(True, "cpu") == "bf16"
+    assert [r.levelname for r in caplog.records if "no bf16 units" in r.getMessage()] == ["WARNING"]
+
+
+def test_mixed_precision_true_and_amp_in_the_run_config_and_the_parallel_file(tmp_path, monkeypatch, caplog):
+    """The run config's YAML (true / amp / false on any fsdp_config), the parallel config file and
+    dict: the same spellings, resolved for trainer.device before validation, logged once."""
+    from hybridflow.config import derive
+    from hybridflow.config.derive import derive_defaults
+
+    monkeypatch.setattr(derive, "_LOGGED", set())
+    run = _write(tmp_path, "trainer:\n  device: cpu\nactor_rollout_ref:\n  actor:\n    fsdp_config:\n      mixed_precision: true\n"
+                           "  ref:\n    fsdp_config:\n      mixed_precision: amp\ncritic:\n  fsdp_config:\n    mixed_precision: false\n"
+                           "reward_model:\n  fsdp_config:\n    mixed_precision: bfloat16\n", "run.yaml")
+    cfg = load_config(run)
+    assert cfg.actor_rollout_ref.actor.fsdp_config.mixed_precision is True  # loaded as written
+    with caplog.at_level("INFO", logger="hybridflow"):
+        out = derive_defaults(derive_defaults(cfg))
+    got = [fc.mixed_precision for fc in (*_fsdp_cfgs(out), out.reward_model.fsdp_config)]
+    assert got == ["bf16", "bf16", None, "bf16"]
+    assert out.actor_rollout_ref.generation_dtype() == "bfloat16"  # the rollout follows the actor's precision
+    assert sum(r.getMessage().startswith("mixed_precision True on cpu: bf16") for r in caplog.records) == 1  # once, not per derivation
+    assert "mixed_precision" not in _problems(cfg)  # the spellings validate as written too
+    key = "actor_rollout_ref.actor.fsdp_config.mixed_precision"
+    assert [load_config(None, [f"{key}={v}"]).actor_rollout_ref.actor.fsdp_config.mixed_precision for v in ("true", "amp", "false")] == [True, "amp", False]
+    with pytest.raises(ConfigError, match=key):
+        load_config(None, [f"{key}=3"])
+
+    _gpu(monkeypatch, bf16=False)  # the same file on a GPU without bf16: fp16
+    on_gpu = derive_defaults(load_config(run, ["trainer.device=cuda"]))
+    assert [fc.mixed_precision for fc in _fsdp_cfgs(on_gpu)] == ["fp16", "fp16", None]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+    for value in ("true", "amp", "AMP"):
+        f = _write(tmp_path, f"fsdp_config:\n  mixed_precision: {value}\n")
+        applied = apply_parallel_config(load_config(None, ["trainer.device=cpu"]), load_parallel_config(f))
+        assert [fc.mixed_precision for fc in _fsdp_cfgs(applied)] == ["bf16"] * 3, value
+    applied = apply_parallel_config(load_config(None, ["trainer.device=cpu"]), as_parallel_config({"fsdp_config": {"mixed_precision": "amp"}}))
+    assert [fc.mixed_precision for fc in _fsdp_cfgs(applied)] == ["bf16"] * 3
+    off = apply_parallel_config(load_config(None, ["actor_rollout_ref.actor.fsdp_config.mixed_precision=bf16"]),
+                                as_parallel_config({"fsdp_config": {"mixed_precision": False}}))
+    assert [fc.mixed_precision for fc in _fsdp_cfgs(off)] == [None] * 3  # false keeps meaning off
 
 
 def test_engine_kwargs():

@@ -113,3 +113,25 @@ def test_wrap_hf_model_with_fsdp_in_a_plain_python_process(tiny_model_dir):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split()[-4:] == ["1", "DTensor", "(1,", "3)"]
+
+
+def test_wrap_hf_model_with_fsdp_mixed_precision_true_and_amp_outside_a_launcher(tiny_model_dir):
+    """The seeds' `{"mixed_precision": True, "sharding_strategy": "FULL_SHARD"}` and `{"mixed_precision":
+    "amp"}` in a plain python process: the CPU's preferred low precision is bf16, so the forward runs
+    in bf16 over fp32 shards (its logits come out bf16); false keeps meaning off (fp32 logits)."""
+    import subprocess
+
+    code = ("import torch; from transformers import AutoModelForCausalLM; "
+            "from hybridflow.utils.hf_integration import prepare_fsdp_model, wrap_hf_model_with_fsdp; "
+            f"load = lambda: AutoModelForCausalLM.from_pretrained({str(tiny_model_dir)!r}, dtype=torch.float32); "
+            "ids = torch.tensor([[1, 2, 3]]); "
+            "models = [wrap_hf_model_with_fsdp(load(), {'mixed_precision': True, 'sharding_strategy': 'FULL_SHARD'}), "
+            "wrap_hf_model_with_fsdp(load(), {'mixed_precision': 'amp'}), wrap_hf_model_with_fsdp(load(), {'mixed_precision': False}), "
+            "prepare_fsdp_model(load(), None, {'mixed_precision': 'amp'})]; "
+            "print(*[str(m(input_ids=ids).logits.dtype) + '/' + str(next(m.parameters()).dtype) for m in models])")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "CUDA_VISIBLE_DEVICES")}
+    env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU's answer, also on a machine with a GPU
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    bf16, fp32 = "torch.bfloat16/torch.float32", "torch.float32/torch.float32"  # logits / the stored shards
+    assert proc.stdout.split()[-4:] == [bf16, bf16, fp32, bf16]

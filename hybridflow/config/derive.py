@@ -1,4 +1,5 @@
-"""Sizes the user left unset, derived from the layout before validation (logged once each).
+"""What the user left to the layout or the device, derived before validation (logged once each):
+unset batch sizes, and ``mixed_precision: true`` / ``"amp"``.
 
 A size the layout constrains (the actor's mini-batch, the actor's / critic's / SFT's / reward model's
 micro-batch) is None in the schema when not set, the convention the parallel config and
@@ -17,19 +18,30 @@ None replaced by a value that fits the layout:
 A value the user set is never changed: the validator checks it and refuses it with the fix. When the
 layout itself is invalid (workers that do not divide the batch, ...) nothing is derived and the
 validator reports the real problem.
+
+``mixed_precision`` (every ``*.fsdp_config``, the parallel config's ``fsdp_config``,
+``wrap_hf_model_with_fsdp`` / ``prepare_fsdp_model``) is spelled false / null (off: the parameters'
+fp32), ``bf16`` / ``bfloat16``, ``fp16`` / ``float16``, or true / ``"amp"``: the device's preferred
+low precision (:func:`preferred_low_precision`): bf16 where the device computes it (every CPU torch
+runs on, CUDA GPUs that report bf16 support), else fp16 on CUDA, else refused with the reason.
+:func:`resolve_mixed_precision` turns each spelling into None / "bf16" / "fp16", the values the
+workers and ``apply_fsdp2`` take. For a run, the device is ``trainer.device`` (``auto``: the
+driver's, which decides before any worker starts).
 """
 
 from __future__ import annotations
 
 import copy
 import logging
-from typing import Optional
+from typing import Any, Optional
 
 from hybridflow.config import pools as rp
-from hybridflow.config.schema import (MICRO_BATCH_CAP, MINI_BATCH_CAP, SFT_MICRO_BATCH_CAP, HybridFlowConfig, RewardTrainConfig,
-                                      SFTConfig)
+from hybridflow.config.schema import (MICRO_BATCH_CAP, MINI_BATCH_CAP, SFT_MICRO_BATCH_CAP, FSDPConfig, HybridFlowConfig,
+                                      RewardTrainConfig, SFTConfig)
+from hybridflow.config.tree import ConfigError
 
-__all__ = ["derive_defaults", "derive_rm_defaults", "derive_sft_defaults", "largest_divisor", "log_once"]
+__all__ = ["MIXED_PRECISION_SPELLINGS", "derive_defaults", "derive_rm_defaults", "derive_sft_defaults", "largest_divisor", "log_once",
+           "preferred_low_precision", "resolve_mixed_precision"]
 
 logger = logging.getLogger("hybridflow")
 _LOGGED: set[str] = set()
@@ -37,11 +49,83 @@ _LOGGED: set[str] = set()
 A, R = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
 
 
-def log_once(message: str) -> None:
-    """Log `message` at INFO the first time this process derives it (a trainer built twice logs it once)."""
+def log_once(message: str, level: int = logging.INFO) -> None:
+    """Log `message` the first time this process derives it (a trainer built twice logs it once)."""
     if message not in _LOGGED:
         _LOGGED.add(message)
-        logger.info(message)
+        logger.log(level, message)
+
+
+# ---------------------------------------------------------------- mixed precision
+MIXED_PRECISION_SPELLINGS = (None, False, True, "amp", "bf16", "bfloat16", "fp16", "float16")
+_DTYPE_SPELLINGS = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16"}
+
+
+def _cpu_has_bf16_units() -> bool:
+    """Whether this CPU computes bf16 natively (x86 AVX512-BF16 / AMX-BF16, Arm BF16); without,
+    torch emulates it and bf16 matmuls run far slower than fp32 (docs/performance.md)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = {w for line in f if line.startswith(("flags", "Features")) for w in line.split(":", 1)[-1].split()}
+    except OSError:
+        return True  # unknown (not Linux): no warning
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def preferred_low_precision(device: str) -> tuple[str, str, bool]:
+    """("bf16" | "fp16", why, slow) for `device` ("auto" | "cpu" | "cuda[:i]" | another torch device
+    type). Raises ConfigError for a device whose preference hybridflow does not know."""
+    import torch
+
+    kind = str(device).split(":")[0]
+    if kind == "auto":
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            return "bf16", "trainer.device=cuda but this process sees no GPU to ask; bf16, which GPUs from Ampere on compute", False
+        name = torch.cuda.get_device_name()
+        try:
+            native = torch.cuda.is_bf16_supported(including_emulation=False)
+        except TypeError:  # an older torch without the argument
+            native = torch.cuda.is_bf16_supported()
+        if native:
+            return "bf16", f"{name} computes bf16", False
+        return "fp16", f"{name} has no native bf16", False
+    if kind == "cpu":
+        if _cpu_has_bf16_units():
+            return "bf16", "torch computes bf16 on CPU, and this CPU has bf16 units", False
+        return "bf16", ("torch computes bf16 on CPU, but this CPU has no bf16 units (avx512_bf16 / amx_bf16): bf16 matmuls run "
+                        "far slower than fp32 here; set mixed_precision: false to train in fp32"), True
+    raise ConfigError(f"the device's preferred low precision is known for cuda and cpu, not {device!r}")
+
+
+def resolve_mixed_precision(value: Any, device: str, key: str = "mixed_precision") -> Optional[str]:
+    """A mixed_precision spelling -> None (off) | "bf16" | "fp16" on `device`; true / "amp" is the
+    device's preferred low precision, logged once. Anything else raises ConfigError naming `key`."""
+    if value is None or value is False:
+        return None
+    if isinstance(value, str) and value.lower() in _DTYPE_SPELLINGS:
+        return _DTYPE_SPELLINGS[value.lower()]
+    if value is True or (isinstance(value, str) and value.lower() == "amp"):
+        try:
+            dtype, why, slow = preferred_low_precision(device)
+        except ConfigError as e:
+            raise ConfigError(f"{key}={value!r} asks for the device's preferred low precision: {e}; set bf16 or fp16 "
+                              f"(or false)") from None
+        log_once(f"mixed_precision {value!r} on {str(device).split(':')[0]}: {dtype}, the device's preferred low precision ({why})",
+                 logging.WARNING if slow else logging.INFO)
+        return dtype
+    raise ConfigError(f"{key} must be false (off), true or \"amp\" (the device's preferred low precision), bf16 or fp16, got {value!r}")
+
+
+def _resolve_precisions(sections: list[tuple[str, FSDPConfig]], device: str) -> None:
+    """Each section's mixed_precision as None / "bf16" / "fp16" (in place); a value that cannot be
+    resolved stays, for the validator to report with every other problem."""
+    for key, fc in sections:
+        try:
+            fc.mixed_precision = resolve_mixed_precision(fc.mixed_precision, device, f"{key}.mixed_precision")
+        except ConfigError:
+            pass
 
 
 def largest_divisor(n: int, cap: int, step: int = 1) -> Optional[int]:
@@ -114,8 +198,13 @@ def _derive_micro(cfg: HybridFlowConfig, who: str, mini: Optional[int], seqs_per
 
 
 def derive_defaults(cfg: HybridFlowConfig, kind: str = "rl") -> HybridFlowConfig:
-    """A copy of `cfg` with the unset (None) batch sizes derived from the layout. kind: "rl" or "dpo"."""
+    """A copy of `cfg` with the unset (None) batch sizes derived from the layout and every
+    mixed_precision resolved for trainer.device. kind: "rl" or "dpo"."""
     cfg = copy.deepcopy(cfg)
+    arr = cfg.actor_rollout_ref
+    _resolve_precisions([(f"{A}.fsdp_config", arr.actor.fsdp_config), ("actor_rollout_ref.ref.fsdp_config", arr.ref.fsdp_config),
+                         ("critic.fsdp_config", cfg.critic.fsdp_config), ("reward_model.fsdp_config", cfg.reward_model.fsdp_config),
+                         ("teacher.fsdp_config", cfg.teacher.fsdp_config)], cfg.trainer.device)
     actor_dp, critic_dp = _data_parallel_sizes(cfg, kind)
     if actor_dp is None:
         return cfg
@@ -149,8 +238,10 @@ def derive_sft_defaults(cfg: SFTConfig) -> SFTConfig:
 
 
 def derive_rm_defaults(cfg: RewardTrainConfig) -> RewardTrainConfig:
-    """A copy of the reward-model training config with micro_batch_size_per_gpu derived when unset."""
+    """A copy of the reward-model training config with micro_batch_size_per_gpu derived when unset
+    and fsdp_config.mixed_precision resolved for trainer.device."""
     cfg = copy.deepcopy(cfg)
+    _resolve_precisions([("fsdp_config", cfg.fsdp_config)], cfg.trainer.device)
     workers = _workers(cfg.trainer)
     if cfg.micro_batch_size_per_gpu is None and workers and _pos(cfg.train_batch_size) and cfg.train_batch_size % workers == 0:
         per_worker = 2 * cfg.train_batch_size // workers

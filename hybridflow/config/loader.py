@@ -38,15 +38,14 @@ def _bad(key: str, tp: Any, value: Any) -> ConfigError:
 def _coerce(value: Any, tp: Any, key: str) -> Any:
     """Check ``value`` against the annotation ``tp``; return it (possibly converted)."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (Union, types.UnionType):  # Optional[X]
+    if origin in (Union, types.UnionType):  # Optional[X], or X | Y: the first member the value fits
         if value is None and type(None) in args:
             return None
-        inner = [a for a in args if a is not type(None)]
-        if len(inner) == 1:
+        for inner in (a for a in args if a is not type(None)):
             try:
-                return _coerce(value, inner[0], key)
+                return _coerce(value, inner, key)
             except ConfigError:
-                raise _bad(key, tp, value) from None
+                pass
         raise _bad(key, tp, value)
     if origin is typing.Literal:
         if value not in args:

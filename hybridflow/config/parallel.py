@@ -8,7 +8,7 @@ A parallel config describes how HybridFlow lays the models out on the workers::
     generation_tensor_parallel_size: null   # the rollout's TP; null = model_parallel_size
     fsdp_enabled: true            # false = the actor is replicated (NO_SHARD)
     fsdp_config:
-      mixed_precision: false      # or bf16 / fp16 / true (= bf16)
+      mixed_precision: false      # or bf16 / fp16 / true or amp (the device's preferred low precision)
       offload_params: false
       sharding_strategy: FULL_SHARD   # FULL_SHARD | SHARD_GRAD_OP | NO_SHARD
     enable_resharding_opt: true
@@ -32,19 +32,18 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
+from hybridflow.config.derive import resolve_mixed_precision
 from hybridflow.config.loader import ConfigError, from_dict, load_config
 from hybridflow.config.schema import FSDPConfig, HybridFlowConfig
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
-MIXED_PRECISIONS = ("bf16", "fp16")
-_MP_ALIASES = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16"}
 ENGINE_KWARGS = ("enable_resharding_opt", "resharding_overlap_with_compute", "resharding_buffer_percent", "granularity")
 
 
 @dataclass
 class ParallelFSDPConfig:
     # None = not set (the run config's value stays)
-    mixed_precision: Any = None  # false | true (= bf16) | bf16 | fp16
+    mixed_precision: Any = None  # false | true / "amp" (the device's preferred low precision) | bf16 | fp16
     offload_params: Optional[bool] = None
     sharding_strategy: Optional[str] = None  # FULL_SHARD | SHARD_GRAD_OP | NO_SHARD
 
@@ -90,16 +89,6 @@ def as_parallel_config(value: "str | os.PathLike | dict | ParallelConfig") -> Pa
     raise ConfigError(f"parallel_config must be a file path, a dict or a ParallelConfig, got {type(value).__name__}")
 
 
-def _mixed_precision(value: Any) -> Optional[str]:
-    if value is None or value is False:
-        return None
-    if value is True:
-        return "bf16"
-    if isinstance(value, str) and value.lower() in _MP_ALIASES:
-        return _MP_ALIASES[value.lower()]
-    raise ConfigError(f"fsdp_config.mixed_precision must be false, true (= bf16), bf16 or fp16, got {value!r}")
-
-
 def _fsdp_configs(cfg: HybridFlowConfig) -> list[FSDPConfig]:
     arr = cfg.actor_rollout_ref
     return [arr.actor.fsdp_config, arr.ref.fsdp_config, cfg.critic.fsdp_config]
@@ -120,7 +109,9 @@ def apply_parallel_config(cfg: HybridFlowConfig, pcfg: ParallelConfig) -> Hybrid
       ``fsdp_config.sharding_strategy`` says.
     - ``fsdp_config.{sharding_strategy, mixed_precision, offload_params}`` ->
       ``{actor_rollout_ref.actor, actor_rollout_ref.ref, critic}.fsdp_config.{sharding_strategy,
-      mixed_precision, param_offload}``; mixed_precision true -> "bf16", false -> None (fp32).
+      mixed_precision, param_offload}``; mixed_precision false -> None (fp32), true / "amp" -> the
+      device's preferred low precision for ``cfg.trainer.device`` (bf16 on CPU and on GPUs that
+      compute it, else fp16: ``derive.resolve_mixed_precision``, logged once).
     - ``enable_resharding_opt``, ``resharding_overlap_with_compute`` (the driver prepares the next
       batch -- data loading + collation -- while the workers reshard; not an overlap with model
       compute) -> ``actor_rollout_ref.hybrid_engine.*``.
@@ -147,7 +138,7 @@ def apply_parallel_config(cfg: HybridFlowConfig, pcfg: ParallelConfig) -> Hybrid
     strategy = "NO_SHARD" if pcfg.fsdp_enabled is False else fcfg.sharding_strategy
     if strategy is not None and strategy not in SHARDING_STRATEGIES:
         raise ConfigError(f"fsdp_config.sharding_strategy must be one of {list(SHARDING_STRATEGIES)}, got {strategy!r}")
-    mp = _mixed_precision(fcfg.mixed_precision)
+    mp = resolve_mixed_precision(fcfg.mixed_precision, cfg.trainer.device, "fsdp_config.mixed_precision")
 
     cfg = copy.deepcopy(cfg)
     actor = cfg.actor_rollout_ref.actor

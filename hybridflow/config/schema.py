@@ -20,7 +20,7 @@ value the user set can be refused.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 
 @dataclass
@@ -96,7 +96,10 @@ class FSDPConfig:
     # per forward/backward), SHARD_GRAD_OP (params kept gathered between forward and backward),
     # NO_SHARD (replicated, gradients all-reduced). None = from reshard_after_forward.
     sharding_strategy: Optional[str] = None
-    mixed_precision: Optional[str] = None  # None = fp32; "bf16" / "fp16": param dtype, fp32 reduce
+    # None / false = off (the parameters' fp32); "bf16" / "fp16": compute (param) dtype, fp32 reduce;
+    # true / "amp": the device's preferred low precision (bf16 where it computes it, else fp16 on CUDA),
+    # resolved for trainer.device before validation (config/derive.py) and logged once.
+    mixed_precision: Union[bool, str, None] = None
 
 
 @dataclass

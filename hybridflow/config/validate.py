@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Literal
 
-from hybridflow.config.derive import derive_defaults, derive_rm_defaults, derive_sft_defaults
+from hybridflow.config.derive import derive_defaults, derive_rm_defaults, derive_sft_defaults, resolve_mixed_precision
 from hybridflow.config.loader import ConfigError, literal_choices
 from hybridflow.config.schema import LOSS_AGG_MODES, LORA_TARGETS, MODEL_DTYPES, DPOConfig, HybridFlowConfig, ModelConfig, OptimConfig, RewardTrainConfig, SFTConfig, TrainerConfig
 
@@ -162,9 +162,12 @@ class _Problems(list):
             for f in files:
                 self.exists(key, f)
 
-    def fsdp(self, key: str, fc):
+    def fsdp(self, key: str, fc, device: str):
         self.enum(f"{key}.sharding_strategy", fc.sharding_strategy, [None, "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
-        self.enum(f"{key}.mixed_precision", fc.mixed_precision, [None, "bf16", "fp16"])
+        try:  # a spelling (false / true / amp / bf16 / fp16) on trainer.device
+            resolve_mixed_precision(fc.mixed_precision, device, f"{key}.mixed_precision")
+        except ConfigError as e:
+            self.append(str(e))
 
     def optim(self, key, o: OptimConfig):
         self.enum(f"{key}.lr_scheduler_type", o.lr_scheduler_type, ["constant", "cosine"])
@@ -535,7 +538,7 @@ def validate_config(cfg: HybridFlowConfig, kind: Literal["rl", "dpo"] = "rl") ->
     p.enum("actor_rollout_ref.hybrid_engine.granularity", he.granularity, ["layer", "full"])
     for key, fc in [(f"{A}.fsdp_config", actor.fsdp_config), ("actor_rollout_ref.ref.fsdp_config", arr.ref.fsdp_config),
                     ("critic.fsdp_config", critic.fsdp_config), ("reward_model.fsdp_config", cfg.reward_model.fsdp_config)]:
-        p.fsdp(key, fc)
+        p.fsdp(key, fc, cfg.trainer.device)
     # generation TP: divides the workers and the (KV) heads; heads read from config.json when it exists
     policy_json = model_json(arr.model.path)
     heads = policy_json.get("num_attention_heads") or 0
@@ -688,7 +691,7 @@ def validate_rm_config(cfg: RewardTrainConfig) -> None:
     for key in ("max_prompt_length", "max_response_length", "total_steps"):
         p.positive(key, getattr(cfg, key))
     p.optim("optim", cfg.optim)
-    p.fsdp("fsdp_config", cfg.fsdp_config)
+    p.fsdp("fsdp_config", cfg.fsdp_config, cfg.trainer.device)
     p.tokenizer("model", cfg.model)
     mj = model_json(cfg.model.path)
     max_pos = p.model("model", cfg.model, "by hybridflow rm")
