@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from hybridflow.agent.registry import class_registry
+from hybridflow.config.validate import register_check
 
 __all__ = [
     "CalculatorTool",
@@ -258,6 +259,16 @@ def _import_file(path: str):
 def make_tool(class_name: str, config: Mapping[str, Any] | None = None, tool_schema: Mapping[str, Any] | None = None) -> Tool:
     """Build one tool from its class spec (registry name, dotted path or file path)."""
     return get_tool_class(class_name)(config=config, tool_schema=tool_schema)
+
+
+@register_check("tool_config")
+def tool_config_problems(path: str) -> list[str]:
+    """The config validator's check: the tool YAML loads (classes, schemas, options) before any worker starts."""
+    try:
+        load_tool_config(path)
+    except ToolConfigError as e:
+        return [f"actor_rollout_ref.rollout.multi_turn.tool_config_path: {e}"]
+    return []
 
 
 def load_tool_config(path: str | os.PathLike) -> list[Tool]:

@@ -31,6 +31,7 @@ CHECK_MODULES = (
     "hybridflow.parallel.dims",  # actor_layout, critic_layout, gen_tp
     "hybridflow.algorithms",  # adv_estimators, policy_losses
     "hybridflow.planning.arch",  # freeze_modules
+    "hybridflow.agent.tools",  # tool_config
 )
 # name -> what the function registered under it takes and returns
 CHECKS = {
@@ -41,6 +42,7 @@ CHECKS = {
     "adv_estimators": "() -> the registered advantage estimators' names",
     "policy_losses": "() -> the registered policy losses' names",
     "freeze_modules": "(model_path, patterns) -> problems: actor.freeze_modules against the model's parameter names",
+    "tool_config": "(path) -> problems: the multi-turn tool YAML loads, with every tool's options (e.g. sandbox limits)",
 }
 _REGISTERED: dict[str, Callable] = {}
 
@@ -494,12 +496,7 @@ def validate_config(cfg: HybridFlowConfig, kind: Literal["rl", "dpo"] = "rl") ->
         if mt.tool_config_path and not os.path.isfile(mt.tool_config_path):
             p.append(f"{R}.multi_turn.tool_config_path: file not found: {mt.tool_config_path}")
         elif mt.tool_config_path:  # the tools' own options (e.g. the python tool's sandbox limits), before any worker
-            from hybridflow.agent.tools import ToolConfigError, load_tool_config
-
-            try:
-                load_tool_config(mt.tool_config_path)
-            except ToolConfigError as e:
-                p.append(f"{R}.multi_turn.tool_config_path: {e}")
+            p.extend(component_check("tool_config")(mt.tool_config_path))  # hybridflow.agent.tools
     p.enum(f"{R}.multi_turn.format", roll.multi_turn.format, literal_choices(type(roll.multi_turn), "format"))
     if actor.fsdp_config.param_offload and (cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and _cuda_available())):
         p.append(f"{A}.fsdp_config.param_offload is not supported with CUDA yet: the weight sync gathers the "
