@@ -10,7 +10,8 @@ end, and the wall time of each run.
               dynamic sampling (algorithm.filter_groups, up to 20 generation rounds a step); configs/dapo_tiny.yaml.
               At most 40 steps: once the policy solves nearly every training prompt, groups with differing
               rewards become rare (measured: 8-15 rounds a step from step 32, 20 rounds for 5 of 8 groups at
-              step 44), and dynamic sampling stops with its error, as verl's does
+              step 44); such a step trains on the groups kept (data/underfilled_batches; verl would stop,
+              as algorithm.filter_groups.strict=true does), and the cap bounds the wall time
     gspo      + policy_loss.loss_mode=gspo (clip 3e-4 / 4e-4, as the paper)
     cispo     + policy_loss.loss_mode=cispo
     distill   on-policy distillation, no reward in the update: a 3-layer teacher SFT'd on correct answers
@@ -41,7 +42,7 @@ ALGORITHMS = {
     "cispo": [f"{A}.policy_loss.loss_mode=cispo"],
     "distill": [],  # its own recipe: run_recipe("distill")
 }
-MAX_STEPS = {"dapo": 40}  # dynamic sampling runs out of varied groups on this easy task (see above)
+MAX_STEPS = {"dapo": 40}  # varied groups become rare on this easy task: late steps take 20 generation rounds (see above)
 
 
 def main() -> None:

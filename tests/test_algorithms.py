@@ -696,9 +696,9 @@ def test_varied_groups_keeps_groups_with_different_rewards():
     assert varied_groups(torch.ones(4), ["a", "a", "b", "b"]).tolist() == []
 
 
-def _dynamic_trainer(rewards_per_round: list[list[float]], max_rounds: int):
-    """An RLTrainer with only what `_sample_groups` reads: 2 prompts x 2 samples per step; the
-    sampling flow's reward stage hands out the next round's scores."""
+def _dynamic_trainer(rewards_per_round: list[list[float]], max_rounds: int, prompts: int = 2, dp: int = 2, strict: bool = False):
+    """An RLTrainer with only what `_sample_groups` reads: `prompts` prompts x 2 samples per step on
+    an actor of `dp` data-parallel ranks; the sampling flow's reward stage hands out the next round's scores."""
     from hybridflow.config import load_config
     from hybridflow.config.schema import HybridFlowConfig
     from hybridflow.protocol import Batch
@@ -706,16 +706,17 @@ def _dynamic_trainer(rewards_per_round: list[list[float]], max_rounds: int):
     from hybridflow.trainer.rl import RLTrainer
 
     t = RLTrainer.__new__(RLTrainer)
-    t.cfg = load_config(None, ["data.train_batch_size=2", "actor_rollout_ref.rollout.n=2", "algorithm.filter_groups.enable=true",
-                               f"algorithm.filter_groups.max_num_gen_batches={max_rounds}"], schema=HybridFlowConfig)
-    t._gen_round, t.drawn, t.slept = 0, 0, 0
-    t.actor = type("Actor", (), {"sleep_rollout": lambda self: setattr(t, "slept", t.slept + 1)})()
+    t.cfg = load_config(None, [f"data.train_batch_size={prompts}", "actor_rollout_ref.rollout.n=2", "algorithm.filter_groups.enable=true",
+                               f"algorithm.filter_groups.max_num_gen_batches={max_rounds}", f"algorithm.filter_groups.strict={str(strict).lower()}"],
+                        schema=HybridFlowConfig)
+    t._gen_round, t.drawn, t.slept, t.global_step, t.underfilled_batches, t.critic = 0, 0, 0, 1, 0, None
+    t.actor = type("Actor", (), {"world_size": dp, "sleep_rollout": lambda self: setattr(t, "slept", t.slept + 1)})()
     rounds = iter(rewards_per_round)
 
     def prepare():
         t.drawn += 1
-        return Batch.from_dict(tensors={"prompt": torch.tensor([10 * t.drawn, 10 * t.drawn, 10 * t.drawn + 1, 10 * t.drawn + 1])},
-                               non_tensors={"uid": [f"{t.drawn}-0", f"{t.drawn}-0", f"{t.drawn}-1", f"{t.drawn}-1"]})
+        rows = [10 * t.drawn + i for i in range(prompts) for _ in range(2)]  # prompt ids, 2 samples each
+        return Batch.from_dict(tensors={"prompt": torch.tensor(rows)}, non_tensors={"uid": [f"{t.drawn}-{r}" for r in rows]})
 
     def gen(b):
         return Batch.from_dict(tensors={"seed_round": torch.full((len(b),), t._gen_round)})
@@ -735,13 +736,61 @@ def test_dynamic_sampling_drops_flat_groups_and_refills_the_batch():
     assert batch["prompt"].tolist() == [11, 11, 30, 30]  # prompt 1 of round 1, prompt 0 of round 3
     assert batch["seed_round"].tolist() == [0, 0, 2, 2]  # each round sampled with its own seed
     assert metrics["data/num_gen_batches"] == 3.0 and metrics["data/kept_groups_frac"] == pytest.approx(4 / 12)
+    assert metrics["data/train_groups"] == 2.0 and metrics["data/underfilled_batches"] == 0.0  # a full batch
     assert t._gen_round == 0 and "timing_s/gen" in metrics and t.slept == 1  # generation memory freed once, after the rounds
 
 
-def test_dynamic_sampling_stops_at_the_limit_with_a_clear_message():
-    t, prepare = _dynamic_trainer([[1, 1, 0, 1], [0, 0, 1, 1]], max_rounds=2)
+def test_dynamic_sampling_strict_stops_at_the_limit_naming_the_key():
+    t, prepare = _dynamic_trainer([[1, 1, 0, 1], [0, 0, 1, 1]], max_rounds=2, strict=True)
     with pytest.raises(RuntimeError) as e:
         t._sample_groups(prepare())
     msg = str(e.value)
     assert "kept 1 of the 2 groups" in msg and "2 generation rounds" in msg and "algorithm.filter_groups.max_num_gen_batches" in msg
-    assert t._gen_round == 0
+    assert "algorithm.filter_groups.strict=true stops the run" in msg and "Set algorithm.filter_groups.strict=false to train" in msg
+    assert t._gen_round == 0 and t.slept == 1
+
+
+def test_dynamic_sampling_that_cannot_fill_the_batch_trains_on_the_groups_kept(caplog):
+    """Not strict (the default): after max_num_gen_batches rounds the step gets the groups kept,
+    a warning, and the running count data/underfilled_batches."""
+    t, prepare = _dynamic_trainer([[1, 1, 0, 1], [0, 0, 1, 1], [1, 0, 1, 1], [0, 0, 0, 0]], max_rounds=2)
+    with caplog.at_level("WARNING", logger="hybridflow"):
+        batch, metrics = t._sample_groups(prepare())
+        assert batch["prompt"].tolist() == [11, 11]  # the one varied group of the two rounds
+        assert (metrics["data/train_groups"], metrics["data/underfilled_batches"], metrics["data/num_gen_batches"]) == (1.0, 1.0, 2.0)
+        t.global_step = 2
+        batch, metrics = t._sample_groups(prepare())  # the next step: one varied group in round 1, none in round 2
+        assert batch["prompt"].tolist() == [30, 30] and metrics["data/underfilled_batches"] == 2.0  # a running count
+    warnings = [r.getMessage() for r in caplog.records if "dynamic sampling kept" in r.getMessage()]
+    assert len(warnings) == 2 and "step 1: dynamic sampling kept 1 of the 2 groups a step needs after 2 generation rounds" in warnings[0]
+    assert "training on those 1 groups (2 sequences)" in warnings[0] and "algorithm.filter_groups.strict=true stops instead" in warnings[0]
+
+
+def test_an_underfilled_batch_drops_the_fewest_groups_so_it_splits_over_the_data_parallel_ranks(caplog):
+    # 4 prompts x 2 samples over 4 data-parallel ranks: rows come in multiples of 4, i.e. groups in pairs
+    t, prepare = _dynamic_trainer([[1, 0, 1, 0, 1, 0, 1, 1]], max_rounds=1, prompts=4, dp=4)
+    with caplog.at_level("WARNING", logger="hybridflow"):
+        batch, metrics = t._sample_groups(prepare())
+    assert batch["prompt"].tolist() == [10, 10, 11, 11]  # 3 varied groups kept, the last one dropped
+    assert metrics["data/train_groups"] == 2.0 and len(batch) % 4 == 0
+    assert any("kept 3 of the 4 groups" in r.getMessage() and "1 more dropped so that the 4 rows split evenly over 4 data-parallel ranks"
+               in r.getMessage() for r in caplog.records)
+    t, prepare = _dynamic_trainer([[1, 0, 1, 1, 1, 1, 0, 0]], max_rounds=1, prompts=4, dp=4)  # one varied group: none can train
+    batch, metrics = t._sample_groups(prepare())
+    assert len(batch) == 0 and metrics["data/train_groups"] == 0.0 and metrics["data/underfilled_batches"] == 1.0
+
+
+def test_a_step_whose_dynamic_sampling_kept_no_trainable_group_skips_its_update():
+    from hybridflow.trainer.dataflow import DataFlow, Stage
+
+    t, prepare = _dynamic_trainer([[1, 1, 0, 0]], max_rounds=1)
+    t.roles = type("Roles", (), {"async_rollout": False})()
+    t._next_batch = None
+
+    def update(b):
+        raise AssertionError("no update without a group to train on")
+
+    metrics = t.train_step(DataFlow([Stage("update_actor", update, ["prompt"], [])]))
+    assert metrics["train/skipped_updates"] == 1.0 and metrics["data/underfilled_batches"] == 1.0 and "timing_s/step" in metrics
+
+

@@ -400,6 +400,32 @@ def test_dynamic_sampling_and_rollout_correction_end_to_end(ray_cluster, tiny_mo
         assert h["critic/score/mean"] == pytest.approx(0.5)
 
 
+def test_dynamic_sampling_that_cannot_fill_the_batch_trains_on_the_groups_kept(ray_cluster, tiny_model_dir, task_dir, tmp_path):
+    """One generation round a step (max_num_gen_batches=1) and a reward that makes exactly half of the
+    groups vary: every step trains on those 2 of its 4 groups instead of stopping (strict is off by
+    default), counts the underfilled batches, and really updates the policy. The micro-batch is left
+    unset: derived from the layout at run time."""
+    reward = tmp_path / "every_fourth.py"
+    # Called once per row, in row order (the driver's reward stage): rows come as 4 groups of 2 samples
+    # a round, so the 1st and 3rd group score (1, 0) and vary, the 2nd and 4th score (0, 0) and are flat.
+    reward.write_text("import itertools\n_calls = itertools.count()\n\n\n"
+                      "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return float(next(_calls) % 4 == 0)\n")
+    trainer = make_trainer(tiny_model_dir, task_dir, tmp_path, f"custom_reward_function.path={reward}", "trainer.total_training_steps=2",
+                           "actor_rollout_ref.rollout.n=2", "algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=1",
+                           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null")
+    assert trainer.cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == 4  # 4 prompts x 2 samples / 2 workers
+    try:
+        hist = steps(trainer.fit())
+    finally:
+        trainer.shutdown()
+    assert [h["data/underfilled_batches"] for h in hist] == [1.0, 2.0]  # a running count
+    for h in hist:
+        assert h["data/num_gen_batches"] == 1.0 and h["data/train_groups"] == 2.0 and h["data/kept_groups_frac"] == 0.5
+        assert h["critic/score/mean"] == pytest.approx(0.5)  # only the varied groups, (1, 0) each, were trained on
+        assert h["actor/grad_norm"] > 0 and "actor/pg_loss" in h and "train/skipped_updates" not in h  # the step trained
+
+
 def test_on_policy_distillation_from_itself_is_a_no_op_and_from_another_model_moves(ray_cluster, tiny_model_dir, tiny_llama_dir, task_dir, tmp_path):
     """The teacher role scores the student's tokens; the advantage is teacher - student log-prob.
     A student distilled from its own checkpoint (same weights, same FSDP layout) gets advantage 0

@@ -312,11 +312,19 @@ class FilterGroupsConfig:
     prompt) whose `metric` is the same for every sample carries no GRPO signal and is dropped;
     more prompts are generated until data.train_batch_size groups are kept. `metric`: the per-
     sequence sum of the token-level scores (acc / score / seq_reward: the rule or reward-model
-    score; seq_final_reward: the same, as KL-in-reward is not allowed here)."""
+    score; seq_final_reward: the same, as KL-in-reward is not allowed here).
+
+    When max_num_gen_batches rounds keep fewer groups than a step needs (a policy that solves nearly
+    every prompt), the step trains on the groups kept (a smaller batch: fewer groups split over the
+    same data-parallel ranks, each mini-batch's loss a mean over its own tokens / sequences; when
+    they do not split evenly the fewest groups needed are dropped), with a warning and the running
+    count data/underfilled_batches; none left: the step's update is skipped (train/skipped_updates).
+    strict=true stops the run there instead, as verl does."""
 
     enable: bool = False
     metric: Literal["acc", "score", "seq_reward", "seq_final_reward"] = "acc"
-    max_num_gen_batches: int = 10  # generation rounds per step before giving up (0 = no limit)
+    max_num_gen_batches: int = 10  # generation rounds per step before training on the groups kept (0 = no limit)
+    strict: bool = False  # true: stop with an error when max_num_gen_batches rounds cannot fill the batch (verl's behaviour)
 
 
 @dataclass

@@ -26,6 +26,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import math
 import os
 import sys
 import time
@@ -101,6 +102,7 @@ class RLTrainer:
         self.correction = resolve_correction(a.rollout_correction, cfg.trainer.async_rollout)  # "auto" decided once, here
         self.sample_flow: DataFlow | None = None  # dynamic sampling: gen + reward, rerun until the batch is full
         self._gen_round = 0  # dynamic sampling: which generation round of the step (its own sampling seed)
+        self.underfilled_batches = 0  # dynamic sampling: steps that trained on fewer groups than a batch (data/underfilled_batches)
         self.global_step = 0
         self.log_dir = cfg.trainer.log_dir or cfg.trainer.default_local_dir
         self.placed: WorkerGroups | None = None  # set by init_workers
@@ -298,7 +300,9 @@ class RLTrainer:
 
     def _sample_groups(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
         """DAPO's dynamic sampling: generate and score `batch`, keep the groups whose rewards vary,
-        and draw more prompts until data.train_batch_size groups are kept (the first ones, in order)."""
+        and draw more prompts until data.train_batch_size groups are kept (the first ones, in order).
+        After max_num_gen_batches rounds with fewer: the groups kept (`_underfilled`), or with
+        algorithm.filter_groups.strict an error, as verl's."""
         fg, n = self.cfg.algorithm.filter_groups, self.cfg.actor_rollout_ref.rollout.n
         want = self.cfg.data.train_batch_size * n  # rows
         kept: list[Batch] = []
@@ -318,18 +322,55 @@ class RLTrainer:
                 if have >= want:
                     break
                 if 0 < fg.max_num_gen_batches <= self._gen_round + 1:
-                    raise RuntimeError(
-                        f"dynamic sampling (algorithm.filter_groups) kept {have // n} of the {want // n} groups a step needs after "
-                        f"{self._gen_round + 1} generation rounds (max_num_gen_batches={fg.max_num_gen_batches}): too many prompts have "
-                        f"the same reward for every sample (all solved or all failed). Raise algorithm.filter_groups.max_num_gen_batches "
-                        f"(0 = no limit), raise actor_rollout_ref.rollout.n, or use data of a difficulty the policy sometimes solves")
+                    if fg.strict:
+                        raise RuntimeError(
+                            f"dynamic sampling (algorithm.filter_groups) kept {have // n} of the {want // n} groups a step needs after "
+                            f"{self._gen_round + 1} generation rounds (max_num_gen_batches={fg.max_num_gen_batches}), and "
+                            f"algorithm.filter_groups.strict=true stops the run there, as verl does: too many prompts have the same "
+                            f"reward for every sample (all solved or all failed). Set algorithm.filter_groups.strict=false to train "
+                            f"on the groups kept, raise algorithm.filter_groups.max_num_gen_batches (0 = no limit), raise "
+                            f"actor_rollout_ref.rollout.n, or use data of a difficulty the policy sometimes solves")
+                    break
                 batch = self._prepare_batch()
             rounds = self._gen_round + 1
         finally:
             self._gen_round = 0
             self.actor.sleep_rollout()  # the generation buffers, kept over the rounds, are freed now
-        merged.update({"data/num_gen_batches": float(rounds), "data/kept_groups_frac": have / generated})
-        return Batch.concat(kept).index(slice(0, want)), merged
+        out = Batch.concat(kept)
+        out = out.index(slice(0, want)) if have >= want else self._underfilled(out, rounds)
+        merged.update({"data/num_gen_batches": float(rounds), "data/kept_groups_frac": have / generated,
+                       "data/train_groups": float(len(out) // n), "data/underfilled_batches": float(self.underfilled_batches)})
+        return out, merged
+
+    def _underfilled(self, kept: Batch, rounds: int) -> Batch:
+        """The step's batch when dynamic sampling kept fewer groups than it needs: every kept group,
+        less the fewest needed for the rows to split evenly over the data-parallel ranks of each
+        update (the dispatch would otherwise pad, training some rows twice). Each mini-batch's loss
+        is a mean over its own tokens / sequences (`agg_loss`, `micro_weight`), so a smaller batch
+        needs no rescaling: its update has the same scale, from fewer samples."""
+        fg, n = self.cfg.algorithm.filter_groups, self.cfg.actor_rollout_ref.rollout.n
+        self.underfilled_batches += 1
+        groups, multiple = len(kept) // n, self._train_rows_multiple()
+        step = multiple // math.gcd(multiple, n)  # groups whose rows split over `multiple` ranks come in steps of this
+        usable = groups // step * step
+        dropped = (f"; {groups - usable} more dropped so that the {usable * n} rows split evenly over {multiple} data-parallel "
+                   f"ranks" if usable < groups else "")
+        what = (f"training on those {usable} groups ({usable * n} sequences){dropped}" if usable
+                else f"no group left to train on{dropped}: the step's update is skipped")
+        logger.warning("step %d: dynamic sampling kept %d of the %d groups a step needs after %d generation rounds "
+                       "(algorithm.filter_groups.max_num_gen_batches=%d); %s (data/underfilled_batches=%d; "
+                       "algorithm.filter_groups.strict=true stops instead)", self.global_step, groups, self.cfg.data.train_batch_size,
+                       rounds, fg.max_num_gen_batches, what, self.underfilled_batches)
+        return kept.index(slice(0, usable * n))
+
+    def _train_rows_multiple(self) -> int:
+        """Rows a training batch must be a multiple of: the data-parallel ranks of the actor's update
+        (workers / (pp x tp)) and, with a critic, of its update."""
+        a, c = self.cfg.actor_rollout_ref.actor, self.cfg.critic
+        multiple = self.actor.world_size // (a.tensor_model_parallel_size * a.pipeline_model_parallel_size)
+        if getattr(self, "critic", None) is not None:
+            multiple = math.lcm(multiple, self.critic.world_size // c.tensor_model_parallel_size)
+        return multiple
 
     def _mark_prefetch(self) -> None:
         """The loader is about to hand out the next step's batch early: a checkpoint saves the state before it."""
@@ -353,6 +394,8 @@ class RLTrainer:
             sampled: dict[str, float] = {}
             if self.sample_flow is not None:
                 batch, sampled = self._sample_groups(batch)
+                if not len(batch):  # dynamic sampling kept no group to train on (warned): no update this step
+                    return {**sampled, "train/skipped_updates": 1.0, "timing_s/step": time.perf_counter() - start}
             batch, metrics = flow.run(batch)
             metrics.update(sampled)
         if self.weight_sync.pending is not None:  # overlapped: prepare the next batch, then collect
@@ -449,7 +492,8 @@ class RLTrainer:
             self.critic.save_checkpoint(tmp)
         prefetched = self._next_batch is not None or (self.async_gen is not None and self.async_gen.pending is not None)
         loader_state = self._loader_state_at_prefetch if prefetched else self.loader.state_dict()
-        state = {"global_step": self.global_step, "loader": loader_state, "kl_ctrl": self.kl_ctrl.state_dict(), **self._extra_state()}
+        state = {"global_step": self.global_step, "loader": loader_state, "kl_ctrl": self.kl_ctrl.state_dict(),
+                 "underfilled_batches": self.underfilled_batches, **self._extra_state()}
         if self.is_main:
             checkpoints.commit(root, self.global_step, state, self.cfg.trainer.max_ckpt_to_keep)
         self.placed.barrier()  # torchrun: rank 0 completes the checkpoint before anyone goes on
@@ -466,6 +510,7 @@ class RLTrainer:
         self.global_step = int(state["global_step"])
         self.loader.load_state_dict(state["loader"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        self.underfilled_batches = int(state.get("underfilled_batches", 0))  # a checkpoint from before the count: 0
         self._load_extra_state(state)
         if self.async_rollout:  # the rollout pool starts from the restored policy
             self._sync_rollout()
