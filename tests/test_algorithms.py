@@ -763,7 +763,7 @@ def test_dynamic_sampling_that_cannot_fill_the_batch_trains_on_the_groups_kept(c
         assert batch["prompt"].tolist() == [30, 30] and metrics["data/underfilled_batches"] == 2.0  # a running count
     warnings = [r.getMessage() for r in caplog.records if "dynamic sampling kept" in r.getMessage()]
     assert len(warnings) == 2 and "step 1: dynamic sampling kept 1 of the 2 groups a step needs after 2 generation rounds" in warnings[0]
-    assert "training on those 1 groups (2 sequences)" in warnings[0] and "algorithm.filter_groups.strict=true stops instead" in warnings[0]
+    assert "training on 1 group (2 sequences)" in warnings[0] and "algorithm.filter_groups.strict=true stops instead" in warnings[0]
 
 
 def test_an_underfilled_batch_drops_the_fewest_groups_so_it_splits_over_the_data_parallel_ranks(caplog):

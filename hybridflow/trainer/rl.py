@@ -355,7 +355,7 @@ class RLTrainer:
         usable = groups // step * step
         dropped = (f"; {groups - usable} more dropped so that the {usable * n} rows split evenly over {multiple} data-parallel "
                    f"ranks" if usable < groups else "")
-        what = (f"training on those {usable} groups ({usable * n} sequences){dropped}" if usable
+        what = (f"training on {usable} group{'s' * (usable != 1)} ({usable * n} sequences){dropped}" if usable
                 else f"no group left to train on{dropped}: the step's update is skipped")
         logger.warning("step %d: dynamic sampling kept %d of the %d groups a step needs after %d generation rounds "
                        "(algorithm.filter_groups.max_num_gen_batches=%d); %s (data/underfilled_batches=%d; "
