@@ -519,6 +519,10 @@ def test_dapo_overlong_penalty_at_the_buffers_start_middle_and_end():
     scores = out["token_level_scores"]
     assert [scores[i, n - 1].item() for i, n in enumerate(lengths.tolist())] == [0.0, 0.0, -0.5, -1.0]
     assert scores.sum().item() == -1.5 and out.meta["metrics"]["reward/overlong_penalty/mean"] == -0.375
+    assert "reward/overlong_frac" not in out.meta["metrics"]
+    rm.overlong_buffer.log = True  # verl's key: the per-sample detail as well (2 of 4 cut, the worst by the whole factor)
+    logged = reward(Batch.from_dict(tensors={"response_mask": mask}), lambda b: (torch.zeros(4, 20), {}), rm, False, max_response_length=20)
+    assert (logged.meta["metrics"]["reward/overlong_frac"], logged.meta["metrics"]["reward/overlong_penalty/min"]) == (0.5, -1.0)
 
 
 def test_pass_at_k_equals_the_fraction_of_k_subsets_with_a_correct_sample():
@@ -696,6 +700,22 @@ def test_varied_groups_keeps_groups_with_different_rewards():
     assert varied_groups(torch.ones(4), ["a", "a", "b", "b"]).tolist() == []
 
 
+def test_dynamic_sampling_compares_the_metric_it_is_told():
+    from hybridflow.protocol import Batch
+    from hybridflow.trainer.driver_stages import group_values, varied_groups
+
+    # 2 groups x 2 samples. The rule's scores differ in group 0 only by partial credit (0.5 vs 1.0) but its "acc"
+    # is 1 for both; an overlong penalty (-0.2 on row 3) makes group 1's sequence rewards differ, not its scores.
+    seq = torch.tensor([[0.0, 0.5], [0.0, 1.0], [0.0, 0.0], [0.0, -0.2]])  # token_level_scores [B, 2]
+    batch = Batch.from_dict(tensors={"token_level_scores": seq})
+    scores, extras, uids = [0.5, 1.0, 0.0, 0.0], {"acc": [1.0, 1.0, 0.0, 0.0]}, ["a", "a", "b", "b"]
+    kept = {m: varied_groups(group_values(batch, m, scores, extras), uids).tolist() for m in ("acc", "score", "seq_reward", "seq_final_reward")}
+    assert kept == {"acc": [], "score": [0, 1], "seq_reward": [0, 1, 2, 3], "seq_final_reward": [0, 1, 2, 3]}
+    # no per-sample acc from the reward function: acc is its score; only a reward model scored: the sequence sums
+    assert varied_groups(group_values(batch, "acc", scores, {}), uids).tolist() == [0, 1]
+    assert varied_groups(group_values(batch, "acc", None, {}), uids).tolist() == [0, 1, 2, 3]
+
+
 def _dynamic_trainer(rewards_per_round: list[list[float]], max_rounds: int, prompts: int = 2, dp: int = 2, strict: bool = False):
     """An RLTrainer with only what `_sample_groups` reads: `prompts` prompts x 2 samples per step on
     an actor of `dp` data-parallel ranks; the sampling flow's reward stage hands out the next round's scores."""
@@ -710,6 +730,8 @@ def _dynamic_trainer(rewards_per_round: list[list[float]], max_rounds: int, prom
                                f"algorithm.filter_groups.max_num_gen_batches={max_rounds}", f"algorithm.filter_groups.strict={str(strict).lower()}"],
                         schema=HybridFlowConfig)
     t._gen_round, t.drawn, t.slept, t.global_step, t.underfilled_batches, t.critic = 0, 0, 0, 1, 0, None
+    t.roles = type("Roles", (), {"use_rm": False})()
+    t.reward_fn = type("Rule", (), {"last_scores": [], "last_extras": {}})()  # the fake reward stage below bypasses it
     t.actor = type("Actor", (), {"world_size": dp, "sleep_rollout": lambda self: setattr(t, "slept", t.slept + 1)})()
     rounds = iter(rewards_per_round)
 
@@ -784,7 +806,7 @@ def test_a_step_whose_dynamic_sampling_kept_no_trainable_group_skips_its_update(
     from hybridflow.trainer.dataflow import DataFlow, Stage
 
     t, prepare = _dynamic_trainer([[1, 1, 0, 0]], max_rounds=1)
-    t.roles = type("Roles", (), {"async_rollout": False})()
+    t.roles = type("Roles", (), {"async_rollout": False, "use_rm": False})()
     t._next_batch = None
 
     def update(b):

@@ -133,8 +133,17 @@ def test_manager_dict_scores_and_default_fn(tok):
     def fn(data_source, solution_str, ground_truth, extra_info=None):
         return {"score": 0.5, "acc": 1.0}
 
-    scores, metrics = RewardManager(tok, fn)(batch)
+    manager = RewardManager(tok, fn)
+    scores, metrics = manager(batch)
     assert scores[0, 1].item() == 0.5 and metrics["reward/acc/mean"] == 1.0
+    assert manager.last_extras == {"acc": [1.0, 1.0]} and manager.last_scores == [0.5, 0.5]  # per sample (filter_groups.metric)
+
+    def some(data_source, solution_str, ground_truth, extra_info=None):  # "acc" for one sample only: not per sample
+        return {"score": 1.0, "acc": 1.0} if solution_str == "5" else 0.0
+
+    manager = RewardManager(tok, some)
+    manager(batch)
+    assert manager.last_extras == {}
 
 
 def test_manager_raising_fn(tok, caplog):

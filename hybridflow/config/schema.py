@@ -260,7 +260,7 @@ class OverlongBufferConfig:
     enable: bool = False
     len: int = 0  # tokens before the limit where the penalty starts
     penalty_factor: float = 1.0
-    log: bool = False  # verl's key; the penalty's mean is always logged (reward/overlong_penalty/mean)
+    log: bool = False  # also log reward/overlong_frac and reward/overlong_penalty/min (the mean is always logged)
 
 
 @dataclass

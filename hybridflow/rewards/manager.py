@@ -46,6 +46,7 @@ class RewardManager:
         self.last_decoded: list[str] = []
         self.last_scores: list[float] = []
         self.last_preds: list = []  # per sample: the scorer's "pred" (its extracted answer) or None
+        self.last_extras: dict[str, list[float]] = {}  # see __call__
 
     def __call__(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         responses = batch["responses"]
@@ -61,6 +62,7 @@ class RewardManager:
         values: list[float] = []
         preds: list = []
         extras: dict[str, list[float]] = {}
+        per_sample: list[dict[str, float]] = []  # each sample's numeric extras (e.g. "acc"), for dynamic sampling
         errors = timeouts = 0
         first_error = None
         resp_cpu, mask_cpu = responses.cpu(), mask.cpu()
@@ -71,6 +73,7 @@ class RewardManager:
             rm = reward_models[i]
             extra = extra_infos[i] if extra_infos is not None else None
             pred = None
+            per_sample.append({})
             try:
                 gt = rm["ground_truth"] if isinstance(rm, dict) else rm
                 out = _call(self.compute_score, self.timeout_s, data_source=data_sources[i], solution_str=text, ground_truth=gt, extra_info=extra)
@@ -81,6 +84,7 @@ class RewardManager:
                     for k, v in out.items():
                         if k != "score" and isinstance(v, numbers.Number) and not isinstance(v, bool):
                             extras.setdefault(k, []).append(float(v))
+                            per_sample[-1][k] = float(v)
                     out = out["score"]
                 if isinstance(out, torch.Tensor):
                     out = out.item()
@@ -111,6 +115,8 @@ class RewardManager:
         self.last_decoded = decoded
         self.last_scores = values
         self.last_preds = preds
+        # {key: [B] values} for the numeric extras every sample reported (algorithm.filter_groups.metric=acc reads "acc")
+        self.last_extras = {k: [d[k] for d in per_sample] for k in extras if all(k in d for d in per_sample)}
         if timeouts:
             logger.warning("reward function took longer than custom_reward_function.timeout_s=%s for %d of %d samples (scored 0.0)",
                            self.timeout_s, timeouts, bsz)

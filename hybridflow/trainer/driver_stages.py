@@ -35,6 +35,8 @@ def reward(batch: Batch, reward_fn: Callable, rm: RewardModelConfig, use_rm: boo
         scores = scores.clone()
         scores[torch.arange(len(scores)), last_token_index(batch["response_mask"])] += penalty.to(scores.dtype)
         metrics = {**metrics, "reward/overlong_penalty/mean": float(penalty.mean())}
+        if ob.log:  # verl's overlong_buffer.log: the per-sample detail too (how many were cut, the worst cut)
+            metrics.update({"reward/overlong_frac": float((penalty < 0).float().mean()), "reward/overlong_penalty/min": float(penalty.min())})
     return Batch.from_dict(tensors={"token_level_scores": scores}, meta={"metrics": metrics})
 
 
@@ -94,6 +96,21 @@ def rollout_correction(batch: Batch, correction: Correction) -> Batch:
     log-probs (algorithm.rollout_correction; `algorithms/rollout_correction.py`)."""
     weights, keep, metrics = correction_weights(batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"], correction)
     return Batch.from_dict(tensors={"rollout_is_weights": weights, "rollout_rs_mask": keep}, meta={"metrics": metrics})
+
+
+def group_values(batch: Batch, metric: str, rule_scores: list[float] | None, rule_extras: dict[str, list[float]]) -> torch.Tensor:
+    """The per-sequence value [B] dynamic sampling compares within a group (algorithm.filter_groups.metric,
+    verl's names): "acc": the reward function's per-sample "acc" when it returned one for every sample,
+    else its score; "score": the reward function's score (before the overlong penalty and a tool's or
+    environment's reward); "seq_reward" / "seq_final_reward": the sum of token_level_scores (with them;
+    the final reward, after the KL penalty, equals it here: KL-in-reward is refused with that metric).
+    ``rule_scores`` / ``rule_extras``: this batch's rule reward (None when only a reward model scored)."""
+    seq = batch["token_level_scores"].sum(-1)
+    if metric == "acc" and rule_extras.get("acc") is not None and len(rule_extras["acc"]) == len(seq):
+        return torch.tensor(rule_extras["acc"])
+    if metric in ("acc", "score") and rule_scores is not None and len(rule_scores) == len(seq):
+        return torch.tensor(rule_scores)
+    return seq
 
 
 def varied_groups(values: torch.Tensor, uids) -> torch.Tensor:

@@ -312,7 +312,10 @@ class RLTrainer:
             for self._gen_round in itertools.count():
                 out, metrics = self.sample_flow.run(batch)
                 generated += len(out)
-                kept.append(out.index(driver_stages.varied_groups(out["token_level_scores"].sum(-1), out["uid"])))
+                rule_ran = not self.roles.use_rm or self.cfg.reward_model.rule_weight
+                values = driver_stages.group_values(out, fg.metric, self.reward_fn.last_scores if rule_ran else None,
+                                                    self.reward_fn.last_extras if rule_ran else {})
+                kept.append(out.index(driver_stages.varied_groups(values, out["uid"])))
                 for k, v in metrics.items():  # the rounds' times add up; other metrics are the last round's
                     if k.startswith("perf/pool_busy"):
                         continue
