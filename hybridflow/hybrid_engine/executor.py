@@ -12,9 +12,10 @@ The naive baseline (`optimized=False`) gathers every full parameter over all ran
 Generation buffers are the generation model's parameter storages: `release()` frees them after
 rollout (unless `keep_generation_buffers`) and `acquire()` re-allocates them before the next
 reshard. Layer granularity coalesces each layer's aligned parameters into one all-gather per
-process group (flat send/receive slices of a two-slot staging buffer) and keeps layer i+1's
-gathers in flight while layer i is copied into place. The training shards are never
-touched, so the reverse switch (generation -> training) moves nothing.
+process group (flat send/receive slices of a W-slot staging buffer) and keeps layers i+1 .. i+W-1's
+gathers in flight while layer i is copied into place: W = 2 by default, or what
+`resharding_buffer_percent` allows (staging.py). The training shards are never touched, so the
+reverse switch (generation -> training) moves nothing.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from torch.distributed.tensor import DTensor
 from hybridflow.config.schema import HybridEngineConfig
 from hybridflow.hybrid_engine.memory import PeakMemory, allocation_bytes
 from hybridflow.hybrid_engine.plan import ParamPlan, ReshardPlan, fsdp_dim, intersect, volume
+from hybridflow.hybrid_engine.staging import staging_numel, staging_plan
 from hybridflow.hybrid_engine.trace import TraceRecorder
 from hybridflow.parallel.dims import ParallelDims
 from hybridflow.parallel.dtensor import crop, held_box, local  # noqa: F401  (crop, held_box re-exported)
@@ -134,20 +136,23 @@ class HybridEngine:
         self.frozen_synced = False
         self.trace = TraceRecorder(self.rank)
         self.acquired = True
-        # The reusable staging buffer: exactly two slots of the largest layer's staging need, so
-        # layer granularity never allocates.
+        # The reusable staging buffer: `slots` slots of the largest layer's staging need, so layer
+        # granularity never allocates. Layers i+1 .. i+slots-1 gather into their slots while layer i
+        # is copied out of its own: 2 by default, or what resharding_buffer_percent allows (the same
+        # on every rank; staging.py, whose `note` says what was used).
         itemsize = torch.empty(0, dtype=self.dtype).element_size()
         per_layer = {}
         for p in self.plan.params:
             per_layer[p.layer] = per_layer.get(p.layer, 0) + self._staging_numel(p)
-        # Layer granularity double-buffers: layer i+1 gathers into one slot while layer i is copied
-        # out of the other, so the staging holds two layers.
+        self.staging_plan = staging_plan(self.plan, cfg.resharding_buffer_percent, cfg.granularity, cfg.enable_resharding_opt)
+        self.slots = self.staging_plan.slots
         self.slot_numel = max([1, *per_layer.values()])
-        self.layer_staging_bytes = (2 if cfg.granularity == "layer" else 1) * max(per_layer.values()) * itemsize
+        self.layer_staging_bytes = (self.slots if cfg.granularity == "layer" else 1) * max(per_layer.values()) * itemsize
         self.gen_allocation_bytes = sum(allocation_bytes(p.gen_bytes(self.rank), device) for p in self.plan.params)
         # Only layer granularity uses it; full granularity allocates its temporaries per switch.
-        size = 2 * self.slot_numel if cfg.granularity == "layer" else 1
+        size = self.slots * self.slot_numel if cfg.granularity == "layer" else 1
         self.staging = torch.empty(size, dtype=self.dtype, device=device)
+        self.staging_bytes = size * itemsize if cfg.granularity == "layer" else 0
 
     def _sharded_params(self) -> dict[str, nn.Parameter]:
         """The training parameters in their sharded form. FSDP2 leaves the unsharded ones registered
@@ -181,18 +186,7 @@ class HybridEngine:
 
     # ------------------------------------------------------------------ staging
     def _staging_numel(self, p: ParamPlan) -> int:
-        r = self.rank
-        if not p.moves:
-            return 0
-        if p.aligned:
-            size = len(p.group[r])
-            if size == 1:
-                return 0
-            if self.cfg.granularity == "layer":  # coalesced: packed send + gathered receive
-                return (1 + size) * volume(p.own[r])
-            return 0 if p.train_dim == 0 else volume(p.need[r])
-        sends, recvs = self.plan.exchange(p)
-        return sum(volume(b) for _, b in sends[r]) + sum(volume(b) for _, b in recvs[r])
+        return staging_numel(self.plan, p, self.rank, self.cfg.granularity)
 
     def _take(self, numel: int, pool: list[int]) -> torch.Tensor:
         """A staging slice: from the reusable buffer (layer mode) or a fresh tensor (full mode)."""
@@ -341,7 +335,7 @@ class HybridEngine:
         from the plan, so comparing them with `plan.min_bytes` checks the plan against the wire."""
         start = time.perf_counter()
         self.train = self._sharded_params()
-        received = 0
+        received, in_flight = 0, 0
         skip = self.frozen if optimized and self.frozen_synced else frozenset()
         by_layer = self._by_layer(skip)
         layers = list(by_layer)
@@ -350,7 +344,7 @@ class HybridEngine:
             copies: list = []
             keep: list = []
             if optimized and self.cfg.granularity == "layer":
-                received += self._reshard_layers(list(by_layer.items()), optimized)
+                received, in_flight = self._reshard_layers(list(by_layer.items()), optimized)
                 by_layer = {}
             for layer, params in by_layer.items():
                 pool = [0]  # staging offset, reset per layer
@@ -387,10 +381,15 @@ class HybridEngine:
             "skipped_bytes": self.plan.min_bytes(self.rank) - self.plan.min_bytes(self.rank, skip),
             "bytes_received": received,
             "peak_extra_bytes": mem.extra_bytes,
-            # Theory: the generation slices themselves, plus (optimized) at most one layer's staging
-            # or (naive) the full tensors gathered at once: one layer's, or the whole model's.
+            # Theory: the generation slices themselves, plus (optimized) the staging slots (layer
+            # granularity) or one layer's temporaries (full), or (naive) the full tensors gathered at
+            # once: one layer's, or the whole model's.
             "theory_extra_bytes": self.gen_allocation_bytes + (self.layer_staging_bytes if optimized else self._naive_transient_bytes()),
             "optimized": optimized,
+            # Layer granularity, optimized: the most layers whose collectives were in flight at once
+            # (the staging slots, unless fewer layers move), in a staging buffer of staging_bytes.
+            "layers_in_flight": in_flight,
+            "staging_bytes": self.staging_bytes if optimized and self.cfg.granularity == "layer" else 0,
         }
 
     def pieces(self, optimized: bool = True) -> "Iterator[WeightPiece]":
@@ -404,23 +403,24 @@ class HybridEngine:
         if self.staged:
             self.release()
 
-    def _reshard_layers(self, layers: list[tuple[str, list[ParamPlan]]], optimized: bool) -> int:
-        """Layer granularity, optimized: layer i+1's coalesced collectives (all-gathers and the
-        exchange) are in flight while layer i is copied into place (two staging slots, alternating)."""
-        received = 0
-        if not layers:
-            return 0
-        pending, _ = self._launch_layer(layers[0][1], 0)
+    def _reshard_layers(self, layers: list[tuple[str, list[ParamPlan]]], optimized: bool) -> tuple[int, int]:
+        """Layer granularity, optimized: layers i+1 .. i+W-1's coalesced collectives (all-gathers
+        and the exchange) are in flight while layer i is copied into place (W = `self.slots`
+        staging slots, layer j in slot j % W). Returns (bytes received, most layers in flight)."""
+        received, launched, most = 0, 0, 0
+        pending: dict[int, list] = {}
         for i, (layer, params) in enumerate(layers):
             with self.trace.span(f"gather {layer}", "gather", optimized=optimized):
-                nxt = self._launch_layer(layers[i + 1][1], ((i + 1) % 2) * self.slot_numel)[0] if i + 1 < len(layers) else []
+                while launched < min(len(layers), i + self.slots):  # every free slot takes the next layer
+                    pending[launched] = self._launch_layer(layers[launched][1], (launched % self.slots) * self.slot_numel)[0]
+                    launched += 1
+                most = max(most, len(pending))
                 copies = self._own_slice_copies(params)
             with self.trace.span(f"copy {layer}", "copy"):
                 for dst, src in copies:
                     dst.copy_(src)
-                received += self._finish_layer(pending)
-            pending = nxt
-        return received
+                received += self._finish_layer(pending.pop(i))
+        return received, most
 
     def _by_layer(self, skip: frozenset) -> dict[str, list[ParamPlan]]:
         """The plan's parameters but `skip`, by layer in plan (= forward) order."""
@@ -439,7 +439,7 @@ class HybridEngine:
 
     def stream(self) -> "SwitchStream":
         """The optimized layer-granularity switch, driven by its consumer (see `SwitchStream`): the
-        first two layers' collectives start now, the rest as `ensure` completes layers."""
+        first `slots` layers' collectives start now, the rest as `ensure` completes layers."""
         if self.cfg.granularity != "layer":
             raise ValueError("a streamed switch needs actor_rollout_ref.hybrid_engine.granularity=layer")
         return SwitchStream(self)
@@ -481,10 +481,11 @@ class SwitchStream:
     """A switch whose layers complete on demand, so it overlaps the generation's first forward
     (prefill): `ensure(layer)` waits for the layers up to `layer` (plan order = forward order:
     embed_tokens, layers.0 .. layers.L-1, norm, lm_head) and copies them into place, and each
-    completed layer frees its staging slot for the layer two ahead, so layer i+1's gathers are in
-    flight while layer i computes. `hooks(model)` calls `ensure` from forward pre-hooks on the
-    generation model's modules; `finish()` completes whatever the forward did not reach and returns
-    the switch's stats as `HybridEngine.reshard` does (bytes received, seconds from start to finish).
+    completed layer frees its staging slot for the layer W = `engine.slots` ahead, so layers
+    i+1 .. i+W-1's gathers are in flight while layer i computes. `hooks(model)` calls `ensure` from
+    forward pre-hooks on the generation model's modules; `finish()` completes whatever the forward
+    did not reach and returns the switch's stats as `HybridEngine.reshard` does (bytes received,
+    seconds from start to finish, layers in flight).
     Every rank must drive its stream through the same layers in the same order (the same forward)."""
 
     def __init__(self, engine: HybridEngine):
@@ -495,13 +496,15 @@ class SwitchStream:
         self.layers = list(e._by_layer(skip).items())
         self.index = {name: i for i, (name, _) in enumerate(self.layers)}
         self.skipped = len(skip)
-        self.done, self.received, self.pending = 0, 0, {}
+        self.done, self.received, self.pending, self.most = 0, 0, {}, 0
         e.acquire()
-        for i in range(min(2, len(self.layers))):
+        for i in range(min(e.slots, len(self.layers))):
             self._launch(i)
 
     def _launch(self, i: int) -> None:
-        self.pending[i] = self.engine._launch_layer(self.layers[i][1], (i % 2) * self.engine.slot_numel)[0]
+        e = self.engine
+        self.pending[i] = e._launch_layer(self.layers[i][1], (i % e.slots) * e.slot_numel)[0]
+        self.most = max(self.most, len(self.pending))
 
     def ensure(self, layer: str) -> None:
         """Complete every layer up to `layer` (a layer not in the switch: nothing)."""
@@ -514,8 +517,8 @@ class SwitchStream:
                     dst.copy_(src)
                 self.received += e._finish_layer(self.pending.pop(i))
             self.done += 1
-            if i + 2 < len(self.layers):  # its slot (i % 2) is free again
-                self._launch(i + 2)
+            if i + e.slots < len(self.layers):  # its slot (i % slots) is free again
+                self._launch(i + e.slots)
 
     def hooks(self, model: nn.Module) -> list:
         """Forward pre-hooks on every module that directly holds a switched parameter: before it
@@ -534,4 +537,4 @@ class SwitchStream:
         e = self.engine
         e.frozen_synced = True
         return {"seconds": time.perf_counter() - self.start, "layers": [n for n, _ in self.layers], "skipped_params": self.skipped,
-                "bytes_received": self.received, "optimized": True}
+                "bytes_received": self.received, "optimized": True, "layers_in_flight": self.most, "staging_bytes": e.staging_bytes}
