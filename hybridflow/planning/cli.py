@@ -48,6 +48,9 @@ def parser() -> argparse.ArgumentParser:
     w.add_argument("--response-length", type=int, default=1024)
     w.add_argument("--micro-batch", type=int, default=1, help="sequences per training micro-batch per device")
     w.add_argument("--gradient-checkpointing", action="store_true")
+    w.add_argument("--resharding-buffer-percent", type=float, default=None, metavar="P",
+                   help="the layer-wise switch's staging budget, 0 < P <= 1 of a rank's generation weights "
+                        "(actor_rollout_ref.hybrid_engine.resharding_buffer_percent; default: 2 layers in flight)")
     w.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank on every projection (all-linear): "
                                                             "grads and optimizer state for the adapters only; the base moves on the first switch only")
     ap.add_argument("--json", metavar="PATH", help="write the rows (and invalid layouts) as JSON")
@@ -72,7 +75,8 @@ def cluster_from(args) -> Cluster:
 def memory_from(args) -> MemoryInputs:
     return MemoryInputs(param_bytes=DTYPE_BYTES[args.param_dtype], compute_bytes=DTYPE_BYTES[args.dtype], gen_bytes=DTYPE_BYTES[args.dtype],
                         strategy=args.fsdp, micro_batch=args.micro_batch, seq_len=args.prompt_length + args.response_length,
-                        rollout_seqs=args.batch_size * args.n, gradient_checkpointing=args.gradient_checkpointing, lora_rank=args.lora_rank)
+                        rollout_seqs=args.batch_size * args.n, gradient_checkpointing=args.gradient_checkpointing, lora_rank=args.lora_rank,
+                        buffer_percent=args.resharding_buffer_percent)
 
 
 def print_rows(rows: list[dict], title: str) -> None:
@@ -92,6 +96,10 @@ def print_memory(row: dict) -> None:
     print(f"memory plan per rank, worst rank, GiB ({row['train_layout']} -> gen tp{row['gen_tp']}): {parts}; "
           f"training phase {mem['train_peak'] / GIB:.2f}, generation phase {mem['gen_peak'] / GIB:.2f}, "
           f"peak {mem['peak'] / GIB:.2f} of {row['cluster']['memory_bytes'] / GIB:.0f}")
+    if row["mode"] == "optimized":
+        print(f"staging (layer granularity, optimized): {row['layers_in_flight']} layer(s) in flight, "
+              f"{row['staging_bytes_per_rank'] / 2**20:.2f} MiB per rank (worst rank; not in the peak above)"
+              + (f" -- {row['staging_note']}" if row["staging_note"] else ""))
 
 
 def main_plan(argv: list[str] | None = None) -> int:
@@ -105,6 +113,9 @@ def main_plan(argv: list[str] | None = None) -> int:
         return 0
     if not (args.preset or args.model):
         sys.exit("plan: give --preset NAME or --model PATH (or --calibrate)")
+    bp = args.resharding_buffer_percent
+    if bp is not None and not 0 < bp <= 1:
+        sys.exit(f"plan: --resharding-buffer-percent (actor_rollout_ref.hybrid_engine.resharding_buffer_percent) must be a fraction in (0, 1], got {bp}")
     try:
         arch = load_arch(args.preset or args.model)
         cluster = cluster_from(args)

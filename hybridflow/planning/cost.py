@@ -17,6 +17,9 @@ Stated model (docs/planning.md explains it and its limits):
   FSDP's unsharded layer buffers, generation weights and the KV cache of the rollout batch. Peak =
   max(training phase, generation phase). Not included: CUDA context, allocator fragmentation,
   temporary buffers of kernels — keep headroom.
+- Staging of the layer-wise switch (reported next to the peak, not in it): W layers in flight, each
+  in a slot of the largest layer's staging need, W from `resharding_buffer_percent`
+  (`MemoryInputs.buffer_percent`; unset: 2) by the engine's own rule (`hybrid_engine/staging.py`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from dataclasses import asdict, dataclass
 
 from hybridflow.hybrid_engine.plan import ParamPlan, ReshardPlan, TrainLayout, layer_stage, volume
 from hybridflow.hybrid_engine.plan import fsdp_dim as _fsdp_dim
+from hybridflow.hybrid_engine.staging import staging_plan
 from hybridflow.models.lora import is_adapter_param
 from hybridflow.parallel.tensor_parallel import gen_shard_dim
 from hybridflow.planning.arch import Arch
@@ -73,6 +77,7 @@ class MemoryInputs:
     param_offload: bool = False
     optimizer_offload: bool = False
     lora_rank: int = 0  # > 0: LoRA adapters on every projection train; the base is frozen (no grads / optimizer state)
+    buffer_percent: float | None = None  # actor_rollout_ref.hybrid_engine.resharding_buffer_percent (None: 2 layers in flight)
 
 
 def frozen_params(plan: ReshardPlan, m: MemoryInputs) -> frozenset[str]:
@@ -212,6 +217,7 @@ def rows(arch: Arch, layout: TrainLayout, gen_tp: int, cluster: Cluster, m: Memo
     plan = plan_for(arch, layout, gen_tp, DTYPE_BYTES[switch_dtype], m.strategy, cluster.gpus_per_node, m.lora_rank)
     mem = worst_memory(plan, arch, layout, m)
     first_switch = max(plan.min_bytes(r) for r in range(plan.world_size))
+    staging = staging_plan(plan, m.buffer_percent)  # layer granularity, as the engine decides it
     out = []
     for mode, cost in predict_switch(plan, cluster, frozen_params(plan, m)).items():
         peak = mem["peak"] if mode == "optimized" else max(mem["train_peak"], mem["gen_peak"] + naive_transient_bytes(plan))
@@ -221,5 +227,8 @@ def rows(arch: Arch, layout: TrainLayout, gen_tp: int, cluster: Cluster, m: Memo
             first_switch_bytes_per_rank=first_switch if mode == "optimized" else max(cost.bytes_per_rank), lora_rank=m.lora_rank,
             cross_node_bytes=cost.cross_node_bytes, predicted_seconds=cost.predicted_seconds, collectives=cost.collectives,
             memory_per_rank_bytes=peak, memory=mem, fits=peak <= cluster.memory_bytes, cluster=asdict(cluster),
+            # the optimized switch's staging (the naive one has none): layers in flight, its bytes on the worst rank
+            layers_in_flight=staging.slots if mode == "optimized" else 0, buffer_percent=m.buffer_percent, staging_note=staging.note,
+            staging_bytes_per_rank=max(staging.staging_bytes(r) for r in range(plan.world_size)) if mode == "optimized" else 0,
         ))
     return out
