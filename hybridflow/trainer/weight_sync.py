@@ -63,6 +63,9 @@ class WeightSync:
         logger.info("Resharding plan: %s per rank at minimum (naive: %s), %s crossing nodes (%d node(s) x %d workers)",
                     human_bytes(max(plan["min_bytes_per_rank"])), human_bytes(max(plan["naive_bytes_per_rank"])),
                     human_bytes(plan["cross_node_bytes"]), t.nnodes, t.n_gpus_per_node)
+        staging = plan.get("staging") or {}
+        if staging.get("note"):  # resharding_buffer_percent set: what the switch uses, or what it uses instead
+            (logger.info if staging["honoured"] else logger.warning)("%s", staging["note"])
 
     def finish(self, prep_seconds: float | None = None) -> dict[str, float]:
         """Collect the reshard in flight: its metrics (and, the first time, its log lines)."""
@@ -80,6 +83,9 @@ class WeightSync:
             "reshard/naive_bytes_per_rank": float(max(plan["naive_bytes_per_rank"])),
             "reshard/cross_node_bytes": float(plan["cross_node_bytes"]),
             "reshard/peak_extra_gb": max(r["peak_extra_bytes"] for r in per_rank) / 2**30,
+            # layer granularity, optimized: layers in flight at once and their staging buffer (resharding_buffer_percent)
+            "reshard/layers_in_flight": float(max(r.get("layers_in_flight", 0) for r in per_rank)),
+            "reshard/staging_gb": max(r.get("staging_bytes", 0) for r in per_rank) / 2**30,
             "perf/max_memory_rss_gb": max(r["rss_bytes"] for r in per_rank) / 2**30,
         }
         if "max_diff" in per_rank[0]:
@@ -117,6 +123,10 @@ class WeightSync:
         previous ones). Each generation rank fetches only its own pieces."""
         r, check = self.cfg.actor_rollout_ref.rollout, self.cfg.trainer.check_weight_sync
         tp, world = r.tensor_model_parallel_size, self.rollout.world_size
+        percent = self.cfg.actor_rollout_ref.hybrid_engine.resharding_buffer_percent
+        if not self.logged and percent is not None:
+            logger.warning("actor_rollout_ref.hybrid_engine.resharding_buffer_percent=%s is not used: trainer.async_rollout syncs the "
+                           "rollout pool through the object store (each generation rank's pieces at once), not the layer-wise switch", percent)
         start = time.perf_counter()
         refs = self.actor.publish_weights(tp, world)
         per_rank = self.rollout.receive_weights(refs, check=check)

@@ -162,7 +162,12 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
 
     @register(Dispatch.RANK_ZERO)
     def reshard_plan(self) -> dict:
-        return self.plan.summary(self.hybrid.frozen)
+        """The plan's per-rank volumes and the staging the switch uses (`hybrid_engine/staging.py`:
+        layers in flight, staging bytes per rank, and the one-line note the driver logs)."""
+        s = self.hybrid.staging_plan
+        staging = {"slots": s.slots, "bytes_per_rank": [s.staging_bytes(r) for r in range(self.plan.world_size)], "note": s.note,
+                   "honoured": s.honoured}
+        return dict(self.plan.summary(self.hybrid.frozen), staging=staging)
 
     @register(Dispatch.ONE_TO_ALL)
     def rollout_weight_max_diff(self) -> float:
