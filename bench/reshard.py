@@ -23,8 +23,14 @@ over all ranks for the replicated ones, one local copy of the layer's generation
 `hybridflow plan` prediction from config.json alone: its bytes (must equal the measured ones) and
 its seconds with the bandwidth, latency and copy speed measured in the same processes
 (`planning/calibrate.measure`).
+A third table, `resharding_buffer_percent` (`--buffer-percents`, default unset,0.1,0.3), on the
+smallest layout that stages whole layers (N = 2, gen_tp 1: every rank gathers the whole model):
+per setting a fresh engine, its layers in flight and staging buffer against `hybridflow plan`'s,
+the peak extra memory of its first switch (the staging pages are touched then; the generation
+buffers are kept, so they add nothing) and the median seconds of the later switches, bit-exact.
 
 Run:  .venv/bin/python bench/reshard.py --json runs/bench_reshard.json
+      .venv/bin/python bench/reshard.py --buffer-only      (the third table alone, N = 2: well under a minute)
 """
 
 from __future__ import annotations
@@ -63,7 +69,8 @@ def gen_model(path: str, world: int, tp: int, dtype: torch.dtype = torch.float32
     return rollout
 
 
-def worker(rank: int, world: int, port: int, path: str, repeats: int, out_file: str, lora_rank: int = 0) -> None:
+def worker(rank: int, world: int, port: int, path: str, repeats: int, out_file: str, lora_rank: int = 0,
+           buffer_percents: tuple = (), buffer_only: bool = False) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo", HF_HUB_OFFLINE="1")
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
@@ -81,9 +88,10 @@ def worker(rank: int, world: int, port: int, path: str, repeats: int, out_file: 
 
     hf_logging.disable_progress_bar()  # one "Loading weights" bar per rank and model otherwise
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    cal = measure()
-    cluster = Cluster(nodes=1, gpus_per_node=world, intra_node_bw=cal["bandwidth"], inter_node_bw=cal["bandwidth"],
-                      latency_s=cal["latency_s"], copy_bw=cal["copy_bw"])
+    if not buffer_only:  # the time model's inputs, for the main table's predictions
+        cal = measure()
+        cluster = Cluster(nodes=1, gpus_per_node=world, intra_node_bw=cal["bandwidth"], inter_node_bw=cal["bandwidth"],
+                          latency_s=cal["latency_s"], copy_bw=cal["copy_bw"])
     actor = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     dims = gen_shard_dims(actor)
     apply_fsdp2(actor, make_mesh("cpu", world), shard_placement_fn=fsdp_shard_placement_fn(actor, world))
@@ -92,9 +100,9 @@ def worker(rank: int, world: int, port: int, path: str, repeats: int, out_file: 
         for p in actor.parameters():
             p.to_local().add_(torch.randn(p.to_local().shape, generator=gen) * 0.01)
     cfg = actor.config
-    results = []
+    results = buffer_rows(path, actor, dims, world, rank, repeats, buffer_percents) if buffer_percents else []
     for tp in (1, 2, 4):
-        if world % tp or cfg.num_attention_heads % tp or cfg.num_key_value_heads % tp:
+        if buffer_only or world % tp or cfg.num_attention_heads % tp or cfg.num_key_value_heads % tp:
             continue
         rollout = gen_model(path, world, tp)
         engine = HybridEngine(actor, rollout, dims, tp, HybridEngineConfig(granularity="layer", keep_generation_buffers=True), "cpu")
@@ -125,10 +133,87 @@ def worker(rank: int, world: int, port: int, path: str, repeats: int, out_file: 
         del engine, rollout
         results.append(bf16_row(path, actor, dims, world, tp, rank, repeats, cluster))
         results.append(overlap_row(path, actor, dims, world, tp, rank, repeats))
-    if lora_rank:
+    if lora_rank and not buffer_only:
         results += lora_rows(path, world, rank, repeats, cluster, lora_rank)
     write_gathered(results, world, rank, out_file)
     dist.destroy_process_group()
+
+
+def buffer_rows(path: str, actor, dims: dict, world: int, rank: int, repeats: int, percents: tuple) -> list[dict]:
+    """`resharding_buffer_percent` at gen_tp 1 (module docstring): one engine per setting (None =
+    unset), generation buffers kept. Each engine's first switch gives its peak extra memory (its
+    staging pages touched for the first time); then, after a warm-up round, `repeats` rounds switch
+    every engine in turn (interleaved, so load from other processes on this shared machine falls on
+    every setting alike): median seconds, checked bit-exact after each engine's last switch."""
+    import torch.distributed as dist
+
+    from hybridflow.config.schema import HybridEngineConfig
+    from hybridflow.hybrid_engine.executor import HybridEngine
+    from hybridflow.hybrid_engine.plan import TrainLayout
+    from hybridflow.hybrid_engine.staging import staging_plan
+    from hybridflow.planning.arch import load_arch
+    from hybridflow.planning.cost import plan_for
+
+    start = time.perf_counter()
+    rollout = gen_model(path, world, 1)  # every engine writes into its parameters
+    planned = plan_for(load_arch(path), TrainLayout(dp=world), 1, 4)  # `hybridflow plan`, from config.json alone
+    engines, rows = [], []
+    for percent in percents:
+        engine = HybridEngine(actor, rollout, dims, 1, HybridEngineConfig(keep_generation_buffers=True, resharding_buffer_percent=percent), "cpu")
+        dist.barrier()
+        first = engine.reshard()
+        predicted = staging_plan(planned, percent)
+        engines.append(engine)
+        rows.append(dict(world_size=world, train_layout=f"dp{world}", gen_tp=1, mode="buffer", rank=rank,
+                         percent="unset" if percent is None else percent, first_peak_extra_bytes=first["peak_extra_bytes"],
+                         layers_in_flight=first["layers_in_flight"], staging_bytes=engine.staging_bytes, planned_layers=predicted.slots,
+                         planned_staging_bytes=predicted.staging_bytes(rank), note=engine.staging_plan.note, runs=[]))
+    for i in range(1 + repeats):
+        for engine, row in zip(engines, rows):
+            dist.barrier()
+            stats = engine.reshard()
+            if i:
+                row["runs"].append(stats)
+            if i == repeats:  # its generation weights are the trained ones, bit for bit (every rank aborts together)
+                diff = torch.tensor([engine.max_abs_diff()])
+                dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+                if diff.item() != 0.0:
+                    raise RuntimeError(f"resharding_buffer_percent={row['percent']}: generation weights differ from training (max |diff| = {diff.item()})")
+    for row in rows:
+        runs = row.pop("runs")
+        row.update(seconds=statistics.median(s["seconds"] for s in runs), bytes_received=max(s["bytes_received"] for s in runs),
+                   warm_peak_extra_bytes=max(s["peak_extra_bytes"] for s in runs), rows_seconds=time.perf_counter() - start)
+    for engine in engines:
+        engine.release()
+    return rows
+
+
+def print_buffer(rows: list[dict]) -> None:
+    """One row per setting (the slowest / largest rank of each quantity) and the notes."""
+    if not rows:
+        return
+    n = rows[0]["world_size"]
+    print(f"\nresharding_buffer_percent: N={n} dp{n} -> gen_tp 1 (every rank gathers the whole model), layer granularity, "
+          f"generation buffers kept; peak extra = the first switch (staging pages touched), seconds = median of the later ones "
+          f"(these rows: {max(r['rows_seconds'] for r in rows):.1f}s)")
+    head = (f"{'percent':>7} {'layers in flight':>16} {'planned':>7} {'staging MB':>10} {'planned MB':>10} {'peak extra MB':>13} "
+            f"{'warm peak MB':>12} {'seconds':>8}")
+    print(head + "\n" + "-" * len(head))
+    order = list(dict.fromkeys(r["percent"] for r in rows))
+    merged = []
+    for pct in order:
+        rs = [r for r in rows if r["percent"] == pct]
+        m = {k: max(r[k] for r in rs) for k in ("layers_in_flight", "planned_layers", "staging_bytes", "planned_staging_bytes",
+                                                 "first_peak_extra_bytes", "warm_peak_extra_bytes", "seconds")}
+        merged.append(dict(m, percent=pct, note=rs[0]["note"]))
+        print(f"{str(pct):>7} {m['layers_in_flight']:>16} {m['planned_layers']:>7} {m['staging_bytes'] / MB:>10.2f} {m['planned_staging_bytes'] / MB:>10.2f} "
+              f"{m['first_peak_extra_bytes'] / MB:>13.2f} {m['warm_peak_extra_bytes'] / MB:>12.2f} {m['seconds']:>8.3f}")
+    for m in merged:
+        if m["note"]:
+            print(f"  {m['note']}")
+    yes = lambda ok: "yes" if ok else "no"  # noqa: E731
+    print(f"engine's layers in flight and staging == hybridflow plan's in every row: "
+          f"{yes(all((m['layers_in_flight'], m['staging_bytes']) == (m['planned_layers'], m['planned_staging_bytes']) for m in merged))}")
 
 
 def bf16_row(path: str, actor, dims: dict, world: int, tp: int, rank: int, repeats: int, cluster) -> dict:
@@ -460,7 +545,14 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write the rows as a JSON list to this path")
     ap.add_argument("--no-3d", action="store_true", help=f"skip the 3D training layouts {LAYOUTS_3D} at N=4")
     ap.add_argument("--lora-rank", type=int, default=16, help="LoRA rows (first and steady switch, gen TP 1) at this rank; 0: none")
+    ap.add_argument("--buffer-percents", default="unset,0.1,0.3",
+                    help="resharding_buffer_percent rows at the smallest world size, gen TP 1 (comma separated, 'unset' = the default; '' = none)")
+    ap.add_argument("--buffer-only", action="store_true", help="only the resharding_buffer_percent rows (N = 2, no 3D layouts)")
     args = ap.parse_args()
+    percents = tuple(None if p.strip() == "unset" else float(p) for p in args.buffer_percents.split(",") if p.strip())
+    worlds = [int(w) for w in args.worlds.split(",")]
+    if args.buffer_only:
+        worlds, args.no_3d = [min(worlds)], True
 
     from hybridflow.models.tiny import make_tiny_model
 
@@ -482,10 +574,11 @@ def main() -> None:
 
     per_rank = []
     start = time.perf_counter()
-    for world in (int(w) for w in args.worlds.split(",")):
+    for world in worlds:
         t0 = time.perf_counter()
         out_file = os.path.join(tmp.name, f"result_{world}.pkl")
-        mp.spawn(worker, args=(world, free_port(), path, args.repeats, out_file, args.lora_rank), nprocs=world)
+        buffers = percents if world == min(worlds) else ()
+        mp.spawn(worker, args=(world, free_port(), path, args.repeats, out_file, args.lora_rank, buffers, args.buffer_only), nprocs=world)
         with open(out_file, "rb") as f:
             per_rank += pickle.load(f)
         print(f"N={world}: done in {time.perf_counter() - t0:.1f}s")
@@ -502,11 +595,15 @@ def main() -> None:
     print(f"total {time.perf_counter() - start:.1f}s\n")
 
     overlap = [r for r in per_rank if r["mode"] == "overlap"]
-    rows = rows_from([r for r in per_rank if r["mode"] != "overlap"])
-    print_table(rows)
-    print_overlap(overlap)
+    buffer = [r for r in per_rank if r["mode"] == "buffer"]
+    rows = rows_from([r for r in per_rank if r["mode"] not in ("overlap", "buffer")])
+    if rows:
+        print_table(rows)
+    if overlap:
+        print_overlap(overlap)
+    print_buffer(buffer)
     if args.json:
-        write_rows(args.json, rows + overlap)
+        write_rows(args.json, rows + overlap + buffer)
 
 
 if __name__ == "__main__":
