@@ -4,6 +4,7 @@ import glob
 import json
 import importlib.util
 import os
+import re
 
 import pytest
 
@@ -52,6 +53,20 @@ def test_unknown_key_yaml(tmp_path):
     f.write_text("data:\n  train_batch_sise: 4\n")
     with pytest.raises(ConfigError, match=r"data\.train_batch_sise.*did you mean 'data\.train_batch_size'"):
         load_config(str(f))
+
+
+@pytest.mark.parametrize("item, suggestion", [
+    ("actor.clip_ratio_high=0.28", "'actor_rollout_ref.actor.clip_ratio_high'"),
+    ("actor.policy_loss.loss_mode=gspo", "'actor_rollout_ref.actor.policy_loss.loss_mode'"),
+    ("rollout.n=4", "'actor_rollout_ref.rollout.n'"),
+    ("ref.log_prob_micro_batch_size_per_gpu=2", "'actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu'"),
+    ("model.path=m", "'actor_rollout_ref.model.path' or 'critic.model.path'"),
+])
+def test_a_section_written_without_its_parent_names_the_full_key(item, suggestion):
+    """verl nests actor, rollout, ref and model under actor_rollout_ref: a bare `actor.*` key says so."""
+    key = item.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"unknown config key '{re.escape(key)}'; did you mean {re.escape(suggestion)}"):
+        load_config(None, [item])
 
 
 def test_unknown_key_lists_valid_keys():

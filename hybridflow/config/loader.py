@@ -103,11 +103,33 @@ def from_dict(cls: type, data: dict, path: str = "") -> Any:
         if k not in names:
             close = difflib.get_close_matches(str(k), names, n=1)
             prefix = f"{path}." if path else ""
-            hint = (f"did you mean '{prefix}{close[0]}'?" if close
-                    else f"valid keys{' under ' + repr(path) if path else ''}: {sorted(names)}")
-            raise ConfigError(f"unknown config key '{full}'; {hint}")
+            nested = _nested_home(cls, hints, str(k))
+            if nested:  # a section written without its parent: `actor.clip_ratio_high` -> `actor_rollout_ref.actor.clip_ratio_high`
+                hint = "did you mean " + " or ".join(f"'{prefix}{home}.{k}{_first_leaf(v)}'" for home in nested) + "?"
+            elif close:
+                hint = f"did you mean '{prefix}{close[0]}'?"
+            else:
+                hint = f"valid keys{' under ' + repr(path) if path else ''}: {sorted(names)}"
+            raise ConfigError(f"unknown config key '{full}{_first_leaf(v)}'; {hint}")
         kwargs[k] = _coerce(v, hints[k], full)
     return cls(**kwargs)
+
+
+def _nested_home(cls: type, hints: dict, name: str) -> list[str]:
+    """The sections of ``cls`` that hold a field ``name`` (verl nests ``actor``, ``rollout``, ``ref``
+    and ``model`` under ``actor_rollout_ref``): where a key written without its parent belongs."""
+    homes = [f.name for f in dataclasses.fields(cls) if dataclasses.is_dataclass(hints[f.name])
+             and name in {g.name for g in dataclasses.fields(hints[f.name])}]
+    return sorted(homes, key=lambda h: h != "actor_rollout_ref")  # the policy's section first
+
+
+def _first_leaf(value: Any) -> str:
+    """``.a.b`` for {"a": {"b": 1}}: the rest of the dotted key a user wrote, for the error message."""
+    out = ""
+    while isinstance(value, dict) and len(value) == 1:
+        (k, value), = value.items()
+        out += f".{k}"
+    return out
 
 
 def _parse_overrides(overrides: Iterable[str]) -> dict:
