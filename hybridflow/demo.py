@@ -51,14 +51,15 @@ TOOL_MAX_PROMPT, TOOL_MAX_RESPONSE = 160, 160  # the compact tool prompt is 147 
 
 def _policy_run(train, val, model_dir: str, out_dir: str, steps: int, prompts: int, micro: int, *extra: str) -> HybridFlowConfig:
     """What the demo's policy runs share: the task's files and lengths, the model, lr 5e-4, one
-    optimizer step per step (mini-batch = the step's batch), validation every 10 steps, a fresh run."""
+    optimizer step per step (mini-batch = the step's batch), validation every 10 steps, a fresh run
+    whose final checkpoint is kept (`<out_dir>/global_step_<steps>`, for `hybridflow export`)."""
     return load_config(None, [
         f"data.train_files=[{train}]", f"data.val_files=[{val}]",
         f"data.train_batch_size={prompts}", "data.max_prompt_length=32", "data.max_response_length=4",
         f"actor_rollout_ref.model.path={model_dir}",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={prompts}", f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}",
         "actor_rollout_ref.actor.optim.lr=5e-4", f"trainer.total_training_steps={steps}", "trainer.test_freq=10",
-        f"trainer.default_local_dir={out_dir}", "trainer.resume_mode=disable", *extra,
+        f"trainer.default_local_dir={out_dir}", "trainer.resume_mode=disable", f"trainer.save_freq={steps}", *extra,
     ], schema=HybridFlowConfig)
 
 

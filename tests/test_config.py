@@ -69,6 +69,30 @@ def test_a_section_written_without_its_parent_names_the_full_key(item, suggestio
         load_config(None, [item])
 
 
+def test_auto_resume_refuses_the_checkpoints_of_another_run(tmp_path):
+    """Checkpoints are on by default and resume_mode=auto picks up what trainer.default_local_dir holds:
+    a run with another model / algorithm there is refused (naming the keys), the same run is not."""
+    import torch
+
+    from hybridflow.trainer import checkpoints
+
+    run = load_config(None, [f"trainer.default_local_dir={tmp_path}", "actor_rollout_ref.model.path=runs/tiny_model"])
+    step = tmp_path / "global_step_20"
+    step.mkdir()
+    torch.save({"global_step": 20, "run_keys": checkpoints.run_keys(run)}, step / checkpoints.STATE)
+    (tmp_path / checkpoints.LATEST).write_text("20")
+    found = checkpoints.resume_path(run.trainer)
+    checkpoints.check_same_run(found, run)  # the same run (the kill -9 and rerun case): fine
+    other = load_config(None, [f"trainer.default_local_dir={tmp_path}", "actor_rollout_ref.model.path=./runs/sft_model",
+                               "algorithm.adv_estimator=gae", "trainer.total_training_steps=100"])
+    with pytest.raises(ConfigError, match=r"holds checkpoints of another run \(global_step_20; actor_rollout_ref.model.path: "
+                                          r"'runs/tiny_model' there, 'runs/sft_model' now; algorithm.adv_estimator: 'grpo' there, 'gae' now\).*"
+                                          r"trainer.resume_mode=disable"):
+        checkpoints.check_same_run(found, other)
+    torch.save({"global_step": 20}, step / checkpoints.STATE)  # a checkpoint from before the keys were recorded
+    checkpoints.check_same_run(found, other)
+
+
 def test_unknown_key_lists_valid_keys():
     with pytest.raises(ConfigError, match=r"unknown config key 'zzz'.*valid keys.*actor_rollout_ref"):
         load_config(None, ["zzz=1"])

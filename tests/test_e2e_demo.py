@@ -27,6 +27,8 @@ def test_demo_learns_on_held_out_prompts_with_gen_tp_1_and_2(demo_run, tmp_path)
     # row, the same run): a broken update cannot reach 0.9
     assert summary["val_acc_final"] >= 0.9
     assert (out / "sft_model" / "config.json").exists()
+    # its final checkpoint is kept (what `hybridflow export` reads), and only that one: the demo starts fresh every time
+    assert sorted(p.name for p in (out / "grpo").glob("global_step_*")) == [f"global_step_{DEMO_RL_STEPS}"]
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the demo's curves, a valid PNG
 
     # Same SFT model and seed with tensor-parallel generation (gen_tp=2, the hybrid engine on): the same

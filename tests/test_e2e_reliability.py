@@ -165,6 +165,39 @@ def test_a_kill_inside_a_checkpoint_save_resumes_from_the_previous_one(tiny_mode
     assert sorted(b) == [1, 2, 3] and all(a[step] == b[step] for step in (2, 3))
 
 
+def test_kill_9_of_hybridflow_train_with_default_settings_and_the_same_command_resumes(tiny_model_dir, task_dir, tmp_path):
+    """README's promise with no checkpoint key given: `hybridflow train configs/grpo_tiny.yaml` writes a
+    checkpoint every trainer.save_freq (default 20) steps and at the last; after `kill -9` the same command
+    continues from the last checkpoint. (The overrides only shorten the run: 22 steps, no validation.)"""
+    runs = tmp_path / "runs"  # what `hybridflow make-model runs/tiny_model` and `make-data runs/data` write
+    runs.mkdir()
+    (runs / "tiny_model").symlink_to(tiny_model_dir)
+    (runs / "data").symlink_to(task_dir)
+    exe = os.path.join(os.path.dirname(sys.executable), "hybridflow")
+    command = [exe, "train", os.path.join(ROOT, "configs", "grpo_tiny.yaml"), "trainer.total_training_steps=22", "trainer.test_freq=-1",
+               "trainer.val_before_train=false", "trainer.progress_bar=false"]  # its own Ray, as typed (the config's paths are relative)
+    ckpt = tmp_path / "checkpoints" / "grpo_tiny"  # the config's trainer.default_local_dir, relative to where the command runs
+    latest = ckpt / "latest_checkpointed_iteration.txt"
+    with open(tmp_path / "killed.log", "w") as log:  # a session of its own: the Ray helpers a SIGKILL orphans are removed with it
+        proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
+        deadline = time.time() + 240
+        while not latest.exists() and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.02)
+        assert proc.poll() is None, (tmp_path / "killed.log").read_text()[-3000:]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert latest.read_text() == "20", "no default checkpoint at step 20, or the run ended before it was killed"
+    rerun = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)  # the same command
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"resumed from {ckpt / 'global_step_20'} at step 20" in rerun.stderr, rerun.stderr[-3000:]
+    assert json.loads(rerun.stdout.splitlines()[-1])["steps"] == 22
+    assert latest.read_text() == "22" and (ckpt / "global_step_22").is_dir()  # the last step is always saved
+    steps = [json.loads(line)["step"] for line in (ckpt / "metrics.jsonl").read_text().splitlines()]
+    assert steps[-2:] == [21, 22] and steps.count(1) == 1  # the same command went on from step 21; it did not start over
+
+
 # ------------------------------------------------------------------ faults
 class FaultyWorker(Worker):
     @register(Dispatch.ONE_TO_ALL)

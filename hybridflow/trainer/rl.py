@@ -97,6 +97,8 @@ class RLTrainer:
         self.roles = RunRoles.of(cfg, self.KIND)  # which roles run, on which pools: computed once, here
         check_memory(cfg, self.roles.roles)  # the estimated peak per worker fits the device (planning/preflight.py)
         self._load_data()
+        if cfg.trainer.resume_mode == "auto" and (found := checkpoints.resume_path(cfg.trainer)):
+            checkpoints.check_same_run(found, cfg)  # never resume from another run's checkpoints (on by default)
         a = cfg.algorithm
         self.kl_ctrl = make_kl_controller(a.kl_ctrl.type, a.kl_ctrl.kl_coef, a.kl_ctrl.target_kl, a.kl_ctrl.horizon)
         self.correction = resolve_correction(a.rollout_correction, cfg.trainer.async_rollout)  # "auto" decided once, here
@@ -496,7 +498,7 @@ class RLTrainer:
         prefetched = self._next_batch is not None or (self.async_gen is not None and self.async_gen.pending is not None)
         loader_state = self._loader_state_at_prefetch if prefetched else self.loader.state_dict()
         state = {"global_step": self.global_step, "loader": loader_state, "kl_ctrl": self.kl_ctrl.state_dict(),
-                 "underfilled_batches": self.underfilled_batches, **self._extra_state()}
+                 "underfilled_batches": self.underfilled_batches, "run_keys": checkpoints.run_keys(self.cfg), **self._extra_state()}
         if self.is_main:
             checkpoints.commit(root, self.global_step, state, self.cfg.trainer.max_ckpt_to_keep)
         self.placed.barrier()  # torchrun: rank 0 completes the checkpoint before anyone goes on
@@ -518,6 +520,11 @@ class RLTrainer:
         if self.async_rollout:  # the rollout pool starts from the restored policy
             self._sync_rollout()
         logger.info("resumed from %s at step %d", path, self.global_step)
+        if self.global_step >= self.total_steps:
+            logger.warning("the checkpoint in %s is step %d of trainer.total_training_steps=%d: this run is complete, nothing to "
+                           "train. Raise trainer.total_training_steps to go on; to start over, give trainer.default_local_dir "
+                           "another directory or set trainer.resume_mode=disable", self.cfg.trainer.default_local_dir,
+                           self.global_step, self.total_steps)
 
     def _tracker(self) -> Tracker:
         t = self.cfg.trainer
