@@ -1,6 +1,12 @@
 #!/usr/bin/env bash
-# Create/refresh the project venv: torch first (the CPU wheel on this kind of machine), then
-# hybridflow and its dependencies. Re-running is a no-op while pyproject.toml is unchanged.
+# Create/refresh the project venv: torch first, then hybridflow and its dependencies (pip install -e .[test]).
+# Re-running is a no-op while pyproject.toml and this script are unchanged.
+#
+# Which torch build: HYBRIDFLOW_TORCH holds the pip arguments that install it (default torch==2.13.0).
+# Plain `torch==2.13.0` from PyPI is the CUDA build on Linux x86_64 (several GB); on a machine without
+# a GPU ask for the CPU build, e.g.
+#   HYBRIDFLOW_TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" bash scripts/demo.sh
+# (a pip configuration that already offers a CPU wheel, e.g. through find-links, needs nothing).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/venv_lib.sh
@@ -16,6 +22,6 @@ fi
 venv_up_to_date "$VENV" scripts/bootstrap.sh && exit 0
 echo "[bootstrap] setting up $VENV (torch: $TORCH_SPEC)" >&2
 venv_create "$VENV"
-"$VENV/bin/pip" install -q "$TORCH_SPEC"
+"$VENV/bin/pip" install -q $TORCH_SPEC  # unquoted on purpose: pip arguments (a version, an --index-url)
 "$VENV/bin/pip" install -q -e ".[test]"
 venv_stamp "$VENV" scripts/bootstrap.sh
