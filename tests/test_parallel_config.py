@@ -154,32 +154,46 @@ def test_unknown_key_suggests_closest(tmp_path):
 
 
 # ---------------------------------------------------------------- validation, kwargs, wiring
-REFUSED = ("actor_rollout_ref.hybrid_engine.resharding_buffer_percent is not supported: the engine stages exactly two layers "
-           "(layer i+1 in flight while layer i is copied into place), so a larger buffer would never be used; remove the key")
+BUFFER_KEY = "actor_rollout_ref.hybrid_engine.resharding_buffer_percent"
 
 
-def test_resharding_buffer_percent_is_refused_with_the_reason(tmp_path):
-    """Every route that could set it -- the run config, a parallel config file or dict, the RLTrainer /
-    PPOTrainer keyword -- is refused before any worker starts, with the reason; unset (None) passes."""
+def test_resharding_buffer_percent_validates_on_every_route_and_bad_values_name_the_key(tmp_path):
+    """Every route that sets it -- the run config, a parallel config file or dict, the RLTrainer /
+    PPOTrainer keyword -- lands in the run config and passes the validator when 0 < p <= 1 (its
+    meaning, the staging budget, is tested in test_resharding_buffer.py); any other value is refused
+    before any worker starts, naming the key and the range; unset (None) passes."""
     from hybridflow.trainer.ppo_trainer import PPOTrainer
     from hybridflow.trainer.rl import RLTrainer
 
     assert HybridFlowConfig().actor_rollout_ref.hybrid_engine.resharding_buffer_percent is None
     assert "resharding_buffer_percent" not in _problems(HybridFlowConfig())  # not set: no problem about it
     routes = {
-        "run config": load_config(None, ["actor_rollout_ref.hybrid_engine.resharding_buffer_percent=0.1"]),
+        "run config": load_config(None, [f"{BUFFER_KEY}=0.1"]),
         "parallel file": apply_parallel_config(HybridFlowConfig(), load_parallel_config(_write(tmp_path, "resharding_buffer_percent: 0.1\n"))),
         "parallel dict": apply_parallel_config(HybridFlowConfig(), as_parallel_config({"resharding_buffer_percent": 0.5})),
-        "keyword": apply_engine_kwargs(HybridFlowConfig(), resharding_buffer_percent=0.1),
+        "keyword": apply_engine_kwargs(HybridFlowConfig(), resharding_buffer_percent=1),
     }
     for route, cfg in routes.items():
-        assert REFUSED in _problems(cfg), route
-    for make in (lambda: RLTrainer(HybridFlowConfig(), resharding_buffer_percent=0.1),
-                 lambda: RLTrainer(HybridFlowConfig(), parallel_config={"resharding_buffer_percent": 0.1}),
-                 lambda: PPOTrainer(actor_model="/nonexistent/model", resharding_buffer_percent=0.1)):
-        with pytest.raises(ConfigError) as e:
-            make()
-        assert REFUSED in str(e.value)
+        assert cfg.actor_rollout_ref.hybrid_engine.resharding_buffer_percent in (0.1, 0.5, 1), route
+        assert "resharding_buffer_percent" not in _problems(cfg), route  # other defaults (no model) are the problems
+    bad = {
+        "run config": load_config(None, [f"{BUFFER_KEY}=0"]),
+        "parallel file": apply_parallel_config(HybridFlowConfig(), load_parallel_config(_write(tmp_path, "resharding_buffer_percent: 1.5\n"))),
+        "parallel dict": apply_parallel_config(HybridFlowConfig(), as_parallel_config({"resharding_buffer_percent": -0.1})),
+        "keyword (str)": apply_engine_kwargs(HybridFlowConfig(), resharding_buffer_percent="0.1"),
+        "keyword (bool)": apply_engine_kwargs(HybridFlowConfig(), resharding_buffer_percent=True),
+        "keyword (0.0)": apply_engine_kwargs(HybridFlowConfig(), resharding_buffer_percent=0.0),
+    }
+    for route, cfg in bad.items():
+        value = cfg.actor_rollout_ref.hybrid_engine.resharding_buffer_percent
+        assert f"{BUFFER_KEY} must be a fraction in (0, 1]" in _problems(cfg) and f"got {value!r}" in _problems(cfg), route
+    for value, refused in ((0.1, False), (2.0, True)):
+        for make in (lambda: RLTrainer(HybridFlowConfig(), resharding_buffer_percent=value),
+                     lambda: RLTrainer(HybridFlowConfig(), parallel_config={"resharding_buffer_percent": value}),
+                     lambda: PPOTrainer(actor_model="/nonexistent/model", resharding_buffer_percent=value)):
+            with pytest.raises(ConfigError) as e:  # no model: refused for that in any case
+                make()
+            assert (f"{BUFFER_KEY} must be a fraction in (0, 1]" in str(e.value)) == refused, (value, str(e.value))
 
 
 def test_engine_and_fsdp_enums_are_validated():

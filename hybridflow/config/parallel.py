@@ -62,8 +62,8 @@ class ParallelConfig:
     # True: while the workers reshard, the driver prepares the next batch (data loading + collation);
     # not an overlap with model compute.
     resharding_overlap_with_compute: Optional[bool] = None
-    # Not supported: when set, it is copied into the run config and validate_config refuses it (the
-    # engine stages exactly two layers, so a larger buffer would never be used).
+    # -> actor_rollout_ref.hybrid_engine.resharding_buffer_percent: the layer-wise switch's staging budget,
+    # a fraction 0 < p <= 1 of the generation weights' memory (how many layers are in flight at once).
     resharding_buffer_percent: Optional[float] = None
 
 
@@ -114,9 +114,9 @@ def apply_parallel_config(cfg: HybridFlowConfig, pcfg: ParallelConfig) -> Hybrid
       compute it, else fp16: ``derive.resolve_mixed_precision``, logged once).
     - ``enable_resharding_opt``, ``resharding_overlap_with_compute`` (the driver prepares the next
       batch -- data loading + collation -- while the workers reshard; not an overlap with model
-      compute) -> ``actor_rollout_ref.hybrid_engine.*``.
-    - ``resharding_buffer_percent`` is copied too, only so that ``validate_config`` refuses it with
-      the reason (not supported: the engine stages exactly two layers).
+      compute), ``resharding_buffer_percent`` (the layer-wise switch's staging budget as a fraction
+      0 < p <= 1 of the generation weights' memory: how many layers are in flight at once; checked
+      by ``validate_config``) -> ``actor_rollout_ref.hybrid_engine.*``.
     """
     for key in ("model_parallel_size", "pipeline_parallel_size", "generation_tensor_parallel_size"):
         v = getattr(pcfg, key)
@@ -166,16 +166,16 @@ def apply_engine_kwargs(cfg: HybridFlowConfig, **kwargs: Any) -> HybridFlowConfi
 
     Accepted: ``enable_resharding_opt`` (bool), ``resharding_overlap_with_compute`` (bool: the
     driver prepares the next batch -- data loading + collation -- while the workers reshard),
-    ``granularity`` ("layer" | "full"); they go to ``actor_rollout_ref.hybrid_engine.*`` and are
-    checked by ``validate_config``. ``resharding_buffer_percent`` is passed on only so that
-    ``validate_config`` refuses it with the reason (not supported).
+    ``resharding_buffer_percent`` (0 < p <= 1: the layer-wise switch's staging budget as a fraction
+    of the generation weights' memory), ``granularity`` ("layer" | "full"); they go to
+    ``actor_rollout_ref.hybrid_engine.*`` and are checked by ``validate_config``.
     """
     unknown = sorted(set(kwargs) - set(ENGINE_KWARGS))
     if unknown:
         raise TypeError(f"unexpected keyword argument(s) {unknown}; valid hybrid-engine keyword arguments: "
                         f"{list(ENGINE_KWARGS)}")
     types = {"enable_resharding_opt": bool, "resharding_overlap_with_compute": bool, "resharding_buffer_percent": object,
-             "granularity": str}
+             "granularity": str}  # resharding_buffer_percent: its type and range are validate_config's (one message for every route)
     for k, v in kwargs.items():
         if not isinstance(v, types[k]):
             raise ConfigError(f"actor_rollout_ref.hybrid_engine.{k}: bad value {v!r} ({type(v).__name__})")

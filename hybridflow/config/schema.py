@@ -209,8 +209,9 @@ class HybridEngineConfig:
     # True: while the workers reshard, the driver prepares the next batch (data loading + collation),
     # then collects the reshard; it does not overlap the reshard with model compute.
     resharding_overlap_with_compute: bool = False
-    # Not supported (None = not set; validate_config refuses any value): the engine stages exactly two
-    # layers (layer i+1 in flight while layer i is copied into place), so a larger buffer is never used.
+    # The layer-wise switch's staging budget, a fraction 0 < p <= 1 of the memory this rank's generation
+    # weights take: it decides how many layers are in flight at once (hybrid_engine/staging.py; a budget
+    # smaller than one layer's staging stages one layer at a time, logged). None = two layers in flight.
     resharding_buffer_percent: Optional[float] = None
     granularity: str = "layer"  # layer (one decoder layer at a time) | full (the whole model at once)
     # True: also run (and time) the naive full gather once, on the first reshard, for the

@@ -81,10 +81,6 @@ class Workers:
     critic: int
 
 
-# The run config's key, the parallel config's key and the RLTrainer / PPOTrainer keyword all land here.
-BUFFER_PERCENT_REFUSED = ("actor_rollout_ref.hybrid_engine.resharding_buffer_percent is not supported: the engine stages "
-                          "exactly two layers (layer i+1 in flight while layer i is copied into place), so a larger buffer "
-                          "would never be used; remove the key")
 # Causal-LM checkpoints: config.json "architectures" of a model with a language-modelling head.
 _LM_HEADS = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
 _KL_TYPES = ["kl", "k1", "k2", "mse", "k3", "low_var_kl", "abs"]
@@ -530,8 +526,11 @@ def validate_config(cfg: HybridFlowConfig, kind: Literal["rl", "dpo"] = "rl") ->
         p.append(f"{R}.n must be >= 2 for algorithm.adv_estimator={alg.adv_estimator} (the group baseline "
                  f"needs several samples per prompt), got {roll.n}")
     he = arr.hybrid_engine
-    if he.resharding_buffer_percent is not None:
-        p.append(BUFFER_PERCENT_REFUSED)
+    # The run config's key, the parallel config's key and the RLTrainer / PPOTrainer keyword all land here.
+    bp = he.resharding_buffer_percent
+    if bp is not None and not (isinstance(bp, (int, float)) and not isinstance(bp, bool) and 0 < bp <= 1):
+        p.append(f"actor_rollout_ref.hybrid_engine.resharding_buffer_percent must be a fraction in (0, 1] (the layer-wise switch's "
+                 f"staging budget as a fraction of the generation weights' memory; null = two layers in flight), got {bp!r}")
     p.enum("actor_rollout_ref.hybrid_engine.granularity", he.granularity, ["layer", "full"])
     for key, fc in [(f"{A}.fsdp_config", actor.fsdp_config), ("actor_rollout_ref.ref.fsdp_config", arr.ref.fsdp_config),
                     ("critic.fsdp_config", critic.fsdp_config), ("reward_model.fsdp_config", cfg.reward_model.fsdp_config)]:
