@@ -4,7 +4,9 @@
     python examples/ppo_trainer_quickstart.py --output-dir runs/quickstart --critic   # PPO with a critic
 
 Writes the digit_max task and a tiny random model into --output-dir, then trains a few steps with
-the resharding switches set as keywords and prints the last step's metrics.
+the resharding switches of the HybridFlow post's example set as keywords (a parallel config of 2
+data-parallel workers, the optimized switch overlapped with the driver's batch preparation, a
+staging budget of 0.1 of the generation weights) and prints the last step's metrics.
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ def main(argv: list[str] | None = None) -> dict:
     trainer = PPOTrainer(
         actor_model=model,
         critic_model=model if a.critic else None,  # the critic starts from the policy's backbone
-        # overlap: the driver prepares the next batch (data loading + collation) while the workers reshard
-        enable_resharding_opt=True, resharding_overlap_with_compute=True,
+        parallel_config={"model_parallel_size": 1, "data_parallel_size": 2},
+        # overlap: the driver prepares the next batch (data loading + collation) while the workers reshard;
+        # staging budget 0.1 x the generation weights (on this tiny model less than one layer: one layer at a time, logged)
+        enable_resharding_opt=True, resharding_overlap_with_compute=True, resharding_buffer_percent=0.1,
         data={"train_files": [str(files["train"])], "val_files": [str(files["val"])], "train_batch_size": 4,
               "max_prompt_length": 32, "max_response_length": 4},
         actor_rollout_ref={"rollout": {"n": 4}, "actor": {"ppo_mini_batch_size": 4, "ppo_micro_batch_size_per_gpu": 8}},

@@ -25,14 +25,18 @@ def test_ppo_trainer_keywords_map_onto_the_typed_config():
 
 @pytest.mark.usefixtures("ray_cluster")
 @pytest.mark.parametrize("critic", [False, True])
-def test_ppo_trainer_quickstart_with_and_without_a_critic(critic, tmp_path, monkeypatch):
+def test_ppo_trainer_quickstart_with_and_without_a_critic(critic, tmp_path, monkeypatch, caplog):
+    """The quickstart trains with the HybridFlow post's keywords (with the critic: its flagship
+    example as written, local paths), `resharding_buffer_percent=0.1` included."""
+    import logging
+
     from overlap_record import assert_overlapped, record_overlap
     from ppo_trainer_quickstart import main
 
     from hybridflow.profiler import trace_resharding
 
     order = record_overlap(monkeypatch, loader_seconds=0.3)  # a loader slower than Ray's dispatch
-    with trace_resharding(str(tmp_path / "trace.json")):
+    with trace_resharding(str(tmp_path / "trace.json")), caplog.at_level(logging.INFO, logger="hybridflow"):
         result = main(["--output-dir", str(tmp_path), "--steps", "2"] + (["--critic"] if critic else []))
     last = result["history"][-1]
     assert result["steps"] == 2 and "actor/pg_loss" in last
@@ -40,6 +44,12 @@ def test_ppo_trainer_quickstart_with_and_without_a_critic(critic, tmp_path, monk
     # resharding_overlap_with_compute=True took effect: step 1's next batch was prepared while the
     # workers resharded (recorded order, tests/overlap_record.py)
     assert_overlapped(order, 2)
+    # resharding_buffer_percent=0.1 took effect: 0.1 x the tiny model's 430 KB is less than one
+    # decoder layer's staging (1.5 x 148 KB at N = 2, gen_tp 1), so one layer is in flight, and the
+    # driver said so once
+    assert last["reshard/layers_in_flight"] == 1.0
+    said = [r for r in caplog.records if "resharding_buffer_percent=0.1 allows" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING and "staging 1 layer at a time" in said[0].getMessage()
 
 
 def test_seed_dataflow_snippet_from_the_top_level_package():
@@ -95,18 +105,18 @@ def test_ppo_trainer_takes_a_parallel_config_dict(tiny_model_dir, task_dir, tmp_
 def test_the_seed_ppo_trainer_example_constructs_at_1_2_and_4_workers(dp, micro, tiny_model_dir, task_dir, tmp_path):
     """The resharding post's flagship example with local paths and the worker count as the only other
     keys: no default is refused. The micro-batches nobody set are derived: the largest divisor up to 8
-    of the 8 prompts x 1 sample / dp sequences a worker gets per mini-batch.
-    (The example's `resharding_buffer_percent=0.1` is left out: it is refused until the key gets a
-    meaning, issue 35; test_parallel_config.py checks the refusal.)"""
+    of the 8 prompts x 1 sample / dp sequences a worker gets per mini-batch. (It trains in
+    test_ppo_trainer_quickstart_with_and_without_a_critic, at dp 2.)"""
     from hybridflow import PPOTrainer
 
     trainer = PPOTrainer(actor_model=tiny_model_dir, critic_model=tiny_model_dir,
                          parallel_config={"model_parallel_size": 1, "data_parallel_size": dp},
-                         enable_resharding_opt=True, resharding_overlap_with_compute=True,
+                         enable_resharding_opt=True, resharding_overlap_with_compute=True, resharding_buffer_percent=0.1,
                          data={"train_files": [f"{task_dir}/train.parquet"]},
                          **{"trainer.n_gpus_per_node": dp, "trainer.default_local_dir": str(tmp_path)})
     a, c = trainer.cfg.actor_rollout_ref.actor, trainer.cfg.critic
     assert (a.ppo_mini_batch_size, a.ppo_micro_batch_size_per_gpu, c.ppo_micro_batch_size_per_gpu) == (8, micro, micro)
+    assert trainer.cfg.actor_rollout_ref.hybrid_engine.resharding_buffer_percent == 0.1
 
 
 def test_wrap_hf_model_with_fsdp_in_a_plain_python_process(tiny_model_dir):
