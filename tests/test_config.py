@@ -219,6 +219,27 @@ def test_unset_dpo_batch_sizes_are_derived_in_whole_pairs(train, workers, expect
     assert (a.ppo_mini_batch_size, a.ppo_micro_batch_size_per_gpu) == expected
 
 
+@pytest.mark.parametrize("keys, kind, n", [
+    ([], "rl", 8),  # grpo, the default estimator, compares a prompt's samples: 8 (TRL's num_generations)
+    (["algorithm.adv_estimator=rloo"], "rl", 8),
+    (["algorithm.adv_estimator=gae"], "rl", 1),  # verl's default: one sample per prompt
+    (["algorithm.adv_estimator=reinforce_plus_plus"], "rl", 1),
+    ([], "dpo", 1),  # offline pairs: nothing is sampled for the pairs
+    (["dpo.online=true"], "dpo", 8),  # best vs worst of n
+    (["actor_rollout_ref.rollout.n=3"], "rl", 3),  # set: kept
+])
+def test_unset_rollout_n_follows_the_algorithm_and_the_default_config_validates(keys, kind, n, world):
+    from hybridflow.config.derive import derive_defaults
+
+    cfg = load_config(None, [f"actor_rollout_ref.model.path={world.actor_rollout_ref.model.path}", f"data.train_files={world.data.train_files}",
+                             "data.max_prompt_length=32", *keys])
+    validate_config(cfg, kind)  # with no batch or sample count set, nothing is refused
+    assert derive_defaults(cfg, kind).actor_rollout_ref.rollout.n == n
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref\.rollout\.n must be >= 2 for algorithm\.adv_estimator=grpo"):
+        validate_config(load_config(None, [f"actor_rollout_ref.model.path={world.actor_rollout_ref.model.path}",
+                                           f"data.train_files={world.data.train_files}", "actor_rollout_ref.rollout.n=1"]))
+
+
 def test_a_size_the_user_set_is_still_refused_and_a_derived_one_is_logged_once(world, caplog, monkeypatch):
     from hybridflow.config import derive
     from hybridflow.trainer.rl import resolve_config

@@ -1,5 +1,5 @@
 """What the user left to the layout or the device, derived before validation (logged once each):
-unset batch sizes, and ``mixed_precision: true`` / ``"amp"``.
+unset batch sizes, ``rollout.n``, and ``mixed_precision: true`` / ``"amp"``.
 
 A size the layout constrains (the actor's mini-batch, the actor's / critic's / SFT's / reward model's
 micro-batch) is None in the schema when not set, the convention the parallel config and
@@ -14,6 +14,9 @@ None replaced by a value that fits the layout:
   the largest even one (a forward holds both sides of its pairs);
 - SFT / reward-model ``micro_batch_size_per_gpu``: the largest divisor (even for pairs) of what a
   worker gets per step, up to ``SFT_MICRO_BATCH_CAP``.
+
+- ``rollout.n``: ``GROUP_N`` (8) for an estimator whose baseline is the prompt's group (grpo, rloo)
+  and for online DPO, else 1.
 
 A value the user set is never changed: the validator checks it and refuses it with the fix. When the
 layout itself is invalid (workers that do not divide the batch, ...) nothing is derived and the
@@ -36,11 +39,11 @@ import logging
 from typing import Any, Optional
 
 from hybridflow.config import pools as rp
-from hybridflow.config.schema import (MICRO_BATCH_CAP, MINI_BATCH_CAP, SFT_MICRO_BATCH_CAP, FSDPConfig, HybridFlowConfig,
-                                      RewardTrainConfig, SFTConfig)
+from hybridflow.config.schema import (GROUP_ESTIMATORS, GROUP_N, MICRO_BATCH_CAP, MINI_BATCH_CAP, SFT_MICRO_BATCH_CAP, FSDPConfig,
+                                      HybridFlowConfig, RewardTrainConfig, SFTConfig)
 from hybridflow.config.tree import ConfigError
 
-__all__ = ["MIXED_PRECISION_SPELLINGS", "derive_defaults", "derive_rm_defaults", "derive_sft_defaults", "largest_divisor", "log_once",
+__all__ = ["MIXED_PRECISION_SPELLINGS", "derive_defaults", "rollout_n", "derive_rm_defaults", "derive_sft_defaults", "largest_divisor", "log_once",
            "preferred_low_precision", "resolve_mixed_precision"]
 
 logger = logging.getLogger("hybridflow")
@@ -158,6 +161,27 @@ def _data_parallel_sizes(cfg: HybridFlowConfig, kind: str) -> tuple[Optional[int
     return actor_dp, critic_dp
 
 
+def rollout_n(cfg: HybridFlowConfig, kind: str = "rl") -> int:
+    """The samples per prompt a run uses: rollout.n, or when unset GROUP_N where the algorithm compares
+    a prompt's samples (a group estimator, online DPO), else 1."""
+    n = cfg.actor_rollout_ref.rollout.n
+    if n is not None:
+        return n
+    grouped = (kind == "rl" and cfg.algorithm.adv_estimator in GROUP_ESTIMATORS) or (kind == "dpo" and cfg.dpo.online)
+    return GROUP_N if grouped else 1
+
+
+def _derive_n(cfg: HybridFlowConfig, kind: str) -> None:
+    roll = cfg.actor_rollout_ref.rollout
+    if roll.n is not None:
+        return
+    roll.n = rollout_n(cfg, kind)
+    if roll.n > 1:  # (1, verl's default, is worth no log line)
+        why = (f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} baselines each sample against its prompt's group"
+               if kind == "rl" else "dpo.online=true pairs the best and the worst of each prompt's samples")
+        log_once(f"rollout n {roll.n}: derived ({why}); set {R}.n to choose")
+
+
 def _derive_mini(cfg: HybridFlowConfig, kind: str, dp: int) -> None:
     d, a, n = cfg.data, cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout.n
     if a.ppo_mini_batch_size is not None or not (_pos(d.train_batch_size) and _pos(n)):
@@ -205,6 +229,7 @@ def derive_defaults(cfg: HybridFlowConfig, kind: str = "rl") -> HybridFlowConfig
     _resolve_precisions([(f"{A}.fsdp_config", arr.actor.fsdp_config), ("actor_rollout_ref.ref.fsdp_config", arr.ref.fsdp_config),
                          ("critic.fsdp_config", cfg.critic.fsdp_config), ("reward_model.fsdp_config", cfg.reward_model.fsdp_config),
                          ("teacher.fsdp_config", cfg.teacher.fsdp_config)], cfg.trainer.device)
+    _derive_n(cfg, kind)
     actor_dp, critic_dp = _data_parallel_sizes(cfg, kind)
     if actor_dp is None:
         return cfg

@@ -56,6 +56,10 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "se
 MINI_BATCH_CAP = 8  # actor.ppo_mini_batch_size: prompts per optimizer step
 MICRO_BATCH_CAP = 8  # actor / critic ppo_micro_batch_size_per_gpu: sequences per forward/backward
 SFT_MICRO_BATCH_CAP = 32  # SFTConfig / RewardTrainConfig micro_batch_size_per_gpu
+# Advantage estimators whose baseline is the other samples of the prompt (they need rollout.n >= 2), and
+# the rollout.n a run derives for them when it is not set (TRL's default num_generations).
+GROUP_ESTIMATORS = ("grpo", "rloo")
+GROUP_N = 8
 # LoRA targets: peft's "all-linear" (every linear layer but the output head), or the decoder's projections.
 LORA_TARGETS = ("all-linear", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -176,7 +180,9 @@ class MultiTurnConfig:
 @dataclass
 class RolloutConfig:
     name: str = "hf"  # hf | vllm (CPU: scripts/bootstrap_vllm.sh; CUDA: pip install hybridflow[vllm])
-    n: int = 1  # samples per prompt
+    # Samples per prompt. None = not set: GROUP_N for an estimator whose baseline is the prompt's group
+    # (GROUP_ESTIMATORS) and for online DPO (best vs worst of n), else 1 (config/derive.py, logged once).
+    n: Optional[int] = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # <= 0 disables top-k

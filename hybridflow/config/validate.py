@@ -21,7 +21,7 @@ from typing import Callable, Literal
 
 from hybridflow.config.derive import derive_defaults, derive_rm_defaults, derive_sft_defaults, resolve_mixed_precision
 from hybridflow.config.loader import ConfigError, literal_choices
-from hybridflow.config.schema import LOSS_AGG_MODES, LORA_TARGETS, MODEL_DTYPES, DPOConfig, HybridFlowConfig, ModelConfig, OptimConfig, RewardTrainConfig, SFTConfig, TrainerConfig
+from hybridflow.config.schema import GROUP_ESTIMATORS, LOSS_AGG_MODES, LORA_TARGETS, MODEL_DTYPES, DPOConfig, HybridFlowConfig, ModelConfig, OptimConfig, RewardTrainConfig, SFTConfig, TrainerConfig
 
 A, R = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
 
@@ -522,7 +522,7 @@ def validate_config(cfg: HybridFlowConfig, kind: Literal["rl", "dpo"] = "rl") ->
                      f"{A}.ppo_mini_batch_size = data.train_batch_size, algorithm.use_kl_in_reward=false (it reads the old "
                      f"log-probs) and trainer.async_rollout=false (off-policy); got ppo_epochs={actor.ppo_epochs}, "
                      f"ppo_mini_batch_size={actor.ppo_mini_batch_size}, train_batch_size={d.train_batch_size}")
-    if kind == "rl" and alg.adv_estimator in ("grpo", "rloo") and isinstance(roll.n, int) and 0 < roll.n < 2:
+    if kind == "rl" and alg.adv_estimator in GROUP_ESTIMATORS and isinstance(roll.n, int) and 0 < roll.n < 2:
         p.append(f"{R}.n must be >= 2 for algorithm.adv_estimator={alg.adv_estimator} (the group baseline "
                  f"needs several samples per prompt), got {roll.n}")
     he = arr.hybrid_engine

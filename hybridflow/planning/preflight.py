@@ -14,6 +14,7 @@ import logging
 import os
 
 from hybridflow.config.loader import ConfigError
+from hybridflow.config.derive import rollout_n
 from hybridflow.config.schema import MICRO_BATCH_CAP, FSDPConfig, HybridFlowConfig
 from hybridflow.config import pools as rp
 from hybridflow.hybrid_engine.plan import TrainLayout
@@ -51,7 +52,7 @@ def pool_memory(cfg: HybridFlowConfig, roles: list[rp.Role] | None = None) -> di
         gen = DTYPE_BYTES[arr.generation_dtype()]  # the rollout's weights: bf16 under bf16 mixed precision
         m = MemoryInputs(param_bytes=4, compute_bytes=compute, gen_bytes=gen, strategy=_strategy(fc), seq_len=seq,
                          micro_batch=arr.actor.ppo_micro_batch_size_per_gpu or MICRO_BATCH_CAP,  # unset: at most the cap (derived)
-                         rollout_seqs=d.train_batch_size * arr.rollout.n,
+                         rollout_seqs=d.train_batch_size * rollout_n(cfg),
                          gradient_checkpointing=arr.model.enable_gradient_checkpointing, param_offload=fc.param_offload,
                          lora_rank={rp.Role.ACTOR_ROLLOUT: arr.model.lora_rank, rp.Role.CRITIC: cfg.critic.model.lora_rank}.get(role, 0))
         role_arch = load_arch(cfg.critic.model.path) if role == rp.Role.CRITIC and cfg.critic.model.path else arch
