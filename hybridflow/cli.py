@@ -120,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
                         "distill: on-policy distillation from a larger SFT-trained teacher, no reward")
     p.add_argument("--sft-steps", type=int, default=None)
     p.add_argument("--rl-steps", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of the task data, the tiny model's initialisation, the SFT and the RL run (default: the recipe's own)")
+    p.add_argument("--sft-model", default=None, metavar="DIR",
+                   help="start the recipe from this SFT checkpoint instead of training one (the task data is still written)")
     p.add_argument("overrides", nargs="*", help="dotlist overrides for the GRPO config")
     p.set_defaults(fn=lambda a: _run_reporting(__import__("hybridflow.demo", fromlist=["main"]).main, a))
     for name, target in FORWARDED.items():

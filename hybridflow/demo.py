@@ -217,6 +217,16 @@ def _agent_summary(history: list[dict]) -> dict:
     return out
 
 
+def _sft_record(sft_model: str) -> dict:
+    """What a warm start made elsewhere says about its SFT (``sft_record.json`` beside the weights, as
+    ``scripts/build_recipe_fixtures.py`` writes it); {} when there is none."""
+    path = os.path.join(sft_model, "sft_record.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
 def _workers(cfg) -> str:
     """"2 FSDP2 workers", or the 3D layout when the overrides set one ("4 workers: PP 1 x TP 2 x FSDP2 2")."""
     a, n = cfg.actor_rollout_ref.actor, cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
@@ -224,45 +234,66 @@ def _workers(cfg) -> str:
     return f"{n} FSDP2 workers" if pp == tp == 1 else f"{n} workers: PP {pp} x TP {tp} x FSDP2 {n // (pp * tp)}"
 
 
-def main(args) -> int:
+def prepare_recipe(recipe: str, out: str, seed: int | None = None, sft_steps: int | None = None) -> tuple[dict, str, SFTConfig]:
+    """The recipe's task files, its tiny base model and its SFT config (not run yet), all under `out`.
+    `seed` (None: the defaults, 0 for data and model, 1 for the trainers) seeds the data, the model's
+    initialisation and the SFT's batches."""
     from hybridflow.agent.tasks import make_guess_task
     from hybridflow.data.tasks import make_max_task, make_multiply_task
     from hybridflow.models.tiny import make_tiny_model
+
+    data_seed = {} if seed is None else {"seed": seed}
+    if recipe == "tool":  # its own task: 3-digit products, a calculator, conversations of ~300 tokens
+        files = make_multiply_task(os.path.join(out, "data"), **data_seed)
+        base = make_tiny_model(os.path.join(out, "tiny_model"), hidden_size=128, intermediate_size=256, num_hidden_layers=TOOL_LAYERS,
+                               max_position_embeddings=512, tools_template=True, **data_seed)
+        sft_cfg = demo_multi_turn_sft_config(files, base, out, sft_steps or TOOL_SFT_STEPS, TOOL_MAX_PROMPT + TOOL_MAX_RESPONSE)
+    elif recipe == "guess":  # its own task: games against the guess environment
+        files = make_guess_task(os.path.join(out, "data"), **data_seed)
+        base = make_tiny_model(os.path.join(out, "tiny_model"), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                               max_position_embeddings=1024, **data_seed)
+        sft_cfg = demo_multi_turn_sft_config(files, base, out, sft_steps or GUESS_SFT_STEPS, GUESS_MAX_PROMPT + GUESS_MAX_RESPONSE)
+    else:
+        files = make_max_task(os.path.join(out, "data"), **data_seed)
+        base = make_tiny_model(os.path.join(out, "tiny_model"), hidden_size=128, intermediate_size=256, num_hidden_layers=2, **data_seed)
+        sft_cfg = demo_sft_config(files["sft"], base, out, sft_steps or SFT_STEPS)
+    if seed is not None:
+        sft_cfg.trainer.seed = seed
+    return files, base, sft_cfg
+
+
+def main(args) -> int:
     from hybridflow.trainer.sft import run_sft
 
     start = time.time()
     recipe = getattr(args, "recipe", "grpo")
+    seed = getattr(args, "seed", None)
     out = os.path.abspath(args.output_dir)
     os.makedirs(out, exist_ok=True)
-    if recipe == "tool":  # its own task: 3-digit products, a calculator, conversations of ~300 tokens
-        files = make_multiply_task(os.path.join(out, "data"))
-        base = make_tiny_model(os.path.join(out, "tiny_model"), hidden_size=128, intermediate_size=256, num_hidden_layers=TOOL_LAYERS,
-                               max_position_embeddings=512, tools_template=True)
-        sft_cfg = demo_multi_turn_sft_config(files, base, out, args.sft_steps or TOOL_SFT_STEPS, TOOL_MAX_PROMPT + TOOL_MAX_RESPONSE)
-    elif recipe == "guess":  # its own task: games against the guess environment
-        files = make_guess_task(os.path.join(out, "data"))
-        base = make_tiny_model(os.path.join(out, "tiny_model"), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                               max_position_embeddings=1024)
-        sft_cfg = demo_multi_turn_sft_config(files, base, out, args.sft_steps or GUESS_SFT_STEPS, GUESS_MAX_PROMPT + GUESS_MAX_RESPONSE)
-    else:
-        files = make_max_task(os.path.join(out, "data"))
-        base = make_tiny_model(os.path.join(out, "tiny_model"), hidden_size=128, intermediate_size=256, num_hidden_layers=2)
-        sft_cfg = demo_sft_config(files["sft"], base, out, args.sft_steps or SFT_STEPS)
+    files, base, sft_cfg = prepare_recipe(recipe, out, seed, args.sft_steps)
     print(f"[demo] task data in {out}/data, tiny model in {base}", flush=True)
-    print(f"[demo] SFT warm start: {sft_cfg.total_steps} steps on biased demonstrations", flush=True)
-    sft = run_sft(sft_cfg)
-
-    run = run_recipe(recipe, files, f"{out}/sft_model", out, args.rl_steps or RECIPE_STEPS[recipe], *args.overrides)
+    sft_model = getattr(args, "sft_model", None)
+    if sft_model:  # a warm start made before (e.g. tests/fixtures/recipes): the SFT is skipped
+        sft_model = os.path.abspath(sft_model)
+        print(f"[demo] SFT warm start from {sft_model} (not trained here)", flush=True)
+        sft = _sft_record(sft_model)
+    else:
+        print(f"[demo] SFT warm start: {sft_cfg.total_steps} steps on biased demonstrations", flush=True)
+        sft = run_sft(sft_cfg)
+        sft_model = f"{out}/sft_model"
+    seeded = () if seed is None else (f"trainer.seed={seed}", f"data.seed={seed}")
+    run = run_recipe(recipe, files, sft_model, out, args.rl_steps or RECIPE_STEPS[recipe], *seeded, *args.overrides)
     history, val_curve = run.pop("history"), run.pop("val_curve")
     score_key = "critic/score/mean"
     summary = {
         "recipe": recipe,
+        "seed": seed,
         "val_acc_after_sft": val_curve[0][1],
         "val_acc_final": val_curve[-1][1],
         "steps": run.pop("steps"),
         "wall_seconds": round(time.time() - start, 1),
-        "sft_steps": sft["steps"],
-        "sft_final_loss": sft["final_loss"],
+        "sft_steps": sft.get("steps"),
+        "sft_final_loss": sft.get("final_loss"),
         "val_curve": val_curve,
         "train_score_first": history[1].get(score_key) if len(history) > 1 else None,
         "train_score_last": history[-1].get(score_key),

@@ -31,7 +31,10 @@ def _actor_config(cfg: SFTConfig) -> HybridFlowConfig:
     return HybridFlowConfig(actor_rollout_ref=ActorRolloutRefConfig(model=cfg.model, actor=actor), trainer=cfg.trainer, ray_init=cfg.ray_init)
 
 
-def run_sft(cfg: SFTConfig, log_every: int = 50) -> dict:
+def run_sft(cfg: SFTConfig, log_every: int = 50, stop_after: int | None = None) -> dict:
+    """Train ``cfg.total_steps`` steps (or only the first ``stop_after`` of that schedule: a check that a
+    run reproduces its first losses) and save the HF checkpoint to ``cfg.save_dir``. Returns steps,
+    losses (one per step), first_loss, final_loss, model_dir and the config."""
     cfg = derive_sft_defaults(cfg)  # an unset micro-batch from the workers (logged once)
     validate_sft_config(cfg)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
@@ -50,7 +53,7 @@ def run_sft(cfg: SFTConfig, log_every: int = 50) -> dict:
         wg = placed.groups[DEFAULT_POOL].role("actor")
         wg.init_model()
         losses = []
-        for step in range(1, cfg.total_steps + 1):
+        for step in range(1, min(cfg.total_steps, stop_after or cfg.total_steps) + 1):
             metrics = wg.sft_step(loader.next_batch())
             losses.append(metrics["train/loss"])
             tracker.log(metrics, step=step)
@@ -61,4 +64,5 @@ def run_sft(cfg: SFTConfig, log_every: int = 50) -> dict:
         if tracker is not None:
             tracker.close()
         placed.shutdown()  # the workers, then the reserved pool (nothing to stop under torchrun)
-    return {"steps": cfg.total_steps, "first_loss": losses[0], "final_loss": losses[-1], "model_dir": cfg.save_dir, "config": dataclasses.asdict(cfg)}
+    return {"steps": len(losses), "losses": losses, "first_loss": losses[0], "final_loss": losses[-1], "model_dir": cfg.save_dir,
+            "config": dataclasses.asdict(cfg)}
