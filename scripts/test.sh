@@ -4,7 +4,7 @@
 # one does not hide the other; the exit status is non-zero if either failed.
 #
 #   bash scripts/test.sh                  # everything (what CI runs)
-#   bash scripts/test.sh --fast           # the fast tier: no Ray, torchrun or process groups (~1 min)
+#   bash scripts/test.sh --fast           # the fast tier: no Ray, torchrun or process groups (docs/results.md)
 #   bash scripts/test.sh tests/x.py ...   # those files, each in the venv it needs (-k etc. pass through)
 set -uo pipefail
 cd "$(dirname "$0")/.."
