@@ -453,9 +453,11 @@ class RLTrainer:
                 if t.test_freq > 0 and (self.global_step % t.test_freq == 0 or last):
                     val_metrics = self.validate()
                     metrics.update(val_metrics)
+                # Logged before the checkpoint: a kill between the two then repeats the step's line after the
+                # resume (readers keep a step's last line) instead of losing it (the resume starts after it).
+                tracker.log(metrics, step=self.global_step)
                 if t.save_freq > 0 and (self.global_step % t.save_freq == 0 or last):
                     self.save_checkpoint()
-                tracker.log(metrics, step=self.global_step)
                 history.append({"step": self.global_step, **metrics})
                 if progress:
                     progress.update(1)

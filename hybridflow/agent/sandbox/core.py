@@ -244,6 +244,7 @@ class Sandbox:
         fds: list[tuple[int, str]] = []
         cg: RunCgroup | None = None
         status_r, status_w = os.pipe()
+        handed_over = False  # _execute closes the write end itself (right after the start): never twice
         try:
             for name, data in (files or {}).items():
                 fds.append((_memfd(name, data), name))
@@ -254,6 +255,7 @@ class Sandbox:
                 cmd = self._command(self.backend, lim, list(argv), fds, status_w)
                 if cg is not None:
                     cmd = cg.join_prefix() + cmd
+                handed_over = True
                 return _execute(cmd, lim, stdin_fd, [fd for fd, _ in fds] + [status_w], status_r, status_w, cg,
                                 self.enforcement)
             finally:
@@ -263,11 +265,9 @@ class Sandbox:
         finally:
             for fd, _ in fds:
                 os.close(fd)
-            for fd in (status_r, status_w):
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass  # _execute closed the write end once the run had started
+            os.close(status_r)
+            if not handed_over:
+                os.close(status_w)
 
     # ------------------------------------------------------------------ command lines
     def _command(self, backend: str, lim: SandboxLimits, argv: list[str], files: list[tuple[int, str]],
@@ -435,9 +435,11 @@ def _execute(cmd: list[str], lim: SandboxLimits, stdin_fd: int, pass_fds: list[i
     """Start ``cmd``, collect bounded output until it ends, the wall time is up or (with a cgroup)
     the summed CPU time is, then make sure none of its processes is left."""
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, stdin=stdin_fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=pass_fds,
-                            env=dict(_SANDBOX_ENV), cwd="/", start_new_session=True)
-    os.close(status_w)  # only the sandbox's init holds the write end now: EOF once it is gone
+    try:
+        proc = subprocess.Popen(cmd, stdin=stdin_fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=pass_fds,
+                                env=dict(_SANDBOX_ENV), cwd="/", start_new_session=True)
+    finally:
+        os.close(status_w)  # only the sandbox's init holds the write end now: EOF once it is gone
     bufs = {proc.stdout: bytearray(), proc.stderr: bytearray()}
     truncated = timed_out = cpu_out = exited = False
     deadline = start + lim.wall_s
