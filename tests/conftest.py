@@ -175,3 +175,12 @@ def run_torchrun(*args: str, timeout: int = 600):
                           capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a gloo group's MASTER_PORT in multi-process tests)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

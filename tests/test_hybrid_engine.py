@@ -8,12 +8,12 @@ sharded along the generation TP dims, a DTensor tensor-parallel rollout model, a
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 
 from hybridflow.hybrid_engine.plan import ReshardPlan, TrainLayout, chunk_interval
+from conftest import free_port
 
 
 F32 = 4
@@ -63,12 +63,6 @@ def test_plan_uneven_and_cross_node():
 
 
 # ---------------------------------------------------------------- multi-rank
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _layouts_worker(rank: int, world: int, port: int, models: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", HF_HUB_OFFLINE="1")
     import torch.distributed as dist
@@ -153,7 +147,7 @@ def test_every_layout_is_bit_exact_and_minimal(world, engine_models):
         # NO_SHARD: every rank holds the whole weights, so the switch copies locally and moves nothing
         "replicated": (str(engine_models["even"]), [2], "NO_SHARD"),
     }
-    mp.spawn(_layouts_worker, args=(world, _free_port(), models), nprocs=world)
+    mp.spawn(_layouts_worker, args=(world, free_port(), models), nprocs=world)
 
 
 def _frozen_worker(rank: int, world: int, port: int, path: str) -> None:
@@ -202,7 +196,7 @@ def _frozen_worker(rank: int, world: int, port: int, path: str) -> None:
 def test_frozen_parameters_move_once_then_zero_bytes(engine_models):
     import torch.multiprocessing as mp
 
-    mp.spawn(_frozen_worker, args=(2, _free_port(), str(engine_models["even"])), nprocs=2)
+    mp.spawn(_frozen_worker, args=(2, free_port(), str(engine_models["even"])), nprocs=2)
 
 
 def _wrong_box_worker(rank: int, world: int, port: int, path: str) -> None:
@@ -262,7 +256,7 @@ def test_a_wrong_plan_box_fails_the_weight_check(engine_models):
     generation parameter's own DTensor layout, not the plan: a wrong box is caught."""
     import torch.multiprocessing as mp
 
-    mp.spawn(_wrong_box_worker, args=(2, _free_port(), str(engine_models["even"])), nprocs=2)
+    mp.spawn(_wrong_box_worker, args=(2, free_port(), str(engine_models["even"])), nprocs=2)
 
 
 # ---------------------------------------------------------------- measured bytes, by hand
@@ -354,7 +348,7 @@ def test_bytes_received_equal_a_count_by_hand(engine_models):
     the planner's."""
     import torch.multiprocessing as mp
 
-    mp.spawn(_by_hand_worker, args=(4, _free_port(), str(engine_models["even"]), str(engine_models["uneven"])), nprocs=4)
+    mp.spawn(_by_hand_worker, args=(4, free_port(), str(engine_models["even"]), str(engine_models["uneven"])), nprocs=4)
 
 
 # ---------------------------------------------------------------- peak memory, by hand
@@ -421,4 +415,4 @@ def test_peak_reshard_memory_within_generation_slices_plus_two_layers(tmp_path, 
 
     path = make_tiny_model(tmp_path / "m", hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, intermediate_size=1024)
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # as the Ray workers' env (config/schema.py)
-    mp.spawn(_memory_worker, args=(2, _free_port(), str(path), str(tmp_path / "peaks")), nprocs=2)
+    mp.spawn(_memory_worker, args=(2, free_port(), str(path), str(tmp_path / "peaks")), nprocs=2)

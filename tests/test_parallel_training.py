@@ -10,10 +10,10 @@
 from __future__ import annotations
 
 import os
-import socket
 import sys
 
 import pytest
+from conftest import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -26,12 +26,6 @@ def test_layouts_match_the_single_process_run(tmp_path):
     assert [r["layout"] for r in rows] == ["dp4", "tp2xdp2", "pp2xdp2", "pp2xdp2-gpipe", "pp2xtp2"]  # 1F1B and GPipe schedules
     for r in rows:
         assert r["max_loss_diff"] < 1e-5 and r["max_grad_norm_diff"] < 1e-5 and r["max_logprob_diff"] < 1e-5, r
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 SWITCHES = {"tp2xdp2": (1, 2, 4), "pp2xdp2": (1, 2, 4), "pp2xtp2": (1, 2, 4)}
@@ -80,7 +74,7 @@ def tiny_4heads(tmp_path_factory):
 def test_switch_from_3d_layouts_is_bit_exact_and_minimal(tiny_4heads):
     import torch.multiprocessing as mp
 
-    mp.spawn(_switch_worker, args=(4, _free_port(), str(tiny_4heads)), nprocs=4)
+    mp.spawn(_switch_worker, args=(4, free_port(), str(tiny_4heads)), nprocs=4)
 
 
 def _resume_worker(rank: int, world: int, port: int, path: str, ckpt: str) -> None:
@@ -109,4 +103,4 @@ def _resume_worker(rank: int, world: int, port: int, path: str, ckpt: str) -> No
 def test_pipeline_and_tensor_parallel_checkpoint_resumes_bit_exact(tiny_4heads, tmp_path):
     import torch.multiprocessing as mp
 
-    mp.spawn(_resume_worker, args=(4, _free_port(), str(tiny_4heads), str(tmp_path / "ckpt")), nprocs=4)
+    mp.spawn(_resume_worker, args=(4, free_port(), str(tiny_4heads), str(tmp_path / "ckpt")), nprocs=4)

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 
 import pytest
 import torch
+from conftest import free_port
 
 F32 = 4
 LAYERS = 8  # decoder layers of the test model; the plan adds embed_tokens, norm and lm_head
@@ -106,12 +106,6 @@ def test_plan_cli_prints_the_staging(model_dir, capsys):
 
 
 # ---------------------------------------------------------------- the engine (2 gloo processes)
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _engine_worker(rank: int, world: int, port: int, path: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", HF_HUB_OFFLINE="1")
     import torch.distributed as dist
@@ -181,7 +175,7 @@ def test_engine_stages_the_budgeted_layers_bit_exact(model_dir):
     bit-exact."""
     import torch.multiprocessing as mp
 
-    mp.spawn(_engine_worker, args=(2, _free_port(), str(model_dir)), nprocs=2)
+    mp.spawn(_engine_worker, args=(2, free_port(), str(model_dir)), nprocs=2)
 
 
 def test_weight_sync_logs_the_staging_note(caplog):

@@ -4,13 +4,13 @@ FSDP2 training shards aligned with the generation TP dims. Multi-rank checks spa
 from __future__ import annotations
 
 import os
-import socket
 from datetime import timedelta
 
 import pytest
 import torch
 
 from hybridflow.parallel.tensor_parallel import gen_ranks, gen_shard_dim, validate_gen_tp
+from conftest import free_port
 
 PROMPTS = ["hello world, how are you?", "hi", "1+2="]
 
@@ -63,12 +63,6 @@ def test_gen_ranks_and_validate():
 
 
 # ---------------------------------------------------------------- multi-rank (spawned gloo processes)
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _load(path):
     from transformers import AutoModelForCausalLM
 
@@ -186,7 +180,7 @@ def _spawn(world, layouts, paths, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     # the untied qwen2 model for FSDP: it has q/k/v biases, a rowwise weight and a separate lm_head
-    mp.spawn(_worker, args=(world, _free_port(), layouts, paths, paths[0]), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, free_port(), layouts, paths, paths[0]), nprocs=world, join=True)
 
 
 def test_tp_world2(tp_models, monkeypatch):
