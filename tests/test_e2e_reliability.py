@@ -85,47 +85,6 @@ def _step_metrics(run_dir) -> dict[int, dict]:
     return out
 
 
-@pytest.mark.parametrize("name, extra", [
-    ("grpo_overlap_tp2_adaptive_kl", ["actor_rollout_ref.hybrid_engine.resharding_overlap_with_compute=true",
-                                      "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "algorithm.use_kl_in_reward=true",
-                                      "algorithm.kl_ctrl.type=adaptive"]),
-    # PPO with a critic, actor and critic training LoRA adapters (their checkpoints: adapters, the critic's value
-    # head, and their optimizer state only), the actor with a KL loss against the adapter-free reference
-    ("ppo_critic_lora", ["algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.model.lora_rank=4",
-                         "actor_rollout_ref.model.lora_alpha=8", "actor_rollout_ref.actor.use_kl_loss=true", "critic.model.lora_rank=4"]),
-])
-def test_sigkill_mid_run_then_resume_equals_the_uninterrupted_run(name, extra, tiny_model_dir, task_dir, varied_reward, tmp_path):
-    """A driver killed with SIGKILL after a checkpoint, restarted with the same command, ends with
-    the same weights and optimizer state (bit for bit) and logs the same metrics as a run never
-    interrupted."""
-    def command(run_dir):
-        return _driver(tmp_path, rl_overrides(tiny_model_dir, task_dir, run_dir, f"custom_reward_function.path={varied_reward}",
-                                              "trainer.total_training_steps=6", "trainer.save_freq=2", "trainer.max_ckpt_to_keep=2", *extra))
-
-    straight, killed = tmp_path / "straight", tmp_path / "killed"
-    # The uninterrupted run goes on beside the killed one (independent drivers and Ray clusters; the
-    # comparison is bit for bit, which contention cannot change): the test's wall time is one run shorter.
-    uninterrupted = subprocess.Popen(command(straight), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    proc = subprocess.Popen(command(killed), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    latest = killed / "latest_checkpointed_iteration.txt"
-    deadline = time.time() + 240
-    while not (latest.exists() and latest.read_text() == "2") and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.02)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert int(latest.read_text()) < 6, "the driver finished before it was killed"
-    subprocess.run(command(killed), check=True, timeout=300, capture_output=True)  # the same command resumes
-    _, err = uninterrupted.communicate(timeout=300)
-    assert uninterrupted.returncode == 0, err[-3000:]
-
-    assert sorted(d.name for d in killed.iterdir() if d.name.startswith("global_step_")) == ["global_step_4", "global_step_6"]
-    _assert_same(_checkpoint(straight / "global_step_6"), _checkpoint(killed / "global_step_6"), name)
-    a, b = _step_metrics(straight), _step_metrics(killed)
-    assert sorted(b) == [1, 2, 3, 4, 5, 6]
-    for step in (3, 4, 5, 6):
-        assert a[step] == b[step], (name, step)
-
-
 KILL_INSIDE_SAVE = """
 import os, signal
 at, replace = os.environ["KILL_INSIDE_SAVE_OF_STEP"], os.replace
@@ -139,30 +98,57 @@ os.replace = replace_or_die
 """ + DRIVER
 
 
-def test_a_kill_inside_a_checkpoint_save_resumes_from_the_previous_one(tiny_model_dir, task_dir, varied_reward, tmp_path):
-    """SIGKILL of the driver inside step 2's save (the trainer's own save code runs; it dies at the
-    rename, all parts written to global_step_2.tmp): the latest checkpoint is still step 1, and the same command resumes from it and
-    ends bit for bit where an uninterrupted run ends."""
+@pytest.mark.parametrize("name, extra, kill_inside_save", [
+    # killed inside step 4's save (the trainer's own save code runs; it dies at the rename, every part
+    # written to global_step_4.tmp): the latest checkpoint is still step 2, and the run resumes from it
+    ("grpo_overlap_tp2_adaptive_kl", ["actor_rollout_ref.hybrid_engine.resharding_overlap_with_compute=true",
+                                      "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "algorithm.use_kl_in_reward=true",
+                                      "algorithm.kl_ctrl.type=adaptive"], True),
+    # killed right after step 2's checkpoint. PPO with a critic, actor and critic training LoRA adapters (their
+    # checkpoints: adapters, the critic's value head, and their optimizer state only), the actor with a KL loss
+    # against the adapter-free reference
+    ("ppo_critic_lora", ["algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.model.lora_rank=4",
+                         "actor_rollout_ref.model.lora_alpha=8", "actor_rollout_ref.actor.use_kl_loss=true", "critic.model.lora_rank=4"], False),
+], ids=["grpo_overlap_tp2_adaptive_kl_killed_inside_a_save", "ppo_critic_lora"])
+def test_sigkill_mid_run_then_resume_equals_the_uninterrupted_run(name, extra, kill_inside_save, tiny_model_dir, task_dir, varied_reward,
+                                                                  tmp_path):
+    """A driver killed with SIGKILL (after a checkpoint, or inside one's save), restarted with the
+    same command, ends with the same weights and optimizer state (bit for bit) and logs the same
+    metrics as a run never interrupted."""
     def command(run_dir, script=DRIVER):
         (tmp_path / "kill_driver.py").write_text(script)
         cmd = _driver(tmp_path, rl_overrides(tiny_model_dir, task_dir, run_dir, f"custom_reward_function.path={varied_reward}",
-                                             "trainer.total_training_steps=3", "trainer.save_freq=1"))
+                                             "trainer.total_training_steps=6", "trainer.save_freq=2", "trainer.max_ckpt_to_keep=2", *extra))
         return cmd if script is DRIVER else [cmd[0], str(tmp_path / "kill_driver.py"), *cmd[2:]]
 
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    uninterrupted = subprocess.Popen(command(straight), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # beside the killed run
-    proc = subprocess.run(command(killed, KILL_INSIDE_SAVE), timeout=300, capture_output=True, env={**os.environ, "KILL_INSIDE_SAVE_OF_STEP": "2"})
-    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    # The uninterrupted run goes on beside the killed one (independent drivers and Ray clusters; the
+    # comparison is bit for bit, which contention cannot change): the test's wall time is one run shorter.
+    uninterrupted = subprocess.Popen(command(straight), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    latest = killed / "latest_checkpointed_iteration.txt"
+    if kill_inside_save:
+        proc = subprocess.run(command(killed, KILL_INSIDE_SAVE), timeout=300, capture_output=True, env={**os.environ, "KILL_INSIDE_SAVE_OF_STEP": "4"})
+        assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+        assert (killed / "global_step_4.tmp" / "trainer_state.pt").exists() and not (killed / "global_step_4").exists()
+        assert latest.read_text() == "2"  # the half-written save is not the latest
+    else:
+        proc = subprocess.Popen(command(killed), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 240
+        while not (latest.exists() and latest.read_text() == "2") and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        assert int(latest.read_text()) < 6, "the driver finished before it was killed"
+    subprocess.run(command(killed), check=True, timeout=300, capture_output=True)  # the same command resumes
     _, err = uninterrupted.communicate(timeout=300)
     assert uninterrupted.returncode == 0, err[-3000:]
-    assert (killed / "global_step_2.tmp" / "trainer_state.pt").exists() and not (killed / "global_step_2").exists()
-    assert (killed / "latest_checkpointed_iteration.txt").read_text() == "1"  # the half-written save is not the latest
-    subprocess.run(command(killed), check=True, timeout=300, capture_output=True)  # the same command resumes
-    assert not (killed / "global_step_2.tmp").exists()
-    assert (killed / "latest_checkpointed_iteration.txt").read_text() == "3"
-    _assert_same(_checkpoint(straight / "global_step_3"), _checkpoint(killed / "global_step_3"), "kill inside save")
+
+    assert sorted(d.name for d in killed.iterdir() if d.name.startswith("global_step_")) == ["global_step_4", "global_step_6"]
+    _assert_same(_checkpoint(straight / "global_step_6"), _checkpoint(killed / "global_step_6"), name)
     a, b = _step_metrics(straight), _step_metrics(killed)
-    assert sorted(b) == [1, 2, 3] and all(a[step] == b[step] for step in (2, 3))
+    assert sorted(b) == [1, 2, 3, 4, 5, 6]
+    for step in (3, 4, 5, 6):
+        assert a[step] == b[step], (name, step)
 
 
 def test_kill_9_of_hybridflow_train_with_default_settings_and_the_same_command_resumes(tiny_model_dir, task_dir, tmp_path):

@@ -1,11 +1,17 @@
-"""AdamW plus a warm-up schedule (transformers' schedulers; constant or cosine with a floor)."""
+"""AdamW plus a warm-up schedule: constant, or cosine with a floor.
+
+The two schedules are transformers' `constant_with_warmup` and `cosine_with_min_lr` (the same
+float arithmetic, so a run's learning rates are unchanged), written out here because
+`transformers.optimization` imports the Trainer's utilities and with them peft: about a second of
+imports in every worker process, which the suite pays several hundred times.
+"""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
-from transformers import get_scheduler
 
 from hybridflow.config.schema import OptimConfig
 
@@ -18,8 +24,24 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_st
     total = cfg.total_training_steps if cfg.total_training_steps > 0 else total_steps
     warmup = cfg.lr_warmup_steps if cfg.lr_warmup_steps >= 0 else int(cfg.lr_warmup_steps_ratio * total)
     if cfg.lr_scheduler_type == "cosine":
-        return get_scheduler("cosine_with_min_lr", optimizer, num_warmup_steps=warmup, num_training_steps=max(total, 1), scheduler_specific_kwargs={"min_lr_rate": cfg.min_lr_ratio})
-    return get_scheduler("constant_with_warmup", optimizer, num_warmup_steps=warmup)
+        factor = functools.partial(_cosine_with_min_lr, warmup=warmup, total=max(total, 1), min_lr_rate=cfg.min_lr_ratio)
+    else:
+        factor = functools.partial(_constant_with_warmup, warmup=warmup)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def _constant_with_warmup(step: int, *, warmup: int) -> float:
+    """lr factor: linear from 0 over `warmup` steps, then 1."""
+    return float(step) / float(max(1.0, warmup)) if step < warmup else 1.0
+
+
+def _cosine_with_min_lr(step: int, *, warmup: int, total: int, min_lr_rate: float) -> float:
+    """lr factor: linear warm-up, then half a cosine from 1 down to `min_lr_rate` at `total`."""
+    if step < warmup:
+        return float(step) / float(max(1, warmup))
+    progress = float(step - warmup) / float(max(1, total - warmup))
+    factor = 0.5 * (1.0 + math.cos(math.pi * float(0.5) * 2.0 * progress))
+    return max(0, factor * (1 - min_lr_rate) + min_lr_rate)
 
 
 def clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float, ranks_per_stage: int | None = None) -> float:
