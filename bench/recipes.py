@@ -43,7 +43,7 @@ def bar(recipe: str, s: dict) -> tuple[str, bool]:
 
 def run(recipe: str, seed: int, out: str, rl_steps: int | None, overrides: list[str], reuse_sft: bool) -> dict:
     flags = ["--rl-steps", str(rl_steps)] if rl_steps else []
-    kept = os.path.join(out, "sft_model_kept")  # the SFT of a first run, moved aside so a rerun's output cannot overwrite it
+    kept = os.path.join(out, "sft_model_kept")  # the SFT of a first run, copied aside so a rerun's output cannot overwrite it
     if reuse_sft and os.path.isdir(kept):
         flags += ["--sft-model", kept]
     cmd = [sys.executable, "-m", "hybridflow.cli", "demo", "--recipe", recipe, "--seed", str(seed), "--output-dir", out, *flags,
