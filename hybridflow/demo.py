@@ -41,9 +41,10 @@ VAL_KEY = val_key("grpo")
 
 SFT_STEPS = 300
 RL_STEPS = 60
-RECIPE_STEPS = {"grpo": RL_STEPS, "dpo": 40, "rm-grpo": 40, "online-dpo": 40, "tool": 40, "guess": 40, "distill": 40}
+RECIPE_STEPS = {"grpo": RL_STEPS, "dpo": 40, "rm-grpo": 40, "online-dpo": 40, "tool": 20, "guess": 40, "distill": 40}
 RM_STEPS = 100
-TOOL_SFT_STEPS, TOOL_LAYERS = 700, 2
+# the tool recipe's SFT in two stages from the random model: the copy stage (every call exact) then the biased mix
+TOOL_COPY_STEPS, TOOL_SFT_STEPS, TOOL_LAYERS = 450, 250, 2
 GUESS_SFT_STEPS = 300
 GUESS_MAX_PROMPT, GUESS_MAX_RESPONSE = 56, 448  # the prompt is 48 tokens; 10 guesses and 9 replies of <= 45 tokens
 TOOL_MAX_PROMPT, TOOL_MAX_RESPONSE = 160, 160  # the compact tool prompt is 147 tokens; call (78) + result (34) + answer (22) = 134
@@ -78,19 +79,19 @@ def demo_sft_config(sft_file: str, base_model: str, out: str, steps: int = SFT_S
     ], schema=SFTConfig)
 
 
-def demo_multi_turn_sft_config(files: dict, base_model: str, out: str, steps: int, max_length: int) -> SFTConfig:
-    """SFT on a multi-turn task's noisy conversations (loss on the assistant turns only)."""
+def demo_multi_turn_sft_config(sft_file, base_model: str, out: str, steps: int, max_length: int, name: str = "sft") -> SFTConfig:
+    """SFT on a multi-turn task's conversations (loss on the assistant turns only), saved to `<out>/<name>_model`."""
     return load_config(None, [
-        f"train_files=[{files['sft']}]", "multiturn.enable=true", f"max_length={max_length}",
+        f"train_files=[{sft_file}]", "multiturn.enable=true", f"max_length={max_length}",
         "train_batch_size=32", "micro_batch_size_per_gpu=16", f"total_steps={steps}", f"model.path={base_model}", "optim.lr=2e-3",
         "optim.lr_scheduler_type=cosine", "optim.lr_warmup_steps_ratio=0.05", "optim.min_lr_ratio=0.1",
-        f"save_dir={out}/sft_model", f"trainer.default_local_dir={out}/sft", "trainer.logger=[console,jsonl]",
+        f"save_dir={out}/{name}_model", f"trainer.default_local_dir={out}/{name}", "trainer.logger=[console,jsonl]",
     ], schema=SFTConfig)
 
 
 def demo_tool_rl_config(files: dict, model_dir: str, out_dir: str, steps: int, *overrides: str) -> HybridFlowConfig:
     """Multi-turn GRPO with the calculator: 8 prompts x 8 trajectories, at most 2 assistant turns, lr 2e-4
-    (measured held-out: 0.08 -> 1.00 at step 10; on two other seeds 0.09 -> 0.98, and 0.13 -> 0.39 -> 0.46 at step 40)."""
+    (measured held-out on every seed: docs/agents.md)."""
     return _policy_run(files["train"], files["val"], model_dir, out_dir, steps, 8, 16, "actor_rollout_ref.rollout.n=8",
                        "actor_rollout_ref.rollout.temperature=1.0", "algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.optim.lr=2e-4",
                        f"data.max_prompt_length={TOOL_MAX_PROMPT}", f"data.max_response_length={TOOL_MAX_RESPONSE}",
@@ -234,10 +235,11 @@ def _workers(cfg) -> str:
     return f"{n} FSDP2 workers" if pp == tp == 1 else f"{n} workers: PP {pp} x TP {tp} x FSDP2 {n // (pp * tp)}"
 
 
-def prepare_recipe(recipe: str, out: str, seed: int | None = None, sft_steps: int | None = None) -> tuple[dict, str, SFTConfig]:
-    """The recipe's task files, its tiny base model and its SFT config (not run yet), all under `out`.
-    `seed` (None: the defaults, 0 for data and model, 1 for the trainers) seeds the data, the model's
-    initialisation and the SFT's batches."""
+def prepare_recipe(recipe: str, out: str, seed: int | None = None, sft_steps: int | None = None) -> tuple[dict, str, list[SFTConfig]]:
+    """The recipe's task files, its tiny base model and its SFT stages (configs, not run yet; each stage
+    starts from the one before, the last saves `<out>/sft_model`), all under `out`. `seed` (None: the
+    defaults, 0 for data and model, 1 for the trainers) seeds the data, the model's initialisation and
+    the SFT's batches; `sft_steps` replaces the last stage's step count."""
     from hybridflow.agent.tasks import make_guess_task
     from hybridflow.data.tasks import make_max_task, make_multiply_task
     from hybridflow.models.tiny import make_tiny_model
@@ -247,30 +249,46 @@ def prepare_recipe(recipe: str, out: str, seed: int | None = None, sft_steps: in
         files = make_multiply_task(os.path.join(out, "data"), **data_seed)
         base = make_tiny_model(os.path.join(out, "tiny_model"), hidden_size=128, intermediate_size=256, num_hidden_layers=TOOL_LAYERS,
                                max_position_embeddings=512, tools_template=True, **data_seed)
-        sft_cfg = demo_multi_turn_sft_config(files, base, out, sft_steps or TOOL_SFT_STEPS, TOOL_MAX_PROMPT + TOOL_MAX_RESPONSE)
+        max_length = TOOL_MAX_PROMPT + TOOL_MAX_RESPONSE
+        copy = demo_multi_turn_sft_config(files["sft_copy"], base, out, TOOL_COPY_STEPS, max_length, name="copy")
+        stages = [copy, demo_multi_turn_sft_config(files["sft"], copy.save_dir, out, sft_steps or TOOL_SFT_STEPS, max_length)]
     elif recipe == "guess":  # its own task: games against the guess environment
         files = make_guess_task(os.path.join(out, "data"), **data_seed)
         base = make_tiny_model(os.path.join(out, "tiny_model"), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                max_position_embeddings=1024, **data_seed)
-        sft_cfg = demo_multi_turn_sft_config(files, base, out, sft_steps or GUESS_SFT_STEPS, GUESS_MAX_PROMPT + GUESS_MAX_RESPONSE)
+        stages = [demo_multi_turn_sft_config(files["sft"], base, out, sft_steps or GUESS_SFT_STEPS, GUESS_MAX_PROMPT + GUESS_MAX_RESPONSE)]
     else:
         files = make_max_task(os.path.join(out, "data"), **data_seed)
         base = make_tiny_model(os.path.join(out, "tiny_model"), hidden_size=128, intermediate_size=256, num_hidden_layers=2, **data_seed)
-        sft_cfg = demo_sft_config(files["sft"], base, out, sft_steps or SFT_STEPS)
+        stages = [demo_sft_config(files["sft"], base, out, sft_steps or SFT_STEPS)]
     if seed is not None:
-        sft_cfg.trainer.seed = seed
-    return files, base, sft_cfg
+        for cfg in stages:
+            cfg.trainer.seed = seed
+    return files, base, stages
+
+
+def run_sft_stages(stages: list[SFTConfig]) -> dict:
+    """Run the SFT stages in order: the last stage's result, with `stages` (each stage's name, steps,
+    first 5 losses and final loss) and `steps` (all stages' steps)."""
+    from hybridflow.trainer.sft import run_sft
+
+    results = []
+    for cfg in stages:
+        print(f"[demo] SFT stage {cfg.save_dir.rsplit('/', 1)[-1]}: {cfg.total_steps} steps from {cfg.model.path}", flush=True)
+        results.append(run_sft(cfg))
+    stage_info = [{"name": os.path.basename(cfg.save_dir), "steps": r["steps"], "first_losses": r["losses"][:5],
+                   "final_loss": r["final_loss"]}
+                  for cfg, r in zip(stages, results)]
+    return {**results[-1], "steps": sum(r["steps"] for r in results), "stages": stage_info}
 
 
 def main(args) -> int:
-    from hybridflow.trainer.sft import run_sft
-
     start = time.time()
     recipe = getattr(args, "recipe", "grpo")
     seed = getattr(args, "seed", None)
     out = os.path.abspath(args.output_dir)
     os.makedirs(out, exist_ok=True)
-    files, base, sft_cfg = prepare_recipe(recipe, out, seed, args.sft_steps)
+    files, base, sft_stages = prepare_recipe(recipe, out, seed, args.sft_steps)
     print(f"[demo] task data in {out}/data, tiny model in {base}", flush=True)
     sft_model = getattr(args, "sft_model", None)
     if sft_model:  # a warm start made before (e.g. tests/fixtures/recipes): the SFT is skipped
@@ -278,8 +296,8 @@ def main(args) -> int:
         print(f"[demo] SFT warm start from {sft_model} (not trained here)", flush=True)
         sft = _sft_record(sft_model)
     else:
-        print(f"[demo] SFT warm start: {sft_cfg.total_steps} steps on biased demonstrations", flush=True)
-        sft = run_sft(sft_cfg)
+        print(f"[demo] SFT warm start: {' then '.join(str(c.total_steps) for c in sft_stages)} steps", flush=True)
+        sft = run_sft_stages(sft_stages)
         sft_model = f"{out}/sft_model"
     seeded = () if seed is None else (f"trainer.seed={seed}", f"data.seed={seed}")
     run = run_recipe(recipe, files, sft_model, out, args.rl_steps or RECIPE_STEPS[recipe], *seeded, *args.overrides)
@@ -294,6 +312,7 @@ def main(args) -> int:
         "wall_seconds": round(time.time() - start, 1),
         "sft_steps": sft.get("steps"),
         "sft_final_loss": sft.get("final_loss"),
+        "sft_stages": sft.get("stages"),
         "val_curve": val_curve,
         "train_score_first": history[1].get(score_key) if len(history) > 1 else None,
         "train_score_last": history[-1].get(score_key),

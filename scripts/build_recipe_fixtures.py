@@ -2,9 +2,9 @@
 
 Why fixtures: the tool and guess recipes' SFTs (700 and 300 steps) are most of those tests' time
 (~4 and ~2.5 minutes on 2 cores) and they teach nothing the RL part of a test checks. The fixture
-is exactly what `hybridflow demo --recipe R` trains before its RL (same data, base model, config
-and seeds), saved with `sft_record.json`: the SFT's step count, its first losses and final loss,
-and where it was built. `tests/test_e2e_agent.py` checks that a fresh SFT of the recipe reproduces
+is exactly what `hybridflow demo --recipe R` trains before its RL (same data, base model, configs
+and seeds; the tool recipe's two SFT stages), saved with `sft_record.json`: the SFT's step count,
+each stage's losses, the first stage's first losses and the final loss, and where it was built. `tests/test_e2e_agent.py` checks that a fresh SFT of the recipe reproduces
 the first recorded losses (so a fixture cannot silently drift from the code that claims to make
 it), then runs the recipe's RL from the fixture (`hybridflow demo --sft-model DIR`).
 
@@ -32,20 +32,20 @@ FIRST_LOSSES = 5  # how many of the first SFT losses are recorded (and re-checke
 def build(recipe: str) -> dict:
     import torch
 
-    from hybridflow.demo import prepare_recipe
-    from hybridflow.trainer.sft import run_sft
+    from hybridflow.demo import prepare_recipe, run_sft_stages
 
     start = time.time()
     with tempfile.TemporaryDirectory() as tmp:
-        _, _, sft_cfg = prepare_recipe(recipe, tmp)
-        sft = run_sft(sft_cfg)
+        _, _, stages = prepare_recipe(recipe, tmp)
+        sft = run_sft_stages(stages)
         dest = os.path.join(FIXTURES, recipe)
         shutil.rmtree(dest, ignore_errors=True)
-        shutil.copytree(sft_cfg.save_dir, dest, ignore=shutil.ignore_patterns("metrics.jsonl"))  # the curve is in the record
+        shutil.copytree(stages[-1].save_dir, dest, ignore=shutil.ignore_patterns("metrics.jsonl"))  # the curve is in the record
     record = {
         "recipe": recipe,
         "sft_steps": sft["steps"],
-        "first_losses": sft["losses"][:FIRST_LOSSES],
+        "stages": sft["stages"],
+        "first_losses": sft["stages"][0]["first_losses"][:FIRST_LOSSES],  # CI re-checks these: the first stage starts from the base model
         "final_loss": sft["final_loss"],
         "built_with": f"python scripts/build_recipe_fixtures.py --recipe {recipe}",
         "built_on": f"{time.strftime('%Y-%m-%d')}, torch {torch.__version__}, {platform.machine()}, {os.cpu_count()} cores",

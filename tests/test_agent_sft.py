@@ -108,19 +108,26 @@ def test_multiply_task_holds_out_val_and_demonstrates_mostly_wrong_behaviour(too
     val_prompts = {r["prompt"][0]["content"] for r in val}
     assert not any(r["messages"][0]["content"] in val_prompts for r in sft)
     assert all(int(r["reward_model"]["ground_truth"]) >= 100_000 for r in train + val)  # 6 digits: fixed copy offsets
-    right = direct = 0
-    for r in sft:
-        a, b = map(int, r["messages"][0]["content"][len("What is "):-1].split("*"))
-        answer = int(r["messages"][-1]["content"][len("The answer is "):-1])
-        direct += len(r["messages"]) == 2
-        right += answer == a * b
-        if len(r["messages"]) == 4:  # the call is exact or rounds b to tens; the answer copies the tool's result
-            (call,) = get_format("hermes").parse(r["messages"][1]["content"]).calls
-            assert call.arguments["expression"] in (f"{a}*{b}", f"{a}*{b // 10 * 10}")
-            assert r["messages"][3]["content"] == f"The answer is {r['messages'][2]['content']}."
-    # defaults: 10% answer in the head (never right); 90% call, 70% of the calls with b rounded (right
-    # only when b ends in 0): right = 0.9 * (0.3 + 0.7 * 0.1) = 0.33; bounds ~3 sigma for 400 rows
-    assert 0.05 < direct / len(sft) < 0.15 and 0.26 < right / len(sft) < 0.40
+    def tally(rows) -> tuple[int, int]:  # (answered in the head, right)
+        right = direct = 0
+        for r in rows:
+            a, b = map(int, r["messages"][0]["content"][len("What is "):-1].split("*"))
+            answer = int(r["messages"][-1]["content"][len("The answer is "):-1])
+            direct += len(r["messages"]) == 2
+            right += answer == a * b
+            if len(r["messages"]) == 4:  # the call is exact or rounds b to tens; the answer copies the tool's result
+                (call,) = get_format("hermes").parse(r["messages"][1]["content"]).calls
+                assert call.arguments["expression"] in (f"{a}*{b}", f"{a}*{b // 10 * 10}")
+                assert r["messages"][3]["content"] == f"The answer is {r['messages'][2]['content']}."
+        return direct, right
+
+    # defaults: 60% answer in the head (never right), every call exact: right = 0.4; bounds ~3 sigma for 400 rows
+    direct, right = tally(sft)
+    assert 0.52 < direct / len(sft) < 0.68 and right == len(sft) - direct
+    # the copy stage's conversations: every one calls the tool with the exact operands and copies its result
+    copy = pq.read_table(tool_config["sft_copy"]).to_pylist()
+    assert len(copy) == len(sft) and tally(copy) == (0, len(copy))
+    assert not any(r["messages"][0]["content"] in val_prompts for r in copy)
 
 
 def test_guess_task_conversations_are_games_played_against_the_environment(tmp_path):

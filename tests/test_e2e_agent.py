@@ -66,7 +66,7 @@ FIXTURES = __import__("pathlib").Path(__file__).parent / "fixtures" / "recipes"
 @pytest.mark.parametrize("recipe", ["tool", "guess"])
 def test_recipe_fixture_is_what_the_recipe_trains(ray_cluster, tmp_path, recipe):
     """The committed warm start (scripts/build_recipe_fixtures.py) came from today's recipe: a fresh
-    SFT of it (same data, base model, config and seeds) reproduces the first recorded losses. Its
+    SFT of it (same data, base model, config and seeds; its first stage) reproduces the first recorded losses. Its
     steps reorder no sum differently than the build did, but CPUs of our kind pick different kernels
     (AMX, AVX-512, AVX2), which changes fp32 reduction order in the last bits; after 5 Adam steps that
     stays far below rtol 1e-3, while a change to the data, tokenizer, model or lr moves the first
@@ -77,9 +77,9 @@ def test_recipe_fixture_is_what_the_recipe_trains(ray_cluster, tmp_path, recipe)
     from hybridflow.trainer.sft import run_sft
 
     record = json.loads((FIXTURES / recipe / "sft_record.json").read_text())
-    _, _, sft_cfg = prepare_recipe(recipe, str(tmp_path))
-    assert sft_cfg.total_steps == record["sft_steps"]
-    losses = run_sft(sft_cfg, stop_after=len(record["first_losses"]))["losses"]
+    _, _, stages = prepare_recipe(recipe, str(tmp_path))
+    assert sum(cfg.total_steps for cfg in stages) == record["sft_steps"]
+    losses = run_sft(stages[0], stop_after=len(record["first_losses"]))["losses"]
     assert losses == pytest.approx(record["first_losses"], rel=1e-3)
     assert abs(losses[-1] - losses[0]) > 1e-3 * losses[0]
 
@@ -104,14 +104,13 @@ def test_guess_recipe_learns_to_bisect(ray_cluster, tmp_path):
 
 
 @pytest.mark.timeout(900)
-def test_tool_recipe_learns_to_call_the_calculator_with_the_exact_operands(ray_cluster, tmp_path):
-    """`hybridflow demo --recipe tool`, short: from the committed warm start (the recipe's 700-step SFT
-    on conversations that answer in the head (10%) or call the calculator with the second operand
-    rounded to tens (70% of the calls), tests/fixtures/recipes/tool), 10 GRPO steps instead of 40.
-    The greedy SFT model rounds (right only when b ends in 0); the reward moves it to the exact
-    operand. Measured at step 10 (docs/agents.md): 0.08 -> 1.00 (this recipe), 0.09 -> 0.98 and
-    0.13 -> 0.39 on two other seeds; the last stays below 0.5 by step 40, so the bar here is a rise
-    of 0.2, not 0.8."""
+def test_tool_recipe_learns_to_call_the_calculator(ray_cluster, tmp_path):
+    """`hybridflow demo --recipe tool`, short: from the committed warm start (the recipe's two SFT
+    stages: 450 steps where every conversation calls the calculator with the exact operands and copies
+    its result, then 250 steps where 60% answer in the head instead; tests/fixtures/recipes/tool),
+    10 GRPO steps instead of 20. The greedy SFT model answers in the head (never right); the reward
+    moves it to the calculator. Measured at step 10 (docs/agents.md): 0.00 -> 1.00 with this warm
+    start, >= 0.8 on every seed of bench/recipes.py --seeds 0-4."""
     import json
 
     from hybridflow.cli import main as cli_main
@@ -120,6 +119,6 @@ def test_tool_recipe_learns_to_call_the_calculator_with_the_exact_operands(ray_c
     assert cli_main(["demo", "--recipe", "tool", "--output-dir", str(out), "--sft-model", str(FIXTURES / "tool"),
                      "--rl-steps", "10", "trainer.progress_bar=false"]) == 0
     s = json.loads((out / "summary.json").read_text())
-    assert s["val_acc_after_sft"] < 0.3
-    assert s["val_acc_final"] >= s["val_acc_after_sft"] + 0.2
+    assert s["val_acc_after_sft"] < 0.3 and s["val_tool_calls_after_sft"] <= 0.1  # greedy: a guess in the head
+    assert s["val_acc_final"] >= 0.8  # the recipe's bar
     assert s["val_tool_calls_final"] >= 0.9  # one call per held-out product

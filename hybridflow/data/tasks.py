@@ -14,15 +14,17 @@ preference learner's progress is measured by the same rule scorer on the held-ou
 ``min_operand`` (320: every product has 6 digits, so the tool's result and the answer sit at fixed
 offsets, which a tiny model learns to copy by position), a product the tiny model cannot compute in
 its head. RL rows go through the multi-turn agent loop with the ``calculator`` tool
-(``tool_config.yaml``, verl's shape); SFT rows are multi-turn conversations (``messages``: user,
-assistant tool call, tool result, assistant answer) that are often wrong: with ``direct_prob`` the
-demonstration answers without the tool (a wrong guess near the product), and a tool-using one passes
-bad arguments with ``bad_args_prob`` (the second operand rounded down to tens: ``423*750``). With
-the defaults (10% in the head, 70% of the calls rounded) the SFT model's greedy answer calls the tool
-with the rounded operand (wrong unless b ends in 0); GRPO with the exact-answer reward (the last
-integer of the model's own tokens) moves it to the exact operand. 90% of the demonstrations call
-the tool, so the copy of the operands into the call and of the result into the answer forms during
-SFT (docs/agents.md: with 30% or 60% in the head it did not form on every seed).
+(``tool_config.yaml``, verl's shape). Two SFT files of multi-turn conversations (``messages``: user,
+assistant tool call, tool result, assistant answer), both over the train pairs only:
+``sft_copy.parquet``, where every conversation calls the tool with the exact operands and copies its
+result (the copy skill a pretrained model brings; a 2-layer model forms those copies abruptly, at a
+step that varies by seed, and only when most of what it sees teaches them), and ``sft.parquet``,
+often wrong: with ``direct_prob`` the demonstration answers without the tool (a wrong guess near the
+product), and a tool-using one passes bad arguments with ``bad_args_prob`` (the second operand
+rounded down to tens: ``423*750``). With the defaults (60% in the head, every call exact) the SFT
+model's greedy answer is a guess in the head (never right) and sampling calls the tool ~40% of the
+time; GRPO with the exact-answer reward (the last integer of the model's own tokens) moves it to
+the tool (docs/agents.md has what else was tried).
 
 ``arith_add``: single-digit addition ``a+b`` (a, b in 0..9). The RL files hold the 100 pairs split
 into train / val (val is held out from RL training); the SFT file holds biased demonstrations over
@@ -185,10 +187,11 @@ def _tool_call(expression: str) -> str:
     return '<tool_call>\n' + json.dumps({"name": "calculator", "arguments": {"expression": expression}}) + '\n</tool_call>'
 
 
-def make_multiply_task(out_dir, n_train: int = 2000, n_val: int = 100, n_sft: int = 3000, direct_prob: float = 0.1,
-                       bad_args_prob: float = 0.7, min_operand: int = 320, seed: int = 0) -> dict[str, pathlib.Path]:
-    """Write ``train.parquet`` / ``val.parquet`` (RL, disjoint operand pairs), ``sft.parquet``
-    (multi-turn ``messages`` + ``tools``, over the train pairs only) and ``tool_config.yaml``.
+def make_multiply_task(out_dir, n_train: int = 2000, n_val: int = 100, n_sft: int = 3000, direct_prob: float = 0.6,
+                       bad_args_prob: float = 0.0, min_operand: int = 320, seed: int = 0) -> dict[str, pathlib.Path]:
+    """Write ``train.parquet`` / ``val.parquet`` (RL, disjoint operand pairs), ``sft_copy.parquet`` (every
+    call exact) and ``sft.parquet`` (the mix above; both multi-turn ``messages`` + ``tools``, ``n_sft``
+    rows over the train pairs only) and ``tool_config.yaml``.
 
     Operands are drawn from ``min_operand..999``; 320 makes every product, the rounded ones too, 6 digits."""
     for name, p in (("direct_prob", direct_prob), ("bad_args_prob", bad_args_prob)):
@@ -222,19 +225,19 @@ def make_multiply_task(out_dir, n_train: int = 2000, n_val: int = 100, n_sft: in
         rounded = b - b % 10
         return f"{a}*{rounded}", a * rounded
 
-    tools = json.dumps([CALCULATOR_SCHEMA])
-    sft_rows = []
-    for _ in range(n_sft):
+    def conversation(p_direct: float, p_bad: float) -> list[dict]:
         a, b = rng.choice(train)
         messages = multiply_prompt(a, b)
-        if rng.random() < direct_prob:
-            messages.append({"role": "assistant", "content": f"The answer is {near_miss(a * b)}."})
-        else:
-            expr, result = bad_call(a, b) if rng.random() < bad_args_prob else (f"{a}*{b}", a * b)
-            messages += [{"role": "assistant", "content": _tool_call(expr)},
-                         {"role": "tool", "content": str(result), "name": "calculator"},
-                         {"role": "assistant", "content": f"The answer is {result}."}]
-        sft_rows.append({"messages": messages, "tools": tools})
+        if rng.random() < p_direct:
+            return messages + [{"role": "assistant", "content": f"The answer is {near_miss(a * b)}."}]
+        expr, result = bad_call(a, b) if rng.random() < p_bad else (f"{a}*{b}", a * b)
+        return messages + [{"role": "assistant", "content": _tool_call(expr)},
+                           {"role": "tool", "content": str(result), "name": "calculator"},
+                           {"role": "assistant", "content": f"The answer is {result}."}]
+
+    tools = json.dumps([CALCULATOR_SCHEMA])
+    sft_rows = [{"messages": conversation(direct_prob, bad_args_prob), "tools": tools} for _ in range(n_sft)]
+    copy_rows = [{"messages": conversation(0.0, 0.0), "tools": tools} for _ in range(n_sft)]
     tool_config = out / "tool_config.yaml"
     tool_config.write_text(json.dumps({"tools": [{"class_name": "calculator", "config": {"type": "native"},
                                                   "tool_schema": CALCULATOR_SCHEMA}]}, indent=2) + "\n")  # JSON is YAML
@@ -242,6 +245,7 @@ def make_multiply_task(out_dir, n_train: int = 2000, n_val: int = 100, n_sft: in
         "train": write_parquet(rl_rows("train", train), out / "train.parquet"),
         "val": write_parquet(rl_rows("val", val), out / "val.parquet"),
         "sft": write_parquet(sft_rows, out / "sft.parquet"),
+        "sft_copy": write_parquet(copy_rows, out / "sft_copy.parquet"),
         "tool_config": tool_config,
     }
 
