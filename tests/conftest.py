@@ -36,10 +36,19 @@ def _starts_processes(item) -> bool:
     return any(p in src for p in _STARTS_PROCESSES)
 
 
+# Under pytest-xdist (scripts/test.sh runs two workers, `--dist loadgroup`), tests that share an
+# expensive session or module fixture run on one worker, so it is built once: the demo run (its SFT
+# model is most e2e tests' warm start), and the two-node runs that start beside each other.
+_ONE_WORKER_FIXTURES = {"demo_run": "demo_run", "spread_run": "two_nodes"}
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if _starts_processes(item):
             item.add_marker(pytest.mark.slow)
+        group = next((g for f, g in _ONE_WORKER_FIXTURES.items() if f in getattr(item, "fixturenames", ())), None)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 def _started() -> list[str]:
