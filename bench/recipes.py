@@ -7,7 +7,7 @@ Bars (docs/agents.md): tool: held-out accuracy >= 0.8 after RL; guess: turns per
 >= 1.5 and score up by >= 0.1 (what CI asserts at step 10).
 
 Run:  .venv/bin/python bench/recipes.py --seeds 0-4 [--recipes tool guess] [--rl-steps N] [--json PATH] [KEY=VALUE ...]
-(~8-12 minutes per tool run and ~6-8 per guess run on 2 cores.) KEY=VALUE overrides go to every
+(~8-9 minutes per tool run and ~6-8 per guess run on 2 cores.) KEY=VALUE overrides go to every
 recipe's RL config (e.g. actor_rollout_ref.rollout.temperature=0.7); `--reuse-sft` starts from the
 SFT a previous run of the same recipe and seed left in --out (its wall seconds then leave the SFT out).
 """
@@ -63,7 +63,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", default="0-4")
     ap.add_argument("--recipes", nargs="+", default=["tool", "guess"], choices=["tool", "guess"])
-    ap.add_argument("--rl-steps", type=int, default=None, help="default: each recipe's own (40)")
+    ap.add_argument("--rl-steps", type=int, default=None, help="default: each recipe's own (tool 20, guess 40)")
     ap.add_argument("--out", default=os.path.join(ROOT, "runs", "bench_recipes"))
     ap.add_argument("--json", default=None)
     ap.add_argument("--reuse-sft", action="store_true", help="start from the SFT an earlier run of this recipe and seed kept in --out")
