@@ -2,7 +2,7 @@
 # The test suite: .venv's tests on two pytest-xdist workers, and beside them the vLLM backend's tests
 # in .venv-vllm (built first, also beside them; set HYBRIDFLOW_SKIP_VLLM=1 to skip those). One
 # stream of tests keeps both cores busy only ~85% of the time (process start-up, driver-side work);
-# two workers and the vLLM half fill the gaps (docs/testing.md). Both halves always run, so a
+# two workers (a file's tests on one) and the vLLM half fill the gaps (docs/testing.md). Both halves always run, so a
 # failure in one does not hide the other; the exit status is non-zero if either failed.
 #
 #   bash scripts/test.sh                  # everything (what CI runs)
@@ -54,7 +54,7 @@ fi
 
 main_rc=0
 if [ "$any_files" = 0 ] || [ ${#main_files[@]} -gt 0 ]; then
-  "$PY" -m pytest -q -p no:cacheprovider -n "$WORKERS" --dist loadgroup --durations=15 -m "not vllm" "${main_files[@]}" "${opts[@]}"
+  "$PY" -m pytest -q -p no:cacheprovider -n "$WORKERS" --dist loadfile --durations=15 -m "not vllm" "${main_files[@]}" "${opts[@]}"
   main_rc=$?
 fi
 vllm_rc=0

@@ -36,19 +36,10 @@ def _starts_processes(item) -> bool:
     return any(p in src for p in _STARTS_PROCESSES)
 
 
-# Under pytest-xdist (scripts/test.sh runs two workers, `--dist loadgroup`), tests that share an
-# expensive session or module fixture run on one worker, so it is built once: the demo run (its SFT
-# model is most e2e tests' warm start), and the two-node runs that start beside each other.
-_ONE_WORKER_FIXTURES = {"demo_run": "demo_run", "spread_run": "two_nodes"}
-
-
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if _starts_processes(item):
             item.add_marker(pytest.mark.slow)
-        group = next((g for f, g in _ONE_WORKER_FIXTURES.items() if f in getattr(item, "fixturenames", ())), None)
-        if group:
-            item.add_marker(pytest.mark.xdist_group(group))
 
 
 def _started() -> list[str]:
@@ -151,15 +142,25 @@ DEMO_RL_STEPS = 20
 
 @pytest.fixture(scope="session")
 def demo_run(ray_cluster, tmp_path_factory):
-    """The main job once per session, as a user types it: `hybridflow demo` (task data, tiny model,
+    """The main job once per test run, as a user types it: `hybridflow demo` (task data, tiny model,
     SFT warm start, then DEMO_RL_STEPS GRPO steps). Returns (output dir, summary.json). Its SFT
-    model is the warm start every other e2e test shares (`demo_sft_model`): one SFT per session."""
+    model is the warm start every other e2e test shares (`demo_sft_model`): one SFT per run. Under
+    pytest-xdist (scripts/test.sh) the first worker to ask makes it in the directory the workers
+    share, under a file lock, and the others wait for it and read it (xdist's own recipe for a
+    session fixture made once)."""
     import json
+
+    from filelock import FileLock
 
     from hybridflow.cli import main as cli_main
 
-    out = tmp_path_factory.mktemp("demo") / "demo"
-    assert cli_main(["demo", "--output-dir", str(out), "--rl-steps", str(DEMO_RL_STEPS), "trainer.progress_bar=false"]) == 0
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # <basetemp>/popen-gwN -> <basetemp>, shared by the workers of this run
+    out = root / "demo_shared" / "demo"
+    with FileLock(str(root / "demo_shared.lock")):
+        if not (out / "summary.json").exists():
+            assert cli_main(["demo", "--output-dir", str(out), "--rl-steps", str(DEMO_RL_STEPS), "trainer.progress_bar=false"]) == 0
     return out, json.loads((out / "summary.json").read_text())
 
 
