@@ -40,6 +40,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if _starts_processes(item):
             item.add_marker(pytest.mark.slow)
+    # Files with process-starting tests first, each file's tests in their own order: the two xdist
+    # workers (scripts/test.sh, --dist loadfile) take files in this order, so the long ones start
+    # early and the many short ones even out the end instead of one long file running alone.
+    heavy = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in heavy)
 
 
 def _started() -> list[str]:
