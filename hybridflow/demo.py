@@ -274,7 +274,7 @@ def run_sft_stages(stages: list[SFTConfig]) -> dict:
 
     results = []
     for cfg in stages:
-        print(f"[demo] SFT stage {cfg.save_dir.rsplit('/', 1)[-1]}: {cfg.total_steps} steps from {cfg.model.path}", flush=True)
+        print(f"[demo] SFT stage {os.path.basename(cfg.save_dir)}: {cfg.total_steps} steps from {cfg.model.path}", flush=True)
         results.append(run_sft(cfg))
     stage_info = [{"name": os.path.basename(cfg.save_dir), "steps": r["steps"], "first_losses": r["losses"][:5],
                    "final_loss": r["final_loss"]}

@@ -1,6 +1,6 @@
 """Rebuild the SFT warm starts that CI's recipe tests start from (tests/fixtures/recipes/<recipe>/).
 
-Why fixtures: the tool and guess recipes' SFTs (700 and 300 steps) are most of those tests' time
+Why fixtures: the tool and guess recipes' SFTs (450 + 250 and 300 steps) are most of those tests' time
 (~4 and ~2.5 minutes on 2 cores) and they teach nothing the RL part of a test checks. The fixture
 is exactly what `hybridflow demo --recipe R` trains before its RL (same data, base model, configs
 and seeds; the tool recipe's two SFT stages), saved with `sft_record.json`: the SFT's step count,
