@@ -261,3 +261,25 @@ def test_every_import_goes_down_the_layers():
     up = [f"{e.source}:{e.line} imports {e.target}{'' if e.module_level else ' (inside a function)'}"
           for m in MODULES for e in EDGES[m] if e.target != "hybridflow" and layer_of(e.target) > layer_of(e.source)]
     assert not up, "upward imports:\n  " + "\n  ".join(up)
+
+
+def test_no_worker_loops_over_mini_batches():
+    """The update loop (epochs x mini-batches x micro-batches, steps, metric means) lives once, in
+    `TrainEngine.train`; a worker's update endpoint builds its objective and calls it. Any `for`
+    (or comprehension) in hybridflow.workers over a batch split, micro-batches or epochs fails."""
+    def loops(tree: ast.AST):
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.For, ast.comprehension)):
+                yield node.iter
+
+    bad = []
+    for m, path in MODULES.items():
+        if m.startswith("hybridflow.workers"):
+            for it in loops(ast.parse(path.read_text())):
+                text = ast.unparse(it)
+                if ".split(" in text and "role" not in text or "micro_batches" in text or "epochs" in text:
+                    bad.append(f"{m}:{it.lineno} for ... in {text}")
+    assert not bad, "mini-batch loops in workers (use TrainEngine.train):\n  " + "\n  ".join(bad)
+    # the check sees such a loop (a check on the checker)
+    sample = ast.parse("for _ in range(cfg.ppo_epochs):\n    for mini in data.split(rows):\n        pass")
+    assert [ast.unparse(i) for i in loops(sample)] == ["range(cfg.ppo_epochs)", "data.split(rows)"]

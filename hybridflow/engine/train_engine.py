@@ -6,20 +6,22 @@ internals, built from the role's `ParallelDims` (`parallel/layout.py::build_trai
 
     forward(batch, fn, micro)                  no-grad outputs of fn(module, mb), concatenated
     log_probs(batch, micro, ...)               per-token (log-prob, entropy) of the responses [b, R]
+    train(batch, objective, plan)              a role's whole update: epochs x mini-batches (each one
+                                               optimizer step) x micro-batches, metric means
     forward_backward(batch, loss_fn, micro)    gradients of the micro-batches' losses (accumulated)
     step() / scheduler_step()                  clip + optimizer step (DTensor- and pipeline-aware)
     save(path) / load(path) / state_dict()     sharded checkpoint (DCP) / full weights
     save_hf(out_dir, tokenizer, rank)          an HF checkpoint of the full weights
     attach_generation(gen) + weights()         the pieces every generation rank needs (3D-HybridEngine)
 
-Losses are pure functions (`algorithms/`); the engine calls them per micro-batch and never knows
-which loss it runs. A loss that reads per-token fields under a pipeline gets them packed as the
+Losses are objects built once (`algorithms/objectives.py`); the engine calls them per micro-batch
+and never knows which loss it runs. A loss that reads per-token fields under a pipeline gets them packed as the
 pipeline's target (`fields`), since only the last stage sees the logits.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 import torch.distributed
@@ -27,6 +29,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from hybridflow.algorithms import entropy_from_logits, logprobs_from_logits
+from hybridflow.config.run_plan import UpdatePlan
 from hybridflow.config.schema import FSDPConfig, HybridEngineConfig, OptimConfig
 from hybridflow.engine.model import micro_batches, response_logits
 from hybridflow.engine.optim import build_optimizer, build_scheduler, clip_and_step
@@ -38,6 +41,37 @@ from hybridflow.utils.checkpoint import load_sharded, save_sharded
 
 # loss_fn(log_prob [b, R], entropy [b, R], mb) -> scalar: the micro-batch's share of the loss.
 TokenLossFn = Callable[[torch.Tensor, torch.Tensor, "Batch | dict[str, torch.Tensor]"], torch.Tensor]
+# head(module, mb) -> what a non-token objective reads: values [b, R], sequence log-probs [b], scores [b].
+HeadFn = Callable[[nn.Module, Batch], torch.Tensor]
+
+
+class Objective(Protocol):
+    """A loss built once (`algorithms/objectives.py`): per mini-batch a context (None: every rank
+    skips it), per micro-batch (its share of the mini-batch loss, metrics)."""
+
+    fields: tuple[str, ...]  # per-token fields a token objective reads (the pipeline's loss target)
+    remove_padding: bool | None  # None: the engine's setting
+
+    def mini_batch(self, mini: Batch) -> Any: ...
+
+    def __call__(self, out: Any, mb: Any, ctx: Any) -> tuple[torch.Tensor, dict[str, Any]]: ...
+
+
+class MetricMeans:
+    """Means over an update of per-micro-batch metrics: a value (weight 1) or (weighted sum, weight)."""
+
+    def __init__(self):
+        self.sums: dict[str, float] = {}
+        self.weights: dict[str, float] = {}
+
+    def add(self, metrics: dict[str, Any]) -> None:
+        for k, v in metrics.items():
+            s, w = v if isinstance(v, tuple) else (float(v), 1.0)
+            self.sums[k] = self.sums.get(k, 0.0) + s
+            self.weights[k] = self.weights.get(k, 0.0) + w
+
+    def means(self) -> dict[str, float]:
+        return {k: (s / self.weights[k] if self.weights[k] else 0.0) for k, s in self.sums.items()}
 
 
 def token_head(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -102,6 +136,49 @@ class TrainEngine:
         return torch.cat(logps), (torch.cat(ents) if with_entropy else None)
 
     # ------------------------------------------------------------------ training
+    def train(self, batch: Batch, objective: Objective, plan: UpdatePlan, *, head: HeadFn | None = None, temperature: float = 1.0,
+              optimizer_step: bool = True, loss_scale: float = 1.0) -> dict[str, float]:
+        """One update call on this rank's rows: plan.epochs passes over mini-batches of plan.mini_rows
+        rows, each one optimizer step (clip, step), cut into micro-batches whose gradients accumulate;
+        the schedule steps once per call. Returns the objective's metrics averaged over the call,
+        `<prefix>/grad_norm` (mean over steps) and `<prefix>/lr`.
+
+        head None: the objective reads (log_prob, entropy) [b, R] of the responses (pipeline-capable);
+        else what head(module, mb) returns. Gradient accumulation ACROSS calls (DataFlow
+        grad_accum_steps): optimizer_step=False only accumulates (loss x loss_scale), the next call
+        with optimizer_step=True steps on the sum; each such call must be at most one mini-batch."""
+        rows = plan.mini_rows or len(batch)
+        if not optimizer_step and (plan.epochs > 1 or len(batch) > rows):
+            raise ValueError(f"gradient accumulation across calls needs each call to be at most one mini-batch "
+                             f"({rows} sequences per rank) and ppo_epochs == 1; got {len(batch)} sequences, "
+                             f"ppo_epochs={plan.epochs}: lower the stage's batch_size")
+        means = MetricMeans()
+
+        def loss(out, mb, ctx) -> torch.Tensor:
+            value, metrics = objective(out, mb, ctx)
+            if self.recording:  # not a pipeline's shape-inference call
+                means.add(metrics)
+            return value * loss_scale
+
+        for _ in range(plan.epochs):
+            for mini in batch.split(rows):
+                mini = mini.to(self.device)
+                ctx = objective.mini_batch(mini)
+                if ctx is None:  # e.g. DPO's all-tie mini-batch: every rank skips it together
+                    continue
+                if head is None:
+                    self.forward_backward(mini, lambda lp, ent, mb: loss((lp, ent), mb, ctx), plan.micro_rows, plan.max_tokens, temperature,
+                                          objective.fields, objective.remove_padding)
+                else:
+                    self.backward(mini, lambda module, mb: loss(head(module, mb), mb, ctx), plan.micro_rows)
+                if optimizer_step:
+                    means.add({f"{plan.metric_prefix}/grad_norm": self.step()})
+        metrics = means.means()
+        metrics[f"{plan.metric_prefix}/lr"] = self.lr
+        if optimizer_step:
+            self.scheduler_step()
+        return metrics
+
     def forward_backward(self, batch: Batch, loss_fn: TokenLossFn, micro_batch_size: int, max_tokens: int | None = None,
                          temperature: float = 1.0, fields: tuple[str, ...] = (), remove_padding: bool | None = None) -> None:
         """Accumulate the gradient of sum over micro-batches of loss_fn(log_prob, entropy, mb) on the

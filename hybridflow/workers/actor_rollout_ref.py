@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import functools
 import os
 
 import torch
-import torch.distributed as dist
 from transformers import AutoTokenizer
 
-from hybridflow.algorithms import get_loss, get_policy_loss, masked_mean, micro_weight
-from hybridflow.algorithms.actor_loss import loss_mask, ppo_actor_loss
+from hybridflow.algorithms import masked_mean
+from hybridflow.algorithms.objectives import PPOLoss, SFTLoss
+from hybridflow.config.run_plan import UpdatePlan, actor_update_plan, sft_update_plan
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.controller.decorator import Dispatch, register
 from hybridflow.config.pools import ModelPart, worker_role
@@ -110,6 +111,9 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
         self.gen_dtype = DTYPES[self.cfg.actor_rollout_ref.generation_dtype()]  # what a rollout pool holds (async: publish casts to it)
         self.actor = TrainEngine(model, self.dims, self.device, acfg.fsdp_config, optim=acfg.optim, total_steps=self.total_training_steps,
                                  grad_clip=acfg.grad_clip, pipeline_schedule=acfg.pipeline_schedule, remove_padding=self.remove_padding)
+        self.ppo_loss = PPOLoss(acfg.policy_loss.loss_mode, acfg.clip_ratio_low if acfg.clip_ratio_low is not None else acfg.clip_ratio,
+                                acfg.clip_ratio_high if acfg.clip_ratio_high is not None else acfg.clip_ratio, acfg.clip_ratio_c,
+                                acfg.loss_agg_mode, acfg.entropy_coeff, acfg.use_kl_loss, acfg.kl_loss_type, acfg.kl_loss_coef)
 
     def _init_rollout(self, mcfg) -> None:
         """The colocated rollout backend, by name, and the hybrid engine that feeds it: the
@@ -204,90 +208,36 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
         return Batch.from_dict(tensors={"ref_log_prob": (torch.zeros(data["responses"].shape) if logp is None else logp.cpu())})
 
     # ------------------------------------------------------------------ training
-    # The per-token fields the PPO loss reads (packed as the pipeline's loss target when pp > 1).
-    _PPO_FIELDS = ("old_log_probs", "advantages", "response_mask", "ref_log_prob", "rollout_is_weights", "rollout_rs_mask")
+    @functools.cached_property
+    def update_plan(self) -> UpdatePlan:
+        """The PPO update's rows per rank (first used by update_actor: a DPO or SFT run has no rollout.n)."""
+        return actor_update_plan(self.cfg, self.dp_size)
 
     @register(Dispatch.DP_COMPUTE, layout="train")
     def update_actor(self, data: Batch, optimizer_step: bool = True, loss_scale: float = 1.0) -> dict[str, float]:
-        """PPO-style update on this rank's share of the step's sequences.
+        """PPO-style update on this rank's share of the step's sequences (`TrainEngine.train` walks
+        the mini-batches of ppo_mini_batch_size * n / dp sequences, each one optimizer step).
 
         data: input_ids/attention_mask/position_ids [b, P+R], responses/response_mask/
         old_log_probs/advantages [b, R] (+ ref_log_prob when use_kl_loss, rollout_is_weights /
-        rollout_rs_mask with rollout correction). Mini-batches of
-        ppo_mini_batch_size * n / dp sequences per data-parallel rank, each one optimizer step.
-        Gradient accumulation across calls (DataFlow grad_accum_steps): optimizer_step=False only
-        accumulates (loss x loss_scale); the next call with optimizer_step=True steps on the sum.
+        rollout_rs_mask with rollout correction). optimizer_step=False only accumulates (loss x
+        loss_scale) for DataFlow's grad_accum_steps.
         """
-        acfg = self.cfg.actor_rollout_ref.actor
-        n = self.cfg.actor_rollout_ref.rollout.n
-        mini_size = acfg.ppo_mini_batch_size * n // self.dp_size
-        temperature = float(data.meta.get("temperature", 1.0))
-        low = acfg.clip_ratio_low if acfg.clip_ratio_low is not None else acfg.clip_ratio
-        high = acfg.clip_ratio_high if acfg.clip_ratio_high is not None else acfg.clip_ratio
-        policy_loss = get_policy_loss(acfg.policy_loss.loss_mode)
-        sums: dict[str, float] = {}
-        counts: dict[str, int] = {}
-
-        def add(k: str, v: float) -> None:
-            if self.actor.recording:
-                sums[k] = sums.get(k, 0.0) + float(v)
-                counts[k] = counts.get(k, 0) + 1
-
-        def ppo_loss(log_prob: torch.Tensor, entropy_tok: torch.Tensor, mb, mini_mask: torch.Tensor) -> torch.Tensor:
-            """The micro-batch's share of the mini-batch loss (x loss_scale); log_prob/entropy_tok [b, R]."""
-            loss, parts = ppo_actor_loss(log_prob, entropy_tok, mb, policy_loss=policy_loss, clip_ratio_low=low, clip_ratio_high=high,
-                                         clip_ratio_c=acfg.clip_ratio_c, loss_agg_mode=acfg.loss_agg_mode, entropy_coeff=acfg.entropy_coeff,
-                                         use_kl_loss=acfg.use_kl_loss, kl_loss_type=acfg.kl_loss_type, kl_loss_coef=acfg.kl_loss_coef)
-            for k, v in parts.items():
-                add(f"actor/{k}", v.item())
-            # Scale so the accumulated gradient is the mini-batch's loss (fixed or dynamic micro-batches alike).
-            return loss * micro_weight(loss_mask(mb), mini_mask, acfg.loss_agg_mode) * loss_scale
-
-        if not optimizer_step and (acfg.ppo_epochs > 1 or len(data) > mini_size):
-            raise ValueError(f"gradient accumulation across calls needs each call to be at most one mini-batch "
-                             f"({mini_size} sequences per rank) and ppo_epochs == 1; got {len(data)} sequences, "
-                             f"ppo_epochs={acfg.ppo_epochs}: lower the stage's batch_size")
-        for _ in range(acfg.ppo_epochs):
-            for mini in data.split(mini_size):
-                mini_mask = loss_mask(mini).to(self.device)
-                self.actor.forward_backward(mini, lambda lp, ent, mb: ppo_loss(lp, ent, mb, mini_mask), acfg.ppo_micro_batch_size_per_gpu,
-                                            acfg.ppo_max_token_len_per_gpu if acfg.use_dynamic_bsz else None, temperature, self._PPO_FIELDS)
-                if optimizer_step:
-                    add("actor/grad_norm", self.actor.step())
-        metrics = {k: sums[k] / counts[k] for k in sums}
-        metrics["actor/lr"] = self.actor.lr
-        if optimizer_step:
-            self.actor.scheduler_step()
-        return metrics
+        return self.actor.train(data, self.ppo_loss, self.update_plan, temperature=float(data.meta.get("temperature", 1.0)),
+                                optimizer_step=optimizer_step, loss_scale=loss_scale)
 
     @register(Dispatch.DP_COMPUTE, layout="train")
     def sft_step(self, data: Batch) -> dict[str, float]:
-        """One SFT optimizer step: mean token NLL over the loss tokens (loss_mask [b, L]); every
-        token weighs the same across ranks (normalised by the GLOBAL number of loss tokens)."""
-        acfg = self.cfg.actor_rollout_ref.actor
-        sft_loss = get_loss("sft", "nll")
+        """One SFT optimizer step: mean token NLL over the loss tokens (loss_mask [b, L]), normalised
+        by the GLOBAL number of loss tokens (`SFTLoss`)."""
         # SFTDataset right-pads rows to max_length: compute only up to the rank's longest row.
         t = trim_right_padding(data, ("input_ids", "attention_mask", "position_ids", "loss_mask"))
         # The next-token view: the logits at t predict token t+1, i.e. "responses" = input_ids[:, 1:].
         view = Batch.from_dict(tensors={"input_ids": t["input_ids"], "attention_mask": t["attention_mask"], "position_ids": t["position_ids"],
-                                        "responses": t["input_ids"][:, 1:], "loss_mask": t["loss_mask"][:, 1:].float()}).to(self.device)
-        local_tokens = view["loss_mask"].sum()
-        global_tokens = local_tokens.clone()
-        dist.all_reduce(global_tokens, group=self.dims.dp_group)
-        total_loss = [0.0]
-
-        def loss(log_prob: torch.Tensor, _entropy, mb) -> torch.Tensor:
-            loss_sum = sft_loss(log_prob, mb["loss_mask"])
-            if self.actor.recording:
-                total_loss[0] += loss_sum.item()
-            # FSDP2 averages gradients over dp ranks; scale by dp so the result is sum / global_tokens.
-            return loss_sum * self.dp_size / global_tokens.to(loss_sum.device)
-
-        self.actor.forward_backward(view, loss, acfg.ppo_micro_batch_size_per_gpu, fields=("loss_mask",), remove_padding=False)
-        lr = self.actor.lr
-        grad_norm = self.actor.step()
-        self.actor.scheduler_step()
-        return {"train/loss": total_loss[0] / max(float(local_tokens), 1.0), "train/grad_norm": grad_norm, "train/lr": lr}
+                                        "responses": t["input_ids"][:, 1:], "loss_mask": t["loss_mask"][:, 1:].float()})
+        metrics = self.actor.train(view, SFTLoss(self.dp_size, self.dims.dp_group), sft_update_plan(self.cfg))
+        metrics.setdefault("train/loss", 0.0)  # an earlier pipeline stage never sees the loss
+        return metrics
 
     # ------------------------------------------------------------------ checkpoints
     @register(Dispatch.ONE_TO_ALL)

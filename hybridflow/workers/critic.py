@@ -10,7 +10,8 @@ import os
 
 import torch
 
-from hybridflow.algorithms import get_loss, micro_weight
+from hybridflow.algorithms.objectives import ValueLoss
+from hybridflow.config.run_plan import critic_update_plan
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.controller.decorator import Dispatch, register
 from hybridflow.controller.worker import Worker, pick_device
@@ -49,6 +50,8 @@ class CriticWorker(Worker):
         model = apply_lora(load_hf_model(mcfg, self.device, kind="value"), ccfg.model, full=("score",))
         self.critic = TrainEngine(model, parallel_dims(self.layout, self.device), self.device,
                                   ccfg.fsdp_config, optim=ccfg.optim, total_steps=self.total_training_steps, grad_clip=ccfg.grad_clip)
+        self.update_plan = critic_update_plan(self.cfg, self.layout.dp)
+        self.value_loss = ValueLoss(ccfg.cliprange_value, ccfg.loss_agg_mode)
 
     def _values(self, module, mb: Batch) -> torch.Tensor:
         return response_logits(module, mb, remove_padding=self.cfg.critic.model.use_remove_padding).squeeze(-1) * mb["response_mask"]  # [b, R]
@@ -60,36 +63,9 @@ class CriticWorker(Worker):
 
     @register(Dispatch.DP_COMPUTE, layout="train")
     def update_critic(self, data: Batch, optimizer_step: bool = True, loss_scale: float = 1.0) -> dict[str, float]:
-        """Clipped value regression towards `returns` [b, R]; mini/micro batching and gradient
-        accumulation across calls (optimizer_step / loss_scale) as the actor."""
-        ccfg = self.cfg.critic
-        n = self.cfg.actor_rollout_ref.rollout.n
-        mini_prompts = ccfg.ppo_mini_batch_size or self.cfg.actor_rollout_ref.actor.ppo_mini_batch_size
-        mini_size = mini_prompts * n // self.layout.dp
-        if not optimizer_step and (ccfg.ppo_epochs > 1 or len(data) > mini_size):
-            raise ValueError(f"gradient accumulation across calls needs each call to be at most one mini-batch "
-                             f"({mini_size} sequences per rank) and critic.ppo_epochs == 1; lower the stage's batch_size")
-        value_loss = get_loss("value", "clipped")
-        losses, clipfracs, norms = [], [], []
-
-        def loss(module, mb: Batch, mini_mask: torch.Tensor) -> torch.Tensor:
-            vf_loss, clipfrac = value_loss(self._values(module, mb), mb["returns"], mb["values"], mb["response_mask"],
-                                           cliprange_value=ccfg.cliprange_value, loss_agg_mode=ccfg.loss_agg_mode)
-            losses.append(vf_loss.item())
-            clipfracs.append(clipfrac.item())
-            return vf_loss * micro_weight(mb["response_mask"], mini_mask, ccfg.loss_agg_mode) * loss_scale
-
-        for _ in range(ccfg.ppo_epochs):
-            for mini in data.split(mini_size):
-                mini_mask = mini["response_mask"]
-                self.critic.backward(mini, lambda module, mb: loss(module, mb, mini_mask), ccfg.ppo_micro_batch_size_per_gpu)
-                if optimizer_step:
-                    norms.append(self.critic.step())
-        metrics = {"critic/vf_loss": sum(losses) / len(losses), "critic/vf_clipfrac": sum(clipfracs) / len(clipfracs), "critic/lr": self.critic.lr}
-        if optimizer_step:
-            self.critic.scheduler_step()
-            metrics["critic/grad_norm"] = sum(norms) / len(norms)
-        return metrics
+        """Clipped value regression towards `returns` [b, R] (`ValueLoss`); mini/micro batching and
+        gradient accumulation across calls (optimizer_step / loss_scale) as the actor."""
+        return self.critic.train(data, self.value_loss, self.update_plan, head=self._values, optimizer_step=optimizer_step, loss_scale=loss_scale)
 
     @register(Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:

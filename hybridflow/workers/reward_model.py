@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 from transformers import AutoTokenizer
 
-from hybridflow.algorithms import get_loss
+from hybridflow.algorithms.objectives import BradleyTerryLoss
+from hybridflow.config.run_plan import UpdatePlan
 from hybridflow.config.schema import FSDPConfig, ModelConfig, OptimConfig
 from hybridflow.controller.decorator import Dispatch, register
 from hybridflow.controller.worker import Worker, pick_device
@@ -82,25 +83,7 @@ class RewardModelWorker(Worker):
     @register(Dispatch.DP_COMPUTE)
     def update_rm(self, data: Batch) -> dict[str, float]:
         """One optimizer step of Bradley-Terry on this rank's pairs (2p rows, interleaved)."""
-        bt_loss = get_loss("reward", "bradley_terry")
-        sums: dict[str, float] = {}
-
-        def loss(module, mb: Batch) -> torch.Tensor:
-            scores = self._scores(module, mb)
-            chosen, rejected = scores[0::2], scores[1::2]
-            pair_loss = bt_loss(chosen, rejected, self.margin + mb["margin"][0::2]).mean()
-            share = len(mb) / len(data)
-            for k, v in {"train/loss": pair_loss.item(), "train/accuracy": (chosen > rejected).float().mean().item(),
-                         "rewards/chosen": chosen.mean().item(), "rewards/rejected": rejected.mean().item(),
-                         "rewards/margins": (chosen - rejected).mean().item()}.items():
-                sums[k] = sums.get(k, 0.0) + v * share
-            return pair_loss * len(mb) / len(data)
-
-        self.model.backward(data, loss, self.micro)
-        sums["train/lr"] = self.model.lr
-        sums["train/grad_norm"] = self.model.step()
-        self.model.scheduler_step()
-        return sums
+        return self.model.train(data, BradleyTerryLoss(self.margin), UpdatePlan(micro_rows=self.micro, metric_prefix="train"), head=self._scores)
 
     @register(Dispatch.RANK_ZERO)
     def save_hf_model(self, out_dir: str) -> str:
