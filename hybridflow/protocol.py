@@ -11,18 +11,46 @@ storage, because torch pickles the *whole* storage of a view.
 
 The typed messages the driver and the rollout backends share live here too, so the driver never
 imports a backend: ``SamplingParams`` (how to sample), ``Request`` (one prompt's token ids and its
-sampling settings) and ``Completion`` (the generated token ids, their log-probs and why it ended).
+sampling settings) and ``Completion`` (the generated token ids, their log-probs and why it ended);
+and the weights boundary between training and generation: ``WeightPiece`` (a part of one trained
+parameter) and ``GenLayout`` (how a backend lays the weights out), which weight sources
+(`hybrid_engine/`) produce and rollout backends (`rollout/`) consume without importing each other.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable, Literal, Optional, Sequence, Union
+from typing import Any, Iterable, Literal, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 import torch
 
 Index = Union[int, slice, Sequence[int], Sequence[bool], torch.Tensor, np.ndarray]
+Box = tuple[tuple[int, int], ...]  # per dim [lo, hi) of the whole tensor
+
+
+class WeightPiece(NamedTuple):
+    """A part of one trained parameter: `tensor` holds `box` of the whole tensor of `shape`."""
+
+    name: str  # the HF parameter name
+    shape: tuple[int, ...]
+    box: Box
+    tensor: torch.Tensor
+
+
+@dataclass(frozen=True)
+class GenLayout:
+    """How a backend lays the weights out over the generation ranks, for the weight source that
+    feeds it: gen_tp, which ranks form a TP group (HybridFlow's strided micro-DP grouping, or
+    consecutive ranks as vLLM's launcher does), each parameter's TP shard dim (None = whole on
+    every rank), the backend's own parameter storages when the source may write there in place
+    (None: the source stages the pieces and the backend copies them in), and the weights' dtype."""
+
+    gen_tp: int
+    consecutive: bool
+    shard_dims: dict[str, Optional[int]]
+    buffers: Optional[dict[str, torch.nn.Parameter]] = None
+    dtype: Optional[torch.dtype] = None  # the generation weights' dtype (the switch casts to it); None = the trainer's
 
 
 @dataclass(frozen=True)

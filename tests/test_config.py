@@ -285,7 +285,7 @@ def _set(cfg, dotted, value):
     ({"actor_rollout_ref.actor.clip_ratio_c": 1.0}, "actor_rollout_ref.actor.clip_ratio_c must be > 1"),
     ({"actor_rollout_ref.rollout.temperature": -0.1}, "actor_rollout_ref.rollout.temperature must be >= 0"),
     ({"actor_rollout_ref.rollout.top_p": 0.0}, "actor_rollout_ref.rollout.top_p must be in (0, 1]"),
-    ({"actor_rollout_ref.rollout.name": "sglang"}, "rollout.name must be one of ['hf', 'vllm']"),
+    ({"actor_rollout_ref.rollout.name": "sglang"}, "unknown rollout backend 'sglang' (actor_rollout_ref.rollout.name); registered: ['hf', 'vllm'"),
     ({"actor_rollout_ref.actor.loss_agg_mode": "sum"}, "actor_rollout_ref.actor.loss_agg_mode must be one of"),
     ({"actor_rollout_ref.actor.kl_loss_type": "k9"}, "actor_rollout_ref.actor.kl_loss_type must be one of"),
     ({"algorithm.kl_penalty": "k9"}, "algorithm.kl_penalty must be one of"),
@@ -757,3 +757,69 @@ def test_bf16_mixed_precision_generates_in_bf16(tiny_model_dir):
     assert load_config(None, [*base, "actor_rollout_ref.model.dtype=bfloat16"]).actor_rollout_ref.generation_dtype() == "bfloat16"
     gen = [next(iter(pool_memory(c).values()))["parts"]["actor_rollout"]["gen_weights"] for c in (fp32, bf16)]
     assert gen[1] * 2 == gen[0] > 0
+
+
+class EchoRollout:
+    """A user's trivial rollout backend (registered below, from tests/): the response repeats the prompt."""
+
+    tp_index, dp_index, gen_tp = 0, 0, 1
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+
+    def layout(self):
+        from hybridflow.protocol import GenLayout
+
+        return GenLayout(1, consecutive=False, shard_dims={})
+
+    def update_weights(self, pieces):
+        return {"pieces": sum(1 for _ in pieces)}
+
+    def generate_requests(self, requests):
+        from hybridflow.protocol import Completion
+
+        return [Completion(tuple(r.prompt_ids[: r.params.max_new_tokens]), tuple(0.0 for _ in r.prompt_ids[: r.params.max_new_tokens]), "length")
+                for r in requests]
+
+    def generate(self, prompts, params):
+        raise NotImplementedError
+
+    def sleep(self):
+        pass
+
+    def wake(self):
+        pass
+
+
+def _echo_check(cfg) -> list[str]:
+    top_k = cfg.actor_rollout_ref.rollout.top_k
+    return [] if top_k <= 0 else [f"echo: actor_rollout_ref.rollout.top_k is not supported, got {top_k}"]
+
+
+def build_echo(ctx):
+    return EchoRollout(ctx)
+
+
+def test_a_users_rollout_backend_is_validated_and_built_by_name(world):
+    """A backend registered from the user's module (here, tests/) passes validation by its name, its
+    own check runs, the registry builds it by name, and an import path works without registering."""
+    from hybridflow.protocol import Request, SamplingParams
+    from hybridflow.rollout.base import ROLLOUT_BACKENDS, RolloutContext, make_rollout, register_rollout
+
+    register_rollout("echo", check=_echo_check)(build_echo)
+    try:
+        world.actor_rollout_ref.rollout.name = "echo"
+        world.actor_rollout_ref.rollout.top_k = 5
+        assert "echo: actor_rollout_ref.rollout.top_k is not supported, got 5" in _problems(world)  # the backend's own check ran
+        world.actor_rollout_ref.rollout.top_k = -1
+        validate_config(world)
+        backend = make_rollout("echo", RolloutContext(world, None, "cpu", 0, 1))
+        out = backend.generate_requests([Request((5, 6, 7), SamplingParams(max_new_tokens=2))])
+        assert isinstance(backend, EchoRollout) and out[0].token_ids == (5, 6)
+        world.actor_rollout_ref.rollout.name = f"{__name__}:build_echo"  # by import path: no registration needed
+        validate_config(world)
+        assert isinstance(make_rollout(world.actor_rollout_ref.rollout.name, RolloutContext(world, None, "cpu", 0, 1)), EchoRollout)
+        world.actor_rollout_ref.rollout.name = f"{__name__}:no_such_builder"
+        assert "cannot import" in _problems(world)
+    finally:
+        ROLLOUT_BACKENDS.pop("echo", None)

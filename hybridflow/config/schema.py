@@ -399,7 +399,7 @@ class PrometheusConfig:
 # trainer.worker_env's default, tuned for CPU workers: one BLAS thread per worker (N workers share
 # few cores), no hub access, quiet tokenizers and transformers. glibc's own malloc settings: adding
 # MALLOC_MMAP_THRESHOLD_=65536 makes every large tensor its own mmap, returned to the OS when freed,
-# so the switch's measured peak (hybrid_engine/memory.py) is exact, but every activation then costs
+# so the switch's measured peak (utils/memory.py) is exact, but every activation then costs
 # fresh zeroed pages: a multi-turn SFT step ran 1.5x slower with it (docs/performance.md).
 DEFAULT_WORKER_ENV = {
     "OMP_NUM_THREADS": "1",

@@ -27,20 +27,7 @@ import torch.distributed as dist
 
 from hybridflow.controller.decorator import LAYOUT_ATTR, Dispatch, collect_results, dispatch_args
 from hybridflow.controller.worker import colocated_worker_cls, registered_methods
-
-
-def init_torchrun(device: str, timeout_s: float) -> tuple[int, int]:
-    """Join the process group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR/PORT); (rank, world)."""
-    if not dist.is_initialized():
-        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-            from hybridflow.config.loader import ConfigError
-
-            raise ConfigError("trainer.launcher=torchrun but RANK/WORLD_SIZE are not set: start it with "
-                              "`torchrun --nproc_per_node=N ...` (or use the default trainer.launcher=ray)")
-        if device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
-    return dist.get_rank(), dist.get_world_size()
+from hybridflow.parallel.process_group import init_torchrun  # noqa: F401  (re-exported: trainer/placement.py)
 
 
 class _Done:

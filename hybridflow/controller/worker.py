@@ -15,15 +15,10 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.controller.decorator import DISPATCH_ATTR, LAYOUT_ATTR, ROLE_ATTR
+from hybridflow.parallel.process_group import pick_device  # noqa: F401  (re-exported)
 
 # Rank 0's rendezvous socket; one per process, shared by every role colocated in it.
 _STORE_SOCKET: socket.socket | None = None
-
-
-def pick_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
 
 
 class Worker:

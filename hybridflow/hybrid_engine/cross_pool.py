@@ -25,7 +25,7 @@ from hybridflow.hybrid_engine.executor import train_shard_dim
 from hybridflow.hybrid_engine.plan import Box, intersect, layer_of, shard_box, volume
 from hybridflow.hybrid_engine.trace import TraceRecorder
 from hybridflow.parallel.dtensor import crop, held_box, held_slice, local
-from hybridflow.rollout.base import WeightPiece
+from hybridflow.protocol import WeightPiece
 
 
 def need_box(shape: tuple[int, ...], gen_dim: int | None, gen_tp: int, dst_world: int, dst: int) -> Box:

@@ -32,13 +32,13 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from hybridflow.config.schema import HybridEngineConfig
-from hybridflow.hybrid_engine.memory import PeakMemory, allocation_bytes
+from hybridflow.utils.memory import PeakMemory, allocation_bytes
 from hybridflow.hybrid_engine.plan import ParamPlan, ReshardPlan, fsdp_dim, intersect, volume
 from hybridflow.hybrid_engine.staging import staging_numel, staging_plan
 from hybridflow.hybrid_engine.trace import TraceRecorder
 from hybridflow.parallel.dims import ParallelDims
 from hybridflow.parallel.dtensor import crop, held_box, local  # noqa: F401  (crop, held_box re-exported)
-from hybridflow.rollout.base import WeightPiece
+from hybridflow.protocol import WeightPiece
 
 logger = logging.getLogger("hybridflow")
 

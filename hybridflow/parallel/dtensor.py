@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-Box = tuple[tuple[int, int], ...]  # per dim [lo, hi) of the whole tensor
+from hybridflow.protocol import Box  # noqa: F401  (per dim [lo, hi) of the whole tensor; re-exported)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

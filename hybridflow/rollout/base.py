@@ -8,44 +8,23 @@
 Weights are *pushed*: a weight source (the colocated 3D-HybridEngine, the cross-pool receiver,
 `hybrid_engine/`) produces, for this rank, the pieces of the trained weights its generation
 layout needs, and the backend writes them into its own parameters; it knows nothing of who made
-them. Backends register by name (`actor_rollout_ref.rollout.name`): `@register_rollout("hf")`
-on a builder `build(ctx: RolloutContext) -> RolloutBackend`; the worker calls
-`make_rollout(name, ctx)` and never branches on which.
+them (`WeightPiece` and `GenLayout` live in `protocol.py`, which both sides import). Backends are
+found by name (`actor_rollout_ref.rollout.name`): the built-in ones by import path in
+`ROLLOUT_BACKENDS` (imported when first built), a user's by `@register_rollout("mine")` on a
+builder `build(ctx: RolloutContext) -> RolloutBackend`, or by path (`my_pkg.my_module:build`);
+the worker calls `make_rollout(name, ctx)` and never branches on which.
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, NamedTuple, Optional, Protocol, Sequence
+from typing import Any, Callable, Iterable, Optional, Protocol, Sequence, Union
 
 import torch
 
-from hybridflow.parallel.dtensor import Box
-from hybridflow.protocol import Batch, Completion, Request, SamplingParams
-
-
-class WeightPiece(NamedTuple):
-    """A part of one trained parameter: `tensor` holds `box` of the whole tensor of `shape`."""
-
-    name: str  # the HF parameter name
-    shape: tuple[int, ...]
-    box: Box
-    tensor: torch.Tensor
-
-
-@dataclass(frozen=True)
-class GenLayout:
-    """How a backend lays the weights out over the generation ranks, for the weight source that
-    feeds it: gen_tp, which ranks form a TP group (HybridFlow's strided micro-DP grouping, or
-    consecutive ranks as vLLM's launcher does), each parameter's TP shard dim (None = whole on
-    every rank), the backend's own parameter storages when the source may write there in place
-    (None: the source stages the pieces and the backend copies them in), and the weights' dtype."""
-
-    gen_tp: int
-    consecutive: bool
-    shard_dims: dict[str, Optional[int]]
-    buffers: Optional[dict[str, torch.nn.Parameter]] = None
-    dtype: Optional[torch.dtype] = None  # the generation weights' dtype (the switch casts to it); None = the trainer's
+from hybridflow.config.validate import register_check
+from hybridflow.protocol import Batch, Completion, GenLayout, Request, SamplingParams, WeightPiece  # noqa: F401  (re-exported)
 
 
 class RolloutBackend(Protocol):
@@ -79,27 +58,63 @@ class RolloutContext:
     shard_dims: Optional[dict[str, Optional[int]]] = None  # the HF model's TP table: parameter -> TP dim (None = whole)
 
 
-ROLLOUT_BACKENDS: dict[str, Callable[[RolloutContext], RolloutBackend]] = {}
+Builder = Callable[[RolloutContext], RolloutBackend]
+# name -> its builder, or "module:function" imported when first built (so this module imports no
+# backend: the built-in ones import it, never the other way round). A builder may carry
+# `check(cfg) -> list[str]`: its own config checks, which the validator runs.
+ROLLOUT_BACKENDS: dict[str, Union[str, Builder]] = {
+    "hf": "hybridflow.rollout.hf_rollout:build_hf_rollout",
+    "vllm": "hybridflow.rollout.vllm_rollout:build_vllm_rollout",
+}
 
 
-def register_rollout(name: str):
-    def deco(builder):
-        if name in ROLLOUT_BACKENDS:
-            raise ValueError(f"rollout backend {name!r} is already registered")
+def register_rollout(name: str, check: Callable[[Any], list[str]] | None = None):
+    """Decorator on a builder `build(ctx: RolloutContext) -> RolloutBackend`: the backend
+    `actor_rollout_ref.rollout.name=<name>` selects (in processes that imported the decorated
+    module; across Ray workers name it by path instead: rollout.name=my_pkg.my_module:build)."""
+    def deco(builder: Builder) -> Builder:
+        old = ROLLOUT_BACKENDS.get(name)
+        if old is not None and old is not builder and old != f"{builder.__module__}:{builder.__qualname__}":
+            raise ValueError(f"rollout backend {name!r} is already registered ({old})")
+        if check is not None:
+            builder.check = check
         ROLLOUT_BACKENDS[name] = builder
         return builder
 
     return deco
 
 
-def make_rollout(name: str, ctx: RolloutContext) -> RolloutBackend:
-    """The backend registered as `name` (the built-in ones register on import)."""
-    import hybridflow.rollout.hf_rollout  # noqa: F401  (registers "hf")
-    import hybridflow.rollout.vllm_rollout  # noqa: F401  (registers "vllm"; vllm itself is imported lazily)
+def rollout_builder(name: str) -> Builder:
+    """The builder registered as `name`, or found at the import path "module:function"."""
+    entry = ROLLOUT_BACKENDS.get(name, name if ":" in name else None)
+    if entry is None:
+        raise ValueError(f"unknown rollout backend {name!r} (actor_rollout_ref.rollout.name); registered: {sorted(ROLLOUT_BACKENDS)}, "
+                         f"or a builder's import path module:function")
+    if isinstance(entry, str):
+        module, _, attr = entry.partition(":")
+        try:
+            entry = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"rollout backend {name!r} (actor_rollout_ref.rollout.name): cannot import {module}:{attr} ({e})") from e
+    return entry
 
-    if name not in ROLLOUT_BACKENDS:
-        raise ValueError(f"unknown rollout backend {name!r} (actor_rollout_ref.rollout.name); registered: {sorted(ROLLOUT_BACKENDS)}")
-    return ROLLOUT_BACKENDS[name](ctx)
+
+def make_rollout(name: str, ctx: RolloutContext) -> RolloutBackend:
+    """The backend `name` names (a registered name or a builder's import path), built for ctx."""
+    return rollout_builder(name)(ctx)
+
+
+@register_check("rollout_backend")
+def rollout_backend_problems(cfg) -> list[str]:
+    """actor_rollout_ref.rollout.name names a registered backend (or an importable builder), and
+    the backend's own checks (its builder's `check`) pass."""
+    name = cfg.actor_rollout_ref.rollout.name
+    try:
+        builder = rollout_builder(name)
+    except ValueError as e:
+        return [str(e)]
+    check = getattr(builder, "check", None)
+    return list(check(cfg)) if check is not None else []
 
 
 def response_lengths(responses: torch.Tensor, stop_ids: list[int], pad_id: int) -> torch.Tensor:

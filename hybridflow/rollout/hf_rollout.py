@@ -18,8 +18,8 @@ from transformers import GenerationConfig
 
 from hybridflow.algorithms import logprobs_from_logits
 from hybridflow.parallel.dtensor import held_slice
-from hybridflow.protocol import Batch, Completion, Request, SamplingParams
-from hybridflow.rollout.base import GenLayout, RolloutContext, WeightPiece, generate_batch, register_rollout, response_lengths
+from hybridflow.protocol import Batch, Completion, GenLayout, Request, SamplingParams, WeightPiece
+from hybridflow.rollout.base import RolloutContext, generate_batch, response_lengths
 
 
 class Resident:
@@ -132,7 +132,6 @@ class HFRollout:
         return completions
 
 
-@register_rollout("hf")
 def build_hf_rollout(ctx: RolloutContext) -> HFRollout:
     """The policy's HF model, tensor-parallel over rollout.tensor_model_parallel_size ranks grouped
     as HybridFlow does for the colocated actor's training layout (`gen_coords`)."""

@@ -32,12 +32,12 @@ from typing import Iterable, Sequence
 
 import torch
 
-from hybridflow.hybrid_engine.memory import PeakMemory
+from hybridflow.utils.memory import PeakMemory
 from hybridflow.models.hf import DTYPES
 from hybridflow.models.lora import base_name, is_adapter_param
-from hybridflow.protocol import Batch, Completion, Request, SamplingParams
+from hybridflow.protocol import Batch, Completion, GenLayout, Request, SamplingParams, WeightPiece
 from hybridflow.parallel.dtensor import crop
-from hybridflow.rollout.base import GenLayout, RolloutContext, WeightPiece, generate_batch, register_rollout
+from hybridflow.rollout.base import RolloutContext, generate_batch
 
 VLLM_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core in this process
@@ -255,7 +255,6 @@ class VLLMRollout:
             self.llm.wake_up()
 
 
-@register_rollout("vllm")
 def build_vllm_rollout(ctx: RolloutContext) -> VLLMRollout:
     cfg = ctx.cfg
     mcfg, rcfg = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.rollout

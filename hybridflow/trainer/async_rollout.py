@@ -13,7 +13,7 @@ import time
 from typing import Any, Callable
 
 from hybridflow.protocol import Batch
-from hybridflow.rollout.base import SamplingParams
+from hybridflow.protocol import SamplingParams
 from hybridflow.trainer.keys import GEN_OUTPUTS, PROMPT_KEYS
 from hybridflow.trainer.weight_sync import WeightSync
 

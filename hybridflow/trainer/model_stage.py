@@ -94,7 +94,7 @@ class PolicyGroup:
 
     def stage_fn(self, method: str):
         """The stage function calling `method` on this group (with the pool name the scheduler reads)."""
-        from hybridflow.rollout.base import SamplingParams
+        from hybridflow.protocol import SamplingParams
 
         if method == "generate_sequences":
 

@@ -25,7 +25,7 @@ import torch
 
 from hybridflow.config import ConfigError
 from hybridflow.config.schema import PoolSpec, RayInitConfig, TrainerConfig
-from hybridflow.controller.worker import pick_device
+from hybridflow.parallel.process_group import pick_device
 
 RoleClasses = dict[str, tuple[type, dict]]  # view name -> (worker class, its keyword arguments)
 
@@ -86,7 +86,8 @@ def start_groups(t: TrainerConfig, ri: RayInitConfig, specs: dict[str, PoolSpec]
 def _start_torchrun(placed: WorkerGroups, t: TrainerConfig, specs: dict[str, PoolSpec], classes: Callable[[str, int], RoleClasses],
                     device: str) -> None:
     """Every rank is a worker of the one pool, in this process."""
-    from hybridflow.controller.local_group import LocalColocatedGroup, init_torchrun
+    from hybridflow.controller.local_group import LocalColocatedGroup
+    from hybridflow.parallel.process_group import init_torchrun
 
     if len(specs) != 1:
         raise ConfigError(f"trainer.launcher=torchrun runs every role in the torchrun processes (one pool), not the pools {sorted(specs)}; "

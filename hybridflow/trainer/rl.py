@@ -44,7 +44,7 @@ from hybridflow.planning.preflight import check_memory
 from hybridflow.protocol import Batch
 from hybridflow.rewards.loader import load_custom_reward_fn
 from hybridflow.rewards.manager import RewardManager
-from hybridflow.rollout.base import SamplingParams
+from hybridflow.protocol import SamplingParams
 from hybridflow.trainer import checkpoints, driver_stages, validation
 from hybridflow.trainer.agent_rollout import AgentRollout
 from hybridflow.trainer.async_rollout import AsyncRollout

@@ -22,7 +22,7 @@ import numpy as np
 
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.protocol import Batch
-from hybridflow.rollout.base import SamplingParams
+from hybridflow.protocol import SamplingParams
 from hybridflow.trainer.driver_stages import with_agent_reward
 from hybridflow.trainer.keys import with_sample_info
 

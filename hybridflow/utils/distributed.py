@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from hybridflow.controller.worker import pick_device
+from hybridflow.parallel.process_group import init_torchrun, pick_device
 
 
 @dataclass(frozen=True)
@@ -25,8 +25,6 @@ class DistInfo:
 
 def init_distributed(config=None, timeout_s: float | None = None) -> DistInfo:
     """config: a HybridFlowConfig (its trainer.device and collective_timeout_s) or None (auto device, 600 s)."""
-    from hybridflow.controller.local_group import init_torchrun
-
     device = pick_device(config.trainer.device if config is not None else "auto")
     timeout = timeout_s or (config.trainer.collective_timeout_s if config is not None else 600.0)
     if not dist.is_initialized() and "WORLD_SIZE" not in os.environ:  # a plain `python script.py`: one rank

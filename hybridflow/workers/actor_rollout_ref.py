@@ -28,11 +28,12 @@ from hybridflow.config.run_plan import UpdatePlan, actor_update_plan, sft_update
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.controller.decorator import Dispatch, register
 from hybridflow.config.pools import ModelPart, worker_role
-from hybridflow.controller.worker import Worker, pick_device
+from hybridflow.controller.worker import Worker
+from hybridflow.parallel.process_group import pick_device
 from hybridflow.engine import TrainEngine
 from hybridflow.engine.model import trim_right_padding
 from hybridflow.hybrid_engine import cross_pool
-from hybridflow.hybrid_engine.memory import rss_bytes
+from hybridflow.utils.memory import rss_bytes
 from hybridflow.models.hf import DTYPES, load_hf_model
 from hybridflow.models.lora import adapters_disabled, apply_lora
 from hybridflow.parallel.dims import ParallelDims

@@ -14,7 +14,8 @@ from hybridflow.algorithms.objectives import ValueLoss
 from hybridflow.config.run_plan import critic_update_plan
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.controller.decorator import Dispatch, register
-from hybridflow.controller.worker import Worker, pick_device
+from hybridflow.controller.worker import Worker
+from hybridflow.parallel.process_group import pick_device
 from hybridflow.engine import TrainEngine
 from hybridflow.engine.model import response_logits
 from hybridflow.models.hf import load_hf_model

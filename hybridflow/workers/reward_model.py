@@ -20,7 +20,8 @@ from hybridflow.algorithms.objectives import BradleyTerryLoss
 from hybridflow.config.run_plan import UpdatePlan
 from hybridflow.config.schema import FSDPConfig, ModelConfig, OptimConfig
 from hybridflow.controller.decorator import Dispatch, register
-from hybridflow.controller.worker import Worker, pick_device
+from hybridflow.controller.worker import Worker
+from hybridflow.parallel.process_group import pick_device
 from hybridflow.data.chat import chat_ids
 from hybridflow.data.preference import pack_sequences, response_ids
 from hybridflow.engine import TrainEngine

@@ -12,10 +12,11 @@ from transformers import AutoTokenizer
 
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.controller.decorator import Dispatch, register
-from hybridflow.controller.worker import Worker, pick_device
+from hybridflow.controller.worker import Worker
+from hybridflow.parallel.process_group import pick_device
 from hybridflow.hybrid_engine.cross_pool import PoolReceiver, generation_fingerprints, max_piece_diff
-from hybridflow.protocol import Batch
-from hybridflow.rollout.base import RolloutBackend, RolloutContext, SamplingParams, make_rollout
+from hybridflow.protocol import Batch, SamplingParams
+from hybridflow.rollout.base import RolloutBackend, RolloutContext, make_rollout
 
 
 class RolloutMixin:
@@ -66,8 +67,12 @@ class RolloutWorker(RolloutMixin, Worker):
         self.init_process_group(self.device, self.cfg.trainer.collective_timeout_s)
         mcfg = self.cfg.actor_rollout_ref.model
         self.tokenizer = AutoTokenizer.from_pretrained(mcfg.tokenizer_path or mcfg.path)
-        self.rollout = make_rollout("hf", RolloutContext(self.cfg, self.tokenizer, self.device, self.rank, self.world_size))
+        name = self.cfg.actor_rollout_ref.rollout.name
+        self.rollout = make_rollout(name, RolloutContext(self.cfg, self.tokenizer, self.device, self.rank, self.world_size))
         lay = self.rollout.layout()
+        if lay.buffers is None:
+            raise ValueError(f"trainer.async_rollout: the rollout pool receives the weights into the backend's own storages; "
+                             f"backend {name!r} (actor_rollout_ref.rollout.name) offers none (GenLayout.buffers): use hf")
         self.receiver = PoolReceiver({n: tuple(p.shape) for n, p in lay.buffers.items()}, lay.shard_dims, lay.gen_tp, self.rank, self.world_size)
 
     @register(Dispatch.ONE_TO_ALL)

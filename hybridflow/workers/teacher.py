@@ -14,7 +14,8 @@ import torch
 
 from hybridflow.config.schema import FSDPConfig, ModelConfig
 from hybridflow.controller.decorator import Dispatch, register
-from hybridflow.controller.worker import Worker, pick_device
+from hybridflow.controller.worker import Worker
+from hybridflow.parallel.process_group import pick_device
 from hybridflow.engine import TrainEngine
 from hybridflow.models.hf import load_hf_model
 from hybridflow.parallel.dims import ParallelDims
