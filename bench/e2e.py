@@ -25,7 +25,6 @@ achieved fraction of the peak (MFU) per stage and for the whole step.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics

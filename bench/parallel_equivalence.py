@@ -78,11 +78,12 @@ def worker(rank: int, world: int, port: int, model: str, layouts: list[str], out
 
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    from hybridflow.run_plan import resolve
     from hybridflow.workers.actor_rollout_ref import ActorRolloutRefWorker
 
     for layout in layouts:
         t0 = time.perf_counter()
-        w = ActorRolloutRefWorker(config(model, layout), role="actor", total_training_steps=6)
+        w = ActorRolloutRefWorker(resolve(config(model, layout)).actor, role="actor", total_training_steps=6)
         w.init_model()
         dp_i, dp, collect = w.dispatch_layout("train")
         sft, ppo = make_data(len(w.tokenizer))

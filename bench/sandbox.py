@@ -39,7 +39,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=20)
     args = ap.parse_args()
     backends = [b for b in ("bwrap", "unshare") if b != "bwrap" or shutil.which("bwrap")]
-    print(f"| backend | print(1), all on | print(1), no cgroup | case, exit-0 grading | case, harness | harness adds |")
+    print("| backend | print(1), all on | print(1), no cgroup | case, exit-0 grading | case, harness | harness adds |")
     print("|---|---|---|---|---|---|")
     for backend in backends:
         sb = Sandbox(backend=backend)

@@ -26,6 +26,7 @@ import os
 import time
 
 from hybridflow.config import HybridFlowConfig, RewardTrainConfig, SFTConfig, load_config
+from hybridflow.run_plan import resolve
 
 DATA_SOURCE = "digit_max"
 # The held-out accuracy of a recipe's task (the tool recipe has its own task; the others share digit_max).
@@ -165,7 +166,7 @@ def run_recipe(recipe: str, files: dict, sft_dir: str, out: str, steps: int, *ov
     extra: dict = {}
     if recipe == "grpo":
         cfg = demo_rl_config(files, sft_dir, f"{out}/grpo", steps, *overrides)
-        print(f"[demo] GRPO: {steps} steps, {cfg.data.train_batch_size} prompts x {cfg.actor_rollout_ref.rollout.n} samples, {_workers(cfg)}", flush=True)
+        print(f"[demo] GRPO: {steps} steps, {cfg.data.train_batch_size} prompts x {resolve(cfg).rollout.rollout.n} samples, {_workers(cfg)}", flush=True)
         result = _fit(RLTrainer(cfg))
     elif recipe == "dpo":
         cfg = demo_dpo_config(files, sft_dir, f"{out}/dpo", steps, *overrides)
@@ -173,7 +174,7 @@ def run_recipe(recipe: str, files: dict, sft_dir: str, out: str, steps: int, *ov
         result = _fit(DPOTrainer(cfg))
     elif recipe == "online-dpo":
         cfg = demo_online_dpo_config(files, sft_dir, f"{out}/online_dpo", steps, *overrides)
-        print(f"[demo] online DPO: {steps} steps, {cfg.data.train_batch_size} prompts x {cfg.actor_rollout_ref.rollout.n} samples ranked by the rule", flush=True)
+        print(f"[demo] online DPO: {steps} steps, {cfg.data.train_batch_size} prompts x {resolve(cfg).rollout.rollout.n} samples ranked by the rule", flush=True)
         result = _fit(DPOTrainer(cfg))
     elif recipe == "rm-grpo":
         from hybridflow.trainer.reward_model import run_rm
@@ -191,14 +192,14 @@ def run_recipe(recipe: str, files: dict, sft_dir: str, out: str, steps: int, *ov
         teacher = train_teacher(out)
         cfg = demo_distill_config(files, sft_dir, teacher, f"{out}/distill", steps, *overrides)
         print(f"[demo] on-policy distillation (no reward in the update): {steps} steps, {cfg.data.train_batch_size} prompts x "
-              f"{cfg.actor_rollout_ref.rollout.n} samples scored token by token by the teacher, {_workers(cfg)}", flush=True)
+              f"{resolve(cfg).rollout.rollout.n} samples scored token by token by the teacher, {_workers(cfg)}", flush=True)
         result = _fit(RLTrainer(cfg))
     elif recipe in ("tool", "guess"):
         make = demo_tool_rl_config if recipe == "tool" else demo_guess_rl_config
         cfg = make(files, sft_dir, f"{out}/{recipe}_grpo", steps, *overrides)
         what = "the calculator" if recipe == "tool" else "the guessing environment"
         print(f"[demo] multi-turn GRPO with {what}: {steps} steps, {cfg.data.train_batch_size} prompts x "
-              f"{cfg.actor_rollout_ref.rollout.n} trajectories, {_workers(cfg)}", flush=True)
+              f"{resolve(cfg).rollout.rollout.n} trajectories, {_workers(cfg)}", flush=True)
         result = _fit(RLTrainer(cfg))
         extra = _agent_summary(result["history"])
     else:
@@ -230,7 +231,7 @@ def _sft_record(sft_model: str) -> dict:
 
 def _workers(cfg) -> str:
     """"2 FSDP2 workers", or the 3D layout when the overrides set one ("4 workers: PP 1 x TP 2 x FSDP2 2")."""
-    a, n = cfg.actor_rollout_ref.actor, cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+    a, n = resolve(cfg).actor.actor, cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
     pp, tp = a.pipeline_model_parallel_size, a.tensor_model_parallel_size
     return f"{n} FSDP2 workers" if pp == tp == 1 else f"{n} workers: PP {pp} x TP {tp} x FSDP2 {n // (pp * tp)}"
 

@@ -55,7 +55,8 @@ class GenLayout:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to sample one generation call (the driver builds it from actor_rollout_ref.rollout)."""
+    """How to sample one generation call (the driver builds it from actor_rollout_ref.rollout:
+    `run_plan.RolloutSpec.sampling_params`)."""
 
     max_new_tokens: int
     do_sample: bool = True
@@ -65,13 +66,6 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings, kept in the response
     stop_token_ids: tuple[int, ...] = ()  # besides the tokenizer's EOS
     seed: int = 0  # per call; backends derive per-replica / per-request seeds from it
-
-    @classmethod
-    def from_config(cls, cfg, greedy: bool = False, seed: int = 0) -> "SamplingParams":
-        """From a HybridFlowConfig: actor_rollout_ref.rollout (or its val_kwargs when greedy)."""
-        r = cfg.actor_rollout_ref.rollout
-        s = r.val_kwargs if greedy else r
-        return cls(cfg.data.max_response_length, s.do_sample, s.temperature, s.top_p, s.top_k, tuple(r.stop), tuple(r.stop_token_ids), seed)
 
     def with_(self, **changes: Any) -> "SamplingParams":
         """A copy with some fields changed (e.g. a request's own max_new_tokens)."""

@@ -588,7 +588,7 @@ def test_validation_reports_mean_best_and_pass_at_k_over_n_samples():
         scores[:, -1] = batch["solved"]
         return scores, {}
 
-    out = validate(cfg, rows, collate, generate, reward_fn, None)
+    out = validate(cfg.actor_rollout_ref.rollout.val_kwargs, cfg.data.val_batch_size, rows, collate, generate, reward_fn, None)
     assert out["val-core/src/acc/mean@4"] == pytest.approx(1 / 8)
     # best@k is bootstrapped (k of the 4 samples with replacement, 1000 draws): prompt A's expected
     # best is 1 - (3/4)^k, prompt B's 0; 1000 draws of a 0/1 max have a standard error <= 0.016.
@@ -747,12 +747,14 @@ def _dynamic_trainer(rewards_per_round: list[list[float]], max_rounds: int, prom
     from hybridflow.config.schema import HybridFlowConfig
     from hybridflow.protocol import Batch
     from hybridflow.trainer.dataflow import DataFlow, Stage
+    from hybridflow.run_plan import resolve
     from hybridflow.trainer.rl import RLTrainer
 
     t = RLTrainer.__new__(RLTrainer)
     t.cfg = load_config(None, [f"data.train_batch_size={prompts}", "actor_rollout_ref.rollout.n=2", "algorithm.filter_groups.enable=true",
                                f"algorithm.filter_groups.max_num_gen_batches={max_rounds}", f"algorithm.filter_groups.strict={str(strict).lower()}"],
                         schema=HybridFlowConfig)
+    t.run_plan = resolve(t.cfg)
     t._gen_round, t.drawn, t.slept, t.global_step, t.underfilled_batches, t.critic = 0, 0, 0, 1, 0, None
     t.roles = type("Roles", (), {"use_rm": False})()
     t.reward_fn = type("Rule", (), {"last_scores": [], "last_extras": {}})()  # the fake reward stage below bypasses it

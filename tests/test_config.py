@@ -805,6 +805,7 @@ def test_a_users_rollout_backend_is_validated_and_built_by_name(world):
     own check runs, the registry builds it by name, and an import path works without registering."""
     from hybridflow.protocol import Request, SamplingParams
     from hybridflow.rollout.base import ROLLOUT_BACKENDS, RolloutContext, make_rollout, register_rollout
+    from hybridflow.run_plan import resolve
 
     register_rollout("echo", check=_echo_check)(build_echo)
     try:
@@ -813,12 +814,12 @@ def test_a_users_rollout_backend_is_validated_and_built_by_name(world):
         assert "echo: actor_rollout_ref.rollout.top_k is not supported, got 5" in _problems(world)  # the backend's own check ran
         world.actor_rollout_ref.rollout.top_k = -1
         validate_config(world)
-        backend = make_rollout("echo", RolloutContext(world, None, "cpu", 0, 1))
+        backend = make_rollout("echo", RolloutContext(resolve(world).rollout, None, "cpu", 0, 1))
         out = backend.generate_requests([Request((5, 6, 7), SamplingParams(max_new_tokens=2))])
         assert isinstance(backend, EchoRollout) and out[0].token_ids == (5, 6)
         world.actor_rollout_ref.rollout.name = f"{__name__}:build_echo"  # by import path: no registration needed
         validate_config(world)
-        assert isinstance(make_rollout(world.actor_rollout_ref.rollout.name, RolloutContext(world, None, "cpu", 0, 1)), EchoRollout)
+        assert isinstance(make_rollout(world.actor_rollout_ref.rollout.name, RolloutContext(resolve(world).rollout, None, "cpu", 0, 1)), EchoRollout)
         world.actor_rollout_ref.rollout.name = f"{__name__}:no_such_builder"
         assert "cannot import" in _problems(world)
     finally:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 
-import pytest
 import torch
 
 from hybridflow.controller.decorator import Dispatch, register

@@ -24,7 +24,6 @@ import ast
 import builtins
 import dataclasses
 import importlib
-import os
 import pathlib
 import re
 import shlex

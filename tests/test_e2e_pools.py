@@ -132,7 +132,6 @@ def _adam_state(group, out_dir) -> dict:
 def test_model_module_stages_learn_and_grad_accumulation_matches_one_big_step(demo_sft_model, tmp_path):
     """A model path as add_stage module: the flow places it on its own 2 workers; generation after
     an update uses the synced weights; grad_accum_steps=2 over two chunks == one step on both."""
-    import torch
     from transformers import AutoTokenizer
 
     from hybridflow.algorithms import get_adv_estimator

@@ -245,7 +245,8 @@ def test_importing_the_config_stays_light():
 # longest listed prefix.
 LAYERS: list[tuple[str, ...]] = [
     ("hybridflow.protocol", "hybridflow.config", "hybridflow.data"),
-    ("hybridflow.parallel", "hybridflow.models", "hybridflow.utils.checkpoint", "hybridflow.utils.export", "hybridflow.utils.memory"),
+    ("hybridflow.parallel", "hybridflow.models", "hybridflow.utils.checkpoint", "hybridflow.utils.export", "hybridflow.utils.memory",
+     "hybridflow.run_plan"),
     ("hybridflow.hybrid_engine", "hybridflow.rollout", "hybridflow.algorithms", "hybridflow.planning", "hybridflow.rewards",
      "hybridflow.agent", "hybridflow.profiler"),
     ("hybridflow.engine",),
@@ -292,3 +293,30 @@ def test_no_worker_loops_over_mini_batches():
     # the check sees such a loop (a check on the checker)
     sample = ast.parse("for _ in range(cfg.ppo_epochs):\n    for mini in data.split(rows):\n        pass")
     assert [ast.unparse(i) for i in loops(sample)] == ["range(cfg.ppo_epochs)", "data.split(rows)"]
+
+
+ROLE_SECTIONS = ("actor_rollout_ref", "critic")
+
+
+def role_section_reads(tree: ast.AST) -> list[ast.Attribute]:
+    """`<x>.actor_rollout_ref` anywhere, and `<x>.critic` where <x> is a config (`cfg`, `config`,
+    `self.cfg`, ...): the root config's role sections read directly."""
+    def is_config(node: ast.expr) -> bool:
+        name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+        return name in ("cfg", "config", "root")
+
+    found = [n for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+             and (n.attr == "actor_rollout_ref" or (n.attr == "critic" and is_config(n.value)))]
+    return sorted(found, key=lambda n: (n.lineno, n.col_offset))
+
+
+def test_only_config_and_the_run_plan_read_the_role_sections():
+    """Each role gets only its spec: `run_plan.resolve(cfg)` is the one reader of cfg.actor_rollout_ref
+    and cfg.critic outside hybridflow.config (the validator, derived defaults); workers, engines,
+    rollout backends and the driver read the specs it returns."""
+    bad = [f"{m}:{n.lineno} {ast.unparse(n)}" for m, path in MODULES.items()
+           if not (m.startswith("hybridflow.config") or m == "hybridflow.run_plan")
+           for n in role_section_reads(ast.parse(path.read_text()))]
+    assert not bad, "reads of the root config's role sections (use the role's spec, hybridflow/run_plan.py):\n  " + "\n  ".join(bad)
+    sample = ast.parse("n = self.cfg.actor_rollout_ref.rollout.n\nv = self.critic.update_critic(b)\nc = cfg.critic.ppo_epochs")
+    assert [ast.unparse(n) for n in role_section_reads(sample)] == ["self.cfg.actor_rollout_ref", "cfg.critic"]

@@ -104,8 +104,8 @@ def test_the_validator_reaches_the_layout_checks_by_registration():
     """config.validate names the module in CHECK_MODULES; the module registers its checks on import."""
     from hybridflow.config import validate
 
-    assert "hybridflow.parallel.dims" in validate.CHECK_MODULES
-    assert validate.component_check("actor_layout").__module__ == "hybridflow.parallel.dims"
+    assert "hybridflow.run_plan" in validate.CHECK_MODULES  # the layout checks read the role sections: the plan's
+    assert validate.component_check("actor_layout").__module__ == "hybridflow.run_plan"
     assert validate.component_check("gen_tp").__module__ == "hybridflow.parallel.dims"
     assert validate.component_check("pools").__module__ == "hybridflow.controller.checks"
     with pytest.raises(ValueError, match="unknown config check"):

@@ -43,13 +43,14 @@ def _switch_worker(rank: int, world: int, port: int, path: str) -> None:
     from hybridflow.hybrid_engine.plan import TrainLayout
     from hybridflow.planning.arch import load_arch
     from hybridflow.planning.cost import plan_for
+    from hybridflow.run_plan import resolve
     from hybridflow.workers.actor_rollout_ref import ActorRolloutRefWorker
 
     for label, gen_tps in SWITCHES.items():
         for gen_tp in gen_tps:
             cfg = config(path, label)
             cfg.actor_rollout_ref.rollout.tensor_model_parallel_size = gen_tp
-            w = ActorRolloutRefWorker(cfg, role="actor_rollout", total_training_steps=2)
+            w = ActorRolloutRefWorker(resolve(cfg).actor, role="actor_rollout", total_training_steps=2)
             w.init_model()
             dp_i, dp, _ = w.dispatch_layout("train")
             w.sft_step(make_data(len(w.tokenizer))[0].chunk(dp)[dp_i])  # trained weights != the checkpoint the rollout loaded
@@ -86,9 +87,10 @@ def _resume_worker(rank: int, world: int, port: int, path: str, ckpt: str) -> No
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     sys.path.insert(0, ROOT)
     from bench.parallel_equivalence import config, make_data
+    from hybridflow.run_plan import resolve
     from hybridflow.workers.actor_rollout_ref import ActorRolloutRefWorker
 
-    w = ActorRolloutRefWorker(config(path, "pp2xtp2"), role="actor", total_training_steps=6)
+    w = ActorRolloutRefWorker(resolve(config(path, "pp2xtp2")).actor, role="actor", total_training_steps=6)
     w.init_model()
     dp_i, dp, _ = w.dispatch_layout("train")
     sft = make_data(len(w.tokenizer))[0].chunk(dp)[dp_i]

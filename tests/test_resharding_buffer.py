@@ -181,7 +181,8 @@ def test_engine_stages_the_budgeted_layers_bit_exact(model_dir):
 def test_weight_sync_logs_the_staging_note(caplog):
     """The driver logs the note once, with the plan: INFO when honoured, WARNING with what was used
     instead when not."""
-    from hybridflow.config.schema import HybridFlowConfig
+    from hybridflow.config.schema import HybridFlowConfig, TrainerConfig
+    from hybridflow.run_plan import resolve
     from hybridflow.trainer.weight_sync import WeightSync
 
     class Actor:
@@ -191,9 +192,9 @@ def test_weight_sync_logs_the_staging_note(caplog):
     for honoured, level in ((True, logging.INFO), (False, logging.WARNING)):
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="hybridflow"):
-            WeightSync(HybridFlowConfig(), Actor(), dict(plan, staging={"note": "the note", "honoured": honoured}))._log_plan()
+            WeightSync(resolve(HybridFlowConfig()).actor, TrainerConfig(), Actor(), dict(plan, staging={"note": "the note", "honoured": honoured}))._log_plan()
         assert [(r.levelno, r.getMessage()) for r in caplog.records if r.getMessage() == "the note"] == [(level, "the note")]
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="hybridflow"):
-        WeightSync(HybridFlowConfig(), Actor(), dict(plan, staging={"note": "", "honoured": True}))._log_plan()
+        WeightSync(resolve(HybridFlowConfig()).actor, TrainerConfig(), Actor(), dict(plan, staging={"note": "", "honoured": True}))._log_plan()
     assert len(caplog.records) == 2  # unset: only the two plan lines

@@ -6,20 +6,22 @@ import pytest
 
 from hybridflow.config import HybridFlowConfig
 from hybridflow.config.pools import ModelPart
+from hybridflow.run_plan import resolve
 from hybridflow.workers.actor_rollout_ref import ActorRolloutRefWorker
 
 A, R, F = ModelPart.ACTOR, ModelPart.ROLLOUT, ModelPart.REF
+SPEC = resolve(HybridFlowConfig()).actor
 
 
 @pytest.mark.parametrize("parts, text", [({A, R, F}, "actor_rollout_ref"), ({A, R}, "actor_rollout"), ({A, F}, "actor_ref"), ({A}, "actor"), ({F}, "ref")])
 def test_typed_parts_and_role_strings_agree(parts, text):
-    typed, named = ActorRolloutRefWorker(HybridFlowConfig(), frozenset(parts)), ActorRolloutRefWorker(HybridFlowConfig(), text)
+    typed, named = ActorRolloutRefWorker(SPEC, frozenset(parts)), ActorRolloutRefWorker(SPEC, text)
     for w in (typed, named):
         assert (w.has_actor, w.has_rollout, w.has_ref) == (A in parts, R in parts, F in parts) and w.role == text
 
 
 def test_a_worker_holds_the_actor_or_the_reference_alone():
     with pytest.raises(ValueError, match="holds the actor"):
-        ActorRolloutRefWorker(HybridFlowConfig(), frozenset({R, F}))
+        ActorRolloutRefWorker(SPEC, frozenset({R, F}))
     with pytest.raises(ValueError):
-        ActorRolloutRefWorker(HybridFlowConfig(), "critic")
+        ActorRolloutRefWorker(SPEC, "critic")

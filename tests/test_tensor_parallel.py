@@ -3,7 +3,6 @@ FSDP2 training shards aligned with the generation TP dims. Multi-rank checks spa
 
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 
 import pytest

@@ -19,6 +19,7 @@ value the user set can be refused.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
@@ -236,6 +237,10 @@ class ActorRolloutRefConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     ref: RefConfig = field(default_factory=RefConfig)
     hybrid_engine: HybridEngineConfig = field(default_factory=HybridEngineConfig)
+
+    def tokenizer_path(self) -> str:
+        """The policy's tokenizer: model.tokenizer_path, else the model's own directory."""
+        return self.model.tokenizer_path or self.model.path
 
     def generation_dtype(self) -> str:
         """The rollout's weight dtype: the actor's mixed-precision compute dtype when it has one
@@ -513,6 +518,16 @@ class HybridFlowConfig:
     ray_init: RayInitConfig = field(default_factory=RayInitConfig)
     resource_pool: ResourcePoolConfig = field(default_factory=ResourcePoolConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
+
+    def policy_tokenizer_path(self) -> str:
+        """The policy's tokenizer (the prompts' and the responses' token ids)."""
+        return self.actor_rollout_ref.tokenizer_path()
+
+    def with_policy_model(self, path: str) -> "HybridFlowConfig":
+        """A deep copy whose policy model is `path` (actor, rollout and reference load it)."""
+        out = copy.deepcopy(self)
+        out.actor_rollout_ref.model.path = path
+        return out
 
 
 @dataclass

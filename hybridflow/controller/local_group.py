@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import functools
 import os
-from datetime import timedelta
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from hybridflow.controller.decorator import LAYOUT_ATTR, Dispatch, collect_results, dispatch_args

@@ -64,10 +64,10 @@ def make_rl_data_loader(files=None, tokenizer=None, batch_size: int = 8, max_pro
     if config is not None:
         from transformers import AutoTokenizer
 
-        d, m = config.data, config.actor_rollout_ref.model
+        d = config.data
         files, batch_size, max_prompt_length = files or d.train_files, d.train_batch_size, d.max_prompt_length
         shuffle, seed, prompt_key, filter_overlong_prompts, truncation = d.shuffle, d.seed, d.prompt_key, d.filter_overlong_prompts, d.truncation
-        tokenizer = tokenizer or AutoTokenizer.from_pretrained(m.tokenizer_path or m.path)
+        tokenizer = tokenizer or AutoTokenizer.from_pretrained(config.policy_tokenizer_path())
     if files is None or tokenizer is None:
         raise ValueError("make_rl_data_loader needs files and a tokenizer, or config=")
     dataset = RLDataset(files, tokenizer, max_prompt_length, prompt_key, filter_overlong_prompts, truncation)

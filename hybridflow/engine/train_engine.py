@@ -29,13 +29,13 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from hybridflow.algorithms import entropy_from_logits, logprobs_from_logits
-from hybridflow.config.run_plan import UpdatePlan
 from hybridflow.config.schema import FSDPConfig, HybridEngineConfig, OptimConfig
 from hybridflow.engine.model import micro_batches, response_logits
 from hybridflow.engine.optim import build_optimizer, build_scheduler, clip_and_step
 from hybridflow.hybrid_engine.executor import HybridEngine
 from hybridflow.parallel.layout import TrainMesh, build_train_model
 from hybridflow.protocol import Batch
+from hybridflow.run_plan import UpdatePlan
 from hybridflow.models.lora import is_adapter_param, merged_state_dict
 from hybridflow.utils.checkpoint import load_sharded, save_sharded
 

@@ -21,8 +21,8 @@ The rules, checked when the object is made (one ValueError naming every size tha
 - gen_tp divides tp x dp, or is tp x dp times a divisor of pp (either way it divides the world);
 - procs_per_node (ranks per node, numbered consecutively; None = all on one node) divides the world.
 
-No torch here: the driver-side config validator runs these rules (its checks at the end of this
-module, registered with `hybridflow.config.validate`) before any worker starts. The device mesh is
+No torch here: the driver-side config validator runs these rules (the layout checks in
+`hybridflow/run_plan.py`, registered with `hybridflow.config.validate`) before any worker starts. The device mesh is
 built on the workers by `parallel/layout.py::parallel_dims`.
 """
 
@@ -30,9 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from hybridflow.config.validate import A, R, model_json, register_check
-
-TP_KEY = f"{R}.tensor_model_parallel_size"  # the generation TP size's config key
+TP_KEY = "actor_rollout_ref.rollout.tensor_model_parallel_size"  # the generation TP size's config key
 
 
 def divisors(n: int) -> list[int]:
@@ -183,9 +181,8 @@ def gen_coords(layout: ParallelDims, gen_tp: int) -> list[tuple[int, int]]:
     return [dims.gen_rank(r) for r in range(dims.world)]
 
 
-# ---------------------------------------------------------------- the config validator's checks
-# Registered with hybridflow.config.validate (which names this module in CHECK_MODULES): the same
-# rules as ParallelDims, with messages that name the config keys and say what to set.
+# The generation TP's rules with messages that name the config key (the validator's gen_tp check,
+# registered in run_plan.py; parallel/tensor_parallel.py checks a model against them too).
 
 def _heads_problems(key: str, size: int, heads: int, kv_heads: int, whose: str = "the model's", tail: str = "") -> list[str]:
     """A TP size must divide the attention and KV heads: each TP rank holds whole heads."""
@@ -193,7 +190,6 @@ def _heads_problems(key: str, size: int, heads: int, kv_heads: int, whose: str =
             for what, n in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)) if n and n % size]
 
 
-@register_check("gen_tp")
 def validate_gen_tp(gen_tp: int, world_size: int, num_attention_heads: int, num_key_value_heads: int) -> list[str]:
     """Problems with a generation TP size (empty when it is fine), each naming the key and the fix."""
     if not _size_ok(gen_tp):
@@ -204,42 +200,3 @@ def validate_gen_tp(gen_tp: int, world_size: int, num_attention_heads: int, num_
                    f"trainer.n_gpus_per_node); set it to one of {divisors(world_size)}")
     out += _heads_problems(TP_KEY, gen_tp, num_attention_heads, num_key_value_heads, tail=f" (that also divides {world_size} workers)")
     return out
-
-
-@register_check("actor_layout")
-def actor_layout_problems(cfg, n_workers: int) -> tuple[list[str], int | None]:
-    """The actor's pp x tp x dp (tp, pp >= 1 and not both 1) against its `n_workers`, the model
-    (heads, layers, tied embeddings) and the generation TP: (problems, dp or None when pp x tp does
-    not divide the workers)."""
-    arr = cfg.actor_rollout_ref
-    tp, pp, gen_tp = arr.actor.tensor_model_parallel_size, arr.actor.pipeline_model_parallel_size, arr.rollout.tensor_model_parallel_size
-    tp_key, pp_key = f"{A}.tensor_model_parallel_size", f"{A}.pipeline_model_parallel_size"
-    if n_workers % (tp * pp):
-        return [f"pp x tp x dp must equal the actor's {n_workers} workers (trainer.nnodes * trainer.n_gpus_per_node): "
-                f"{pp_key} ({pp}) x {tp_key} ({tp}) = {pp * tp} does not divide {n_workers}; use (pp, tp) such as "
-                f"{layout_choices(n_workers)[:4]}"], None
-    dims = ParallelDims.for_world(n_workers, pp=pp, tp=tp)
-    mj = model_json(arr.model.path)
-    heads = mj.get("num_attention_heads") or 0
-    layers = mj.get("num_hidden_layers") or 0
-    out = _heads_problems(tp_key, tp, heads, mj.get("num_key_value_heads") or heads)
-    if layers and layers % pp:
-        out.append(f"{pp_key} ({pp}) must divide the model's num_hidden_layers ({layers}): stages hold equal blocks of "
-                   f"decoder layers; set it to one of {divisors(layers)}")
-    if pp > 1 and mj.get("tie_word_embeddings"):
-        out.append(f"{pp_key} ({pp}) > 1 needs untied embeddings: the model ties lm_head to embed_tokens, which live on "
-                   f"the first and the last stage; use {pp_key}=1 or a model with tie_word_embeddings=false")
-    if _size_ok(gen_tp) and not dims.fits_gen_tp(gen_tp):
-        out.append(dims.gen_tp_problem(gen_tp, TP_KEY))
-    return out, dims.dp
-
-
-@register_check("critic_layout")
-def critic_layout_problems(cfg, n_workers: int) -> tuple[list[str], int | None]:
-    """critic.tensor_model_parallel_size (> 1) x dp against the critic's workers and its model's heads."""
-    tp, key = cfg.critic.tensor_model_parallel_size, "critic.tensor_model_parallel_size"
-    if n_workers % tp:
-        return [f"{key} ({tp}) must divide the critic's {n_workers} workers; set it to one of {divisors(n_workers)}"], None
-    mj = model_json(cfg.critic.model.path or cfg.actor_rollout_ref.model.path)
-    heads = mj.get("num_attention_heads") or 0
-    return _heads_problems(key, tp, heads, mj.get("num_key_value_heads") or heads, whose="the critic model's"), ParallelDims.for_world(n_workers, tp=tp).dp

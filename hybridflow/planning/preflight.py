@@ -15,6 +15,7 @@ import os
 
 from hybridflow.config.loader import ConfigError
 from hybridflow.config.derive import rollout_n
+from hybridflow.run_plan import resolve
 from hybridflow.config.schema import MICRO_BATCH_CAP, FSDPConfig, HybridFlowConfig
 from hybridflow.config import pools as rp
 from hybridflow.hybrid_engine.plan import TrainLayout
@@ -40,25 +41,26 @@ def _role_memory(arch: Arch, layout: TrainLayout, gen_tp: int, fc: FSDPConfig, m
 def pool_memory(cfg: HybridFlowConfig, roles: list[rp.Role] | None = None) -> dict[str, dict]:
     """{pool: {"peak": bytes per worker, "parts": {role: memory plan}}} for the roles this run starts
     (`roles`: default the RL roles, `rp.active_roles`)."""
-    arr, d = cfg.actor_rollout_ref, cfg.data
+    plan, d = resolve(cfg), cfg.data
+    arr, critic = plan.actor, plan.critic.critic  # the policy's spec (model, actor, ref, rollout), the critic's section
     arch = load_arch(arr.model.path)
     seq = d.max_prompt_length + d.max_response_length
     per_role = {}
     for role, pool in rp.role_pools(cfg, roles).items():
         n = rp.role_world_size(cfg, role, roles)
-        fc = {rp.Role.CRITIC: cfg.critic.fsdp_config, rp.Role.REF: arr.ref.fsdp_config, rp.Role.REWARD_MODEL: cfg.reward_model.fsdp_config,
+        fc = {rp.Role.CRITIC: critic.fsdp_config, rp.Role.REF: arr.ref.fsdp_config, rp.Role.REWARD_MODEL: cfg.reward_model.fsdp_config,
               rp.Role.TEACHER: cfg.teacher.fsdp_config}.get(role, arr.actor.fsdp_config)
         compute = DTYPE_BYTES.get(fc.mixed_precision or "fp32", 4)
-        gen = DTYPE_BYTES[arr.generation_dtype()]  # the rollout's weights: bf16 under bf16 mixed precision
+        gen = DTYPE_BYTES[arr.rollout.generation_dtype]  # the rollout's weights: bf16 under bf16 mixed precision
         m = MemoryInputs(param_bytes=4, compute_bytes=compute, gen_bytes=gen, strategy=_strategy(fc), seq_len=seq,
                          micro_batch=arr.actor.ppo_micro_batch_size_per_gpu or MICRO_BATCH_CAP,  # unset: at most the cap (derived)
                          rollout_seqs=d.train_batch_size * rollout_n(cfg),
                          gradient_checkpointing=arr.model.enable_gradient_checkpointing, param_offload=fc.param_offload,
-                         lora_rank={rp.Role.ACTOR_ROLLOUT: arr.model.lora_rank, rp.Role.CRITIC: cfg.critic.model.lora_rank}.get(role, 0))
-        role_arch = load_arch(cfg.critic.model.path) if role == rp.Role.CRITIC and cfg.critic.model.path else arch
+                         lora_rank={rp.Role.ACTOR_ROLLOUT: arr.model.lora_rank, rp.Role.CRITIC: critic.model.lora_rank}.get(role, 0))
+        role_arch = load_arch(critic.model.path) if role == rp.Role.CRITIC and critic.model.path else arch
         if role in (rp.Role.REWARD_MODEL, rp.Role.TEACHER):
             role_arch = load_arch((cfg.reward_model if role == rp.Role.REWARD_MODEL else cfg.teacher).model.path)
-        gen_tp = arr.rollout.tensor_model_parallel_size if role in (rp.Role.ACTOR_ROLLOUT, rp.Role.ROLLOUT) and n % arr.rollout.tensor_model_parallel_size == 0 else 1
+        gen_tp = arr.rollout.rollout.tensor_model_parallel_size if role in (rp.Role.ACTOR_ROLLOUT, rp.Role.ROLLOUT) and n % arr.rollout.rollout.tensor_model_parallel_size == 0 else 1
         trains = role in (rp.Role.ACTOR_ROLLOUT, rp.Role.CRITIC)
         a = arr.actor  # the actor's 3D layout; other roles train or score with FSDP
         pp, tp = (a.pipeline_model_parallel_size, a.tensor_model_parallel_size) if role == rp.Role.ACTOR_ROLLOUT else (1, 1)
@@ -115,7 +117,7 @@ def check_memory(cfg: HybridFlowConfig, roles: list[rp.Role] | None = None) -> d
                 f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu or data.max_response_length, raise "
                 f"actor_rollout_ref.rollout.tensor_model_parallel_size, set actor_rollout_ref.model.enable_gradient_checkpointing=true, "
                 f"or raise {BUDGET_KEY}")
-    he = cfg.actor_rollout_ref.hybrid_engine
+    he = resolve(cfg).actor.hybrid_engine
     if he.keep_generation_buffers is None:  # derived once here, passed to the workers in the config
         actor = pools.get(rp.role_pools(cfg, roles).get(rp.Role.ACTOR_ROLLOUT), {})
         kept = actor.get("parts", {}).get(rp.Role.ACTOR_ROLLOUT.value, {}).get("gen_weights", 0)

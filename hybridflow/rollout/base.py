@@ -47,9 +47,11 @@ class RolloutBackend(Protocol):
 
 @dataclass
 class RolloutContext:
-    """What a backend builder gets from the worker that holds it."""
+    """What a backend builder gets from the worker that holds it: the rollout's spec
+    (`run_plan.RolloutSpec`: model, sampling section, generation dtype, longest sequence), never the
+    root config."""
 
-    cfg: Any  # HybridFlowConfig
+    spec: Any  # RolloutSpec
     tokenizer: Any
     device: str
     rank: int
@@ -105,10 +107,9 @@ def make_rollout(name: str, ctx: RolloutContext) -> RolloutBackend:
 
 
 @register_check("rollout_backend")
-def rollout_backend_problems(cfg) -> list[str]:
-    """actor_rollout_ref.rollout.name names a registered backend (or an importable builder), and
-    the backend's own checks (its builder's `check`) pass."""
-    name = cfg.actor_rollout_ref.rollout.name
+def rollout_backend_problems(name: str, cfg) -> list[str]:
+    """`name` (actor_rollout_ref.rollout.name) names a registered backend (or an importable builder),
+    and the backend's own checks (its builder's `check(cfg)`) pass."""
     try:
         builder = rollout_builder(name)
     except ValueError as e:

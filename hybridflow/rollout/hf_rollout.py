@@ -139,12 +139,12 @@ def build_hf_rollout(ctx: RolloutContext) -> HFRollout:
     from hybridflow.models.hf import load_hf_model
     from hybridflow.models.lora import apply_lora
 
-    gen_tp = ctx.cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
+    gen_tp = ctx.spec.rollout.tensor_model_parallel_size
     tp_index, dp_index = gen_ranks(ctx.rank, ctx.world_size, gen_tp, ctx.train_layout)
     # With LoRA the generation model carries the same adapters, unmerged: the same names as training,
     # so the hybrid engine moves the frozen base once and the adapters at every switch.
-    mcfg = ctx.cfg.actor_rollout_ref.model
-    model = apply_lora(load_hf_model(mcfg, ctx.device, dtype=ctx.cfg.actor_rollout_ref.generation_dtype()), mcfg).eval().requires_grad_(False)
+    mcfg = ctx.spec.model
+    model = apply_lora(load_hf_model(mcfg, ctx.device, dtype=ctx.spec.generation_dtype), mcfg).eval().requires_grad_(False)
     if gen_tp > 1:
         apply_tensor_parallel(model, gen_mesh(ctx.device, ctx.world_size, gen_tp, ctx.train_layout)["tp"])
     return HFRollout(model, ctx.tokenizer, ctx.device, tp_index, dp_index, gen_tp)

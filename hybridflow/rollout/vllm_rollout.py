@@ -256,9 +256,8 @@ class VLLMRollout:
 
 
 def build_vllm_rollout(ctx: RolloutContext) -> VLLMRollout:
-    cfg = ctx.cfg
-    mcfg, rcfg = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.rollout
-    max_len = cfg.data.max_prompt_length + cfg.data.max_response_length
-    return VLLMRollout(mcfg.path, cfg.actor_rollout_ref.generation_dtype(), max_len, cfg.trainer.seed, ctx.device, rcfg.gpu_memory_utilization, rcfg.cpu_kv_cache_gb,
+    spec = ctx.spec
+    mcfg, rcfg = spec.model, spec.rollout
+    return VLLMRollout(mcfg.path, spec.generation_dtype, spec.max_model_len, spec.process.seed, ctx.device, rcfg.gpu_memory_utilization, rcfg.cpu_kv_cache_gb,
                        tokenizer=ctx.tokenizer, rank=ctx.rank, tensor_parallel_size=rcfg.tensor_model_parallel_size, shard_dims=ctx.shard_dims,
                        lora=mcfg if mcfg.lora_rank > 0 else None)

@@ -21,14 +21,14 @@ import torch
 
 from hybridflow.agent.loop import AgentSettings, Trajectory, run_trajectories, trajectory_metrics
 from hybridflow.agent.tools import load_tool_config
-from hybridflow.config.schema import HybridFlowConfig
+from hybridflow.config.schema import MultiTurnConfig
 from hybridflow.protocol import Batch, SamplingParams
 from hybridflow.rollout.base import rollout_batch
 
 
-def agent_settings(cfg: HybridFlowConfig) -> AgentSettings:
-    mt = cfg.actor_rollout_ref.rollout.multi_turn
-    return AgentSettings(mt.max_assistant_turns, mt.max_tool_response_length, mt.format, cfg.data.max_response_length, mt.default_agent)
+def agent_settings(mt: MultiTurnConfig, max_response_length: int) -> AgentSettings:
+    """mt: actor_rollout_ref.rollout.multi_turn; max_response_length: data.max_response_length (the trajectory's token budget)."""
+    return AgentSettings(mt.max_assistant_turns, mt.max_tool_response_length, mt.format, max_response_length, mt.default_agent)
 
 
 def trajectories_to_batch(trajs: list[Trajectory], pad_id: int, params: SamplingParams) -> Batch:
@@ -57,10 +57,10 @@ def trajectories_to_batch(trajs: list[Trajectory], pad_id: int, params: Sampling
 class AgentRollout:
     """The step's multi-turn rollouts through a rollout group (`generate_requests`)."""
 
-    def __init__(self, cfg: HybridFlowConfig, tokenizer: Any):
-        self.cfg, self.tokenizer = cfg, tokenizer
-        self.settings = agent_settings(cfg)
-        path = cfg.actor_rollout_ref.rollout.multi_turn.tool_config_path
+    def __init__(self, multi_turn: MultiTurnConfig, max_response_length: int, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.settings = agent_settings(multi_turn, max_response_length)
+        path = multi_turn.tool_config_path
         self.tools = load_tool_config(path) if path else []
         self.last: list[Trajectory] = []
 

@@ -95,7 +95,7 @@ class DPOTrainer(RLTrainer):
         metrics: dict[str, float] = {}
         if self.online:
             samples, m = self.sample_flow.run(self._prepare_batch())
-            batch, pair_metrics = best_vs_worst(samples, self.cfg.actor_rollout_ref.rollout.n)
+            batch, pair_metrics = best_vs_worst(samples, self.run_plan.rollout.rollout.n)
             metrics.update(m, **pair_metrics)
         else:
             batch = self._prepare_batch()

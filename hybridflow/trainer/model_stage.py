@@ -17,7 +17,6 @@ stale weights. `flow.close()` stops the groups.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import os
 import tempfile
@@ -57,6 +56,7 @@ class PolicyGroup:
         from hybridflow.config.schema import PoolSpec
         from hybridflow.config.pools import ModelPart, needs_ref_log_prob, ref_is_actor
         from hybridflow.trainer.placement import start_groups
+        from hybridflow.run_plan import resolve
         from hybridflow.trainer.roles import policy_worker
 
         self._tmp = self.placed = None
@@ -65,17 +65,16 @@ class PolicyGroup:
             model.save_pretrained(self._tmp.name)
             model = self._tmp.name
         self.path = os.path.abspath(str(model))
-        cfg = copy.deepcopy(cfg)
-        cfg.actor_rollout_ref.model.path = self.path
-        if not os.path.exists(os.path.join(self.path, "tokenizer_config.json")) and not cfg.actor_rollout_ref.model.tokenizer_path:
+        cfg = cfg.with_policy_model(self.path)
+        if cfg.policy_tokenizer_path() == self.path and not os.path.exists(os.path.join(self.path, "tokenizer_config.json")):
             raise ValueError(f"model {self.path} has no tokenizer; set actor_rollout_ref.model.tokenizer_path in the flow's config")
         cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node = 1, num_workers
         cfg.resource_pool.pools, cfg.resource_pool.mapping = {}, {}
         cfg = derive_defaults(cfg)  # unset batch sizes from num_workers
         validate_config(cfg)  # batch sizes against num_workers, the model, ... before any worker starts
-        self.cfg = cfg
+        self.cfg, self.run_plan = cfg, resolve(cfg)
         use_ref = needs_ref_log_prob(cfg) and not ref_is_actor(cfg)
-        worker = policy_worker(cfg, {ModelPart.ACTOR, ModelPart.ROLLOUT} | ({ModelPart.REF} if use_ref else set()))
+        worker = policy_worker(self.run_plan.actor, {ModelPart.ACTOR, ModelPart.ROLLOUT} | ({ModelPart.REF} if use_ref else set()))
         # Unique per checkpoint path (two models in folders of the same name must not share actor names).
         name = f"model_{os.path.basename(self.path.rstrip('/'))}_{hashlib.sha1(self.path.encode()).hexdigest()[:8]}_{os.getpid()}"
         try:
@@ -94,7 +93,6 @@ class PolicyGroup:
 
     def stage_fn(self, method: str):
         """The stage function calling `method` on this group (with the pool name the scheduler reads)."""
-        from hybridflow.protocol import SamplingParams
 
         if method == "generate_sequences":
 
@@ -103,7 +101,7 @@ class PolicyGroup:
                     self.actor.reshard()
                     self.stale = False
                 self.calls += 1
-                params = SamplingParams.from_config(self.cfg, seed=self.cfg.trainer.seed * 100_003 + self.calls)
+                params = self.run_plan.rollout.sampling_params(seed=self.cfg.trainer.seed * 100_003 + self.calls)
                 return self.actor.generate_sequences(batch, params)
         elif method == "update_actor":
 

@@ -45,6 +45,7 @@ from hybridflow.protocol import Batch
 from hybridflow.rewards.loader import load_custom_reward_fn
 from hybridflow.rewards.manager import RewardManager
 from hybridflow.protocol import SamplingParams
+from hybridflow.run_plan import resolve
 from hybridflow.trainer import checkpoints, driver_stages, validation
 from hybridflow.trainer.agent_rollout import AgentRollout
 from hybridflow.trainer.async_rollout import AsyncRollout
@@ -96,6 +97,7 @@ class RLTrainer:
         self.cfg = cfg = resolve_config(cfg, parallel_config, engine_kwargs, self.KIND)
         self.roles = RunRoles.of(cfg, self.KIND)  # which roles run, on which pools: computed once, here
         check_memory(cfg, self.roles.roles)  # the estimated peak per worker fits the device (planning/preflight.py)
+        self.run_plan = resolve(cfg)  # every role's spec (run_plan.py), after the last derived value: what its workers receive
         self._load_data()
         if cfg.trainer.resume_mode == "auto" and (found := checkpoints.resume_path(cfg.trainer)):
             checkpoints.check_same_run(found, cfg)  # never resume from another run's checkpoints (on by default)
@@ -117,7 +119,7 @@ class RLTrainer:
     def _load_data(self) -> None:
         """The tokenizer, the datasets and their loader, the reward function: all read and checked
         before any worker starts."""
-        d, mcfg, crf = self.cfg.data, self.cfg.actor_rollout_ref.model, self.cfg.custom_reward_function
+        d, mcfg, crf = self.cfg.data, self.run_plan.actor.model, self.cfg.custom_reward_function
         self.tokenizer = AutoTokenizer.from_pretrained(mcfg.tokenizer_path or mcfg.path)
         self.val_ds = RLDataset(d.val_files, self.tokenizer, d.max_prompt_length, d.prompt_key, d.filter_overlong_prompts, d.truncation) if d.val_files else None
         self.collate = lambda items: collate_rl(items, self.tokenizer.pad_token_id, d.max_prompt_length, d.prompt_padding)
@@ -127,7 +129,8 @@ class RLTrainer:
         self.reward_fn = RewardManager(self.tokenizer, load_custom_reward_fn(crf.path, crf.name), timeout_s=crf.timeout_s)
         self._check_scorers()
         # Multi-turn (tools / environments): the agent loop on the driver; tool config read now.
-        self.agent = AgentRollout(self.cfg, self.tokenizer) if self.cfg.actor_rollout_ref.rollout.multi_turn.enable else None
+        mt = self.run_plan.rollout.rollout.multi_turn
+        self.agent = AgentRollout(mt, d.max_response_length, self.tokenizer) if mt.enable else None
 
     def _train_data(self):
         """The training dataset and its collate function (RL: prompts)."""
@@ -172,12 +175,12 @@ class RLTrainer:
         worker group per pool holding the roles mapped to it (colocated in one process per rank),
         then start every model."""
         cfg, roles = self.cfg, self.roles
-        if cfg.trainer.check_weight_sync and cfg.actor_rollout_ref.rollout.name == "vllm":
+        if cfg.trainer.check_weight_sync and self.run_plan.rollout.name == "vllm":
             logger.warning("trainer.check_weight_sync compares generation buffers with the trained weights on the hf "
                            "backend; vLLM repacks its weights, so with vllm the check is rollout/logprob_diff_max")
         specs = pool_specs(cfg)
         self.placed = start_groups(cfg.trainer, cfg.ray_init, {name: specs[name] for name in roles.pool_names()},
-                                   lambda pool, procs_per_node: role_classes(cfg, roles, roles.on(pool), procs_per_node, self.total_steps),
+                                   lambda pool, procs_per_node: role_classes(cfg, self.run_plan, roles, roles.on(pool), procs_per_node, self.total_steps),
                                    name=lambda pool: f"{cfg.trainer.experiment_name}_{pool}_{os.getpid()}")
         self.wg = self.groups[self.pool_of(Role.ACTOR_ROLLOUT)]
         views = self.placed.views()
@@ -191,7 +194,7 @@ class RLTrainer:
         for p in pending:
             p.result()
         self.plan_summary = None if roles.async_rollout else self.actor.reshard_plan()
-        self.weight_sync = WeightSync(cfg, self.actor, self.plan_summary, self.rollout, (self.pool_of(Role.ACTOR_ROLLOUT), roles.pools.get(Role.ROLLOUT, "")))
+        self.weight_sync = WeightSync(self.run_plan.actor, cfg.trainer, self.actor, self.plan_summary, self.rollout, (self.pool_of(Role.ACTOR_ROLLOUT), roles.pools.get(Role.ROLLOUT, "")))
         if roles.async_rollout:
             self.async_gen = AsyncRollout(self.rollout, self.weight_sync, self._prepare_batch, lambda step: self._sampling(step=step))
 
@@ -249,7 +252,7 @@ class RLTrainer:
         gen_stages = [Stage("gen", self._generate, PROMPT_KEYS + agent_keys[0], GEN_OUTPUTS + agent_keys[1], pool=actor_pool)]
         # The trainer's old log-probs: recomputed when asked, with async rollout, for rollout correction
         # and for distillation (its advantage is teacher - student log-prob).
-        recompute = self.cfg.actor_rollout_ref.actor.recompute_old_log_prob or roles.async_rollout or c.active or roles.use_teacher
+        recompute = self.run_plan.actor.actor.recompute_old_log_prob or roles.async_rollout or c.active or roles.use_teacher
         old_log_prob = Stage("old_log_prob", actor.compute_log_prob, TRAIN_KEYS, ["old_log_probs"], enabled=recompute)
         sync = Stage("reshard", self.weight_sync.reshard, [], [], pool=actor_pool)
         if roles.async_rollout:  # generation happens outside the flow, one batch ahead (train_step)
@@ -284,10 +287,10 @@ class RLTrainer:
     # ------------------------------------------------------------------ loop
     def _sampling(self, greedy: bool = False, step: int | None = None) -> SamplingParams:
         seed = self.cfg.trainer.seed * 100_003 + (self.global_step if step is None else step) + 1_000_003 * self._gen_round
-        return SamplingParams.from_config(self.cfg, greedy, seed)
+        return self.run_plan.rollout.sampling_params(greedy, seed)
 
     def _prepare_batch(self) -> Batch:
-        n = self.cfg.actor_rollout_ref.rollout.n
+        n = self.run_plan.rollout.rollout.n
         batch = self.loader.next_batch()
         # Group id per prompt, then n interleaved samples per prompt: [p0, p0, ..., p1, p1, ...].
         batch["uid"] = [f"{self.loader.epoch}-{self.loader.position}-{i}" for i in range(len(batch))]
@@ -305,7 +308,7 @@ class RLTrainer:
         and draw more prompts until data.train_batch_size groups are kept (the first ones, in order).
         After max_num_gen_batches rounds with fewer: the groups kept (`_underfilled`), or with
         algorithm.filter_groups.strict an error, as verl's."""
-        fg, n = self.cfg.algorithm.filter_groups, self.cfg.actor_rollout_ref.rollout.n
+        fg, n = self.cfg.algorithm.filter_groups, self.run_plan.rollout.rollout.n
         want = self.cfg.data.train_batch_size * n  # rows
         kept: list[Batch] = []
         merged: dict[str, float] = {}  # the rounds' metrics
@@ -353,7 +356,7 @@ class RLTrainer:
         update (the dispatch would otherwise pad, training some rows twice). Each mini-batch's loss
         is a mean over its own tokens / sequences (`agg_loss`, `micro_weight`), so a smaller batch
         needs no rescaling: its update has the same scale, from fewer samples."""
-        fg, n = self.cfg.algorithm.filter_groups, self.cfg.actor_rollout_ref.rollout.n
+        fg, n = self.cfg.algorithm.filter_groups, self.run_plan.rollout.rollout.n
         self.underfilled_batches += 1
         groups, multiple = len(kept) // n, self._train_rows_multiple()
         step = multiple // math.gcd(multiple, n)  # groups whose rows split over `multiple` ranks come in steps of this
@@ -371,7 +374,7 @@ class RLTrainer:
     def _train_rows_multiple(self) -> int:
         """Rows a training batch must be a multiple of: the data-parallel ranks of the actor's update
         (workers / (pp x tp)) and, with a critic, of its update."""
-        a, c = self.cfg.actor_rollout_ref.actor, self.cfg.critic
+        a, c = self.run_plan.actor.actor, self.run_plan.critic.critic
         multiple = self.actor.world_size // (a.tensor_model_parallel_size * a.pipeline_model_parallel_size)
         if getattr(self, "critic", None) is not None:
             multiple = math.lcm(multiple, self.critic.world_size // c.tensor_model_parallel_size)
@@ -415,7 +418,7 @@ class RLTrainer:
         """Greedy (val_kwargs) generation on the validation set; accuracy per data source."""
         if self.val_ds is None:
             return {}
-        return validation.validate(self.cfg, self.val_ds, self.collate, functools.partial(self._rollout_on, self.rollout), self.reward_fn,
+        return validation.validate(self.run_plan.rollout.rollout.val_kwargs, self.cfg.data.val_batch_size, self.val_ds, self.collate, functools.partial(self._rollout_on, self.rollout), self.reward_fn,
                                    self._sampling(greedy=True))
 
     def fit(self) -> dict:

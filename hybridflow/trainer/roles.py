@@ -2,7 +2,7 @@
 
     roles = RunRoles.of(cfg, "rl")        # {Role: pool name}: the layout, before any worker starts
     roles.use_critic, roles.use_ref, roles.use_rm, roles.pool_of(Role.ACTOR_ROLLOUT)
-    role_classes(cfg, roles, roles.on(pool), procs_per_node, total_steps)  # {view name: (class, kwargs)}
+    role_classes(cfg, plan, roles, roles.on(pool), procs_per_node, total_steps)  # {view name: (class, kwargs)}, specs from the plan
 
 Which roles run: `resource_pool.active_roles` for RL (a critic for GAE, a reference for KL, a
 rollout pool when async, a reward model and a distillation teacher when enabled), `resource_pool.dpo_roles` for DPO. Roles are
@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.config.pools import ModelPart, Role, ref_is_actor, role_pools, run_roles
+from hybridflow.run_plan import ActorSpec, RunPlan
 
 
 @dataclass(frozen=True)
@@ -70,16 +71,18 @@ class RunRoles:
         return Role.TEACHER in self.pools
 
 
-def policy_worker(cfg: HybridFlowConfig, parts: set[ModelPart] | frozenset[ModelPart], **kwargs) -> tuple[type, dict]:
+def policy_worker(spec: ActorSpec, parts: set[ModelPart] | frozenset[ModelPart], **kwargs) -> tuple[type, dict]:
     """The policy-model worker holding `parts` (typed: the worker reads the ModelPart set), and its arguments."""
     from hybridflow.workers.actor_rollout_ref import ActorRolloutRefWorker
 
-    return ActorRolloutRefWorker, {"config": cfg, "role": frozenset(parts), **kwargs}
+    return ActorRolloutRefWorker, {"spec": spec, "role": frozenset(parts), **kwargs}
 
 
-def role_classes(cfg: HybridFlowConfig, run: RunRoles, here: list[Role], procs_per_node: int, total_steps: int) -> dict[str, tuple[type, dict]]:
+def role_classes(cfg: HybridFlowConfig, plan: RunPlan, run: RunRoles, here: list[Role], procs_per_node: int,
+                 total_steps: int) -> dict[str, tuple[type, dict]]:
     """The worker classes (and their arguments) that hold the roles `here` in one process, by view
-    name; procs_per_node: the pool's ranks per node (consecutive), the hybrid engine's node boundary."""
+    name; each gets its spec from `plan`; procs_per_node: the pool's ranks per node (consecutive),
+    the hybrid engine's node boundary."""
     from hybridflow.workers.critic import CriticWorker
     from hybridflow.workers.reward_model import RewardModelWorker
     from hybridflow.workers.rollout import RolloutWorker
@@ -89,21 +92,21 @@ def role_classes(cfg: HybridFlowConfig, run: RunRoles, here: list[Role], procs_p
     classes: dict[str, tuple[type, dict]] = {}
     if Role.ACTOR_ROLLOUT in here:
         parts = {ModelPart.ACTOR} | ({ModelPart.ROLLOUT} if not run.async_rollout else set()) | ({ModelPart.REF} if Role.REF in here else set())
-        classes["actor"] = policy_worker(cfg, parts, total_training_steps=total_steps, procs_per_node=procs_per_node)
+        classes["actor"] = policy_worker(plan.actor, parts, total_training_steps=total_steps, procs_per_node=procs_per_node)
     elif Role.REF in here:
-        classes["ref"] = policy_worker(cfg, {ModelPart.REF})
+        classes["ref"] = policy_worker(plan.actor, {ModelPart.REF})
     if Role.ROLLOUT in here:
-        classes["rollout"] = (RolloutWorker, {"config": cfg})
+        classes["rollout"] = (RolloutWorker, {"spec": plan.rollout})
     if Role.CRITIC in here:
-        classes["critic"] = (CriticWorker, {"config": cfg, "total_training_steps": total_steps})
+        classes["critic"] = (CriticWorker, {"spec": plan.critic, "total_training_steps": total_steps})
     if Role.REWARD_MODEL in here:
-        rm, mcfg = cfg.reward_model, cfg.actor_rollout_ref.model
+        rm, mcfg = cfg.reward_model, plan.actor.model
         classes["reward_model"] = (RewardModelWorker, {"model": rm.model, "fsdp": rm.fsdp_config, "micro_batch_size": rm.micro_batch_size_per_gpu,
                                                        "device": t.device, "seed": t.seed, "policy_tokenizer": mcfg.tokenizer_path or mcfg.path,
                                                        "collective_timeout_s": t.collective_timeout_s})
     if Role.TEACHER in here:
         tc = cfg.teacher
         classes["teacher"] = (TeacherWorker, {"model": tc.model, "fsdp": tc.fsdp_config, "micro_batch_size": tc.log_prob_micro_batch_size_per_gpu,
-                                              "device": t.device, "seed": t.seed, "remove_padding": cfg.actor_rollout_ref.model.use_remove_padding,
+                                              "device": t.device, "seed": t.seed, "remove_padding": plan.actor.model.use_remove_padding,
                                               "collective_timeout_s": t.collective_timeout_s})
     return classes

@@ -21,6 +21,7 @@ from hybridflow.config.pools import ModelPart
 from hybridflow.data.dataset import SFTDataset, collate_sft
 from hybridflow.trainer.loader import PromptLoader
 from hybridflow.trainer.placement import start_groups
+from hybridflow.run_plan import resolve
 from hybridflow.trainer.roles import policy_worker
 from hybridflow.utils.tracking import Tracker
 
@@ -43,7 +44,7 @@ def run_sft(cfg: SFTConfig, log_every: int = 50, stop_after: int | None = None) 
                else SFTDataset(cfg.train_files, tokenizer, cfg.max_length, cfg.prompt_key, cfg.response_key))
     loader = PromptLoader(dataset, cfg.train_batch_size, collate_sft, shuffle=True, seed=cfg.trainer.seed)
     t = cfg.trainer
-    worker = policy_worker(_actor_config(cfg), {ModelPart.ACTOR}, total_training_steps=cfg.total_steps)
+    worker = policy_worker(resolve(_actor_config(cfg)).actor, {ModelPart.ACTOR}, total_training_steps=cfg.total_steps)
     # trainer.launcher: Ray workers on a reserved pool, or this process as one torchrun rank.
     placed = start_groups(t, cfg.ray_init, {DEFAULT_POOL: PoolSpec(workers_per_node=t.n_gpus_per_node, nnodes=t.nnodes)},
                           lambda pool, procs_per_node: {"actor": worker}, name=lambda pool: f"sft_{os.getpid()}")

@@ -20,19 +20,19 @@ from typing import Any, Callable
 
 import numpy as np
 
-from hybridflow.config.schema import HybridFlowConfig
+from hybridflow.config.schema import SamplingConfig
 from hybridflow.protocol import Batch
 from hybridflow.protocol import SamplingParams
 from hybridflow.trainer.driver_stages import with_agent_reward
 from hybridflow.trainer.keys import with_sample_info
 
 
-def validate(cfg: HybridFlowConfig, val_ds: Any, collate: Callable[[list], Batch], generate: Callable[[Batch, SamplingParams], Batch],
+def validate(val_kwargs: SamplingConfig, val_batch_size: int | None, val_ds: Any, collate: Callable[[list], Batch], generate: Callable[[Batch, SamplingParams], Batch],
              reward_fn: Callable, greedy: SamplingParams) -> dict[str, float]:
     """Generate for every validation prompt (data.val_batch_size at a time, val_kwargs.n samples
     each) with `generate(prompts, greedy)` (single- or multi-turn); the metrics per data source."""
-    vk = cfg.actor_rollout_ref.rollout.val_kwargs
-    size = cfg.data.val_batch_size or len(val_ds)
+    vk = val_kwargs  # actor_rollout_ref.rollout.val_kwargs
+    size = val_batch_size or len(val_ds)
     scores: dict[str, list[float]] = defaultdict(list)
     preds: dict[str, list] = defaultdict(list)
     agent: dict[str, list[tuple[float, int]]] = defaultdict(list)  # multi-turn: (a batch's mean, its rows)

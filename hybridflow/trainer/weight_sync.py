@@ -20,17 +20,20 @@ import time
 from typing import Any, Callable
 
 from hybridflow import profiler
-from hybridflow.config.schema import HybridFlowConfig
+from hybridflow.config.schema import TrainerConfig
+from hybridflow.run_plan import ActorSpec
 from hybridflow.protocol import Batch
 
 logger = logging.getLogger("hybridflow")
 
 
 class WeightSync:
-    def __init__(self, cfg: HybridFlowConfig, actor: Any, plan_summary: dict | None, rollout: Any = None, pools: tuple[str, str] = ("", "")):
-        """actor: the trained policy's view; plan_summary: its resharding plan (colocated);
-        rollout, pools: the rollout pool's view and (actor pool, rollout pool) names (cross-pool)."""
-        self.cfg, self.actor, self.plan_summary, self.rollout, self.pools = cfg, actor, plan_summary, rollout, pools
+    def __init__(self, spec: ActorSpec, trainer: TrainerConfig, actor: Any, plan_summary: dict | None, rollout: Any = None,
+                 pools: tuple[str, str] = ("", "")):
+        """spec: the policy's (hybrid engine, actor layout, rollout); trainer: nnodes, workers per node,
+        check_weight_sync; actor: the trained policy's view; plan_summary: its resharding plan
+        (colocated); rollout, pools: the rollout pool's view and (actor pool, rollout pool) names (cross-pool)."""
+        self.spec, self.trainer, self.actor, self.plan_summary, self.rollout, self.pools = spec, trainer, actor, plan_summary, rollout, pools
         self.pending = None  # the workers' reshard in flight (overlap mode)
         self.logged = False  # the first sync logs the plan and its timing
 
@@ -38,11 +41,11 @@ class WeightSync:
     def reshard(self, batch: Batch | None = None) -> dict[str, float]:
         """Training -> generation layout (the flow's "reshard" stage). With overlap on, only start
         it: the trainer collects it with `finish_overlapped`."""
-        he = self.cfg.actor_rollout_ref.hybrid_engine
+        he = self.spec.hybrid_engine
         first = not self.logged
         if first:
             self._log_plan()
-        kwargs = {"measure_baseline": first and he.measure_baseline, "check": self.cfg.trainer.check_weight_sync, "trace": profiler.active_session() is not None}
+        kwargs = {"measure_baseline": first and he.measure_baseline, "check": self.trainer.check_weight_sync, "trace": profiler.active_session() is not None}
         self.pending = self.actor.submit("reshard", **kwargs)
         if he.resharding_overlap_with_compute:
             return {}
@@ -55,8 +58,8 @@ class WeightSync:
         return self.finish(prep_seconds=time.perf_counter() - prep_start)
 
     def _log_plan(self) -> None:
-        r, t = self.cfg.actor_rollout_ref.rollout, self.cfg.trainer
-        a, n, plan = self.cfg.actor_rollout_ref.actor, self.actor.world_size, self.plan_summary
+        r, t = self.spec.rollout.rollout, self.trainer
+        a, n, plan = self.spec.actor, self.actor.world_size, self.plan_summary
         pp, tp = a.pipeline_model_parallel_size, a.tensor_model_parallel_size
         train = f"FSDP(dp={n})" if pp == tp == 1 else f"PP={pp} x TP={tp} x FSDP(dp={n // (pp * tp)})"
         logger.info("Starting resharding from %s to TP=%d x DP=%d...", train, r.tensor_model_parallel_size, n // r.tensor_model_parallel_size)
@@ -121,9 +124,9 @@ class WeightSync:
     def sync_rollout(self) -> dict[str, float]:
         """Trained weights -> the rollout pool (which must have finished generating with the
         previous ones). Each generation rank fetches only its own pieces."""
-        r, check = self.cfg.actor_rollout_ref.rollout, self.cfg.trainer.check_weight_sync
+        r, check = self.spec.rollout.rollout, self.trainer.check_weight_sync
         tp, world = r.tensor_model_parallel_size, self.rollout.world_size
-        percent = self.cfg.actor_rollout_ref.hybrid_engine.resharding_buffer_percent
+        percent = self.spec.hybrid_engine.resharding_buffer_percent
         if not self.logged and percent is not None:
             logger.warning("actor_rollout_ref.hybrid_engine.resharding_buffer_percent=%s is not used: trainer.async_rollout syncs the "
                            "rollout pool through the object store (each generation rank's pieces at once), not the layer-wise switch", percent)

@@ -17,13 +17,14 @@ def _run_model_config(ckpt_dir: str, model_path: str | None):
     """The run's `actor_rollout_ref.model` block (its saved config.yaml), `model_path` overriding its path."""
     from hybridflow.config import HybridFlowConfig, load_config
     from hybridflow.config.schema import ModelConfig
+    from hybridflow.run_plan import resolve
 
     cfg_path = os.path.join(os.path.dirname(os.path.abspath(ckpt_dir)), "config.yaml")
     if not os.path.isfile(cfg_path):
         if model_path is None:
             raise SystemExit(f"error: {cfg_path} not found (the run's saved config names the model); pass --model-path")
         return ModelConfig(path=model_path)
-    mcfg = load_config(cfg_path, schema=HybridFlowConfig).actor_rollout_ref.model
+    mcfg = resolve(load_config(cfg_path, schema=HybridFlowConfig)).actor.model
     if model_path:
         mcfg.path = model_path
     return mcfg

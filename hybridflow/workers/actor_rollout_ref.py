@@ -24,8 +24,6 @@ from transformers import AutoTokenizer
 
 from hybridflow.algorithms import masked_mean
 from hybridflow.algorithms.objectives import PPOLoss, SFTLoss
-from hybridflow.config.run_plan import UpdatePlan, actor_update_plan, sft_update_plan
-from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.controller.decorator import Dispatch, register
 from hybridflow.config.pools import ModelPart, worker_role
 from hybridflow.controller.worker import Worker
@@ -41,6 +39,7 @@ from hybridflow.parallel.fsdp import shard_numel
 from hybridflow.parallel.layout import parallel_dims
 from hybridflow.parallel.tensor_parallel import gen_shard_dims
 from hybridflow.protocol import Batch
+from hybridflow.run_plan import ActorSpec, UpdatePlan
 from hybridflow.rollout.base import RolloutContext, make_rollout
 from hybridflow.workers.preference import PreferenceMixin
 from hybridflow.workers.rollout import RolloutMixin
@@ -50,15 +49,15 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
     """role: "actor_rollout_ref" / "actor_rollout" (RL, with / without the reference), "actor_ref" /
     "actor" (the rollout on another pool; "actor" is also SFT), "ref" (the reference alone)."""
 
-    def __init__(self, config: HybridFlowConfig, role: "str | frozenset[ModelPart]" = "actor_rollout_ref", total_training_steps: int = 1,
+    def __init__(self, spec: ActorSpec, role: "str | frozenset[ModelPart]" = "actor_rollout_ref", total_training_steps: int = 1,
                  procs_per_node: int | None = None):
-        """procs_per_node: ranks per node of this worker's pool (consecutive), the hybrid engine's
-        node boundary; None = all on one node."""
+        """spec: the policy's (`run_plan.resolve(cfg).actor`); procs_per_node: ranks per node of this
+        worker's pool (consecutive), the hybrid engine's node boundary; None = all on one node."""
         super().__init__()
-        self.cfg = config
+        self.spec = spec
         self.procs_per_node = procs_per_node or self.world_size
         self.total_training_steps = total_training_steps
-        self.device = pick_device(config.trainer.device)
+        self.device = pick_device(spec.process.device)
         # What this process holds: a set of ModelPart (the trainer's typed roles), or the role string
         # ("actor_rollout_ref", "actor_rollout", "actor_ref", "actor", "ref") that names the same set.
         parts = frozenset(ModelPart(p) for p in role.split("_")) if isinstance(role, str) else frozenset(role)
@@ -66,8 +65,8 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
         self.has_actor = ModelPart.ACTOR in parts
         self.has_rollout = ModelPart.ROLLOUT in parts
         self.has_ref = ModelPart.REF in parts
-        self.remove_padding = config.actor_rollout_ref.model.use_remove_padding
-        acfg = config.actor_rollout_ref.actor
+        self.remove_padding = spec.model.use_remove_padding
+        acfg = spec.actor
         # The actor's 3D layout; the colocated reference shares it (same workers, same data split),
         # a reference on a pool of its own ("ref") scores with FSDP over that pool. The rollout
         # backend adds its generation layout (`_init_rollout`).
@@ -89,9 +88,9 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
-        self.init_process_group(self.device, self.cfg.trainer.collective_timeout_s)
-        torch.manual_seed(self.cfg.trainer.seed)
-        mcfg = self.cfg.actor_rollout_ref.model
+        self.init_process_group(self.device, self.spec.process.collective_timeout_s)
+        torch.manual_seed(self.spec.process.seed)
+        mcfg = self.spec.model
         self.tokenizer = AutoTokenizer.from_pretrained(mcfg.tokenizer_path or mcfg.path)
         self.dims = parallel_dims(self.train_layout, self.device)
         if self.has_actor:
@@ -99,17 +98,17 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
         if self.has_rollout:
             self._init_rollout(mcfg)
         if self.has_ref:
-            self.ref = TrainEngine(load_hf_model(mcfg, self.device), self.dims, self.device, self.cfg.actor_rollout_ref.ref.fsdp_config,
-                                   pipeline_schedule=self.cfg.actor_rollout_ref.actor.pipeline_schedule, remove_padding=self.remove_padding)
+            self.ref = TrainEngine(load_hf_model(mcfg, self.device), self.dims, self.device, self.spec.ref.fsdp_config,
+                                   pipeline_schedule=self.spec.actor.pipeline_schedule, remove_padding=self.remove_padding)
 
     def _init_actor(self, mcfg) -> None:
-        acfg = self.cfg.actor_rollout_ref.actor
+        acfg = self.spec.actor
         model = apply_lora(load_hf_model(mcfg, self.device), mcfg)  # LoRA: only the adapters train
         for name, p in model.named_parameters():  # frozen: no gradient, no optimizer state, synced once
             if any(fnmatch.fnmatchcase(name, pattern) for pattern in acfg.freeze_modules):
                 p.requires_grad_(False)
         self.gen_dims = gen_shard_dims(model)
-        self.gen_dtype = DTYPES[self.cfg.actor_rollout_ref.generation_dtype()]  # what a rollout pool holds (async: publish casts to it)
+        self.gen_dtype = DTYPES[self.spec.rollout.generation_dtype]  # what a rollout pool holds (async: publish casts to it)
         self.actor = TrainEngine(model, self.dims, self.device, acfg.fsdp_config, optim=acfg.optim, total_steps=self.total_training_steps,
                                  grad_clip=acfg.grad_clip, pipeline_schedule=acfg.pipeline_schedule, remove_padding=self.remove_padding)
         self.ppo_loss = PPOLoss(acfg.policy_loss.loss_mode, acfg.clip_ratio_low if acfg.clip_ratio_low is not None else acfg.clip_ratio,
@@ -120,11 +119,10 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
         """The colocated rollout backend, by name, and the hybrid engine that feeds it: the
         engine writes into the backend's own storages when it offers them (HF), else stages this
         rank's slices for it (vLLM); the worker calls only the backend's interface."""
-        rcfg = self.cfg.actor_rollout_ref.rollout
-        ctx = RolloutContext(self.cfg, self.tokenizer, self.device, self.rank, self.world_size, self.train_layout, self.gen_dims)
-        self.rollout = make_rollout(rcfg.name, ctx)
+        ctx = RolloutContext(self.spec.rollout, self.tokenizer, self.device, self.rank, self.world_size, self.train_layout, self.gen_dims)
+        self.rollout = make_rollout(self.spec.rollout.name, ctx)
         lay = self.rollout.layout()
-        self.hybrid = self.actor.attach_generation(lay.buffers, lay.shard_dims, lay.gen_tp, self.cfg.actor_rollout_ref.hybrid_engine, lay.consecutive,
+        self.hybrid = self.actor.attach_generation(lay.buffers, lay.shard_dims, lay.gen_tp, self.spec.hybrid_engine, lay.consecutive,
                                                    lay.dtype)
         if lay.buffers is not None:  # the engine writes into the backend's storages: it also frees / re-acquires them
             self.rollout.memory = self.hybrid
@@ -144,7 +142,7 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
         if measure_baseline:
             out["baseline"] = hybrid.reshard(optimized=False)
         self.rollout.wake()
-        loaded = self.rollout.update_weights(self.actor.weights(optimized=self.cfg.actor_rollout_ref.hybrid_engine.enable_resharding_opt))
+        loaded = self.rollout.update_weights(self.actor.weights(optimized=self.spec.hybrid_engine.enable_resharding_opt))
         out.update(hybrid.last_stats)
         out.update(loaded)  # the backend's own stats (copied / loaded bytes, load time): no key of the engine's
         if check and not hybrid.staged:
@@ -190,7 +188,7 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
     @register(Dispatch.DP_COMPUTE, layout="train")
     def compute_log_prob(self, data: Batch) -> Batch:
         """old_log_probs [b, R] under the current policy (before this step's update)."""
-        r = self.cfg.actor_rollout_ref.rollout
+        r = self.spec.rollout.rollout
         logp, ent = self.actor.log_probs(data, r.log_prob_micro_batch_size_per_gpu, r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None,
                                          float(data.meta.get("temperature", 1.0)), with_entropy=True)
         if logp is None:  # an earlier pipeline stage: nothing to report
@@ -201,7 +199,7 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
     @register(Dispatch.DP_COMPUTE, layout="train")
     def compute_ref_log_prob(self, data: Batch) -> Batch:
         """The reference policy's log-probs: the reference model, or (LoRA) the actor with its adapters off."""
-        r = self.cfg.actor_rollout_ref.ref
+        r = self.spec.ref
         engine = self.ref if self.ref is not None else self.actor
         with contextlib.nullcontext() if self.ref is not None else adapters_disabled(self.actor.module):
             logp, _ = engine.log_probs(data, r.log_prob_micro_batch_size_per_gpu, r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None,
@@ -212,7 +210,7 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
     @functools.cached_property
     def update_plan(self) -> UpdatePlan:
         """The PPO update's rows per rank (first used by update_actor: a DPO or SFT run has no rollout.n)."""
-        return actor_update_plan(self.cfg, self.dp_size)
+        return self.spec.update_plan(self.dp_size)
 
     @register(Dispatch.DP_COMPUTE, layout="train")
     def update_actor(self, data: Batch, optimizer_step: bool = True, loss_scale: float = 1.0) -> dict[str, float]:
@@ -236,7 +234,7 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
         # The next-token view: the logits at t predict token t+1, i.e. "responses" = input_ids[:, 1:].
         view = Batch.from_dict(tensors={"input_ids": t["input_ids"], "attention_mask": t["attention_mask"], "position_ids": t["position_ids"],
                                         "responses": t["input_ids"][:, 1:], "loss_mask": t["loss_mask"][:, 1:].float()})
-        metrics = self.actor.train(view, SFTLoss(self.dp_size, self.dims.dp_group), sft_update_plan(self.cfg))
+        metrics = self.actor.train(view, SFTLoss(self.dp_size, self.dims.dp_group), self.spec.sft_plan())
         metrics.setdefault("train/loss", 0.0)  # an earlier pipeline stage never sees the loss
         return metrics
 

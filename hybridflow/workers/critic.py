@@ -11,8 +11,6 @@ import os
 import torch
 
 from hybridflow.algorithms.objectives import ValueLoss
-from hybridflow.config.run_plan import critic_update_plan
-from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.controller.decorator import Dispatch, register
 from hybridflow.controller.worker import Worker
 from hybridflow.parallel.process_group import pick_device
@@ -23,15 +21,17 @@ from hybridflow.models.lora import apply_lora
 from hybridflow.parallel.dims import ParallelDims
 from hybridflow.parallel.layout import parallel_dims
 from hybridflow.protocol import Batch
+from hybridflow.run_plan import CriticSpec
 
 
 class CriticWorker(Worker):
-    def __init__(self, config: HybridFlowConfig, total_training_steps: int = 1):
+    def __init__(self, spec: CriticSpec, total_training_steps: int = 1):
+        """spec: the critic's (`run_plan.resolve(cfg).critic`)."""
         super().__init__()
-        self.cfg = config
+        self.spec = spec
         self.total_training_steps = total_training_steps
-        self.device = pick_device(config.trainer.device)
-        tp = config.critic.tensor_model_parallel_size
+        self.device = pick_device(spec.process.device)
+        tp = spec.critic.tensor_model_parallel_size
         self.layout = ParallelDims.for_world(self.world_size, tp=tp)  # critic.tensor_model_parallel_size x FSDP
 
     def dispatch_layout(self, layout: str | None) -> tuple[int, int, bool]:
@@ -42,24 +42,23 @@ class CriticWorker(Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
-        self.init_process_group(self.device, self.cfg.trainer.collective_timeout_s)
-        ccfg = self.cfg.critic
-        mcfg = ccfg.model if ccfg.model.path else self.cfg.actor_rollout_ref.model
-        torch.manual_seed(self.cfg.trainer.seed)
+        self.init_process_group(self.device, self.spec.process.collective_timeout_s)
+        ccfg, mcfg = self.spec.critic, self.spec.model  # mcfg: the critic's model, or the actor's when unset
+        torch.manual_seed(self.spec.process.seed)
         # LoRA (critic.model.lora_rank): adapters on the backbone, the new value head `score` trained in full.
         # TP on the backbone (the value head is not in the TP table: replicated), then FSDP over dp
         model = apply_lora(load_hf_model(mcfg, self.device, kind="value"), ccfg.model, full=("score",))
         self.critic = TrainEngine(model, parallel_dims(self.layout, self.device), self.device,
                                   ccfg.fsdp_config, optim=ccfg.optim, total_steps=self.total_training_steps, grad_clip=ccfg.grad_clip)
-        self.update_plan = critic_update_plan(self.cfg, self.layout.dp)
+        self.update_plan = self.spec.update_plan(self.layout.dp)
         self.value_loss = ValueLoss(ccfg.cliprange_value, ccfg.loss_agg_mode)
 
     def _values(self, module, mb: Batch) -> torch.Tensor:
-        return response_logits(module, mb, remove_padding=self.cfg.critic.model.use_remove_padding).squeeze(-1) * mb["response_mask"]  # [b, R]
+        return response_logits(module, mb, remove_padding=self.spec.critic.model.use_remove_padding).squeeze(-1) * mb["response_mask"]  # [b, R]
 
     @register(Dispatch.DP_COMPUTE, layout="train")
     def compute_values(self, data: Batch) -> Batch:
-        values = self.critic.forward(data, self._values, self.cfg.critic.ppo_micro_batch_size_per_gpu)
+        values = self.critic.forward(data, self._values, self.spec.critic.ppo_micro_batch_size_per_gpu)
         return Batch.from_dict(tensors={"values": values.cpu()})
 
     @register(Dispatch.DP_COMPUTE, layout="train")

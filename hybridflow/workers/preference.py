@@ -11,26 +11,25 @@ import torch
 from hybridflow.algorithms import logprobs_from_logits
 from hybridflow.algorithms.objectives import DPOLoss
 from hybridflow.algorithms.preference import seq_log_probs
-from hybridflow.config.run_plan import dpo_update_plan
 from hybridflow.controller.decorator import Dispatch, register
 from hybridflow.engine.model import response_logits
 from hybridflow.protocol import Batch
 
 
 class PreferenceMixin:
-    """Needs `self.actor` (the policy's `TrainEngine`), `self.ref` when `has_ref`, cfg."""
+    """Needs `self.actor` (the policy's `TrainEngine`), `self.ref` when `has_ref`, `self.spec` (`ActorSpec`)."""
 
     def _seq_log_probs(self, model, mb: Batch) -> torch.Tensor:
         """[b] sequence log-probs of the responses (mean over tokens for IPO, as TRL)."""
         logp = logprobs_from_logits(response_logits(model, mb), mb["responses"])
-        return seq_log_probs(logp, mb["response_mask"], average=self.cfg.dpo.loss_type == "ipo")
+        return seq_log_probs(logp, mb["response_mask"], average=self.spec.dpo.loss_type == "ipo")
 
     @register(Dispatch.DP_COMPUTE)
     def compute_ref_seq_log_prob(self, data: Batch) -> Batch:
         """ref_seq_log_prob [b] under the frozen reference; without one (dpo.precompute_ref_log_probs)
         under the actor, which is the reference as long as it has not been updated."""
         engine = self.ref if self.has_ref else self.actor
-        out = engine.forward(data, self._seq_log_probs, self.cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu)
+        out = engine.forward(data, self._seq_log_probs, self.spec.ref.log_prob_micro_batch_size_per_gpu)
         return Batch.from_dict(tensors={"ref_seq_log_prob": out.cpu()})
 
     @register(Dispatch.DP_COMPUTE)
@@ -39,6 +38,6 @@ class PreferenceMixin:
         responses/response_mask [2p, R], ref_seq_log_prob and pair_weight [2p]. One optimizer step
         per mini-batch of actor.ppo_mini_batch_size pairs (global). The loss is the mean over the
         mini-batch's counted pairs (pair_weight 1) of all ranks (`DPOLoss`)."""
-        dpo = self.cfg.dpo
+        dpo = self.spec.dpo
         objective = DPOLoss(dpo.beta, dpo.loss_type, dpo.label_smoothing, self.world_size)
-        return self.actor.train(data, objective, dpo_update_plan(self.cfg, self.world_size), head=self._seq_log_probs)
+        return self.actor.train(data, objective, self.spec.dpo_plan(self.world_size), head=self._seq_log_probs)

@@ -17,7 +17,7 @@ import torch
 from transformers import AutoTokenizer
 
 from hybridflow.algorithms.objectives import BradleyTerryLoss
-from hybridflow.config.run_plan import UpdatePlan
+from hybridflow.run_plan import UpdatePlan
 from hybridflow.config.schema import FSDPConfig, ModelConfig, OptimConfig
 from hybridflow.controller.decorator import Dispatch, register
 from hybridflow.controller.worker import Worker

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from transformers import AutoTokenizer
 
-from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.controller.decorator import Dispatch, register
 from hybridflow.controller.worker import Worker
 from hybridflow.parallel.process_group import pick_device
 from hybridflow.hybrid_engine.cross_pool import PoolReceiver, generation_fingerprints, max_piece_diff
 from hybridflow.protocol import Batch, SamplingParams
+from hybridflow.run_plan import RolloutSpec
 from hybridflow.rollout.base import RolloutBackend, RolloutContext, make_rollout
 
 
@@ -57,18 +57,19 @@ class RolloutWorker(RolloutMixin, Worker):
     """A generation-only pool (trainer.async_rollout): the HF backend whose weight source is a
     `PoolReceiver`; the actor's pool publishes its shards after every update."""
 
-    def __init__(self, config: HybridFlowConfig):
+    def __init__(self, spec: RolloutSpec):
+        """spec: the rollout's (`run_plan.resolve(cfg).rollout`)."""
         super().__init__()
-        self.cfg = config
-        self.device = pick_device(config.trainer.device)
+        self.spec = spec
+        self.device = pick_device(spec.process.device)
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
-        self.init_process_group(self.device, self.cfg.trainer.collective_timeout_s)
-        mcfg = self.cfg.actor_rollout_ref.model
+        self.init_process_group(self.device, self.spec.process.collective_timeout_s)
+        mcfg = self.spec.model
         self.tokenizer = AutoTokenizer.from_pretrained(mcfg.tokenizer_path or mcfg.path)
-        name = self.cfg.actor_rollout_ref.rollout.name
-        self.rollout = make_rollout(name, RolloutContext(self.cfg, self.tokenizer, self.device, self.rank, self.world_size))
+        name = self.spec.name
+        self.rollout = make_rollout(name, RolloutContext(self.spec, self.tokenizer, self.device, self.rank, self.world_size))
         lay = self.rollout.layout()
         if lay.buffers is None:
             raise ValueError(f"trainer.async_rollout: the rollout pool receives the weights into the backend's own storages; "
