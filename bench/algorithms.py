@@ -67,7 +67,8 @@ def main() -> None:
     for name in (args.only.split(",") if args.only else ALGORITHMS):
         start = time.perf_counter()
         steps = min(args.steps, MAX_STEPS.get(name, args.steps))
-        run = run_recipe("distill" if name == "distill" else "grpo", files, os.path.join(out, "sft_model"), os.path.join(out, name), steps, "trainer.progress_bar=false",
+        run = run_recipe("distill" if name == "distill" else "grpo", files, os.path.join(out, "sft_model"), os.path.join(out, name), steps,
+                         "trainer.progress_bar=false",
                          "trainer.logger=[jsonl]", *ALGORITHMS[name])
         curve = dict(run["val_curve"])
         rows.append({"algorithm": name, "val_after_sft": curve[0], "val_step_20": curve.get(20, float("nan")), "val_final": run["val_curve"][-1][1],

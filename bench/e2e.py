@@ -64,11 +64,11 @@ LORA_KEYS = ("param_bytes", "grad_bytes", "optimizer_bytes")
 
 def planned_state(model: str, lora_rank: int, dp: int = 2) -> dict:
     """The planner's parameters / gradients / optimizer bytes per rank for this bench's layout (fp32, FSDP over `dp`)."""
-    from hybridflow.hybrid_engine.plan import TrainLayout
+    from hybridflow.parallel.dims import ParallelDims
     from hybridflow.planning.arch import load_arch
     from hybridflow.planning.cost import MemoryInputs, plan_for, worst_memory
 
-    arch, layout = load_arch(model), TrainLayout(dp=dp)
+    arch, layout = load_arch(model), ParallelDims(dp=dp)
     mem = worst_memory(plan_for(arch, layout, 1, 4, lora_rank=lora_rank), arch, layout, MemoryInputs(param_bytes=4, lora_rank=lora_rank))
     return {"plan/param_bytes": mem["params"], "plan/grad_bytes": mem["grads"], "plan/optimizer_bytes": mem["optimizer"]}
 

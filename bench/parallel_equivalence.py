@@ -52,10 +52,10 @@ def make_data(vocab: int, seed: int = 0):
 
 def config(model: str, layout: str):
     from hybridflow.config.schema import HybridFlowConfig
-    from hybridflow.hybrid_engine.plan import TrainLayout
+    from hybridflow.parallel.dims import ParallelDims
 
     layout, _, schedule = layout.partition("-")
-    lay = TrainLayout.parse(layout)
+    lay = ParallelDims.parse(layout)
     cfg = HybridFlowConfig()
     cfg.actor_rollout_ref.actor.pipeline_schedule = schedule or "1f1b"
     arr = cfg.actor_rollout_ref

@@ -74,7 +74,8 @@ def main() -> None:
     model = make_tiny_model(os.path.join(tmp, "model"), hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256)
     make_max_task(os.path.join(tmp, "data"))
     init_ray(num_cpus=2)
-    rows = [run_backend(b, model, os.path.join(tmp, "data"), os.path.join(tmp, b), args.prompts, args.max_tokens, args.repeats) for b in args.backends.split(",")]
+    rows = [run_backend(b, model, os.path.join(tmp, "data"), os.path.join(tmp, b), args.prompts, args.max_tokens,
+                        args.repeats) for b in args.backends.split(",")]
 
     print_rows(f"{args.prompts} prompts, up to {args.max_tokens} new tokens, temperature 1.0, 2 workers, fp32 tiny Qwen2 (0.36M params)",
                [("backend", "backend", "<8"), ("tokens_per_second", "tokens/s", ">10.1f"), ("sync_seconds", "sync s", ">8.3f"),

@@ -45,7 +45,8 @@ def train(model_dir: str, data_dir: str, steps: int, out_dir: str = "runs/ppo_da
     try:
         # ---- PPO, one stage per line ----
         flow = DataFlow(config=trainer.cfg)
-        flow.add_stage("rollout", lambda b: actor.generate_sequences(b, trainer._sampling(step=step[0]), release_after=True), PROMPT_KEYS, GEN_OUTPUTS, pool="actor_pool")
+        flow.add_stage("rollout", lambda b: actor.generate_sequences(b, trainer._sampling(step=step[0]), release_after=True), PROMPT_KEYS, GEN_OUTPUTS,
+                       pool="actor_pool")
         flow.add_stage("reward", reward, REWARD_KEYS, ["token_level_scores"])
         flow.add_stage("old_log_prob", actor.compute_log_prob, TRAIN_KEYS, ["old_log_probs"])
         flow.add_stage("values", critic.compute_values, TRAIN_KEYS, ["values"])
@@ -57,7 +58,8 @@ def train(model_dir: str, data_dir: str, steps: int, out_dir: str = "runs/ppo_da
         before = trainer.validate()
         for step[0] in range(1, steps + 1):
             results = flow.run(trainer._prepare_batch())
-            print(f"step {step[0]:>3d}  score {results['token_level_scores'].sum(-1).mean():.3f}  pg_loss {results['actor/pg_loss']:+.4f}  vf_loss {results['critic/vf_loss']:.4f}", flush=True)
+            print(f"step {step[0]:>3d}  score {results['token_level_scores'].sum(-1).mean():.3f}  "
+                  f"pg_loss {results['actor/pg_loss']:+.4f}  vf_loss {results['critic/vf_loss']:.4f}", flush=True)
         after = trainer.validate()
     finally:
         trainer.shutdown()

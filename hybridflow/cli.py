@@ -109,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. data.train_batch_size=16")
         if name == "train":
             p.add_argument("--parallel-config", metavar="FILE", default=None,
-                           help="parallel config YAML (model/data parallel sizes, FSDP, resharding), e.g. configs/parallel_dp2_tp2.yaml; put it before CONFIG or after the overrides")
+                           help="parallel config YAML (model/data parallel sizes, FSDP, resharding), e.g. configs/parallel_dp2_tp2.yaml; "
+                                "put it before CONFIG or after the overrides")
         p.set_defaults(fn=fn)
     p = sub.add_parser("demo", help="the main job: data, tiny model, SFT warm start, GRPO on 2 workers (or another --recipe)")
     p.add_argument("--output-dir", default="runs/demo")

@@ -175,7 +175,8 @@ def run_recipe(recipe: str, files: dict, sft_dir: str, out: str, steps: int, *ov
         result = _fit(DPOTrainer(cfg))
     elif recipe == "online-dpo":
         cfg = demo_online_dpo_config(files, sft_dir, f"{out}/online_dpo", steps, *overrides)
-        print(f"[demo] online DPO: {steps} steps, {cfg.data.train_batch_size} prompts x {resolve(cfg).rollout.rollout.n} samples ranked by the rule", flush=True)
+        print(f"[demo] online DPO: {steps} steps, {cfg.data.train_batch_size} prompts x {resolve(cfg).rollout.rollout.n} samples ranked by the rule",
+              flush=True)
         result = _fit(DPOTrainer(cfg))
     elif recipe == "rm-grpo":
         from hybridflow.trainer.reward_model import run_rm

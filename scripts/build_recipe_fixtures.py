@@ -4,7 +4,8 @@ Why fixtures: the tool and guess recipes' SFTs (450 + 250 and 300 steps) are mos
 (~4 and ~2.5 minutes on 2 cores) and they teach nothing the RL part of a test checks. The fixture
 is exactly what `hybridflow demo --recipe R` trains before its RL (same data, base model, configs
 and seeds; the tool recipe's two SFT stages), saved with `sft_record.json`: the SFT's step count,
-each stage's losses, the first stage's first losses and the final loss, and where it was built. `tests/test_e2e_agent.py` checks that a fresh SFT of the recipe reproduces
+each stage's losses, the first stage's first losses and the final loss, and where it was built. `tests/test_e2e_agent.py` checks
+that a fresh SFT of the recipe reproduces
 the first recorded losses (so a fixture cannot silently drift from the code that claims to make
 it), then runs the recipe's RL from the fixture (`hybridflow demo --sft-model DIR`).
 

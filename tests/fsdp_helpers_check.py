@@ -21,7 +21,8 @@ def held(model) -> tuple[int, int]:
 out_dir, model_dir = sys.argv[1], sys.argv[2]
 info = init_distributed()
 report = {"rank": info.rank, "world_size": info.world_size, "backend": info.backend, "device": info.device}
-model = wrap_hf_model_with_fsdp(AutoModelForCausalLM.from_pretrained(model_dir), {"sharding_strategy": "FULL_SHARD", "offload_params": False, "mixed_precision": None})
+model = wrap_hf_model_with_fsdp(AutoModelForCausalLM.from_pretrained(model_dir),
+                                {"sharding_strategy": "FULL_SHARD", "offload_params": False, "mixed_precision": None})
 report["wrap"] = held(model)
 ids = torch.tensor([[5, 6, 7, 8]])
 report["wrap_logits_sum"] = float(model(input_ids=ids).logits.sum())

@@ -497,7 +497,8 @@ def test_tool_schemas_in_the_prompt(qwen_tok):
 
     # a template that renders tools itself gets them through `tools=` (its own wording)
     tok = build_char_tokenizer()
-    tok.chat_template = "{% if tools %}{{ 'TOOLS:' + (tools | map(attribute='function') | map(attribute='name') | join(',')) + '\n' }}{% endif %}" + CHAT_TEMPLATE
+    tok.chat_template = ("{% if tools %}{{ 'TOOLS:' + (tools | map(attribute='function') | map(attribute='name') | join(',')) + '\n' }}"
+                         "{% endif %}" + CHAT_TEMPLATE)
     assert template_supports_tools(tok)
     text = apply_chat_template_with_tools(tok, CONV, [schema], tokenize=False)
     assert text.startswith("TOOLS:calculator\n<|im_start|>system\nUse tools.<|im_end|>")

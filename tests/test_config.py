@@ -322,7 +322,8 @@ def _set(cfg, dotted, value):
     ({"actor_rollout_ref.rollout.log_prob_use_dynamic_bsz": True, "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": 10},
      "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu (10) must hold one whole sequence"),
     ({"trainer.memory_budget_gib": 0.0}, "trainer.memory_budget_gib must be > 0"),
-    ({"actor_rollout_ref.model.dtype": "float8"}, "actor_rollout_ref.model.dtype must be one of ['float32', 'fp32', 'bfloat16', 'bf16', 'float16', 'fp16'], got 'float8'"),
+    ({"actor_rollout_ref.model.dtype": "float8"},
+     "actor_rollout_ref.model.dtype must be one of ['float32', 'fp32', 'bfloat16', 'bf16', 'float16', 'fp16'], got 'float8'"),
     ({"reward_model.overlong_buffer.enable": True, "reward_model.overlong_buffer.len": 0},
      "reward_model.overlong_buffer.len must be in [1, data.max_response_length (4)] with overlong_buffer.enable=true, got 0"),
     # DAPO's dynamic sampling and rollout correction
@@ -433,9 +434,11 @@ def test_pool_mapping_parses_and_sizes_roles(world):
 
 
 @pytest.mark.parametrize("items, expected", [
-    (["resource_pool.mapping.actor=global_pool"], "resource_pool.mapping: unknown role 'actor'; roles are ['actor_rollout', 'rollout', 'ref', 'critic', 'reward_model', 'teacher']"),
+    (["resource_pool.mapping.actor=global_pool"],
+     "resource_pool.mapping: unknown role 'actor'; roles are ['actor_rollout', 'rollout', 'ref', 'critic', 'reward_model', 'teacher']"),
     (["resource_pool.mapping.critic=gpu"], "resource_pool.mapping.critic: unknown pool 'gpu'"),
-    (["resource_pool.pools.a.workers_per_node=0", "resource_pool.mapping.actor_rollout=a"], "resource_pool.pools.a.workers_per_node must be a positive integer"),
+    (["resource_pool.pools.a.workers_per_node=0", "resource_pool.mapping.actor_rollout=a"],
+     "resource_pool.pools.a.workers_per_node must be a positive integer"),
     (["resource_pool.pools.a.resources.H100=0", "resource_pool.mapping.actor_rollout=a"], "resource_pool.pools.a.resources.H100 must be > 0"),
     (["trainer.async_rollout=true"], "trainer.async_rollout=true needs the rollout on a pool of its own"),
     (["trainer.async_rollout=true", "resource_pool.pools.a.workers_per_node=2", "resource_pool.pools.r.workers_per_node=1",
@@ -688,7 +691,8 @@ def test_worker_env_is_a_config_key_that_reaches_every_worker(monkeypatch):
 
 @pytest.mark.parametrize("env, expected", [
     ({"RANK": "3"}, "trainer.worker_env.RANK: set per worker by the worker group"),
-    ({"OMP_NUM_THREADS": 4}, "trainer.worker_env: 'OMP_NUM_THREADS': 4 is not an environment variable; names are non-empty strings without '=', values are strings"),
+    ({"OMP_NUM_THREADS": 4},
+     "trainer.worker_env: 'OMP_NUM_THREADS': 4 is not an environment variable; names are non-empty strings without '=', values are strings"),
     ({"A=B": "1"}, "trainer.worker_env: 'A=B': '1' is not an environment variable"),
 ])
 def test_worker_env_is_validated(world, env, expected):

@@ -110,7 +110,8 @@ def test_bad_inputs_are_one_line_without_a_traceback(tmp_path, tiny_model_dir, t
     from hybridflow.data.tasks import write_parquet
 
     bad_row = write_parquet([{"data_source": "digit_max", "prompt": [{"role": "user", "content": "max 1 2"}], "reward_model": {"ground_truth": "2"}},
-                             {"data_source": "digit_max", "prompt": [{"role": "user", "content": "max 3 4"}], "reward_model": None}], tmp_path / "bad_row.parquet")
+                             {"data_source": "digit_max", "prompt": [{"role": "user", "content": "max 3 4"}],
+                              "reward_model": None}], tmp_path / "bad_row.parquet")
     empty = tmp_path / "empty.parquet"
     pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), empty)
     (tmp_path / "notparquet.parquet").write_text("prompt,answer\n")

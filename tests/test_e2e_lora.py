@@ -28,11 +28,11 @@ def _adapter_bytes(model_dir) -> int:
 
 def _planner_bytes(model_dir) -> int:
     """`hybridflow plan --lora-rank`'s steady switch bytes per rank for this run's layout (fp32, dp 2, gen TP 1)."""
-    from hybridflow.hybrid_engine.plan import TrainLayout
+    from hybridflow.parallel.dims import ParallelDims
     from hybridflow.planning.arch import load_arch
     from hybridflow.planning.cost import Cluster, MemoryInputs, rows
 
-    row = rows(load_arch(str(model_dir)), TrainLayout(dp=2), 1, Cluster(1, 2, 1e9, 1e9, 1e-5, 1e10, 2**34), MemoryInputs(lora_rank=RANK), "fp32")[0]
+    row = rows(load_arch(str(model_dir)), ParallelDims(dp=2), 1, Cluster(1, 2, 1e9, 1e9, 1e-5, 1e10, 2**34), MemoryInputs(lora_rank=RANK), "fp32")[0]
     assert row["mode"] == "optimized"
     return row["bytes_per_rank"]
 

@@ -62,7 +62,8 @@ def test_grpo_fsdp2_sharding_weight_sync_and_invariants(ray_cluster, tiny_model_
             # The rollout engine's log-probs of its samples match the trainer's (same weights).
             assert h["rollout/logprob_diff_max"] < 1e-4
             assert math.isfinite(h["actor/pg_loss"]) and h["actor/grad_norm"] > 0
-            for key in ("timing_s/gen", "timing_s/update_actor", "timing_s/reshard", "perf/throughput", "actor/entropy", "critic/score/mean", "response_length/mean"):
+            for key in ("timing_s/gen", "timing_s/update_actor", "timing_s/reshard", "perf/throughput", "actor/entropy", "critic/score/mean",
+                        "response_length/mean"):
                 assert key in h, key
         # After the last sync the rollout weights equal the trained weights exactly, on every rank.
         assert trainer.actor.rollout_weight_max_diff() == [0.0, 0.0]
@@ -185,7 +186,7 @@ def test_bf16_mixed_precision_generates_from_bf16_weights_half_the_bytes(ray_clu
     """fsdp_config.mixed_precision=bf16 (fp32 shards and optimizer, bf16 compute): the rollout holds
     bf16 weights equal to the trained ones rounded to bf16, the switch moves exactly half the fp32
     plan's bytes, and the rollout's log-probs stay close to the bf16 trainer's."""
-    from hybridflow.hybrid_engine.plan import TrainLayout
+    from hybridflow.parallel.dims import ParallelDims
     from hybridflow.planning.arch import load_arch
     from hybridflow.planning.cost import plan_for
 
@@ -195,7 +196,7 @@ def test_bf16_mixed_precision_generates_from_bf16_weights_half_the_bytes(ray_clu
         result = trainer.fit()
     finally:
         trainer.shutdown()
-    fp32_min = max(plan_for(load_arch(str(tiny_model_dir)), TrainLayout(dp=2), 1, 4).min_bytes(r) for r in range(2))
+    fp32_min = max(plan_for(load_arch(str(tiny_model_dir)), ParallelDims(dp=2), 1, 4).min_bytes(r) for r in range(2))
     for h in steps(result):
         assert h["reshard/weight_max_diff"] == 0.0  # against the gathered fp32 weights cast to bf16
         assert 2 * h["reshard/bytes_per_rank"] == 2 * h["reshard/min_bytes_per_rank"] == fp32_min
@@ -241,7 +242,8 @@ def test_response_lengths():
 
 @pytest.mark.parametrize("estimator", ["remax", "rloo", "reinforce_plus_plus"])
 def test_other_estimators_run_end_to_end(ray_cluster, tiny_model_dir, task_dir, varied_reward, tmp_path, estimator):
-    trainer = make_trainer(tiny_model_dir, task_dir, tmp_path, f"algorithm.adv_estimator={estimator}", f"custom_reward_function.path={varied_reward}", "trainer.total_training_steps=2")
+    trainer = make_trainer(tiny_model_dir, task_dir, tmp_path, f"algorithm.adv_estimator={estimator}", f"custom_reward_function.path={varied_reward}",
+                           "trainer.total_training_steps=2")
     try:
         hist = steps(trainer.fit())
     finally:

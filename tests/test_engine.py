@@ -43,10 +43,10 @@ def _rank(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
     from hybridflow.engine import TrainEngine
     from hybridflow.models.hf import load_hf_model
     from hybridflow.parallel.dims import ParallelDims
-    from hybridflow.parallel.layout import parallel_dims
+    from hybridflow.parallel.layout import train_mesh
 
     model = load_hf_model(ModelConfig(path=model_dir), "cpu")
-    engine = TrainEngine(model, parallel_dims(ParallelDims(dp=world), "cpu"), "cpu", FSDPConfig(), optim=OptimConfig(lr=1e-3), grad_clip=1e9)
+    engine = TrainEngine(model, train_mesh(ParallelDims(dp=world), "cpu"), "cpu", FSDPConfig(), optim=OptimConfig(lr=1e-3), grad_clip=1e9)
     batch = _batch(model.config.vocab_size).chunk(world)[rank]
     logp, ent = engine.log_probs(batch, micro_batch_size=1, with_entropy=True)
     total = float(_batch(model.config.vocab_size)["response_mask"].sum())

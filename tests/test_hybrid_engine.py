@@ -12,7 +12,8 @@ import os
 import pytest
 import torch
 
-from hybridflow.hybrid_engine.plan import ReshardPlan, TrainLayout, chunk_interval
+from hybridflow.hybrid_engine.plan import ReshardPlan, chunk_interval
+from hybridflow.parallel.dims import ParallelDims
 from conftest import free_port
 
 
@@ -91,7 +92,7 @@ def _layouts_worker(rank: int, world: int, port: int, models: dict) -> None:
                     apply_tensor_parallel(rollout, gen_mesh("cpu", world, tp)["tp"])
                 engine = HybridEngine(actor, rollout, dims, tp, HybridEngineConfig(granularity=granularity, keep_generation_buffers=keep), "cpu")
                 # `hybridflow plan`'s prediction from config.json alone (no model, no processes)
-                planned = plan_for(load_arch(path), TrainLayout(dp=world), tp, F32, strategy)
+                planned = plan_for(load_arch(path), ParallelDims(dp=world), tp, F32, strategy)
                 # Train a step so the trained weights differ from what the rollout loaded from disk.
                 actor(input_ids=ids, labels=ids).loss.backward()
                 opt.step()
@@ -131,7 +132,8 @@ def engine_models(tmp_path_factory):
         "even": make_tiny_model(d / "even", hidden_size=64, num_attention_heads=4, num_key_value_heads=4, intermediate_size=128),
         # hidden 90 and intermediate 182 do not divide by 4; vocab 259 divides by neither 2 nor 4
         "uneven": make_tiny_model(d / "uneven", hidden_size=90, num_attention_heads=2, num_key_value_heads=2, head_dim=16, intermediate_size=182),
-        "tied": make_tiny_model(d / "tied", arch="llama", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96, tie_word_embeddings=True),
+        "tied": make_tiny_model(d / "tied", arch="llama", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+                                tie_word_embeddings=True),
     }
 
 

@@ -117,7 +117,7 @@ def test_planner_counts_lora_as_peft_builds_it(tiny_model_dir):
     adapters alone (the first one the whole model), and only adapters have grads and optimizer state."""
     import json
 
-    from hybridflow.hybrid_engine.plan import TrainLayout
+    from hybridflow.parallel.dims import ParallelDims
     from hybridflow.planning.arch import load_arch
     from hybridflow.planning.cost import Cluster, MemoryInputs, rows
 
@@ -128,8 +128,8 @@ def test_planner_counts_lora_as_peft_builds_it(tiny_model_dir):
     config = json.loads((tiny_model_dir / "config.json").read_text())
     adapters = _adapter_numel(config, 4)
     cluster = Cluster(1, 2, 1e9, 1e9, 1e-5, 1e10, 2**34)
-    full = {r["mode"]: r for r in rows(arch, TrainLayout(dp=2), 1, cluster, MemoryInputs(param_bytes=4), "fp32")}
-    lora = {r["mode"]: r for r in rows(arch, TrainLayout(dp=2), 1, cluster, MemoryInputs(param_bytes=4, lora_rank=4), "fp32")}
+    full = {r["mode"]: r for r in rows(arch, ParallelDims(dp=2), 1, cluster, MemoryInputs(param_bytes=4), "fp32")}
+    lora = {r["mode"]: r for r in rows(arch, ParallelDims(dp=2), 1, cluster, MemoryInputs(param_bytes=4, lora_rank=4), "fp32")}
     # fp32, FSDP over 2 ranks, one generation replica per rank: each rank receives the half it does not hold
     assert lora["optimized"]["bytes_per_rank"] == 4 * adapters // 2
     assert lora["optimized"]["first_switch_bytes_per_rank"] == full["optimized"]["bytes_per_rank"] + 4 * adapters // 2
@@ -139,7 +139,7 @@ def test_planner_counts_lora_as_peft_builds_it(tiny_model_dir):
     assert lora["optimized"]["memory"]["optimizer"] == 8 * adapters // 2  # AdamW's two moments
     assert full["optimized"]["memory"]["optimizer"] > 10 * lora["optimized"]["memory"]["optimizer"]
     # the 2 ranks on 2 nodes: every steady byte crosses, and only the adapters' (each rank gets the other's half)
-    two_nodes = rows(arch, TrainLayout(dp=2), 1, Cluster(2, 1, 1e9, 1e9, 1e-5, 1e10, 2**34), MemoryInputs(param_bytes=4, lora_rank=4), "fp32")[0]
+    two_nodes = rows(arch, ParallelDims(dp=2), 1, Cluster(2, 1, 1e9, 1e9, 1e-5, 1e10, 2**34), MemoryInputs(param_bytes=4, lora_rank=4), "fp32")[0]
     assert two_nodes["cross_node_bytes"] == 4 * adapters
 
 

@@ -88,7 +88,8 @@ def test_prepare_gsm8k_and_math_files_into_rl_rows_the_scorer_grades(tmp_path, t
         {"question": "Natalia sold 48 clips in April and half as many in May. How many in all?", "answer": "48/2 = 24\n48+24 = 72\n#### 72"},
         {"question": "A shop sells 1,200 pens a day. How many in 3 days?", "answer": "1,200*3 = 3,600\n#### 3,600"},
     ]) + "\n")
-    math_rows = [{"problem": "What is $\\frac{2}{4}$ as a fraction in lowest terms?", "solution": "It is $\\boxed{\\frac{1}{2}}$.", "level": "Level 1", "type": "Prealgebra"},
+    math_rows = [{"problem": "What is $\\frac{2}{4}$ as a fraction in lowest terms?", "solution": "It is $\\boxed{\\frac{1}{2}}$.", "level": "Level 1",
+                  "type": "Prealgebra"},
                  {"problem": "Solve $x^2 = 4$ for $x > 0$.", "solution": "So $x = \\boxed{2}$.", "level": "Level 2", "type": "Algebra"}]
     pq.write_table(pa.Table.from_pylist(math_rows), tmp_path / "math.parquet")
     out_g, out_m = tmp_path / "g.parquet", tmp_path / "m.parquet"

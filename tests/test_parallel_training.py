@@ -40,7 +40,7 @@ def _switch_worker(rank: int, world: int, port: int, path: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     sys.path.insert(0, ROOT)
     from bench.parallel_equivalence import config, make_data
-    from hybridflow.hybrid_engine.plan import TrainLayout
+    from hybridflow.parallel.dims import ParallelDims
     from hybridflow.planning.arch import load_arch
     from hybridflow.planning.cost import plan_for
     from hybridflow.run_plan import resolve
@@ -54,7 +54,7 @@ def _switch_worker(rank: int, world: int, port: int, path: str) -> None:
             w.init_model()
             dp_i, dp, _ = w.dispatch_layout("train")
             w.sft_step(make_data(len(w.tokenizer))[0].chunk(dp)[dp_i])  # trained weights != the checkpoint the rollout loaded
-            planned = plan_for(load_arch(path), TrainLayout.parse(label), gen_tp, 4)
+            planned = plan_for(load_arch(path), ParallelDims.parse(label), gen_tp, 4)
             where = f"{label} gen_tp={gen_tp} rank {rank}"
             stats = w.reshard(measure_baseline=True, check=True)
             assert stats["max_diff"] == 0.0, where

@@ -10,7 +10,8 @@ import math
 import pytest
 import torch
 
-from hybridflow.hybrid_engine.plan import ReshardPlan, TrainLayout, intersect, volume
+from hybridflow.hybrid_engine.plan import ReshardPlan, intersect, volume
+from hybridflow.parallel.dims import ParallelDims
 from hybridflow.planning.arch import PRESETS, Arch, load_arch
 from hybridflow.planning.cost import GIB, Cluster, MemoryInputs, plan_for, predict_switch, rows
 from hybridflow.planning.search import search
@@ -53,7 +54,7 @@ def test_3d_training_boxes_partition_every_parameter_and_sit_inside_the_generati
     training box of a rank lies inside its generation box whenever gen_tp divides tp*dp (HybridFlow's
     grouping), so it receives exactly need - own; a generation slice is a sub-slice of the
     training one when tp*dp divides gen_tp."""
-    layout = TrainLayout.parse(label)
+    layout = ParallelDims.parse(label)
     arch = Arch.from_config(dict(model_type="qwen2", hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
                                  intermediate_size=128, vocab_size=96))
     m = layout.tp * layout.dp
@@ -83,13 +84,13 @@ def test_pipeline_layout_bytes_by_hand():
     of its own stage's layer only (FSDP over dp along dim 0) and is generation TP index dp_i, so it
     lacks nothing of its own layer and all of its generation rows (4 x 4) of the other stage's."""
     shapes = {f"model.layers.{i}.self_attn.q_proj.weight": ((8, 4), F32, 0, 0) for i in range(2)}
-    plan = ReshardPlan.build(shapes, 4, 2, layout=TrainLayout(pp=2, dp=2))
+    plan = ReshardPlan.build(shapes, 4, 2, layout=ParallelDims(pp=2, dp=2))
     assert [plan.min_bytes(r) for r in range(4)] == [16 * F32] * 4
     assert [plan.naive_bytes(r) for r in range(4)] == [(64 - 16) * F32] * 4
     assert plan.params[0].own[2] == ((0, 0), (0, 0)) and plan.params[1].own[2] == ((0, 4), (0, 4))
     with pytest.raises(ValueError, match="does not fit the training layout"):
-        ReshardPlan.build(shapes, 6, 2, layout=TrainLayout(pp=2, tp=3))  # 2 neither divides tp*dp = 3 nor is a multiple
-    assert ReshardPlan.build(shapes, 4, 4, layout=TrainLayout(pp=2, dp=2)).min_bytes(0) == 8 * F32
+        ReshardPlan.build(shapes, 6, 2, layout=ParallelDims(pp=2, tp=3))  # 2 neither divides tp*dp = 3 nor is a multiple
+    assert ReshardPlan.build(shapes, 4, 4, layout=ParallelDims(pp=2, dp=2)).min_bytes(0) == 8 * F32
 
 
 def test_switch_seconds_by_hand():
@@ -126,7 +127,7 @@ def test_memory_plan_shards_and_kv_cache():
     unshard = 2 * layer * 2
     train_peak = n // 2 + n // 2 + n + acts + unshard  # fp32 params + grads (1/8 each), Adam's two moments
 
-    (opt, naive) = rows(arch, TrainLayout(dp=8), 4, Cluster(), MemoryInputs(rollout_seqs=256, seq_len=1024))
+    (opt, naive) = rows(arch, ParallelDims(dp=8), 4, Cluster(), MemoryInputs(rollout_seqs=256, seq_len=1024))
     mem = opt["memory"]
     assert (mem["params"], mem["grads"], mem["optimizer"]) == (n * 4 // 8, n * 4 // 8, n * 8 // 8)
     assert mem["gen_weights"] == gen_weights
@@ -138,7 +139,7 @@ def test_memory_plan_shards_and_kv_cache():
 
     # 4x the sequences: 16 GiB of KV cache makes generation the peak, and the naive switch adds the
     # largest group of full tensors it gathers at once: the bf16 embedding table (> a decoder layer's)
-    (opt, naive) = rows(arch, TrainLayout(dp=8), 4, Cluster(), MemoryInputs(rollout_seqs=1024, seq_len=1024))
+    (opt, naive) = rows(arch, ParallelDims(dp=8), 4, Cluster(), MemoryInputs(rollout_seqs=1024, seq_len=1024))
     gen_peak = n // 2 + n + gen_weights + 16 * GIB
     assert embed > layer and gen_peak > train_peak
     assert opt["memory_per_rank_bytes"] == gen_peak
@@ -154,7 +155,7 @@ def test_search_ranks_and_says_why(tmp_path):
     assert "does not divide the 4 KV heads" in reasons[("tp8xdp1", None)]
     secs = [r["predicted_seconds"] for r in ranked]
     assert secs == sorted(secs) and all(r["fits"] for r in ranked)
-    _, small = search(arch, Cluster(nodes=1, gpus_per_node=2, memory_bytes=8 * GIB), MemoryInputs(), layouts=[TrainLayout(dp=2)])
+    _, small = search(arch, Cluster(nodes=1, gpus_per_node=2, memory_bytes=8 * GIB), MemoryInputs(), layouts=[ParallelDims(dp=2)])
     assert any(i.reason.startswith("does not fit: peak") for i in small)
 
 

@@ -61,14 +61,14 @@ def _shapes(path) -> dict[str, tuple[int, ...]]:
 
 # ---------------------------------------------------------------- the rule and `hybridflow plan` (no processes)
 def test_staging_plan_from_config_json_matches_the_budget_by_hand(model_dir):
-    from hybridflow.hybrid_engine.plan import TrainLayout
+    from hybridflow.parallel.dims import ParallelDims
     from hybridflow.hybrid_engine.staging import staging_plan
     from hybridflow.planning.arch import load_arch
     from hybridflow.planning.cost import Cluster, MemoryInputs, plan_for, rows
 
     model, slot = _by_hand(_shapes(model_dir))
     assert (model, slot) == (1_453_824, 247_680)  # 8 x 165,120 + 2 x 66,304 + 256 bytes; 1.5 x 165,120
-    plan = plan_for(load_arch(str(model_dir)), TrainLayout(dp=2), 1, F32)  # config.json alone
+    plan = plan_for(load_arch(str(model_dir)), ParallelDims(dp=2), 1, F32)  # config.json alone
     seen = {}
     for percent in PERCENTS:
         s = staging_plan(plan, percent)
@@ -92,7 +92,7 @@ def test_staging_plan_from_config_json_matches_the_budget_by_hand(model_dir):
     # `hybridflow plan` rows carry it: layers in flight and staging bytes per rank
     arch = load_arch(str(model_dir))
     for percent in PERCENTS:
-        row = rows(arch, TrainLayout(dp=2), 1, Cluster(gpus_per_node=2), MemoryInputs(buffer_percent=percent), "fp32")[0]
+        row = rows(arch, ParallelDims(dp=2), 1, Cluster(gpus_per_node=2), MemoryInputs(buffer_percent=percent), "fp32")[0]
         assert (row["layers_in_flight"], row["staging_bytes_per_rank"]) == (seen[percent].slots, seen[percent].staging_bytes(0)), percent
 
 
@@ -113,7 +113,7 @@ def _engine_worker(rank: int, world: int, port: int, path: str) -> None:
 
     from hybridflow.config.schema import HybridEngineConfig
     from hybridflow.hybrid_engine.executor import HybridEngine
-    from hybridflow.hybrid_engine.plan import TrainLayout
+    from hybridflow.parallel.dims import ParallelDims
     from hybridflow.hybrid_engine.staging import staging_plan
     from hybridflow.parallel.fsdp import apply_fsdp2, make_mesh
     from hybridflow.parallel.tensor_parallel import apply_tensor_parallel, fsdp_shard_placement_fn, gen_mesh, gen_shard_dims
@@ -130,7 +130,7 @@ def _engine_worker(rank: int, world: int, port: int, path: str) -> None:
     ids = torch.randint(3, 200, (2, 7))
     # gen_tp 2: only the replicated norms move, so a slot is tiny and 0.1 holds every layer (W capped)
     for tp, percent in [(1, p) for p in PERCENTS] + [(2, 0.1)]:
-        planned = plan_for(load_arch(path), TrainLayout(dp=world), tp, F32)
+        planned = plan_for(load_arch(path), ParallelDims(dp=world), tp, F32)
         where = f"gen_tp={tp} resharding_buffer_percent={percent} rank {rank}"
         rollout = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
         if tp > 1:

@@ -13,7 +13,7 @@ def test_jsonl_one_line_per_log(tmp_path):
     t.log({"val-core/x/acc/mean@1": 0.25}, step=2)
     t.close()
     lines = (log_dir / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(l) for l in lines] == [
+    assert [json.loads(line) for line in lines] == [
         {"step": 1, "critic/score/mean": 0.5, "actor/pg_loss": -0.1},
         {"step": 2, "val-core/x/acc/mean@1": 0.25},
     ]
@@ -61,7 +61,7 @@ def test_console_table():
     assert rows[1]["val_acc"] == "0.625"  # any val-core/... key fills the column
     assert rows[1]["ppo_kl"] == "1.00e-03" and rows[1]["pg_loss"] == "-"
     # the columns line up: every line has the same width
-    assert len({len(l) for l in lines}) == 1
+    assert len({len(line) for line in lines}) == 1
 
 
 def test_tensorboard_events_hold_the_step_metrics(tmp_path):

@@ -22,7 +22,8 @@ def test_verl_only_keys_map_accept_or_refuse_with_the_reason():
                            "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true", "actor_rollout_ref.rollout.multi_turn.max_turns=3"])
     msg = str(e.value)
     assert "cannot honour (4)" in msg
-    for line in ("trainer.critic_warmup=5: critic warm-up steps are not implemented", "critic.use_dynamic_bsz=True: token-budget micro-batches are actor_rollout_ref.actor.use_dynamic_bsz",
+    for line in ("trainer.critic_warmup=5: critic warm-up steps are not implemented",
+                 "critic.use_dynamic_bsz=True: token-budget micro-batches are actor_rollout_ref.actor.use_dynamic_bsz",
                  "optimizer_offload=True: optimizer offload is not implemented in hybridflow yet; use fsdp_config.param_offload",
                  "multi_turn.max_turns=3: use actor_rollout_ref.rollout.multi_turn.max_assistant_turns"):
         assert line in msg

@@ -68,7 +68,9 @@ def test_vllm_generation_reflects_synced_weights(ray_cluster, vllm_model_dir, ta
     from hybridflow.data.tasks import write_parquet
     from hybridflow.trainer.rl import PROMPT_KEYS, RLTrainer
 
-    cfg = load_config(None, rl_overrides(vllm_model_dir, task_dir, tmp_path, "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.actor.optim.lr=1e-2"), schema=HybridFlowConfig)
+    cfg = load_config(None,
+                      rl_overrides(vllm_model_dir, task_dir, tmp_path, "actor_rollout_ref.rollout.name=vllm",
+                                   "actor_rollout_ref.actor.optim.lr=1e-2"), schema=HybridFlowConfig)
     trainer = RLTrainer(cfg)
     try:
         trainer.init_workers()
@@ -106,7 +108,8 @@ def test_vllm_tensor_parallel_2_inside_the_workers(ray_cluster, vllm_model_dir, 
     """vLLM TP=2 through its external launcher: the engine runs inside the 2 actor workers over
     their process group (one replica, both ranks generate the same prompts); its log-probs match
     the FSDP2 trainer's in fp32 and the weights it generates with follow every update."""
-    cfg = load_config(None, rl_overrides(vllm_model_dir, task_dir, tmp_path, "actor_rollout_ref.rollout.name=vllm", f"custom_reward_function.path={varied_reward}",
+    cfg = load_config(None,
+                      rl_overrides(vllm_model_dir, task_dir, tmp_path, "actor_rollout_ref.rollout.name=vllm", f"custom_reward_function.path={varied_reward}",
                                          "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "trainer.total_training_steps=2"), schema=HybridFlowConfig)
     trainer = RLTrainer(cfg)
     try:
@@ -142,7 +145,8 @@ def test_vllm_multi_turn_grpo_step(ray_cluster, vllm_model_dir, tmp_path):
     cfg = load_config(None, rl_overrides(vllm_model_dir, tmp_path, tmp_path / "out", "actor_rollout_ref.rollout.name=vllm",
                                          "data.max_prompt_length=64", "data.max_response_length=96", "trainer.total_training_steps=1",
                                          "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.multi_turn.enable=true",
-                                         "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3", f"actor_rollout_ref.rollout.stop_token_ids=[{GUESS_STOPS}]",
+                                         "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
+                                         f"actor_rollout_ref.rollout.stop_token_ids=[{GUESS_STOPS}]",
                                          "actor_rollout_ref.actor.recompute_old_log_prob=true"), schema=HybridFlowConfig)
     trainer = RLTrainer(cfg)
     try:
@@ -207,8 +211,10 @@ def test_vllm_rollout_generates_with_the_synced_lora_adapters(ray_cluster, vllm_
     """LoRA with the vLLM backend: the base is loaded once, each later sync moves the adapters alone and
     vLLM serves them as a LoRA request; its log-probs equal the FSDP2 trainer's (base + adapters) after
     every sync, in fp32, while the adapters move the policy (step 2's KL to the base is > 0)."""
-    cfg = load_config(None, rl_overrides(vllm_model_dir, task_dir, tmp_path, "actor_rollout_ref.rollout.name=vllm", f"custom_reward_function.path={varied_reward}",
-                                         "actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16", "actor_rollout_ref.actor.use_kl_loss=true",
+    cfg = load_config(None,
+                      rl_overrides(vllm_model_dir, task_dir, tmp_path, "actor_rollout_ref.rollout.name=vllm", f"custom_reward_function.path={varied_reward}",
+                                         "actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16",
+                                         "actor_rollout_ref.actor.use_kl_loss=true",
                                          "actor_rollout_ref.actor.optim.lr=1e-2", "trainer.total_training_steps=3"), schema=HybridFlowConfig)
     trainer = RLTrainer(cfg)
     try:

@@ -129,7 +129,8 @@ def pool_problems(cfg: HybridFlowConfig, roles: list[Role] | None = None) -> lis
         if role not in known_roles:
             out.append(f"resource_pool.mapping: unknown role {role!r}; roles are {known_roles}")
         if pool not in specs:
-            hint = f"pools are {sorted(specs)}" if cfg.resource_pool.pools else f"define it under resource_pool.pools (without pools, the only pool is {DEFAULT_POOL!r})"
+            hint = (f"pools are {sorted(specs)}" if cfg.resource_pool.pools
+                    else f"define it under resource_pool.pools (without pools, the only pool is {DEFAULT_POOL!r})")
             out.append(f"resource_pool.mapping.{role}: unknown pool {pool!r}; {hint}")
     for name, spec in specs.items():
         key = f"resource_pool.pools.{name}"

@@ -21,7 +21,8 @@ from typing import Callable, Literal
 
 from hybridflow.config.derive import derive_defaults, derive_rm_defaults, derive_sft_defaults, resolve_mixed_precision
 from hybridflow.config.loader import ConfigError, literal_choices
-from hybridflow.config.schema import GROUP_ESTIMATORS, LOSS_AGG_MODES, LORA_TARGETS, MODEL_DTYPES, DPOConfig, HybridFlowConfig, ModelConfig, OptimConfig, RewardTrainConfig, SFTConfig, TrainerConfig
+from hybridflow.config.schema import (GROUP_ESTIMATORS, LOSS_AGG_MODES, LORA_TARGETS, MODEL_DTYPES, DPOConfig, HybridFlowConfig, ModelConfig,
+                                      OptimConfig, RewardTrainConfig, SFTConfig, TrainerConfig)
 
 A, R = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
 

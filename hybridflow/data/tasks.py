@@ -123,7 +123,8 @@ def max_prompt(digits: tuple[int, ...]) -> list[dict]:
     return [{"role": "user", "content": "max " + " ".join(map(str, digits))}]
 
 
-def make_max_task(out_dir, num_digits: int = 3, val_fraction: float = 0.2, sft_copies: int = 2, bias_prob: float = 0.75, seed: int = 0) -> dict[str, pathlib.Path]:
+def make_max_task(out_dir, num_digits: int = 3, val_fraction: float = 0.2, sft_copies: int = 2, bias_prob: float = 0.75, seed: int = 0) -> dict[str,
+                                                                                                                                                pathlib.Path]:
     """Write ``train.parquet``, ``val.parquet`` (RL), ``sft.parquet`` and the preference pairs
     ``pref_train.parquet`` / ``pref_val.parquet`` (the same train / held-out split) for ``digit_max``."""
     if not 0.0 < val_fraction < 1.0:
@@ -251,7 +252,8 @@ def make_multiply_task(out_dir, n_train: int = 2000, n_val: int = 100, n_sft: in
 
 
 def main_make_data(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="hybridflow make-data", description="Write a built-in task's train/val/sft parquet files (digit_max also writes preference pairs: pref_train/pref_val)")
+    p = argparse.ArgumentParser(prog="hybridflow make-data",
+                                description="Write a built-in task's train/val/sft parquet files (digit_max also writes preference pairs: pref_train/pref_val)")
     p.add_argument("out_dir")
     p.add_argument("--task", default="digit_max", choices=["digit_max", "arith_add"])
     p.add_argument("--val-fraction", type=float, default=None)

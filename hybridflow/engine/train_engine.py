@@ -8,7 +8,8 @@ internals, built from the role's `ParallelDims` (`parallel/layout.py::build_trai
     log_probs(batch, micro, ...)               per-token (log-prob, entropy) of the responses [b, R]
     train(batch, objective, plan)              a role's whole update: epochs x mini-batches (each one
                                                optimizer step) x micro-batches, metric means
-    forward_backward(batch, loss_fn, micro)    gradients of the micro-batches' losses (accumulated)
+    forward_backward(batch, loss_fn, micro)    gradients of the micro-batches' token losses (accumulated)
+    forward_backward_module(batch, loss_fn, m) the same for losses on another head: loss_fn(module, mb)
     step() / scheduler_step()                  clip + optimizer step (DTensor- and pipeline-aware)
     save(path) / load(path) / state_dict()     sharded checkpoint (DCP) / full weights
     save_hf(out_dir, tokenizer, rank)          an HF checkpoint of the full weights
@@ -170,7 +171,7 @@ class TrainEngine:
                     self.forward_backward(mini, lambda lp, ent, mb: loss((lp, ent), mb, ctx), plan.micro_rows, plan.max_tokens, temperature,
                                           objective.fields, objective.remove_padding)
                 else:
-                    self.backward(mini, lambda module, mb: loss(head(module, mb), mb, ctx), plan.micro_rows)
+                    self.forward_backward_module(mini, lambda module, mb: loss(head(module, mb), mb, ctx), plan.micro_rows)
                 if optimizer_step:
                     means.add({f"{plan.metric_prefix}/grad_norm": self.step()})
         metrics = means.means()
@@ -201,7 +202,7 @@ class TrainEngine:
             logits = response_logits(self.module, mb, temperature, packed)
             loss_fn(logprobs_from_logits(logits, mb["responses"]), entropy_from_logits(logits), mb).backward()
 
-    def backward(self, batch: Batch, loss_fn: Callable[[nn.Module, Batch], torch.Tensor], micro_batch_size: int) -> None:
+    def forward_backward_module(self, batch: Batch, loss_fn: Callable[[nn.Module, Batch], torch.Tensor], micro_batch_size: int) -> None:
         """Accumulate the gradient of sum over micro-batches of loss_fn(module, mb), for losses on
         another head than token log-probs (values, reward scores, sequence log-probs); no pipeline."""
         if self.pipe is not None:

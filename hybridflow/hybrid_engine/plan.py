@@ -17,7 +17,7 @@ baseline (gather the full tensor, then slice) receives size - own on every rank.
 
 3D training layouts (the executor moves them with one exchange per layer). The layout -- pp x tp x
 dp, the generation TP size and grouping, the ranks per node -- is one object, `ParallelDims`
-(`parallel/dims.py`, with its rules; `TrainLayout` here is the same class). Rank
+(`parallel/dims.py`, with its rules). Rank
 r = (pp_i * dp + dp_i) * tp + tp_i: PP stage pp_i owns a contiguous block of decoder layers
 (embeddings on the first stage, final norm and lm_head on the last), TP shards a parameter along
 its generation TP dim (the same table), FSDP then shards that TP slice over dp (along the same dim
@@ -36,7 +36,6 @@ from functools import cached_property
 
 from hybridflow.parallel.dims import ParallelDims, gen_coords  # noqa: F401  (gen_coords re-exported)
 
-TrainLayout = ParallelDims  # the layout's name here before it moved to parallel/dims.py; importers keep it
 
 Interval = tuple[int, int]  # [start, stop) along one dim
 Box = tuple[Interval, ...]  # one interval per dim

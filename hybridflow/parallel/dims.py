@@ -23,7 +23,7 @@ The rules, checked when the object is made (one ValueError naming every size tha
 
 No torch here: the driver-side config validator runs these rules (the layout checks in
 `hybridflow/run_plan.py`, registered with `hybridflow.config.validate`) before any worker starts. The device mesh is
-built on the workers by `parallel/layout.py::parallel_dims`.
+built on the workers by `parallel/layout.py::train_mesh`.
 """
 
 from __future__ import annotations

@@ -42,7 +42,8 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
-def apply_fsdp2(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool = True, offload: bool = False, sharding_strategy: str | None = None, mixed_precision: str | None = None,
+def apply_fsdp2(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool = True, offload: bool = False, sharding_strategy: str | None = None,
+                mixed_precision: str | None = None,
                 shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None) -> nn.Module:
     """Shard every decoder layer, then the root (embeddings, final norm, head) over `mesh`.
 

@@ -1,7 +1,7 @@
 """3D training layout on the workers: the (pp, dp, tp) DeviceMesh and the model built on it.
 
 The layout itself (sizes, rank coordinates, rules) is `parallel/dims.py::ParallelDims`; this module
-adds what needs torch.distributed: the mesh, built lazily by `parallel_dims` on every rank. Rank
+adds what needs torch.distributed: the mesh, built lazily by `train_mesh` on every rank. Rank
 r = (pp_i * dp + dp_i) * tp + tp_i (tp innermost), so a TP group is tp consecutive ranks and a
 pipeline is the ranks that share (dp_i, tp_i).
 
@@ -57,7 +57,7 @@ class TrainMesh:
         return None if self.mesh is None else self.mesh["dp"].get_group()
 
 
-def parallel_dims(layout: ParallelDims, device: str) -> TrainMesh:
+def train_mesh(layout: ParallelDims, device: str) -> TrainMesh:
     """This rank's `TrainMesh` in `layout`. Every rank calls this (building the mesh creates process groups)."""
     rank = dist.get_rank()
     if layout.world != dist.get_world_size():

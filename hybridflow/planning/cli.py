@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 
-from hybridflow.hybrid_engine.plan import TrainLayout
+from hybridflow.parallel.dims import ParallelDims
 from hybridflow.planning.arch import PRESETS, load_arch
 from hybridflow.planning.cost import DTYPE_BYTES, GIB, Cluster, MemoryInputs
 from hybridflow.planning.search import gen_tp_problems, layout_problems, search
@@ -119,7 +119,7 @@ def main_plan(argv: list[str] | None = None) -> int:
     try:
         arch = load_arch(args.preset or args.model)
         cluster = cluster_from(args)
-        layout = TrainLayout.parse(args.train_layout) if args.train_layout else TrainLayout(dp=cluster.world)
+        layout = ParallelDims.parse(args.train_layout) if args.train_layout else ParallelDims(dp=cluster.world)
     except ValueError as e:
         sys.exit(f"plan: {e}")
     if layout.world != cluster.world:

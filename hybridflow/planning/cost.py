@@ -27,7 +27,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from hybridflow.hybrid_engine.plan import ParamPlan, ReshardPlan, TrainLayout, layer_stage, volume
+from hybridflow.hybrid_engine.plan import ParamPlan, ReshardPlan, layer_stage, volume
+from hybridflow.parallel.dims import ParallelDims
 from hybridflow.hybrid_engine.plan import fsdp_dim as _fsdp_dim
 from hybridflow.hybrid_engine.staging import staging_plan
 from hybridflow.models.lora import is_adapter_param
@@ -85,14 +86,14 @@ def frozen_params(plan: ReshardPlan, m: MemoryInputs) -> frozenset[str]:
     return frozenset(p.name for p in plan.params if not is_adapter_param(p.name)) if m.lora_rank > 0 else frozenset()
 
 
-def fsdp_dim(name: str, shape: tuple[int, ...], arch: Arch, layout: TrainLayout, strategy: str) -> int | None:
+def fsdp_dim(name: str, shape: tuple[int, ...], arch: Arch, layout: ParallelDims, strategy: str) -> int | None:
     """The dim FSDP2 shards a parameter's TP slice along (`fsdp_shard_placement_fn`), None = NO_SHARD."""
     if strategy == "NO_SHARD" or layout.dp == 1:
         return None
     return _fsdp_dim(shape, gen_shard_dim(name, arch.tied), layout)
 
 
-def plan_for(arch: Arch, layout: TrainLayout, gen_tp: int, itemsize: int, strategy: str = "FULL_SHARD",
+def plan_for(arch: Arch, layout: ParallelDims, gen_tp: int, itemsize: int, strategy: str = "FULL_SHARD",
              procs_per_node: int | None = None, lora_rank: int = 0) -> ReshardPlan:
     """The engine's plan for `arch` (no model built): exact per-rank boxes and bytes."""
     shapes = {n: (s, itemsize, fsdp_dim(n, s, arch, layout, strategy), gen_shard_dim(n, arch.tied))
@@ -162,7 +163,7 @@ def predict_switch(plan: ReshardPlan, cluster: Cluster, frozen: frozenset[str] =
     }
 
 
-def memory_plan(plan: ReshardPlan, arch: Arch, layout: TrainLayout, m: MemoryInputs, rank: int) -> dict[str, int]:
+def memory_plan(plan: ReshardPlan, arch: Arch, layout: ParallelDims, m: MemoryInputs, rank: int) -> dict[str, int]:
     """Bytes rank `rank` holds, by part, and the two phases' peaks (module docstring)."""
     own = sum(volume(p.own[rank]) for p in plan.params)
     frozen = frozen_params(plan, m)
@@ -199,7 +200,7 @@ def memory_plan(plan: ReshardPlan, arch: Arch, layout: TrainLayout, m: MemoryInp
     return parts
 
 
-def worst_memory(plan: ReshardPlan, arch: Arch, layout: TrainLayout, m: MemoryInputs) -> dict[str, int]:
+def worst_memory(plan: ReshardPlan, arch: Arch, layout: ParallelDims, m: MemoryInputs) -> dict[str, int]:
     """The memory plan of the rank with the highest peak (one rank per distinct (pp, gen) position)."""
     return max((memory_plan(plan, arch, layout, m, r) for r in range(plan.world_size)), key=lambda d: d["peak"])
 
@@ -212,7 +213,7 @@ def naive_transient_bytes(plan: ReshardPlan) -> int:
     return max(per_layer.values())
 
 
-def rows(arch: Arch, layout: TrainLayout, gen_tp: int, cluster: Cluster, m: MemoryInputs, switch_dtype: str = "bf16") -> list[dict]:
+def rows(arch: Arch, layout: ParallelDims, gen_tp: int, cluster: Cluster, m: MemoryInputs, switch_dtype: str = "bf16") -> list[dict]:
     """The `hybridflow plan` rows for one (training layout, gen_tp): one per mode."""
     plan = plan_for(arch, layout, gen_tp, DTYPE_BYTES[switch_dtype], m.strategy, cluster.gpus_per_node, m.lora_rank)
     mem = worst_memory(plan, arch, layout, m)

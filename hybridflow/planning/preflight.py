@@ -18,7 +18,7 @@ from hybridflow.config.derive import rollout_n
 from hybridflow.run_plan import resolve
 from hybridflow.config.schema import MICRO_BATCH_CAP, FSDPConfig, HybridFlowConfig
 from hybridflow.config import pools as rp
-from hybridflow.hybrid_engine.plan import TrainLayout
+from hybridflow.parallel.dims import ParallelDims
 from hybridflow.planning.arch import Arch, load_arch
 from hybridflow.planning.cost import DTYPE_BYTES, GIB, MemoryInputs, human, plan_for, worst_memory
 
@@ -30,7 +30,7 @@ def _strategy(fc: FSDPConfig) -> str:
     return fc.sharding_strategy or ("FULL_SHARD" if fc.reshard_after_forward else "SHARD_GRAD_OP")
 
 
-def _role_memory(arch: Arch, layout: TrainLayout, gen_tp: int, fc: FSDPConfig, m: MemoryInputs, trains: bool) -> dict[str, int]:
+def _role_memory(arch: Arch, layout: ParallelDims, gen_tp: int, fc: FSDPConfig, m: MemoryInputs, trains: bool) -> dict[str, int]:
     """The worst rank's memory plan of one role in its training `layout` (pp x tp x dp workers)."""
     mem = worst_memory(plan_for(arch, layout, gen_tp, m.gen_bytes, m.strategy, lora_rank=m.lora_rank), arch, layout, m)
     if not trains:  # forward only: no gradients, optimizer state or generation
@@ -60,11 +60,12 @@ def pool_memory(cfg: HybridFlowConfig, roles: list[rp.Role] | None = None) -> di
         role_arch = load_arch(critic.model.path) if role == rp.Role.CRITIC and critic.model.path else arch
         if role in (rp.Role.REWARD_MODEL, rp.Role.TEACHER):
             role_arch = load_arch((cfg.reward_model if role == rp.Role.REWARD_MODEL else cfg.teacher).model.path)
-        gen_tp = arr.rollout.rollout.tensor_model_parallel_size if role in (rp.Role.ACTOR_ROLLOUT, rp.Role.ROLLOUT) and n % arr.rollout.rollout.tensor_model_parallel_size == 0 else 1
+        gen_tp = arr.rollout.rollout.tensor_model_parallel_size if role in (rp.Role.ACTOR_ROLLOUT,
+                                                                            rp.Role.ROLLOUT) and n % arr.rollout.rollout.tensor_model_parallel_size == 0 else 1
         trains = role in (rp.Role.ACTOR_ROLLOUT, rp.Role.CRITIC)
         a = arr.actor  # the actor's 3D layout; other roles train or score with FSDP
         pp, tp = (a.pipeline_model_parallel_size, a.tensor_model_parallel_size) if role == rp.Role.ACTOR_ROLLOUT else (1, 1)
-        layout = TrainLayout(pp, tp, n // (pp * tp)) if n % (pp * tp) == 0 else TrainLayout(dp=n)
+        layout = ParallelDims(pp, tp, n // (pp * tp)) if n % (pp * tp) == 0 else ParallelDims(dp=n)
         mem = _role_memory(role_arch, layout, gen_tp, fc, m, trains)
         if role == rp.Role.ROLLOUT:  # generation only: no optimizer, no update
             mem = dict(mem, grads=0, optimizer=0, activations=0, fsdp_unshard=0)

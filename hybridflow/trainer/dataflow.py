@@ -142,12 +142,14 @@ class DataFlow:
                 self.models[key] = model_stage.PolicyGroup(self.config, module, num_workers)
             module = self.models[key].stage_fn(model_stage.stage_method(list(output_keys), method))
         if not callable(module) and not callable(getattr(module, "update", None)):
-            raise TypeError(f"stage {name!r}: module must be a worker-group method, a function, or an object with an update() method; got {type(module).__name__}")
+            raise TypeError(f"stage {name!r}: module must be a worker-group method, a function, or an object with an update() method; "
+                            f"got {type(module).__name__}")
         if batch_size is not None and not (isinstance(batch_size, int) and batch_size > 0):
             raise ValueError(f"stage {name!r}: batch_size must be a positive integer, got {batch_size!r}")
         if not (isinstance(grad_accum_steps, int) and grad_accum_steps >= 1):
             raise ValueError(f"stage {name!r}: grad_accum_steps must be an integer >= 1, got {grad_accum_steps!r}")
-        self.stages.append(Stage(name, module, list(input_keys), list(output_keys), pool=pool, sync=sync, batch_size=batch_size, grad_accum_steps=grad_accum_steps))
+        self.stages.append(Stage(name, module, list(input_keys), list(output_keys), pool=pool, sync=sync, batch_size=batch_size,
+                                 grad_accum_steps=grad_accum_steps))
         return self
 
     def names(self) -> list[str]:

@@ -121,7 +121,8 @@ class RLTrainer:
         before any worker starts."""
         d, mcfg, crf = self.cfg.data, self.run_plan.actor.model, self.cfg.custom_reward_function
         self.tokenizer = AutoTokenizer.from_pretrained(mcfg.tokenizer_path or mcfg.path)
-        self.val_ds = RLDataset(d.val_files, self.tokenizer, d.max_prompt_length, d.prompt_key, d.filter_overlong_prompts, d.truncation) if d.val_files else None
+        self.val_ds = RLDataset(d.val_files, self.tokenizer, d.max_prompt_length, d.prompt_key, d.filter_overlong_prompts,
+                                d.truncation) if d.val_files else None
         self.collate = lambda items: collate_rl(items, self.tokenizer.pad_token_id, d.max_prompt_length, d.prompt_padding)
         self.train_ds, train_collate = self._train_data()
         self.loader = PromptLoader(self.train_ds, d.train_batch_size, train_collate, d.shuffle, d.seed)
@@ -194,7 +195,8 @@ class RLTrainer:
         for p in pending:
             p.result()
         self.plan_summary = None if roles.async_rollout else self.actor.reshard_plan()
-        self.weight_sync = WeightSync(self.run_plan.actor, cfg.trainer, self.actor, self.plan_summary, self.rollout, (self.pool_of(Role.ACTOR_ROLLOUT), roles.pools.get(Role.ROLLOUT, "")))
+        self.weight_sync = WeightSync(self.run_plan.actor, cfg.trainer, self.actor, self.plan_summary, self.rollout,
+                                      (self.pool_of(Role.ACTOR_ROLLOUT), roles.pools.get(Role.ROLLOUT, "")))
         if roles.async_rollout:
             self.async_gen = AsyncRollout(self.rollout, self.weight_sync, self._prepare_batch, lambda step: self._sampling(step=step))
 
@@ -262,7 +264,8 @@ class RLTrainer:
             sync = Stage("sync_weights", self._sync_rollout, [], [], pool=actor_pool)
         correction_keys = ["rollout_is_weights", "rollout_rs_mask"] if c.active else []
         stages = [
-            Stage("reward_baseline", self._reward_baseline, PROMPT_KEYS + SAMPLE_INFO_KEYS, ["reward_baselines"], enabled=a.adv_estimator == "remax", pool=actor_pool),
+            Stage("reward_baseline", self._reward_baseline, PROMPT_KEYS + SAMPLE_INFO_KEYS, ["reward_baselines"], enabled=a.adv_estimator == "remax",
+                  pool=actor_pool),
             *gen_stages,
             *self._reward_stages(),
             old_log_prob,
@@ -418,7 +421,8 @@ class RLTrainer:
         """Greedy (val_kwargs) generation on the validation set; accuracy per data source."""
         if self.val_ds is None:
             return {}
-        return validation.validate(self.run_plan.rollout.rollout.val_kwargs, self.cfg.data.val_batch_size, self.val_ds, self.collate, functools.partial(self._rollout_on, self.rollout), self.reward_fn,
+        return validation.validate(self.run_plan.rollout.rollout.val_kwargs, self.cfg.data.val_batch_size, self.val_ds, self.collate,
+                                   functools.partial(self._rollout_on, self.rollout), self.reward_fn,
                                    self._sampling(greedy=True))
 
     def fit(self) -> dict:

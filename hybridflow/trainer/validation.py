@@ -27,7 +27,8 @@ from hybridflow.trainer.driver_stages import with_agent_reward
 from hybridflow.trainer.keys import with_sample_info
 
 
-def validate(val_kwargs: SamplingConfig, val_batch_size: int | None, val_ds: Any, collate: Callable[[list], Batch], generate: Callable[[Batch, SamplingParams], Batch],
+def validate(val_kwargs: SamplingConfig, val_batch_size: int | None, val_ds: Any, collate: Callable[[list], Batch],
+             generate: Callable[[Batch, SamplingParams], Batch],
              reward_fn: Callable, greedy: SamplingParams) -> dict[str, float]:
     """Generate for every validation prompt (data.val_batch_size at a time, val_kwargs.n samples
     each) with `generate(prompts, greedy)` (single- or multi-turn); the metrics per data source."""

@@ -36,7 +36,7 @@ from hybridflow.models.hf import DTYPES, load_hf_model
 from hybridflow.models.lora import adapters_disabled, apply_lora
 from hybridflow.parallel.dims import ParallelDims
 from hybridflow.parallel.fsdp import shard_numel
-from hybridflow.parallel.layout import parallel_dims
+from hybridflow.parallel.layout import train_mesh
 from hybridflow.parallel.tensor_parallel import gen_shard_dims
 from hybridflow.protocol import Batch
 from hybridflow.run_plan import ActorSpec, UpdatePlan
@@ -92,7 +92,7 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
         torch.manual_seed(self.spec.process.seed)
         mcfg = self.spec.model
         self.tokenizer = AutoTokenizer.from_pretrained(mcfg.tokenizer_path or mcfg.path)
-        self.dims = parallel_dims(self.train_layout, self.device)
+        self.dims = train_mesh(self.train_layout, self.device)
         if self.has_actor:
             self._init_actor(mcfg)
         if self.has_rollout:

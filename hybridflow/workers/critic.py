@@ -19,7 +19,7 @@ from hybridflow.engine.model import response_logits
 from hybridflow.models.hf import load_hf_model
 from hybridflow.models.lora import apply_lora
 from hybridflow.parallel.dims import ParallelDims
-from hybridflow.parallel.layout import parallel_dims
+from hybridflow.parallel.layout import train_mesh
 from hybridflow.protocol import Batch
 from hybridflow.run_plan import CriticSpec
 
@@ -48,7 +48,7 @@ class CriticWorker(Worker):
         # LoRA (critic.model.lora_rank): adapters on the backbone, the new value head `score` trained in full.
         # TP on the backbone (the value head is not in the TP table: replicated), then FSDP over dp
         model = apply_lora(load_hf_model(mcfg, self.device, kind="value"), ccfg.model, full=("score",))
-        self.critic = TrainEngine(model, parallel_dims(self.layout, self.device), self.device,
+        self.critic = TrainEngine(model, train_mesh(self.layout, self.device), self.device,
                                   ccfg.fsdp_config, optim=ccfg.optim, total_steps=self.total_training_steps, grad_clip=ccfg.grad_clip)
         self.update_plan = self.spec.update_plan(self.layout.dp)
         self.value_loss = ValueLoss(ccfg.cliprange_value, ccfg.loss_agg_mode)

@@ -27,7 +27,7 @@ from hybridflow.data.preference import pack_sequences, response_ids
 from hybridflow.engine import TrainEngine
 from hybridflow.models.hf import load_hf_model
 from hybridflow.parallel.dims import ParallelDims
-from hybridflow.parallel.layout import parallel_dims
+from hybridflow.parallel.layout import train_mesh
 from hybridflow.protocol import Batch
 
 
@@ -50,7 +50,7 @@ class RewardModelWorker(Worker):
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_cfg.tokenizer_path or self.model_cfg.path)
         self.policy_tokenizer = AutoTokenizer.from_pretrained(self.policy_tokenizer_path) if self.policy_tokenizer_path else self.tokenizer
         model = load_hf_model(self.model_cfg, self.device, kind="reward", pad_token_id=self.tokenizer.pad_token_id)
-        mesh = parallel_dims(ParallelDims(dp=self.world_size), self.device)  # FSDP over the group
+        mesh = train_mesh(ParallelDims(dp=self.world_size), self.device)  # FSDP over the group
         self.model = TrainEngine(model, mesh, self.device, self.fsdp_cfg, optim=self.optim_cfg, total_steps=self.total_training_steps,
                                  grad_clip=self.grad_clip)
 

@@ -19,7 +19,7 @@ from hybridflow.parallel.process_group import pick_device
 from hybridflow.engine import TrainEngine
 from hybridflow.models.hf import load_hf_model
 from hybridflow.parallel.dims import ParallelDims
-from hybridflow.parallel.layout import parallel_dims
+from hybridflow.parallel.layout import train_mesh
 from hybridflow.protocol import Batch
 
 
@@ -35,7 +35,7 @@ class TeacherWorker(Worker):
     def init_model(self) -> None:
         self.init_process_group(self.device, self.collective_timeout_s)
         torch.manual_seed(self.seed)
-        mesh = parallel_dims(ParallelDims(dp=self.world_size), self.device)  # FSDP over the pool
+        mesh = train_mesh(ParallelDims(dp=self.world_size), self.device)  # FSDP over the pool
         self.model = TrainEngine(load_hf_model(self.model_cfg, self.device).requires_grad_(False), mesh, self.device, self.fsdp_cfg,
                                  remove_padding=self.remove_padding)
 
