@@ -20,7 +20,7 @@ parameter) and ``GenLayout`` (how a backend lays the weights out), which weight 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable, Literal, NamedTuple, Optional, Sequence, Union
+from typing import Any, Iterable, Iterator, Literal, NamedTuple, Optional, Protocol, Sequence, Union, runtime_checkable
 
 import numpy as np
 import torch
@@ -36,6 +36,19 @@ class WeightPiece(NamedTuple):
     shape: tuple[int, ...]
     box: Box
     tensor: torch.Tensor
+
+
+@runtime_checkable
+class WeightSource(Protocol):
+    """What produces this rank's pieces of the trained weights for its rollout backend, which takes
+    them with `backend.update_weights(source.pieces())` and knows nothing else of the source: the
+    colocated 3D-HybridEngine (`hybrid_engine/executor.py::HybridEngine`, the minimal pieces of the
+    switch into the backend's `GenLayout`) or the cross-pool receiver of async rollout
+    (`hybrid_engine/cross_pool.py::PoolReceiver`, the pieces the actor's pool published)."""
+
+    last_stats: dict  # the last stream's measured stats (seconds, bytes moved, ...), once it is consumed
+
+    def pieces(self) -> Iterator[WeightPiece]: ...
 
 
 @dataclass(frozen=True)

@@ -159,6 +159,7 @@ def _frozen_worker(rank: int, world: int, port: int, path: str) -> None:
 
     from hybridflow.config.schema import HybridEngineConfig
     from hybridflow.hybrid_engine.executor import HybridEngine, local
+    from hybridflow.protocol import WeightSource
     from hybridflow.parallel.fsdp import apply_fsdp2, make_mesh
     from hybridflow.parallel.tensor_parallel import fsdp_shard_placement_fn, gen_shard_dims
 
@@ -176,6 +177,7 @@ def _frozen_worker(rank: int, world: int, port: int, path: str) -> None:
     # gen_tp 1: every rank needs the whole vocabulary tables (with gen_tp = N they would not move at all)
     rollout = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
     engine = HybridEngine(actor, rollout, dims, 1, HybridEngineConfig(), "cpu")
+    assert isinstance(engine, WeightSource)  # the colocated weight source
     assert engine.frozen == {"model.embed_tokens.weight", "lm_head.weight"}
     frozen_bytes = engine.plan.min_bytes(rank) - engine.plan.min_bytes(rank, engine.frozen)
     assert frozen_bytes > 0
@@ -418,3 +420,14 @@ def test_peak_reshard_memory_within_generation_slices_plus_two_layers(tmp_path, 
     path = make_tiny_model(tmp_path / "m", hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, intermediate_size=1024)
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # as the Ray workers' env (config/schema.py)
     mp.spawn(_memory_worker, args=(2, free_port(), str(path), str(tmp_path / "peaks")), nprocs=2)
+
+
+def test_the_cross_pool_receiver_is_a_weight_source():
+    """Both weight sources (the colocated HybridEngine, checked in the frozen-slices test above, and
+    the async pool's receiver) expose what a backend's caller uses: pieces() and last_stats."""
+    from hybridflow.hybrid_engine.cross_pool import PoolReceiver
+    from hybridflow.protocol import WeightSource
+
+    receiver = PoolReceiver({"w": (4, 2)}, {"w": 0}, gen_tp=2, rank=0, world=2)
+    assert isinstance(receiver, WeightSource) and receiver.last_stats == {}
+    assert not isinstance(object(), WeightSource)

@@ -135,6 +135,7 @@ class HybridEngine:
         self.frozen = frozenset(n for n, p in self.train.items() if not p.requires_grad)
         self.frozen_synced = False
         self.trace = TraceRecorder(self.rank)
+        self.last_stats: dict = {}  # the last switch's measured stats (`pieces()`; WeightSource)
         self.acquired = True
         # The reusable staging buffer: `slots` slots of the largest layer's staging need, so layer
         # granularity never allocates. Layers i+1 .. i+slots-1 gather into their slots while layer i
