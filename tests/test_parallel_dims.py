@@ -16,8 +16,9 @@ def _layouts(max_world: int = 12):
                 yield ParallelDims(pp, tp, world // (pp * tp))
 
 
-def test_one_object_under_both_names():
-    assert ParallelDims is ParallelDims
+def test_a_layout_parses_from_its_label_and_numbers_its_ranks():
+    """The planner's label ("pp2xtp2xdp3", `hybridflow plan --train-layout`) and the trainer's
+    for_world give the same object (one layout class since the TrainLayout alias went)."""
     d = ParallelDims.parse("pp2xtp2xdp3")
     assert (d.pp, d.tp, d.dp, d.world, d.label) == (2, 2, 3, 12, "pp2xtp2xdp3")
     assert ParallelDims.for_world(12, pp=2, tp=2) == d
