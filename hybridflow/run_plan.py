@@ -133,7 +133,7 @@ class RunPlan:
 
 
 def resolve(cfg: HybridFlowConfig) -> RunPlan:
-    """Every role's spec from the (derived, validated) config; the only reader of the role sections."""
+    """Every role's spec from the (derived, validated) config: outside config/, the only reader of the role sections."""
     arr, t = cfg.actor_rollout_ref, cfg.trainer
     process = ProcessSpec(t.device, t.seed, t.collective_timeout_s)
     rollout = RolloutSpec(arr.rollout.name, arr.model, arr.rollout, arr.generation_dtype(), cfg.data.max_response_length,
