@@ -459,8 +459,8 @@ def floor_seconds(engine, repeats: int) -> tuple[float, int]:
     for sharded, replicated, gen in layers.values():
         bufs.append((torch.empty(sharded), torch.empty(k * sharded) if k > 1 and sharded else None,
                      torch.empty(replicated), torch.empty(n * replicated) if replicated else None, torch.empty(gen), torch.empty(gen)))
-    received = sum((k - 1) * s.numel() * 4 for s, out, *_ in bufs if out is not None) + sum((n - 1) * r.numel() * 4 for _, _, r, out,
-                                                                                            *_ in bufs if out is not None)
+    received = (sum((k - 1) * s.numel() * 4 for s, out, *_ in bufs if out is not None)
+                + sum((n - 1) * r.numel() * 4 for _, _, r, out, *_ in bufs if out is not None))
 
     def once():
         for s, s_out, r, r_out, src, dst in bufs:

@@ -56,8 +56,8 @@ def test_run_copies_outputs_and_merges_metrics():
     assert metrics["stats/n"] == 3.0 and metrics["stats/adv_sum"] == pytest.approx(0.0, abs=1e-6)
     for name in flow.names():
         assert metrics[f"timing_s/{name}"] >= 0.0
-    assert set(metrics) == {"gen/len", "reward/mean", "stats/n", "stats/adv_sum"} | {f"timing_s/{n}" for n in flow.names()} | {"timing_s/dataflow",
-                                                                                                                               "perf/pool_busy/driver"}
+    assert set(metrics) == ({"gen/len", "reward/mean", "stats/n", "stats/adv_sum"} | {f"timing_s/{n}" for n in flow.names()}
+                            | {"timing_s/dataflow", "perf/pool_busy/driver"})
 
 
 def test_disabled_stage_skipped():

@@ -46,6 +46,14 @@ class PPOLoss:
     fields = ("old_log_probs", "advantages", "response_mask", "ref_log_prob", "rollout_is_weights", "rollout_rs_mask")
     remove_padding = None  # the engine's setting
 
+    @classmethod
+    def of(cls, actor) -> "PPOLoss":
+        """From the actor's section (`ActorConfig`): clip_ratio_low / clip_ratio_high default to clip_ratio."""
+        low = actor.clip_ratio_low if actor.clip_ratio_low is not None else actor.clip_ratio
+        high = actor.clip_ratio_high if actor.clip_ratio_high is not None else actor.clip_ratio
+        return cls(actor.policy_loss.loss_mode, low, high, actor.clip_ratio_c, actor.loss_agg_mode, actor.entropy_coeff,
+                   actor.use_kl_loss, actor.kl_loss_type, actor.kl_loss_coef)
+
     @property
     def policy_loss(self) -> PolicyLossFn:
         return get_policy_loss(self.loss_mode)

@@ -80,6 +80,10 @@ class ModelConfig:
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])  # "all-linear", or module names (q_proj, ...)
     lora_dropout: float = 0.0
 
+    def tokenizer_source(self) -> str:
+        """Where the tokenizer loads from: tokenizer_path, else the model's own directory."""
+        return self.tokenizer_path or self.path
+
 
 @dataclass
 class OptimConfig:
@@ -237,10 +241,6 @@ class ActorRolloutRefConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     ref: RefConfig = field(default_factory=RefConfig)
     hybrid_engine: HybridEngineConfig = field(default_factory=HybridEngineConfig)
-
-    def tokenizer_path(self) -> str:
-        """The policy's tokenizer: model.tokenizer_path, else the model's own directory."""
-        return self.model.tokenizer_path or self.model.path
 
     def generation_dtype(self) -> str:
         """The rollout's weight dtype: the actor's mixed-precision compute dtype when it has one
@@ -521,7 +521,7 @@ class HybridFlowConfig:
 
     def policy_tokenizer_path(self) -> str:
         """The policy's tokenizer (the prompts' and the responses' token ids)."""
-        return self.actor_rollout_ref.tokenizer_path()
+        return self.actor_rollout_ref.model.tokenizer_source()
 
     def with_policy_model(self, path: str) -> "HybridFlowConfig":
         """A deep copy whose policy model is `path` (actor, rollout and reference load it)."""

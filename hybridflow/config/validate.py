@@ -145,7 +145,7 @@ class _Problems(list):
 
     def tokenizer(self, key, m: ModelConfig):
         """A reward model's tokenizer pads batches and renders prompts: it needs a pad token and a chat template."""
-        path = m.tokenizer_path or m.path
+        path = m.tokenizer_source()
         try:
             with open(os.path.join(path, "tokenizer_config.json")) as f:
                 tc = json.load(f)

@@ -123,8 +123,8 @@ def max_prompt(digits: tuple[int, ...]) -> list[dict]:
     return [{"role": "user", "content": "max " + " ".join(map(str, digits))}]
 
 
-def make_max_task(out_dir, num_digits: int = 3, val_fraction: float = 0.2, sft_copies: int = 2, bias_prob: float = 0.75, seed: int = 0) -> dict[str,
-                                                                                                                                                pathlib.Path]:
+def make_max_task(out_dir, num_digits: int = 3, val_fraction: float = 0.2, sft_copies: int = 2, bias_prob: float = 0.75,
+                  seed: int = 0) -> dict[str, pathlib.Path]:
     """Write ``train.parquet``, ``val.parquet`` (RL), ``sft.parquet`` and the preference pairs
     ``pref_train.parquet`` / ``pref_val.parquet`` (the same train / held-out split) for ``digit_max``."""
     if not 0.0 < val_fraction < 1.0:

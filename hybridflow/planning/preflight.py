@@ -60,8 +60,8 @@ def pool_memory(cfg: HybridFlowConfig, roles: list[rp.Role] | None = None) -> di
         role_arch = load_arch(critic.model.path) if role == rp.Role.CRITIC and critic.model.path else arch
         if role in (rp.Role.REWARD_MODEL, rp.Role.TEACHER):
             role_arch = load_arch((cfg.reward_model if role == rp.Role.REWARD_MODEL else cfg.teacher).model.path)
-        gen_tp = arr.rollout.rollout.tensor_model_parallel_size if role in (rp.Role.ACTOR_ROLLOUT,
-                                                                            rp.Role.ROLLOUT) and n % arr.rollout.rollout.tensor_model_parallel_size == 0 else 1
+        rollout_tp = arr.rollout.rollout.tensor_model_parallel_size
+        gen_tp = rollout_tp if role in (rp.Role.ACTOR_ROLLOUT, rp.Role.ROLLOUT) and n % rollout_tp == 0 else 1
         trains = role in (rp.Role.ACTOR_ROLLOUT, rp.Role.CRITIC)
         a = arr.actor  # the actor's 3D layout; other roles train or score with FSDP
         pp, tp = (a.pipeline_model_parallel_size, a.tensor_model_parallel_size) if role == rp.Role.ACTOR_ROLLOUT else (1, 1)

@@ -33,7 +33,7 @@ def pair_accuracy(scores: torch.Tensor) -> float:
 def run_rm(cfg: RewardTrainConfig, log_every: int = 25) -> dict:
     cfg = derive_rm_defaults(cfg)  # an unset micro-batch from the workers (logged once)
     validate_rm_config(cfg)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_source())
     P, R = cfg.max_prompt_length, cfg.max_response_length
 
     def dataset(files):

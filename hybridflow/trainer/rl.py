@@ -120,7 +120,7 @@ class RLTrainer:
         """The tokenizer, the datasets and their loader, the reward function: all read and checked
         before any worker starts."""
         d, mcfg, crf = self.cfg.data, self.run_plan.actor.model, self.cfg.custom_reward_function
-        self.tokenizer = AutoTokenizer.from_pretrained(mcfg.tokenizer_path or mcfg.path)
+        self.tokenizer = AutoTokenizer.from_pretrained(mcfg.tokenizer_source())
         self.val_ds = RLDataset(d.val_files, self.tokenizer, d.max_prompt_length, d.prompt_key, d.filter_overlong_prompts,
                                 d.truncation) if d.val_files else None
         self.collate = lambda items: collate_rl(items, self.tokenizer.pad_token_id, d.max_prompt_length, d.prompt_padding)

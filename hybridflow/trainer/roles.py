@@ -102,7 +102,7 @@ def role_classes(cfg: HybridFlowConfig, plan: RunPlan, run: RunRoles, here: list
     if Role.REWARD_MODEL in here:
         rm, mcfg = cfg.reward_model, plan.actor.model
         classes["reward_model"] = (RewardModelWorker, {"model": rm.model, "fsdp": rm.fsdp_config, "micro_batch_size": rm.micro_batch_size_per_gpu,
-                                                       "device": t.device, "seed": t.seed, "policy_tokenizer": mcfg.tokenizer_path or mcfg.path,
+                                                       "device": t.device, "seed": t.seed, "policy_tokenizer": mcfg.tokenizer_source(),
                                                        "collective_timeout_s": t.collective_timeout_s})
     if Role.TEACHER in here:
         tc = cfg.teacher

@@ -38,7 +38,7 @@ def run_sft(cfg: SFTConfig, log_every: int = 50, stop_after: int | None = None) 
     losses (one per step), first_loss, final_loss, model_dir and the config."""
     cfg = derive_sft_defaults(cfg)  # an unset micro-batch from the workers (logged once)
     validate_sft_config(cfg)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_source())
     mt = cfg.multiturn
     dataset = (MultiTurnSFTDataset(cfg.train_files, tokenizer, cfg.max_length, mt.messages_key, mt.tools_key, mt.format) if mt.enable
                else SFTDataset(cfg.train_files, tokenizer, cfg.max_length, cfg.prompt_key, cfg.response_key))

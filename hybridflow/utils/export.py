@@ -73,7 +73,7 @@ def export_checkpoint(ckpt_dir: str, out_dir: str, model_path: str | None = None
         dcp.load(state, checkpoint_id=actor_dir, no_dist=True)  # reads exactly these keys, whatever the shard layout
         model.load_state_dict(state["model"])
         model.save_pretrained(out_dir, safe_serialization=True)
-    AutoTokenizer.from_pretrained(mcfg.tokenizer_path or mcfg.path).save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(mcfg.tokenizer_source()).save_pretrained(out_dir)
     return out_dir
 
 

@@ -23,7 +23,7 @@ import torch
 from transformers import AutoTokenizer
 
 from hybridflow.algorithms import masked_mean
-from hybridflow.algorithms.objectives import PPOLoss, SFTLoss
+from hybridflow.algorithms.objectives import DPOLoss, PPOLoss, SFTLoss
 from hybridflow.controller.decorator import Dispatch, register
 from hybridflow.config.pools import ModelPart, worker_role
 from hybridflow.controller.worker import Worker
@@ -91,7 +91,7 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
         self.init_process_group(self.device, self.spec.process.collective_timeout_s)
         torch.manual_seed(self.spec.process.seed)
         mcfg = self.spec.model
-        self.tokenizer = AutoTokenizer.from_pretrained(mcfg.tokenizer_path or mcfg.path)
+        self.tokenizer = AutoTokenizer.from_pretrained(mcfg.tokenizer_source())
         self.dims = train_mesh(self.train_layout, self.device)
         if self.has_actor:
             self._init_actor(mcfg)
@@ -111,9 +111,11 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
         self.gen_dtype = DTYPES[self.spec.rollout.generation_dtype]  # what a rollout pool holds (async: publish casts to it)
         self.actor = TrainEngine(model, self.dims, self.device, acfg.fsdp_config, optim=acfg.optim, total_steps=self.total_training_steps,
                                  grad_clip=acfg.grad_clip, pipeline_schedule=acfg.pipeline_schedule, remove_padding=self.remove_padding)
-        self.ppo_loss = PPOLoss(acfg.policy_loss.loss_mode, acfg.clip_ratio_low if acfg.clip_ratio_low is not None else acfg.clip_ratio,
-                                acfg.clip_ratio_high if acfg.clip_ratio_high is not None else acfg.clip_ratio, acfg.clip_ratio_c,
-                                acfg.loss_agg_mode, acfg.entropy_coeff, acfg.use_kl_loss, acfg.kl_loss_type, acfg.kl_loss_coef)
+        # The objectives this worker trains with, built once: PPO (RL), SFT, DPO (`workers/preference.py`).
+        self.ppo_loss = PPOLoss.of(acfg)
+        self.sft_loss = SFTLoss(self.dp_size, self.dims.dp_group)
+        dpo = self.spec.dpo
+        self.dpo_loss = DPOLoss(dpo.beta, dpo.loss_type, dpo.label_smoothing, self.world_size)
 
     def _init_rollout(self, mcfg) -> None:
         """The colocated rollout backend, by name, and the hybrid engine that feeds it: the
@@ -234,7 +236,7 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
         # The next-token view: the logits at t predict token t+1, i.e. "responses" = input_ids[:, 1:].
         view = Batch.from_dict(tensors={"input_ids": t["input_ids"], "attention_mask": t["attention_mask"], "position_ids": t["position_ids"],
                                         "responses": t["input_ids"][:, 1:], "loss_mask": t["loss_mask"][:, 1:].float()})
-        metrics = self.actor.train(view, SFTLoss(self.dp_size, self.dims.dp_group), self.spec.sft_plan())
+        metrics = self.actor.train(view, self.sft_loss, self.spec.sft_plan())
         metrics.setdefault("train/loss", 0.0)  # an earlier pipeline stage never sees the loss
         return metrics
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 
 from hybridflow.algorithms import logprobs_from_logits
-from hybridflow.algorithms.objectives import DPOLoss
 from hybridflow.algorithms.preference import seq_log_probs
 from hybridflow.controller.decorator import Dispatch, register
 from hybridflow.engine.model import response_logits
@@ -17,7 +16,8 @@ from hybridflow.protocol import Batch
 
 
 class PreferenceMixin:
-    """Needs `self.actor` (the policy's `TrainEngine`), `self.ref` when `has_ref`, `self.spec` (`ActorSpec`)."""
+    """Needs `self.actor` (the policy's `TrainEngine`), `self.ref` when `has_ref`, `self.spec` (`ActorSpec`),
+    `self.dpo_loss` (the `DPOLoss` the worker built once)."""
 
     def _seq_log_probs(self, model, mb: Batch) -> torch.Tensor:
         """[b] sequence log-probs of the responses (mean over tokens for IPO, as TRL)."""
@@ -38,6 +38,4 @@ class PreferenceMixin:
         responses/response_mask [2p, R], ref_seq_log_prob and pair_weight [2p]. One optimizer step
         per mini-batch of actor.ppo_mini_batch_size pairs (global). The loss is the mean over the
         mini-batch's counted pairs (pair_weight 1) of all ranks (`DPOLoss`)."""
-        dpo = self.spec.dpo
-        objective = DPOLoss(dpo.beta, dpo.loss_type, dpo.label_smoothing, self.world_size)
-        return self.actor.train(data, objective, self.spec.dpo_plan(self.world_size), head=self._seq_log_probs)
+        return self.actor.train(data, self.dpo_loss, self.spec.dpo_plan(self.world_size), head=self._seq_log_probs)

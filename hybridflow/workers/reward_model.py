@@ -47,12 +47,13 @@ class RewardModelWorker(Worker):
     def init_model(self) -> None:
         self.init_process_group(self.device, self.collective_timeout_s)
         torch.manual_seed(self.seed)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_cfg.tokenizer_path or self.model_cfg.path)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_cfg.tokenizer_source())
         self.policy_tokenizer = AutoTokenizer.from_pretrained(self.policy_tokenizer_path) if self.policy_tokenizer_path else self.tokenizer
         model = load_hf_model(self.model_cfg, self.device, kind="reward", pad_token_id=self.tokenizer.pad_token_id)
         mesh = train_mesh(ParallelDims(dp=self.world_size), self.device)  # FSDP over the group
         self.model = TrainEngine(model, mesh, self.device, self.fsdp_cfg, optim=self.optim_cfg, total_steps=self.total_training_steps,
                                  grad_clip=self.grad_clip)
+        self.bt_loss, self.update_plan = BradleyTerryLoss(self.margin), UpdatePlan(micro_rows=self.micro, metric_prefix="train")  # one step per call
 
     @staticmethod
     def _scores(module, mb: Batch) -> torch.Tensor:
@@ -84,7 +85,7 @@ class RewardModelWorker(Worker):
     @register(Dispatch.DP_COMPUTE)
     def update_rm(self, data: Batch) -> dict[str, float]:
         """One optimizer step of Bradley-Terry on this rank's pairs (2p rows, interleaved)."""
-        return self.model.train(data, BradleyTerryLoss(self.margin), UpdatePlan(micro_rows=self.micro, metric_prefix="train"), head=self._scores)
+        return self.model.train(data, self.bt_loss, self.update_plan, head=self._scores)
 
     @register(Dispatch.RANK_ZERO)
     def save_hf_model(self, out_dir: str) -> str:

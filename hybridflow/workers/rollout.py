@@ -67,7 +67,7 @@ class RolloutWorker(RolloutMixin, Worker):
     def init_model(self) -> None:
         self.init_process_group(self.device, self.spec.process.collective_timeout_s)
         mcfg = self.spec.model
-        self.tokenizer = AutoTokenizer.from_pretrained(mcfg.tokenizer_path or mcfg.path)
+        self.tokenizer = AutoTokenizer.from_pretrained(mcfg.tokenizer_source())
         name = self.spec.name
         self.rollout = make_rollout(name, RolloutContext(self.spec, self.tokenizer, self.device, self.rank, self.world_size))
         lay = self.rollout.layout()
