@@ -122,3 +122,79 @@ def test_trimming_right_padding_keeps_every_rows_logits(tiny_model_dir):
     # a left-padded batch ends in tokens: nothing to cut
     left = Batch.from_dict(tensors={"input_ids": ids.flip(1), "attention_mask": mask.flip(1)})
     assert trim_right_padding(left, ("input_ids",))["input_ids"].shape == (3, width)
+
+
+class _MeanNLL:
+    """A test objective: mean NLL over the response tokens of the GLOBAL mini-batch (FSDP2 averages
+    gradients over ranks, hence x world); metric: the rank's mean NLL (sum, tokens)."""
+
+    fields = ("response_mask",)
+    remove_padding = None
+
+    def __init__(self, world: int):
+        self.world = world
+
+    def mini_batch(self, mini):
+        tokens = mini["response_mask"].sum().float()
+        torch.distributed.all_reduce(tokens)
+        return tokens
+
+    def __call__(self, out, mb, tokens):
+        nll = -(out[0] * mb["response_mask"]).sum()
+        return nll / tokens * self.world, {"test/nll": (float(nll), float(mb["response_mask"].sum()))}
+
+
+def _train_rank(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
+    os.environ.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    from hybridflow.config.schema import FSDPConfig, ModelConfig, OptimConfig
+    from hybridflow.engine import TrainEngine
+    from hybridflow.models.hf import load_hf_model
+    from hybridflow.parallel.dims import ParallelDims
+    from hybridflow.parallel.layout import train_mesh
+    from hybridflow.run_plan import UpdatePlan
+
+    model = load_hf_model(ModelConfig(path=model_dir), "cpu")
+    # lr 0: the weights never move, so every step's gradient is taken at the same point as the oracle's
+    engine = TrainEngine(model, train_mesh(ParallelDims(dp=world), "cpu"), "cpu", FSDPConfig(), optim=OptimConfig(lr=0.0), grad_clip=1e9)
+    batch = _batch(model.config.vocab_size).chunk(world)[rank]  # rank r: rows 2r, 2r + 1
+    metrics = engine.train(batch, _MeanNLL(world), UpdatePlan(micro_rows=1, mini_rows=1, epochs=2))
+    steps = {int(s["step"]) for s in engine.optimizer.state.values()}
+    with open(f"{out}.{rank}", "wb") as f:
+        pickle.dump({"metrics": metrics, "steps": steps}, f)
+    torch.distributed.destroy_process_group()
+
+
+def test_the_engines_update_loop_matches_plain_pytorch(tiny_model_dir, tmp_path):
+    """`TrainEngine.train` over 2 ranks, 2 rows each, mini-batches of 1 row per rank, 2 epochs: 4
+    optimizer steps, each on the global mini-batch j = rows {j, 2 + j}; grad_norm is the mean of the
+    steps' norms and the objective's metric the rank's token-weighted mean. Oracle: the unsharded HF
+    model and autograd by hand (no hybridflow code), at lr 0 so no optimizer step amplifies the fp32
+    reordering of FSDP2's reduce-scatter (tolerance 1e-5 relative, as above)."""
+    import torch.multiprocessing as mp
+    from transformers import AutoModelForCausalLM
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "train")
+    mp.spawn(_train_rank, args=(2, port, str(tiny_model_dir), out), nprocs=2)
+    got = [pickle.load(open(f"{out}.{r}", "rb")) for r in range(2)]
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    b = _batch(model.config.vocab_size)
+    logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"]).logits[:, PROMPT - 1:-1]
+    nll_tok = -torch.log_softmax(logits, -1).gather(-1, b["responses"][..., None])[..., 0] * b["response_mask"]  # [4, R]
+    norms = []
+    for rows in ([0, 2], [1, 3]):  # the two global mini-batches
+        model.zero_grad()
+        (nll_tok[rows].sum() / b["response_mask"][rows].sum()).backward(retain_graph=True)
+        norms.append(float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))))
+    for r, g in enumerate(got):
+        rows = [2 * r, 2 * r + 1]
+        want_nll = float(nll_tok[rows].sum() / b["response_mask"][rows].sum())
+        assert g["steps"] == {4}  # 2 epochs x 2 mini-batches
+        assert g["metrics"]["test/nll"] == pytest.approx(want_nll, rel=1e-5)
+        assert g["metrics"]["actor/grad_norm"] == pytest.approx(sum(norms) / 2, rel=1e-5)
+        assert g["metrics"]["actor/lr"] == 0.0
