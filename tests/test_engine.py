@@ -35,10 +35,26 @@ def _batch(vocab: int):
     return Batch.from_dict(tensors={"input_ids": ids, "attention_mask": mask, "position_ids": pos, "responses": ids[:, PROMPT:], "response_mask": resp_mask})
 
 
-def _rank(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
+def _join(rank: int, world: int, port: int) -> None:
+    """A spawned rank: one thread, offline, in the gloo group on 127.0.0.1:port."""
     os.environ.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+
+
+def _two_ranks(fn, model_dir, out) -> list:
+    """Run fn(rank, 2, port, model_dir, out) on 2 processes; each pickles its result to out.<rank>."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(fn, args=(2, port, str(model_dir), str(out)), nprocs=2)
+    return [pickle.load(open(f"{out}.{r}", "rb")) for r in range(2)]
+
+
+def _rank(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
+    _join(rank, world, port)
     from hybridflow.config.schema import FSDPConfig, ModelConfig, OptimConfig
     from hybridflow.engine import TrainEngine
     from hybridflow.models.hf import load_hf_model
@@ -63,15 +79,9 @@ def _rank(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
 
 
 def test_engine_matches_plain_pytorch(tiny_model_dir, tmp_path):
-    import torch.multiprocessing as mp
     from transformers import AutoModelForCausalLM
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = str(tmp_path / "engine")
-    mp.spawn(_rank, args=(2, port, str(tiny_model_dir), out), nprocs=2)
-    got = [pickle.load(open(f"{out}.{r}", "rb")) for r in range(2)]
+    got = _two_ranks(_rank, tiny_model_dir, tmp_path / "engine")
 
     # The oracle: the unsharded model, the whole batch at once, by hand.
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
@@ -145,9 +155,7 @@ class _MeanNLL:
 
 
 def _train_rank(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
-    os.environ.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    _join(rank, world, port)
     from hybridflow.config.schema import FSDPConfig, ModelConfig, OptimConfig
     from hybridflow.engine import TrainEngine
     from hybridflow.models.hf import load_hf_model
@@ -172,15 +180,9 @@ def test_the_engines_update_loop_matches_plain_pytorch(tiny_model_dir, tmp_path)
     steps' norms and the objective's metric the rank's token-weighted mean. Oracle: the unsharded HF
     model and autograd by hand (no hybridflow code), at lr 0 so no optimizer step amplifies the fp32
     reordering of FSDP2's reduce-scatter (tolerance 1e-5 relative, as above)."""
-    import torch.multiprocessing as mp
     from transformers import AutoModelForCausalLM
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = str(tmp_path / "train")
-    mp.spawn(_train_rank, args=(2, port, str(tiny_model_dir), out), nprocs=2)
-    got = [pickle.load(open(f"{out}.{r}", "rb")) for r in range(2)]
+    got = _two_ranks(_train_rank, tiny_model_dir, tmp_path / "train")
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     b = _batch(model.config.vocab_size)
