@@ -65,7 +65,7 @@ def config(model: str, layout: str):
     a.ppo_mini_batch_size, a.ppo_micro_batch_size_per_gpu = ROWS, MICRO  # one optimizer step per update
     a.optim.lr, a.optim.lr_warmup_steps, a.grad_clip = 1e-2, 0, 1.0
     arr.rollout.n, arr.rollout.log_prob_micro_batch_size_per_gpu = 1, MICRO
-    cfg.trainer.device = "cpu"
+    cfg.trainer.device, cfg.trainer.n_gpus_per_node = "cpu", lay.world  # the spec's layout: pp x tp x dp over these ranks
     return cfg
 
 

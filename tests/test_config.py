@@ -795,8 +795,8 @@ class EchoRollout:
         pass
 
 
-def _echo_check(cfg) -> list[str]:
-    top_k = cfg.actor_rollout_ref.rollout.top_k
+def _echo_check(spec) -> list[str]:
+    top_k = spec.rollout.top_k  # the RolloutSpec: the backend sees its own slice of the config
     return [] if top_k <= 0 else [f"echo: actor_rollout_ref.rollout.top_k is not supported, got {top_k}"]
 
 

@@ -105,11 +105,9 @@ def test_the_validator_reaches_the_layout_checks_by_registration():
     """config.validate names the module in CHECK_MODULES; the module registers its checks on import."""
     from hybridflow.config import validate
 
-    assert "hybridflow.run_plan" in validate.CHECK_MODULES  # the layout checks read the role sections: the plan's
-    assert validate.component_check("actor_layout").__module__ == "hybridflow.run_plan"
-    assert validate.component_check("gen_tp").__module__ == "hybridflow.parallel.dims"
-    assert validate.component_check("pools").__module__ == "hybridflow.controller.checks"
+    assert "hybridflow.run_plan" in validate.CHECK_MODULES  # the layout checks read the role sections: each role's spec checks itself
+    assert validate.component_check("role_specs").__module__ == "hybridflow.run_plan"
     with pytest.raises(ValueError, match="unknown config check"):
         validate.register_check("no_such_check")
     with pytest.raises(ValueError, match="already registered"):
-        validate.register_check("gen_tp")(lambda *a: [])
+        validate.register_check("role_specs")(lambda *a: [])

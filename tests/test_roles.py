@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 
 from hybridflow.config import HybridFlowConfig
+from hybridflow.config.schema import TrainerConfig
 from hybridflow.config.pools import ModelPart
 from hybridflow.run_plan import resolve
 from hybridflow.workers.actor_rollout_ref import ActorRolloutRefWorker
 
 A, R, F = ModelPart.ACTOR, ModelPart.ROLLOUT, ModelPart.REF
-SPEC = resolve(HybridFlowConfig()).actor
+SPEC = resolve(HybridFlowConfig(trainer=TrainerConfig(n_gpus_per_node=1))).actor  # one rank: this process
 
 
 @pytest.mark.parametrize("parts, text", [({A, R, F}, "actor_rollout_ref"), ({A, R}, "actor_rollout"), ({A, F}, "actor_ref"), ({A}, "actor"), ({F}, "ref")])

@@ -53,11 +53,11 @@ def test_vllm_settings_the_platform_cannot_run_fail_before_workers(tiny_model_di
     assert "head_dim 16 is not supported" in msg
     assert "float16" in msg and "cpu_kv_cache_gb=1000" in msg
     # bf16 mixed precision makes the generation bf16 too: on a CPU without AVX512-BF16 the error names that key
-    from hybridflow.config.validate import _cpu_flags
+    from hybridflow.rollout.vllm_rollout import cpu_flags
 
     cfg = load_config(None, rl_overrides(tiny_model_dir, task_dir, tmp_path, "actor_rollout_ref.rollout.name=vllm",
                                          "actor_rollout_ref.actor.fsdp_config.mixed_precision=bf16"), schema=HybridFlowConfig)
-    if "avx512_bf16" not in _cpu_flags():
+    if "avx512_bf16" not in cpu_flags():
         with pytest.raises(ConfigError, match=r"actor_rollout_ref\.actor\.fsdp_config\.mixed_precision=bf16: this CPU has no AVX512-BF16"):
             validate_config(cfg)
 

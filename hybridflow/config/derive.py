@@ -143,7 +143,7 @@ def _pos(v) -> bool:
 def _data_parallel_sizes(cfg: HybridFlowConfig, kind: str) -> tuple[Optional[int], Optional[int]]:
     """(actor dp, critic dp): the ranks a training batch is split over (workers / (pp x tp)); None
     where the pools or the layout do not fit (the validator says why). The pool sizes are the
-    validator's "pools" check's (`controller/checks.py` over the same `config/pools.py` rules)."""
+    validator's pool check's (the same `config/pools.py` rules) and the run plan's (`run_plan.resolve`)."""
     try:
         roles = rp.run_roles(cfg, kind)
         if rp.pool_problems(cfg, roles):

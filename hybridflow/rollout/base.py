@@ -63,7 +63,7 @@ class RolloutContext:
 Builder = Callable[[RolloutContext], RolloutBackend]
 # name -> its builder, or "module:function" imported when first built (so this module imports no
 # backend: the built-in ones import it, never the other way round). A builder may carry
-# `check(cfg) -> list[str]`: its own config checks, which the validator runs.
+# `check(spec: RolloutSpec) -> list[str]`: its own config checks, which the validator runs.
 ROLLOUT_BACKENDS: dict[str, Union[str, Builder]] = {
     "hf": "hybridflow.rollout.hf_rollout:build_hf_rollout",
     "vllm": "hybridflow.rollout.vllm_rollout:build_vllm_rollout",
@@ -107,15 +107,15 @@ def make_rollout(name: str, ctx: RolloutContext) -> RolloutBackend:
 
 
 @register_check("rollout_backend")
-def rollout_backend_problems(name: str, cfg) -> list[str]:
+def rollout_backend_problems(name: str, spec) -> list[str]:
     """`name` (actor_rollout_ref.rollout.name) names a registered backend (or an importable builder),
-    and the backend's own checks (its builder's `check(cfg)`) pass."""
+    and the backend's own checks of its `RolloutSpec` (its builder's `check(spec)`) pass."""
     try:
         builder = rollout_builder(name)
     except ValueError as e:
         return [str(e)]
     check = getattr(builder, "check", None)
-    return list(check(cfg)) if check is not None else []
+    return list(check(spec)) if check is not None else []
 
 
 def response_lengths(responses: torch.Tensor, stop_ids: list[int], pad_id: int) -> torch.Tensor:

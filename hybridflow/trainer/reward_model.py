@@ -20,6 +20,7 @@ from hybridflow.config import RewardTrainConfig, validate_rm_config
 from hybridflow.config.derive import derive_rm_defaults
 from hybridflow.config.schema import PoolSpec
 from hybridflow.data.preference import PreferenceDataset, collate_pairs
+from hybridflow.run_plan import RewardModelSpec
 from hybridflow.trainer.loader import PromptLoader
 from hybridflow.trainer.placement import start_groups
 from hybridflow.utils.tracking import Tracker
@@ -46,9 +47,7 @@ def run_rm(cfg: RewardTrainConfig, log_every: int = 25) -> dict:
     t = cfg.trainer
     from hybridflow.workers.reward_model import RewardModelWorker
 
-    worker = (RewardModelWorker, {"model": cfg.model, "fsdp": cfg.fsdp_config, "micro_batch_size": cfg.micro_batch_size_per_gpu, "device": t.device,
-                                  "seed": t.seed, "optim": cfg.optim, "grad_clip": cfg.grad_clip, "total_training_steps": cfg.total_steps,
-                                  "margin": cfg.margin, "collective_timeout_s": t.collective_timeout_s})
+    worker = (RewardModelWorker, {"spec": RewardModelSpec.for_training(cfg), "total_training_steps": cfg.total_steps})
     # trainer.launcher: Ray workers on a reserved pool, or this process as one torchrun rank.
     placed = start_groups(t, cfg.ray_init, {"rm_pool": PoolSpec(workers_per_node=t.n_gpus_per_node, nnodes=t.nnodes)},
                           lambda pool, procs_per_node: {"reward_model": worker}, name=lambda pool: f"rm_{os.getpid()}")

@@ -181,7 +181,7 @@ class RLTrainer:
                            "backend; vLLM repacks its weights, so with vllm the check is rollout/logprob_diff_max")
         specs = pool_specs(cfg)
         self.placed = start_groups(cfg.trainer, cfg.ray_init, {name: specs[name] for name in roles.pool_names()},
-                                   lambda pool, procs_per_node: role_classes(cfg, self.run_plan, roles, roles.on(pool), procs_per_node, self.total_steps),
+                                   lambda pool, procs_per_node: role_classes(self.run_plan, roles, roles.on(pool), self.total_steps),
                                    name=lambda pool: f"{cfg.trainer.experiment_name}_{pool}_{os.getpid()}")
         self.wg = self.groups[self.pool_of(Role.ACTOR_ROLLOUT)]
         views = self.placed.views()

@@ -2,7 +2,7 @@
 
     roles = RunRoles.of(cfg, "rl")        # {Role: pool name}: the layout, before any worker starts
     roles.use_critic, roles.use_ref, roles.use_rm, roles.pool_of(Role.ACTOR_ROLLOUT)
-    role_classes(cfg, plan, roles, roles.on(pool), procs_per_node, total_steps)  # {view name: (class, kwargs)}, specs from the plan
+    role_classes(plan, roles, roles.on(pool), total_steps)  # {view name: (class, kwargs)}, each role's spec from the plan
 
 Which roles run: `resource_pool.active_roles` for RL (a critic for GAE, a reference for KL, a
 rollout pool when async, a reward model and a distillation teacher when enabled), `resource_pool.dpo_roles` for DPO. Roles are
@@ -78,21 +78,18 @@ def policy_worker(spec: ActorSpec, parts: set[ModelPart] | frozenset[ModelPart],
     return ActorRolloutRefWorker, {"spec": spec, "role": frozenset(parts), **kwargs}
 
 
-def role_classes(cfg: HybridFlowConfig, plan: RunPlan, run: RunRoles, here: list[Role], procs_per_node: int,
-                 total_steps: int) -> dict[str, tuple[type, dict]]:
+def role_classes(plan: RunPlan, run: RunRoles, here: list[Role], total_steps: int) -> dict[str, tuple[type, dict]]:
     """The worker classes (and their arguments) that hold the roles `here` in one process, by view
-    name; each gets its spec from `plan`; procs_per_node: the pool's ranks per node (consecutive),
-    the hybrid engine's node boundary."""
+    name; each gets its spec from `plan` (with its pool's layout)."""
     from hybridflow.workers.critic import CriticWorker
     from hybridflow.workers.reward_model import RewardModelWorker
     from hybridflow.workers.rollout import RolloutWorker
     from hybridflow.workers.teacher import TeacherWorker
 
-    t = cfg.trainer
     classes: dict[str, tuple[type, dict]] = {}
     if Role.ACTOR_ROLLOUT in here:
         parts = {ModelPart.ACTOR} | ({ModelPart.ROLLOUT} if not run.async_rollout else set()) | ({ModelPart.REF} if Role.REF in here else set())
-        classes["actor"] = policy_worker(plan.actor, parts, total_training_steps=total_steps, procs_per_node=procs_per_node)
+        classes["actor"] = policy_worker(plan.actor, parts, total_training_steps=total_steps)
     elif Role.REF in here:
         classes["ref"] = policy_worker(plan.actor, {ModelPart.REF})
     if Role.ROLLOUT in here:
@@ -100,13 +97,7 @@ def role_classes(cfg: HybridFlowConfig, plan: RunPlan, run: RunRoles, here: list
     if Role.CRITIC in here:
         classes["critic"] = (CriticWorker, {"spec": plan.critic, "total_training_steps": total_steps})
     if Role.REWARD_MODEL in here:
-        rm, mcfg = cfg.reward_model, plan.actor.model
-        classes["reward_model"] = (RewardModelWorker, {"model": rm.model, "fsdp": rm.fsdp_config, "micro_batch_size": rm.micro_batch_size_per_gpu,
-                                                       "device": t.device, "seed": t.seed, "policy_tokenizer": mcfg.tokenizer_source(),
-                                                       "collective_timeout_s": t.collective_timeout_s})
+        classes["reward_model"] = (RewardModelWorker, {"spec": plan.reward_model})
     if Role.TEACHER in here:
-        tc = cfg.teacher
-        classes["teacher"] = (TeacherWorker, {"model": tc.model, "fsdp": tc.fsdp_config, "micro_batch_size": tc.log_prob_micro_batch_size_per_gpu,
-                                              "device": t.device, "seed": t.seed, "remove_padding": plan.actor.model.use_remove_padding,
-                                              "collective_timeout_s": t.collective_timeout_s})
+        classes["teacher"] = (TeacherWorker, {"spec": plan.teacher})
     return classes

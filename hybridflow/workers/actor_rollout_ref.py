@@ -34,7 +34,6 @@ from hybridflow.hybrid_engine import cross_pool
 from hybridflow.utils.memory import rss_bytes
 from hybridflow.models.hf import DTYPES, load_hf_model
 from hybridflow.models.lora import adapters_disabled, apply_lora
-from hybridflow.parallel.dims import ParallelDims
 from hybridflow.parallel.fsdp import shard_numel
 from hybridflow.parallel.layout import train_mesh
 from hybridflow.parallel.tensor_parallel import gen_shard_dims
@@ -49,13 +48,10 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
     """role: "actor_rollout_ref" / "actor_rollout" (RL, with / without the reference), "actor_ref" /
     "actor" (the rollout on another pool; "actor" is also SFT), "ref" (the reference alone)."""
 
-    def __init__(self, spec: ActorSpec, role: "str | frozenset[ModelPart]" = "actor_rollout_ref", total_training_steps: int = 1,
-                 procs_per_node: int | None = None):
-        """spec: the policy's (`run_plan.resolve(cfg).actor`); procs_per_node: ranks per node of this
-        worker's pool (consecutive), the hybrid engine's node boundary; None = all on one node."""
+    def __init__(self, spec: ActorSpec, role: "str | frozenset[ModelPart]" = "actor_rollout_ref", total_training_steps: int = 1):
+        """spec: the policy's (`run_plan.resolve(cfg).actor`), with its pool's layout."""
         super().__init__()
         self.spec = spec
-        self.procs_per_node = procs_per_node or self.world_size
         self.total_training_steps = total_training_steps
         self.device = pick_device(spec.process.device)
         # What this process holds: a set of ModelPart (the trainer's typed roles), or the role string
@@ -66,12 +62,13 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
         self.has_rollout = ModelPart.ROLLOUT in parts
         self.has_ref = ModelPart.REF in parts
         self.remove_padding = spec.model.use_remove_padding
-        acfg = spec.actor
-        # The actor's 3D layout; the colocated reference shares it (same workers, same data split),
-        # a reference on a pool of its own ("ref") scores with FSDP over that pool. The rollout
-        # backend adds its generation layout (`_init_rollout`).
-        pp, tp = (acfg.pipeline_model_parallel_size, acfg.tensor_model_parallel_size) if self.has_actor else (1, 1)
-        self.train_layout = ParallelDims.for_world(self.world_size, pp=pp, tp=tp, procs_per_node=self.procs_per_node)
+        # The actor's 3D layout (the spec's); the colocated reference shares it (same workers, same
+        # data split), a reference on a pool of its own ("ref") scores with FSDP over that pool. The
+        # rollout backend adds its generation layout (`_init_rollout`).
+        self.train_layout = spec.layout if self.has_actor else spec.ref.layout
+        if self.train_layout.world != self.world_size:
+            raise ValueError(f"the {self.role} spec is for {self.train_layout.world} ranks ({self.train_layout}), this group has "
+                             f"{self.world_size}: build the spec with run_plan.resolve(cfg) for the config the group was placed from")
         self.dims = None  # this rank's TrainMesh (parallel/layout.py), set by init_model
         self.actor: TrainEngine | None = None  # the trained policy (has_actor)
         self.ref: TrainEngine | None = None  # the frozen reference (has_ref)

@@ -18,7 +18,6 @@ from hybridflow.engine import TrainEngine
 from hybridflow.engine.model import response_logits
 from hybridflow.models.hf import load_hf_model
 from hybridflow.models.lora import apply_lora
-from hybridflow.parallel.dims import ParallelDims
 from hybridflow.parallel.layout import train_mesh
 from hybridflow.protocol import Batch
 from hybridflow.run_plan import CriticSpec
@@ -31,8 +30,7 @@ class CriticWorker(Worker):
         self.spec = spec
         self.total_training_steps = total_training_steps
         self.device = pick_device(spec.process.device)
-        tp = spec.critic.tensor_model_parallel_size
-        self.layout = ParallelDims.for_world(self.world_size, tp=tp)  # critic.tensor_model_parallel_size x FSDP
+        self.layout = spec.layout  # critic.tensor_model_parallel_size x FSDP over the critic's pool
 
     def dispatch_layout(self, layout: str | None) -> tuple[int, int, bool]:
         """"train": split over dp, the TP ranks of a dp group share a chunk (`ParallelDims.dispatch`)."""

@@ -17,8 +17,7 @@ import torch
 from transformers import AutoTokenizer
 
 from hybridflow.algorithms.objectives import BradleyTerryLoss
-from hybridflow.run_plan import UpdatePlan
-from hybridflow.config.schema import FSDPConfig, ModelConfig, OptimConfig
+from hybridflow.run_plan import RewardModelSpec, UpdatePlan
 from hybridflow.controller.decorator import Dispatch, register
 from hybridflow.controller.worker import Worker
 from hybridflow.parallel.process_group import pick_device
@@ -26,34 +25,31 @@ from hybridflow.data.chat import chat_ids
 from hybridflow.data.preference import pack_sequences, response_ids
 from hybridflow.engine import TrainEngine
 from hybridflow.models.hf import load_hf_model
-from hybridflow.parallel.dims import ParallelDims
 from hybridflow.parallel.layout import train_mesh
 from hybridflow.protocol import Batch
 
 
 class RewardModelWorker(Worker):
-    def __init__(self, model: ModelConfig, fsdp: FSDPConfig, micro_batch_size: int, device: str = "auto", seed: int = 1,
-                 policy_tokenizer: str | None = None, optim: OptimConfig | None = None, grad_clip: float = 1.0,
-                 total_training_steps: int = 1, margin: float = 0.0, collective_timeout_s: float = 600.0):
-        """policy_tokenizer: the policy's tokenizer path (RL scoring decodes with it); optim: set to train."""
+    def __init__(self, spec: RewardModelSpec, total_training_steps: int = 1):
+        """spec: the reward model's (`run_plan.resolve(cfg).reward_model`, or `RewardModelSpec.for_training`
+        for `hybridflow rm`: its optimizer set)."""
         super().__init__()
-        self.model_cfg, self.fsdp_cfg, self.micro = model, fsdp, micro_batch_size
-        self.device = pick_device(device)
-        self.seed, self.policy_tokenizer_path = seed, policy_tokenizer
-        self.optim_cfg, self.grad_clip, self.total_training_steps, self.margin = optim, grad_clip, total_training_steps, margin
-        self.collective_timeout_s = collective_timeout_s
+        self.spec = spec
+        self.total_training_steps = total_training_steps
+        self.device = pick_device(spec.process.device)
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
-        self.init_process_group(self.device, self.collective_timeout_s)
-        torch.manual_seed(self.seed)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_cfg.tokenizer_source())
-        self.policy_tokenizer = AutoTokenizer.from_pretrained(self.policy_tokenizer_path) if self.policy_tokenizer_path else self.tokenizer
-        model = load_hf_model(self.model_cfg, self.device, kind="reward", pad_token_id=self.tokenizer.pad_token_id)
-        mesh = train_mesh(ParallelDims(dp=self.world_size), self.device)  # FSDP over the group
-        self.model = TrainEngine(model, mesh, self.device, self.fsdp_cfg, optim=self.optim_cfg, total_steps=self.total_training_steps,
-                                 grad_clip=self.grad_clip)
-        self.bt_loss, self.update_plan = BradleyTerryLoss(self.margin), UpdatePlan(micro_rows=self.micro, metric_prefix="train")  # one step per call
+        spec = self.spec
+        self.init_process_group(self.device, spec.process.collective_timeout_s)
+        torch.manual_seed(spec.process.seed)
+        self.tokenizer = AutoTokenizer.from_pretrained(spec.model.tokenizer_source())
+        self.policy_tokenizer = AutoTokenizer.from_pretrained(spec.policy_tokenizer) if spec.policy_tokenizer else self.tokenizer
+        model = load_hf_model(spec.model, self.device, kind="reward", pad_token_id=self.tokenizer.pad_token_id)
+        self.model = TrainEngine(model, train_mesh(spec.layout, self.device), self.device, spec.fsdp, optim=spec.optim,
+                                 total_steps=self.total_training_steps, grad_clip=spec.grad_clip)  # FSDP over the group
+        self.micro = spec.micro_batch_size
+        self.bt_loss, self.update_plan = BradleyTerryLoss(spec.margin), UpdatePlan(micro_rows=self.micro, metric_prefix="train")  # one step per call
 
     @staticmethod
     def _scores(module, mb: Batch) -> torch.Tensor:

@@ -12,32 +12,32 @@ from __future__ import annotations
 
 import torch
 
-from hybridflow.config.schema import FSDPConfig, ModelConfig
 from hybridflow.controller.decorator import Dispatch, register
 from hybridflow.controller.worker import Worker
 from hybridflow.parallel.process_group import pick_device
 from hybridflow.engine import TrainEngine
 from hybridflow.models.hf import load_hf_model
-from hybridflow.parallel.dims import ParallelDims
 from hybridflow.parallel.layout import train_mesh
 from hybridflow.protocol import Batch
+from hybridflow.run_plan import TeacherSpec
 
 
 class TeacherWorker(Worker):
-    def __init__(self, model: ModelConfig, fsdp: FSDPConfig, micro_batch_size: int, device: str = "auto", seed: int = 1,
-                 remove_padding: bool = False, collective_timeout_s: float = 600.0):
+    def __init__(self, spec: TeacherSpec):
+        """spec: the teacher's (`run_plan.resolve(cfg).teacher`)."""
         super().__init__()
-        self.model_cfg, self.fsdp_cfg, self.micro = model, fsdp, micro_batch_size
-        self.device = pick_device(device)
-        self.seed, self.remove_padding, self.collective_timeout_s = seed, remove_padding, collective_timeout_s
+        self.spec = spec
+        self.device = pick_device(spec.process.device)
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
-        self.init_process_group(self.device, self.collective_timeout_s)
-        torch.manual_seed(self.seed)
-        mesh = train_mesh(ParallelDims(dp=self.world_size), self.device)  # FSDP over the pool
-        self.model = TrainEngine(load_hf_model(self.model_cfg, self.device).requires_grad_(False), mesh, self.device, self.fsdp_cfg,
-                                 remove_padding=self.remove_padding)
+        spec = self.spec
+        self.init_process_group(self.device, spec.process.collective_timeout_s)
+        torch.manual_seed(spec.process.seed)
+        mesh = train_mesh(spec.layout, self.device)  # FSDP over the pool
+        self.model = TrainEngine(load_hf_model(spec.model, self.device).requires_grad_(False), mesh, self.device, spec.fsdp,
+                                 remove_padding=spec.remove_padding)
+        self.micro = spec.micro_batch_size
 
     @register(Dispatch.DP_COMPUTE)
     def compute_teacher_log_prob(self, data: Batch) -> Batch:
