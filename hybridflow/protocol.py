@@ -36,6 +36,7 @@ class WeightPiece(NamedTuple):
     shape: tuple[int, ...]
     box: Box
     tensor: torch.Tensor
+    static: bool = False  # a frozen parameter: the source will not send it again, so the backend keeps it while asleep
 
 
 @runtime_checkable

@@ -495,9 +495,10 @@ def resolve(cfg: HybridFlowConfig, kind: str = "rl") -> RunPlan:
     mp = arr.actor.fsdp_config.mixed_precision
     dtype_source = f"{A}.fsdp_config.mixed_precision={mp}" if mp else f"actor_rollout_ref.model.dtype={arr.model.dtype}"
     gen_role = rp.Role.ROLLOUT if t.async_rollout else rp.Role.ACTOR_ROLLOUT
-    keep = arr.hybrid_engine.keep_generation_buffers
+    # A generation-only pool keeps its weights (nothing else needs the memory); colocated, the memory plan decides.
+    keep = True if t.async_rollout or arr.hybrid_engine.keep_generation_buffers is None else arr.hybrid_engine.keep_generation_buffers
     rollout = RolloutSpec(arr.rollout.name, arr.model, arr.rollout, arr.generation_dtype(), dtype_source, d.max_response_length,
-                          d.max_prompt_length + d.max_response_length, process, world(gen_role), True if keep is None else keep)
+                          d.max_prompt_length + d.max_response_length, process, world(gen_role), keep)
     actor_pool = pools.get(placed.get(rp.Role.ACTOR_ROLLOUT, rp.DEFAULT_POOL))
     ref = RefSpec.of(arr.ref, world(rp.Role.REF) if rp.Role.REF in roles else world(rp.Role.ACTOR_ROLLOUT))
     actor = ActorSpec(process, arr.model, arr.actor, ref, arr.hybrid_engine, rollout, cfg.dpo, arr.rollout.n, kind, d.train_batch_size,

@@ -133,3 +133,32 @@ def test_greedy_and_untruncated_sampling_report_one_log_prob(backend):
     for params in (SamplingParams(max_new_tokens=4, do_sample=False), SamplingParams(max_new_tokens=4, temperature=0.7, seed=3)):
         c = rollout.generate_requests([Request(tok.encode("max 3 8 1"), params)])[0]
         assert c.log_probs == pytest.approx(c.untruncated, abs=1e-6)
+
+
+def test_the_backend_owns_its_memory_and_keeps_static_pieces_asleep(tiny_model_dir):
+    """HF's sleep / wake: without keep_buffers every parameter's storage is freed after generation
+    except the static pieces' (frozen parameters a source sends once), wake re-allocates them, and a
+    sync then restores exactly the weights sent (the oracle: the tensors the test pushed)."""
+    from hybridflow.protocol import WeightPiece
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval().requires_grad_(False)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    rollout = HFRollout(model, tok, "cpu", keep_buffers=False)
+    names = list(rollout.params)
+    frozen = names[0]
+    sent = {n: torch.randn(p.shape) for n, p in rollout.params.items()}
+    pieces = [WeightPiece(n, tuple(t.shape), tuple((0, s) for s in t.shape), t, static=(n == frozen)) for n, t in sent.items()]
+    assert rollout.update_weights(pieces)["copied_bytes"] == sum(t.numel() * 4 for t in sent.values())
+    rollout.sleep()
+    nbytes = {n: p.data.untyped_storage().nbytes() for n, p in rollout.params.items()}
+    assert nbytes[frozen] > 0 and all(nbytes[n] == 0 for n in names if n != frozen)
+    with pytest.raises(RuntimeError, match="asleep"):
+        rollout.generate_requests([Request((5, 6), SamplingParams(max_new_tokens=2))])
+    rollout.wake()
+    assert torch.equal(rollout.params[frozen].data, sent[frozen])  # the static piece survived the sleep
+    rollout.update_weights([p for p in pieces if p.name != frozen])  # a source skips the frozen one from now on
+    assert all(torch.equal(rollout.params[n].data, sent[n]) for n in names)
+    assert len(rollout.generate_requests([Request((5, 6), SamplingParams(max_new_tokens=2))])[0].token_ids) <= 2
+    kept = HFRollout(model, tok, "cpu")  # keep_buffers (default): sleep frees nothing
+    kept.sleep()
+    assert all(p.data.untyped_storage().nbytes() > 0 for p in kept.params.values())

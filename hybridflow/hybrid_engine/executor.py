@@ -37,23 +37,13 @@ from hybridflow.hybrid_engine.plan import ParamPlan, ReshardPlan, fsdp_dim, inte
 from hybridflow.hybrid_engine.staging import staging_numel, staging_plan
 from hybridflow.hybrid_engine.trace import TraceRecorder
 from hybridflow.parallel.dims import ParallelDims
-from hybridflow.parallel.dtensor import crop, held_box, local  # noqa: F401  (crop, held_box re-exported)
+from hybridflow.parallel.dtensor import crop, held_box, local, own_storage  # noqa: F401  (crop, held_box re-exported)
 from hybridflow.protocol import WeightPiece
 
 logger = logging.getLogger("hybridflow")
 
 # torch 2.13 renamed all_gather_into_tensor (same semantics); keep older releases working.
 _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-
-
-def _own_storage(p: nn.Parameter) -> None:
-    """Give a generation parameter a private, resizable storage (HF may load it as a view of a
-    memory-mapped file), so release()/acquire() can free and re-allocate it."""
-    if isinstance(p.data, DTensor):
-        d = p.data
-        p.data = DTensor.from_local(d.to_local().clone(), d.device_mesh, d.placements, run_check=False, shape=d.shape, stride=d.stride())
-    else:
-        p.data = p.data.clone()
 
 
 def _received(recv: torch.Tensor, own: torch.Tensor) -> int:
@@ -121,7 +111,7 @@ class HybridEngine:
                 raise ValueError(f"generation parameters must be {self.dtype} (the switch's dtype), found {wrong}")
         self.staged = gen_model is None
         for p in self.gen.values():
-            _own_storage(p)
+            own_storage(p)
         k = self.plan.k
         # Every rank creates every micro-DP group, in the same order (a torch.distributed rule).
         self.micro_group = None
@@ -400,7 +390,7 @@ class HybridEngine:
         the engine's own buffers are freed once the backend has taken every piece."""
         self.last_stats = self.reshard(optimized=optimized)
         for p in self.plan.params:
-            yield WeightPiece(p.name, p.shape, p.need[self.rank], local(self.gen[p.name].data))
+            yield WeightPiece(p.name, p.shape, p.need[self.rank], local(self.gen[p.name].data), p.name in self.frozen)
         if self.staged:
             self.release()
 

@@ -34,3 +34,13 @@ def crop(t: torch.Tensor, box: Box, origin: Box) -> torch.Tensor:
 def held_slice(t: torch.Tensor, box: Box) -> torch.Tensor:
     """The view of this rank's piece of `t` over `box` (of the whole tensor), by `t`'s own layout."""
     return crop(local(t), box, held_box(t))
+
+
+def own_storage(p: torch.nn.Parameter) -> None:
+    """Give a parameter a private, resizable storage (HF may load it as a view of a memory-mapped
+    file), so its memory can be freed and re-allocated (`untyped_storage().resize_`)."""
+    if isinstance(p.data, DTensor):
+        d = p.data
+        p.data = DTensor.from_local(d.to_local().clone(), d.device_mesh, d.placements, run_check=False, shape=d.shape, stride=d.stride())
+    else:
+        p.data = p.data.clone()

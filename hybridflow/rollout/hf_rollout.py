@@ -5,8 +5,10 @@ replicas generate different prompts. Its weights are pushed in as `WeightPiece`s
 source (the colocated 3D-HybridEngine or the cross-pool receiver, `hybrid_engine/`): its
 `layout()` offers the model's own parameter storages, so the colocated engine writes there in
 place and its pieces alias them (nothing is copied); pieces from elsewhere are copied in.
-`sleep()` / `wake()` free and re-acquire the generation buffers through `memory` (the colocated
-engine's buffer manager, which keeps frozen slices; a generation-only pool stays resident).
+The backend owns that memory: `sleep()` frees the storages after generation unless
+`keep_buffers` (the hybrid engine's keep_generation_buffers; a generation-only pool keeps them),
+keeping the static pieces (frozen parameters, never sent again), and `wake()` re-allocates them
+before the next sync.
 """
 
 from __future__ import annotations
@@ -17,32 +19,28 @@ import torch
 from transformers import GenerationConfig
 
 from hybridflow.algorithms import logprobs_from_logits
-from hybridflow.parallel.dtensor import held_slice
+from hybridflow.parallel.dtensor import held_slice, local, own_storage
 from hybridflow.protocol import Batch, Completion, GenLayout, Request, SamplingParams, WeightPiece
 from hybridflow.rollout.base import RolloutContext, generate_batch, response_lengths
 
 
-class Resident:
-    """The memory of a backend whose weights stay allocated (a generation-only pool)."""
-
-    acquired = True
-
-    def release(self) -> int:
-        return 0
-
-    def acquire(self) -> None:
-        pass
-
-
 class HFRollout:
-    def __init__(self, model: torch.nn.Module, tokenizer, device: str, tp_index: int = 0, dp_index: int = 0, gen_tp: int = 1, memory=None):
+    def __init__(self, model: torch.nn.Module, tokenizer, device: str, tp_index: int = 0, dp_index: int = 0, gen_tp: int = 1,
+                 keep_buffers: bool = True):
+        """keep_buffers: keep the weights' memory while asleep (False: `sleep()` frees every storage
+        but the static pieces', `wake()` re-allocates them; the next weight sync fills them)."""
         from hybridflow.parallel.tensor_parallel import gen_shard_dims
 
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.tp_index, self.dp_index, self.gen_tp = tp_index, dp_index, gen_tp  # a replica's TP ranks draw the same samples
-        self.memory = memory or Resident()
         self.params = dict(model.named_parameters())
         self.shard_dims = gen_shard_dims(model)
+        self.keep_buffers = keep_buffers
+        if not keep_buffers:  # freed by sleep(): private, resizable storages
+            for p in self.params.values():
+                own_storage(p)
+        self.static: set[str] = set()  # parameters whose (static) pieces arrived: kept while asleep, never sent again
+        self.awake = True
 
     def layout(self) -> GenLayout:
         return GenLayout(self.gen_tp, consecutive=False, shard_dims=self.shard_dims, buffers=self.params, dtype=next(iter(self.params.values())).dtype)
@@ -53,6 +51,8 @@ class HFRollout:
         that already is that slice (the colocated engine wrote in place) is not copied."""
         copied = aliased = 0
         for piece in pieces:
+            if piece.static:
+                self.static.add(piece.name)
             dst = held_slice(self.params[piece.name].data, piece.box)
             if dst.data_ptr() == piece.tensor.data_ptr() and dst.shape == piece.tensor.shape and dst.stride() == piece.tensor.stride():
                 aliased += 1
@@ -62,10 +62,21 @@ class HFRollout:
         return {"copied_bytes": copied, "in_place_params": aliased}
 
     def sleep(self) -> None:
-        self.memory.release()
+        """After generation: the weights are stale until the next sync. Unless keep_buffers, their
+        storages are freed (the static ones stay: they never change and are not sent again)."""
+        if not self.keep_buffers:
+            for name, p in self.params.items():
+                if name not in self.static:
+                    local(p.data).untyped_storage().resize_(0)
+        self.awake = False
 
     def wake(self) -> None:
-        self.memory.acquire()
+        """Before a weight sync: re-allocate what `sleep()` freed (the sync writes every byte of it)."""
+        for p in self.params.values():
+            t = local(p.data)
+            if t.untyped_storage().nbytes() == 0:
+                t.untyped_storage().resize_(t.numel() * t.element_size())
+        self.awake = True
 
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
         return generate_batch(self, prompts, params, self.tokenizer.pad_token_id)
@@ -74,8 +85,8 @@ class HFRollout:
     def generate_requests(self, requests: Sequence[Request]) -> list[Completion]:
         """Requests that share their SamplingParams run as one left-padded `generate` call (seeded
         by params.seed and this replica), the groups one after another; completions in order."""
-        if not self.memory.acquired:
-            raise RuntimeError("generation buffers are released: sync the weights (reshard) before generating")
+        if not self.awake:
+            raise RuntimeError("the rollout is asleep (its weights are stale or freed): sync the weights (reshard) before generating")
         pad = self.tokenizer.pad_token_id
         groups: dict[SamplingParams, list[int]] = {}
         for i, r in enumerate(requests):
@@ -147,4 +158,4 @@ def build_hf_rollout(ctx: RolloutContext) -> HFRollout:
     model = apply_lora(load_hf_model(mcfg, ctx.device, dtype=ctx.spec.generation_dtype), mcfg).eval().requires_grad_(False)
     if gen_tp > 1:
         apply_tensor_parallel(model, gen_mesh(ctx.device, ctx.world_size, gen_tp, ctx.train_layout)["tp"])
-    return HFRollout(model, ctx.tokenizer, ctx.device, tp_index, dp_index, gen_tp)
+    return HFRollout(model, ctx.tokenizer, ctx.device, tp_index, dp_index, gen_tp, keep_buffers=ctx.spec.keep_generation_buffers)

@@ -123,8 +123,6 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
         lay = self.rollout.layout()
         self.hybrid = self.actor.attach_generation(lay.buffers, lay.shard_dims, lay.gen_tp, self.spec.hybrid_engine, lay.consecutive,
                                                    lay.dtype)
-        if lay.buffers is not None:  # the engine writes into the backend's storages: it also frees / re-acquires them
-            self.rollout.memory = self.hybrid
         self.plan = self.hybrid.plan
 
     # ------------------------------------------------------------------ weight sync
