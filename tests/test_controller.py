@@ -36,6 +36,15 @@ class EchoWorker(Worker):
         return float(t)
 
 
+class Sleeper(Worker):
+    @register(Dispatch.ONE_TO_ALL)
+    def nap(self, seconds: float) -> int:
+        import time
+
+        time.sleep(seconds)
+        return self.rank
+
+
 class OtherRole(Worker):
     @register(Dispatch.ONE_TO_ALL)
     def pid(self) -> int:
@@ -69,6 +78,31 @@ def test_colocated_roles_share_one_process(ray_cluster):
         echo_pids = [p for *_, p in echo.whoami()]
         assert echo_pids == other.pid() == wg.pids()
         assert echo.double(Batch.from_dict(tensors={"x": torch.arange(4)}))["y"].tolist() == [0, 2, 4, 6]
+    finally:
+        wg.shutdown()
+        pool.release()
+
+
+def test_a_call_past_its_deadline_is_named_not_waited_for(ray_cluster):
+    """Every rank hung (no straggler to compare with): the caller's deadline reports what it waited for."""
+    import time
+
+    import pytest
+
+    from hybridflow.controller.worker_group import WorkerTimeoutError
+
+    pool = ResourcePool(nnodes=1, procs_per_node=2, cpus_per_worker=0.25)
+    wg = RayWorkerGroup(pool, Sleeper, name="sleeper_test")
+    try:
+        assert wg.submit("nap", 0.0).result(timeout_s=30) == [0, 1]
+        start = time.monotonic()
+        with pytest.raises(WorkerTimeoutError) as e:
+            wg.submit("nap", 600.0).result(timeout_s=2, waiting_for="step 3's batch (sampled with policy version 2)",
+                                          key="actor_rollout_ref.rollout.request_timeout_s")
+        assert time.monotonic() - start < 30
+        msg = str(e.value)
+        assert "step 3's batch (sampled with policy version 2)" in msg and "rank(s) [0, 1]" in msg and "nap" in msg
+        assert "within 2 s (actor_rollout_ref.rollout.request_timeout_s" in msg
     finally:
         wg.shutdown()
         pool.release()

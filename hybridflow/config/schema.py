@@ -200,6 +200,9 @@ class RolloutConfig:
     tensor_model_parallel_size: int = 1
     gpu_memory_utilization: float = 0.5  # vllm on CUDA: share of GPU memory for weights + KV cache
     cpu_kv_cache_gb: float = 1.0  # vllm on CPU: KV cache per worker (VLLM_CPU_KVCACHE_SPACE)
+    # trainer.async_rollout: the most a wait on the rollout pool (a batch's generation, a weight sync)
+    # may take; past it the run stops with one line naming the pool, its ranks and the batch's step.
+    request_timeout_s: float = 600.0
     val_kwargs: SamplingConfig = field(default_factory=SamplingConfig)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
@@ -455,8 +458,8 @@ class TrainerConfig:
     memory_budget_gib: Optional[float] = None
     # Debug switch: after every weight sync, check rollout weights == trained weights exactly.
     check_weight_sync: bool = False
-    # One-step off-policy: the rollout role on its own pool generates batch k+1 while the trainer
-    # updates on batch k (needs resource_pool.mapping.rollout on a pool of its own).
+    # Off-policy by at most async_training.max_staleness versions: the rollout role on its own pool
+    # generates the next batches while the trainer updates (needs resource_pool.mapping.rollout).
     async_rollout: bool = False
     # Environment variables of every Ray worker process (values are strings: quote numbers in YAML).
     # The whole mapping: any value given (even one trainer.worker_env.NAME=... override) replaces the
@@ -506,6 +509,16 @@ class ResourcePoolConfig:
 
 
 @dataclass
+class AsyncTrainingConfig:
+    """How far the rollout pool generates ahead of training (trainer.async_rollout)."""
+
+    # k: the most policy versions between the weights that sample a batch and the update that trains
+    # on it. The pool generates up to k batches ahead; 0 generates each batch with the latest weights
+    # (the synchronous schedule on a pool of its own), 1 overlaps one batch with each update.
+    max_staleness: int = 1
+
+
+@dataclass
 class HybridFlowConfig:
     data: DataConfig = field(default_factory=DataConfig)
     actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
@@ -518,6 +531,7 @@ class HybridFlowConfig:
     ray_init: RayInitConfig = field(default_factory=RayInitConfig)
     resource_pool: ResourcePoolConfig = field(default_factory=ResourcePoolConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
+    async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
 
     def policy_tokenizer_path(self) -> str:
         """The policy's tokenizer (the prompts' and the responses' token ids)."""

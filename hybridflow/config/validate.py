@@ -305,6 +305,16 @@ def validate_config(cfg: HybridFlowConfig, kind: Literal["rl", "dpo"] = "rl") ->
     if t.async_rollout and roll.name == "vllm":
         p.append(f"trainer.async_rollout=true runs a generation-only pool whose backend takes the weights in place (hf); "
                  f"set {R}.name=hf (vLLM runs colocated with the actor)")
+    k = cfg.async_training.max_staleness
+    if not (isinstance(k, int) and not isinstance(k, bool) and k >= 0):
+        p.append(f"async_training.max_staleness must be an integer >= 0 (policy versions a trained batch may lag; 0 = always the "
+                 f"latest weights), got {k!r}")
+    elif k != 1 and not t.async_rollout:
+        p.append(f"async_training.max_staleness={k} applies to trainer.async_rollout=true (a rollout pool generating ahead of "
+                 f"training, resource_pool.mapping.rollout on a pool of its own); the colocated rollout always generates with the "
+                 f"latest weights: remove it or set trainer.async_rollout=true")
+    if not (isinstance(roll.request_timeout_s, (int, float)) and roll.request_timeout_s > 0):
+        p.append(f"{R}.request_timeout_s must be > 0 seconds, got {roll.request_timeout_s!r}")
     if roll.multi_turn.enable and t.async_rollout:
         p.append(f"{R}.multi_turn.enable runs the agent loop on the colocated rollout; set trainer.async_rollout=false")
     if kind == "rl" and not arr.actor.recompute_old_log_prob:

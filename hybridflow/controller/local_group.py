@@ -34,7 +34,11 @@ class _Done:
     def __init__(self, value: Any):
         self.value = value
 
-    def result(self) -> Any:
+    def done(self) -> bool:
+        return True
+
+    def result(self, timeout_s: float | None = None, waiting_for: str = "", key: str = "") -> Any:
+        """The value: the call ran in this process when it was made, so there is nothing to wait for."""
         return self.value
 
 

@@ -193,6 +193,10 @@ class WorkerCallError(RuntimeError):
     """A worker raised during a call (e.g. a collective that timed out: trainer.collective_timeout_s)."""
 
 
+class WorkerTimeoutError(WorkerCallError):
+    """A call did not finish within the deadline its caller gave (`Pending.result(timeout_s=...)`)."""
+
+
 RESUME_HINT = ("re-run the same command to resume from the latest checkpoint in trainer.default_local_dir "
                "(trainer.resume_mode=auto; checkpoints every trainer.save_freq steps)")
 
@@ -211,22 +215,39 @@ class Pending:
         role, _, name = method.rpartition("__")  # colocated groups call "<role>__<method>"
         self.role, self.method, self.pool = role or "worker", name, pool
         self.straggler_timeout_s = straggler_timeout_s
+        self.submitted = time.monotonic()
 
-    def result(self) -> Any:
+    def done(self) -> bool:
+        """Every rank has finished (results not collected): never waits."""
+        ready, _ = ray.wait(list(self.refs), num_returns=len(self.refs), timeout=0)
+        return len(ready) == len(self.refs)
+
+    def result(self, timeout_s: float | None = None, waiting_for: str = "", key: str = "") -> Any:
+        """The collected results. timeout_s: the most this wait may take (None: no limit but the
+        stragglers' one); past it a WorkerTimeoutError names `waiting_for` (what the caller waits
+        for), the ranks still running, the pool, how long since the call was submitted and `key`,
+        the config key that sets the limit."""
         done: dict = {}
         waiting = list(self.refs)
-        deadline = None
+        straggler_deadline = None
+        overall = None if timeout_s is None else time.monotonic() + timeout_s
         while waiting:
-            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            deadlines = [d for d in (straggler_deadline, overall) if d is not None]
+            timeout = None if not deadlines else max(0.0, min(deadlines) - time.monotonic())
             ready, waiting = ray.wait(waiting, num_returns=1, timeout=timeout)
             if not ready:
                 ranks = [self.refs.index(r) for r in waiting]
+                if overall is not None and time.monotonic() >= overall:
+                    raise WorkerTimeoutError(
+                        f"{waiting_for or self.method}: the {self.role} worker rank(s) {ranks} (pool {self.pool!r}) did not finish "
+                        f"{self.method} within {timeout_s} s ({key or 'the deadline'}; submitted {time.monotonic() - self.submitted:.0f} s "
+                        f"ago): a hung or too slow worker; raise the limit for longer calls; {RESUME_HINT}")
                 raise WorkerCallError(f"the {self.role} worker rank(s) {ranks} (pool {self.pool!r}) did not finish {self.method} within "
                                       f"{self.straggler_timeout_s} s of the other ranks (trainer.collective_timeout_s): a hung worker; {RESUME_HINT}")
             for ref in ready:
                 done[ref] = self._get(ref)
-            if deadline is None and self.straggler_timeout_s is not None:
-                deadline = time.monotonic() + self.straggler_timeout_s
+            if straggler_deadline is None and self.straggler_timeout_s is not None:
+                straggler_deadline = time.monotonic() + self.straggler_timeout_s
         return self.collect([done[r] for r in self.refs])
 
     def _get(self, ref) -> Any:

@@ -1,75 +1,146 @@
-"""Async rollout (trainer.async_rollout, the rollout role on a pool of its own).
+"""Async rollout with a staleness bound (trainer.async_rollout, the rollout role on a pool of its own).
 
-Generation of batch k+1 runs on the rollout pool while the trainer updates on batch k; after the
-update the flow's "sync_weights" stage waits for that generation to finish, then moves the trained
-weights to the rollout pool (`WeightSync.sync_rollout`). One-step off-policy: the PPO ratio's old
-log-probs are the rollout policy's (`rollout_log_probs`), and `rollout/staleness` = policy versions
-between generation and update (0 on the first step, then 1).
+The rollout pool generates ahead of training: the batch of step t (trained by the t-th update, on
+top of t-1 updates) is submitted as soon as the weights the pool will hold when it runs are at
+most k = async_training.max_staleness versions behind that update, i.e. while
+
+    (t - 1) - version <= k          version: weight syncs submitted to the pool so far
+
+so at step s the pool has the batches of steps s .. s+k queued or done, and no trained token is
+older than k versions, by construction (nothing is generated that would have to be dropped).
+Calls to a Ray actor run in the order one caller submits them, so a batch submitted after a weight
+sync samples with those weights, and a sync submitted after batches waits for them on the pool
+without blocking the driver. k = 0 generates each batch after the previous update's sync (the
+synchronous schedule on a pool of its own); k = 1 overlaps one batch with each update.
+
+Every batch records the version that sampled it: `rollout_policy_version` [b, R] per response
+token (one version per trajectory: a request is not paused for a weight update), and the step's
+metrics give `rollout/staleness` (updates since the sampling weights) with its per-token
+min / mean / max, `rollout/buffer_depth` (batches generated or in flight beyond this step's) and
+`timing_s/gen_wait` (the trainer waiting for its batch). Every wait on the pool has a deadline
+(actor_rollout_ref.rollout.request_timeout_s): past it the run stops with one line naming the
+pool, its ranks, the step and the version it waited for.
+
+Resume: a checkpoint records the loader position before the oldest batch still queued, so the
+batches in flight at a crash are generated again after the resume, with the restored weights
+(staleness 0 for the first; the bound holds) -- regenerated, not persisted.
 """
 
 from __future__ import annotations
 
+import collections
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
-from hybridflow.protocol import Batch
-from hybridflow.protocol import SamplingParams
+import torch
+
+from hybridflow.protocol import Batch, SamplingParams
 from hybridflow.trainer.keys import GEN_OUTPUTS, PROMPT_KEYS
-from hybridflow.trainer.weight_sync import WeightSync
+
+TIMEOUT_KEY = "actor_rollout_ref.rollout.request_timeout_s"
+
+
+@dataclass
+class _InFlight:
+    """One batch's generation on the rollout pool: its step, prompts, the pool call, the policy
+    version of the weights it samples with, and the loader's position before its prompts."""
+
+    step: int
+    prompts: Batch
+    pending: Any
+    version: int
+    loader_state: Any
 
 
 class AsyncRollout:
-    def __init__(self, rollout: Any, weight_sync: WeightSync, prompts: Callable[[], Batch], sampling: Callable[[int], SamplingParams]):
-        """rollout: the rollout pool's view; prompts(): the next step's prompt batch (takes it from
-        the loader); sampling(step): the sampling parameters of that step."""
+    def __init__(self, rollout: Any, weight_sync: Any, prompts: Callable[[], Batch], sampling: Callable[[int], SamplingParams],
+                 total_steps: int, max_staleness: int = 1, timeout_s: float | None = None, loader_state: Callable[[], Any] = lambda: None):
+        """rollout: the rollout pool's view (`submit(method, ...) -> Pending`); weight_sync:
+        `start_rollout_sync() -> RolloutSync` (`trainer/weight_sync.py`); prompts(): the next batch
+        of prompts (drawn from the loader); sampling(step): that step's sampling parameters;
+        loader_state(): the loader's position (what a checkpoint stores)."""
         self.rollout, self.weight_sync, self.prompts, self.sampling = rollout, weight_sync, prompts, sampling
-        self.pending: _InFlight | None = None  # the next batch's generation, in flight
-        self.version = 0  # policy version (updates applied) of the weights the rollout pool holds
+        self.total_steps, self.k, self.timeout_s, self.loader_state = total_steps, max_staleness, timeout_s, loader_state
+        self.queue: collections.deque[_InFlight] = collections.deque()  # submitted, not yet trained: oldest first
+        self.syncs: collections.deque[tuple[int, Any]] = collections.deque()  # (batches submitted before it, RolloutSync) not collected
+        self.next_step = 1  # the step whose batch is submitted next
+        self.version = 0  # weight syncs submitted to the pool: the version of the next batch submitted
+        self.submitted = 0  # batches submitted so far
 
-    def submit(self, step: int) -> None:
-        """Start generating the prompts of `step` on the rollout pool."""
-        prompts = self.prompts()
-        self.pending = _InFlight(prompts, self.rollout.submit("generate_sequences", prompts.select(PROMPT_KEYS), self.sampling(step)), self.version)
+    @property
+    def pending(self) -> bool:
+        """Batches are queued beyond the steps trained (a checkpoint resumes from the oldest)."""
+        return bool(self.queue)
 
-    def take(self, step: int, before_next: Callable[[], None] | None) -> tuple[Batch, dict[str, float]]:
-        """The generated batch of `step` (on the first step, or after a resume, generated now) and
-        its metrics; then, unless `before_next` is None (the last step), call it and start
-        generating step + 1's batch with the weights the rollout pool holds (one update behind)."""
-        if self.pending is None:
-            self.submit(step)
+    def resume_loader_state(self) -> Any:
+        """The loader position a checkpoint stores: before the oldest batch still queued (None: none is)."""
+        return self.queue[0].loader_state if self.queue else None
+
+    def _fill(self) -> None:
+        """Submit every batch whose staleness at its training step stays within k."""
+        while self.next_step <= self.total_steps and (self.next_step - 1) - self.version <= self.k:
+            state = self.loader_state()
+            prompts = self.prompts()
+            pending = self.rollout.submit("generate_sequences", prompts.select(PROMPT_KEYS), self.sampling(self.next_step))
+            self.queue.append(_InFlight(self.next_step, prompts, pending, self.version, state))
+            self.next_step += 1
+            self.submitted += 1
+
+    def take(self, step: int) -> tuple[Batch, dict[str, float]]:
+        """The generated batch of `step` and its metrics; first submits what the bound allows
+        (on the first step, or after a resume, the batch of `step` itself)."""
+        if not self.queue and self.next_step < step:  # resumed: nothing in flight, start at this step
+            self.next_step = step
+        self._fill()
+        item = self.queue.popleft()
+        if item.step != step:
+            raise RuntimeError(f"async rollout: the oldest queued batch is step {item.step}'s, step {step} asked for it")
         wait_start = time.perf_counter()
-        batch, version = self.pending.result()
-        metrics = {"timing_s/gen_wait": time.perf_counter() - wait_start,
-                   "rollout/staleness": float(step - 1 - version)}  # updates since the sampling policy
-        self.pending = None
-        if before_next is not None:
-            before_next()
-            self.submit(step + 1)
+        out = item.pending.result(self.timeout_s, f"step {step}'s batch (sampled with policy version {item.version})", TIMEOUT_KEY)
+        batch = item.prompts
+        for key in GEN_OUTPUTS:
+            batch[key] = out[key]
+        batch.meta.update(out.meta, policy_version=item.version)
+        mask = batch["response_mask"]
+        batch["rollout_policy_version"] = torch.full(mask.shape, item.version, dtype=torch.long)  # [b, R] the weights that sampled each token
+        metrics = {"timing_s/gen_wait": time.perf_counter() - wait_start, "rollout/buffer_depth": float(len(self.queue))}
+        metrics.update(staleness_metrics(step, batch["rollout_policy_version"], mask))
+        metrics.update(self._collect_syncs(self.submitted - len(self.queue)))  # syncs queued before a batch taken have run
         return batch, metrics
 
     def sync_weights(self, step: int) -> dict[str, float]:
-        """The trained weights (after `step` updates) -> the rollout pool, once it has finished the
-        batch it is generating with the previous weights."""
-        if self.pending is not None:
-            self.pending.result()
-        m = self.weight_sync.sync_rollout()
+        """After the update of `step`: the trained weights (policy version `step`) -> the rollout
+        pool, queued behind the batches it is generating. The driver waits for the sync only when
+        no later batch than the next step's is queued before it (then waiting costs nothing: the
+        next step needs that batch first); otherwise it collects it once a batch after it is taken."""
+        sync = self.weight_sync.start_rollout_sync()
+        self.syncs.append((self.submitted, sync))
         self.version = step
-        return m
+        metrics = {"timing_s/sync_publish": sync.publish_s}
+        if len(self.queue) <= 1:
+            metrics.update(self.drain())
+        return metrics
+
+    def drain(self) -> dict[str, float]:
+        """Wait for every sync submitted (the pool then holds the latest weights)."""
+        return self._collect_syncs(self.submitted + 1)
+
+    def _collect_syncs(self, batches_taken: int) -> dict[str, float]:
+        """The metrics of the syncs submitted before batch number `batches_taken` (1-based count of
+        batches submitted): a batch submitted after a sync has run, so the sync has (no wait)."""
+        metrics: dict[str, float] = {}
+        while self.syncs and self.syncs[0][0] < batches_taken:
+            _, sync = self.syncs.popleft()
+            metrics.update(sync.finish(self.timeout_s))
+        return metrics
 
 
-class _InFlight:
-    """One batch's generation in flight on the rollout pool, and the policy version of the weights
-    it samples with. `result()` waits once and merges the responses into the prompts."""
-
-    def __init__(self, prompts: Batch, pending, version: int):
-        self.prompts, self.pending, self.version = prompts, pending, version
-        self._done: Batch | None = None
-
-    def result(self) -> tuple[Batch, int]:
-        if self._done is None:
-            out = self.pending.result()
-            for key in GEN_OUTPUTS:
-                self.prompts[key] = out[key]
-            self.prompts.meta.update(out.meta, policy_version=self.version)
-            self._done = self.prompts
-        return self._done, self.version
+def staleness_metrics(step: int, versions: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """Updates between the weights that sampled each response token and the update of `step`
+    (which trains on top of step - 1 updates): the batch's, and per token min / mean / max."""
+    lag = (step - 1 - versions)[mask.bool()].float()
+    if not lag.numel():
+        lag = (step - 1 - versions).flatten().float()
+    return {"rollout/staleness": float(lag.max()), "rollout/staleness_min": float(lag.min()),
+            "rollout/staleness_mean": float(lag.mean()), "rollout/staleness_max": float(lag.max())}

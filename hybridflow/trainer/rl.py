@@ -103,7 +103,8 @@ class RLTrainer:
             checkpoints.check_same_run(found, cfg)  # never resume from another run's checkpoints (on by default)
         a = cfg.algorithm
         self.kl_ctrl = make_kl_controller(a.kl_ctrl.type, a.kl_ctrl.kl_coef, a.kl_ctrl.target_kl, a.kl_ctrl.horizon)
-        self.correction = resolve_correction(a.rollout_correction, cfg.trainer.async_rollout)  # "auto" decided once, here
+        # "auto" decided once, here: off-policy only when the rollout pool may lag (async, max_staleness > 0)
+        self.correction = resolve_correction(a.rollout_correction, cfg.trainer.async_rollout and cfg.async_training.max_staleness > 0)
         self.sample_flow: DataFlow | None = None  # dynamic sampling: gen + reward, rerun until the batch is full
         self._gen_round = 0  # dynamic sampling: which generation round of the step (its own sampling seed)
         self.underfilled_batches = 0  # dynamic sampling: steps that trained on fewer groups than a batch (data/underfilled_batches)
@@ -198,7 +199,8 @@ class RLTrainer:
         self.weight_sync = WeightSync(self.run_plan.actor, cfg.trainer, self.actor, self.plan_summary, self.rollout,
                                       (self.pool_of(Role.ACTOR_ROLLOUT), roles.pools.get(Role.ROLLOUT, "")))
         if roles.async_rollout:
-            self.async_gen = AsyncRollout(self.rollout, self.weight_sync, self._prepare_batch, lambda step: self._sampling(step=step))
+            self.async_gen = AsyncRollout(self.rollout, self.weight_sync, self._prepare_batch, lambda step: self._sampling(step=step), self.total_steps,
+                                          cfg.async_training.max_staleness, self.run_plan.rollout.rollout.request_timeout_s, self.loader.state_dict)
 
     @property
     def is_main(self) -> bool:
@@ -219,7 +221,9 @@ class RLTrainer:
     def _rollout_on(self, group, batch: Batch, params: SamplingParams, release_after: bool = False) -> Batch:
         """One response (single-turn) or one trajectory (multi-turn: the agent loop) per row."""
         if self.agent is None:
-            return group.generate_sequences(batch.select(PROMPT_KEYS), params, release_after=release_after)
+            call = group.submit("generate_sequences", batch.select(PROMPT_KEYS), params, release_after=release_after)
+            return call.result(self.run_plan.rollout.rollout.request_timeout_s, f"step {self.global_step}'s generation",
+                               "actor_rollout_ref.rollout.request_timeout_s")
         out = self.agent.generate(group, batch, params)
         if release_after:
             group.sleep_rollout()
@@ -396,7 +400,7 @@ class RLTrainer:
     def train_step(self, flow: DataFlow) -> dict[str, float]:
         start = time.perf_counter()
         if self.async_rollout:  # the batch generated during the previous step; the next one starts now
-            batch, gen_metrics = self.async_gen.take(self.global_step, self._mark_prefetch if self.global_step < self.total_steps else None)
+            batch, gen_metrics = self.async_gen.take(self.global_step)
             batch, metrics = flow.run(batch)
             metrics.update(gen_metrics)
         else:
@@ -504,8 +508,10 @@ class RLTrainer:
         self.actor.save_checkpoint(tmp)
         if self.critic:
             self.critic.save_checkpoint(tmp)
-        prefetched = self._next_batch is not None or (self.async_gen is not None and self.async_gen.pending is not None)
-        loader_state = self._loader_state_at_prefetch if prefetched else self.loader.state_dict()
+        if self.async_gen is not None and self.async_gen.pending:  # batches queued ahead: resume before the oldest
+            loader_state = self.async_gen.resume_loader_state()
+        else:
+            loader_state = self._loader_state_at_prefetch if self._next_batch is not None else self.loader.state_dict()
         state = {"global_step": self.global_step, "loader": loader_state, "kl_ctrl": self.kl_ctrl.state_dict(),
                  "underfilled_batches": self.underfilled_batches, "run_keys": checkpoints.run_keys(self.cfg), **self._extra_state()}
         if self.is_main:

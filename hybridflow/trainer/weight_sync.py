@@ -122,8 +122,13 @@ class WeightSync:
 
     # ------------------------------------------------------------------ cross-pool
     def sync_rollout(self) -> dict[str, float]:
-        """Trained weights -> the rollout pool (which must have finished generating with the
-        previous ones). Each generation rank fetches only its own pieces."""
+        """Trained weights -> the rollout pool, waiting until it holds them."""
+        return self.start_rollout_sync().finish()
+
+    def start_rollout_sync(self) -> "RolloutSync":
+        """Publish the trained weights (each generation rank's pieces into the object store, so the
+        next update may change the actor's) and queue their receipt on the rollout pool, behind
+        the batches it is generating; `RolloutSync.finish()` collects it."""
         r, check = self.spec.rollout.rollout, self.trainer.check_weight_sync
         tp, world = r.tensor_model_parallel_size, self.rollout.world_size
         percent = self.spec.hybrid_engine.resharding_buffer_percent
@@ -132,21 +137,42 @@ class WeightSync:
                            "rollout pool through the object store (each generation rank's pieces at once), not the layer-wise switch", percent)
         start = time.perf_counter()
         refs = self.actor.publish_weights(tp, world)
-        per_rank = self.rollout.receive_weights(refs, check=check)
-        m = {"timing_s/sync_weights": time.perf_counter() - start,
-             "reshard/bytes_per_rank": float(max(x["bytes_received"] for x in per_rank))}
-        if check:
-            trained = self.actor.weight_fingerprints(tp, world)
-            mismatched = [k for fp in self.rollout.weight_fingerprints() for k, v in fp.items() if trained.get(k) != v]
-            diff = max(x["max_diff"] for x in per_rank)
-            if mismatched or diff != 0.0:
-                raise RuntimeError(f"weight sync check failed: rollout weights differ from the trained ones ({mismatched[:3]}, max diff {diff})")
-            m["reshard/weight_max_diff"] = 0.0
+        trained = self.actor.weight_fingerprints(tp, world) if check else None  # now: the actor trains on before the pool receives
+        receive = self.rollout.submit("receive_weights", refs, check=check)
+        fingerprints = self.rollout.submit("weight_fingerprints") if check else None  # right after the receipt, before any later batch
+        return RolloutSync(self, receive, fingerprints, trained, time.perf_counter() - start, (tp, world))
+
+    def _log_rollout_sync(self, m: dict[str, float], tp: int, world: int) -> None:
         if not self.logged:
             logger.info("Cross-pool weight sync from FSDP(dp=%d) on %s to TP=%d x DP=%d on %s: %s received per generation rank "
                         "(its generation slice) in %.3fs", self.actor.world_size, self.pools[0], tp, world // tp,
                         self.pools[1], human_bytes(m["reshard/bytes_per_rank"]), m["timing_s/sync_weights"])
             self.logged = True
+
+
+class RolloutSync:
+    """One cross-pool weight sync in flight: its receipt on the rollout pool (and, with
+    trainer.check_weight_sync, the pool's fingerprints right after it and the trained ones)."""
+
+    def __init__(self, owner: WeightSync, receive, fingerprints, trained: dict | None, publish_s: float, layout: tuple[int, int]):
+        self.owner, self.receive, self.fingerprints, self.trained = owner, receive, fingerprints, trained
+        self.publish_s, self.layout = publish_s, layout
+        self.started = time.perf_counter() - publish_s
+
+    def finish(self, timeout_s: float | None = None) -> dict[str, float]:
+        """Wait for the receipt (at most timeout_s) and check it: the metrics of this sync."""
+        key = "actor_rollout_ref.rollout.request_timeout_s"
+        per_rank = self.receive.result(timeout_s, "a weight sync to the rollout pool", key)
+        m = {"timing_s/sync_weights": time.perf_counter() - self.started,
+             "reshard/bytes_per_rank": float(max(x["bytes_received"] for x in per_rank))}
+        if self.fingerprints is not None:
+            held = self.fingerprints.result(timeout_s, "the rollout pool's weight fingerprints", key)
+            mismatched = [k for fp in held for k, v in fp.items() if self.trained.get(k) != v]
+            diff = max(x["max_diff"] for x in per_rank)
+            if mismatched or diff != 0.0:
+                raise RuntimeError(f"weight sync check failed: rollout weights differ from the trained ones ({mismatched[:3]}, max diff {diff})")
+            m["reshard/weight_max_diff"] = 0.0
+        self.owner._log_rollout_sync(m, *self.layout)
         return m
 
 

@@ -1,0 +1,115 @@
+"""The async rollout's staleness bound, against a rollout pool that runs its calls one after another
+(as a Ray actor runs one caller's calls) with heavy-tailed latencies: which weights sampled each
+batch is the pool's own record, independent of the scheduler's bookkeeping."""
+
+from __future__ import annotations
+
+import queue
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from hybridflow.protocol import Batch
+from hybridflow.trainer.async_rollout import AsyncRollout
+from hybridflow.trainer.keys import GEN_OUTPUTS
+
+
+class _Call:
+    def __init__(self):
+        self.event, self.value = threading.Event(), None
+
+    def done(self) -> bool:
+        return self.event.is_set()
+
+    def result(self, timeout_s=None, waiting_for="", key=""):
+        assert self.event.wait(timeout=30), waiting_for
+        return self.value
+
+
+class FifoPool:
+    """One worker thread: calls run in submission order, each after a random (Pareto) delay. It holds
+    a weight version that `receive_weights` replaces; a generation reports the version it ran with."""
+
+    world_size = 1
+
+    def __init__(self, rng: random.Random, slow: float):
+        self.rng, self.slow, self.held, self.calls = rng, slow, 0, queue.Queue()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def submit(self, method: str, *args, **kwargs) -> _Call:
+        call = _Call()
+        self.calls.put((call, method, args))
+        return call
+
+    def _run(self):
+        while True:
+            call, method, args = self.calls.get()
+            time.sleep(min(self.slow * self.rng.paretovariate(1.5), 0.05))  # a long tail, capped for the test's time
+            if method == "receive_weights":
+                self.held = args[0]
+                call.value = [{"bytes_received": 1}]
+            else:
+                prompts = args[0]
+                b = len(prompts)
+                out = {k: torch.zeros(b, 3, dtype=torch.long) for k in GEN_OUTPUTS}
+                out["response_mask"] = torch.ones(b, 3, dtype=torch.long)
+                out["responses"] = torch.full((b, 3), self.held)  # the weights this generation ran with, as its "tokens"
+                call.value = Batch.from_dict(tensors=out)
+            call.event.set()
+
+
+class _Sync:
+    def __init__(self, call):
+        self.call, self.publish_s = call, 0.0
+
+    def finish(self, timeout_s=None):
+        self.call.result(timeout_s)
+        return {"reshard/bytes_per_rank": 1.0}
+
+
+class FakeWeightSync:
+    """Publishes the trainer's current version to the pool (queued behind its generations)."""
+
+    def __init__(self, pool: FifoPool):
+        self.pool, self.version = pool, 0
+
+    def start_rollout_sync(self) -> _Sync:
+        return _Sync(self.pool.submit("receive_weights", self.version))
+
+
+@pytest.mark.parametrize("k", [0, 1, 2, 3])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_no_trained_batch_is_staler_than_k_and_each_is_trained_once(k, seed):
+    rng = random.Random(seed)
+    pool = FifoPool(rng, slow=0.002)
+    sync = FakeWeightSync(pool)
+    drawn = []
+
+    def prompts() -> Batch:
+        drawn.append(len(drawn))
+        return Batch.from_dict(tensors={"input_ids": torch.full((2, 2), len(drawn) - 1), "attention_mask": torch.ones(2, 2),
+                                        "position_ids": torch.zeros(2, 2)}, non_tensors={"uid": [f"b{len(drawn) - 1}"] * 2})
+
+    steps = 12
+    gen = AsyncRollout(pool, sync, prompts, lambda step: step, steps, max_staleness=k, loader_state=lambda: len(drawn))
+    trained, staleness = [], []
+    for step in range(1, steps + 1):
+        batch, m = gen.take(step)
+        sampled_by = int(batch["responses"][0, 0])  # the pool's record of the weights that ran the generation
+        assert (batch["rollout_policy_version"] == sampled_by).all() and batch.meta["policy_version"] == sampled_by
+        assert m["rollout/staleness"] == m["rollout/staleness_max"] == step - 1 - sampled_by <= k
+        assert m["rollout/buffer_depth"] <= k
+        staleness.append(m["rollout/staleness"])
+        trained.append(batch.non_tensors["uid"][0])
+        if gen.pending:  # a checkpoint now resumes before the oldest batch still queued
+            assert gen.resume_loader_state() == step
+        time.sleep(min(0.003 * rng.paretovariate(1.5), 0.05))  # the update
+        sync.version = step
+        gen.sync_weights(step)
+    gen.drain()
+    assert pool.held == steps  # the pool ends on the last update's weights
+    assert trained == [f"b{i}" for i in range(steps)] and len(drawn) == steps  # every batch drawn was trained, once, in order
+    assert staleness == [float(min(s - 1, k)) for s in range(1, steps + 1)]  # as fresh as the bound allows, never staler
