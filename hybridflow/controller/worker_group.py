@@ -237,7 +237,7 @@ class Pending:
             ready, waiting = ray.wait(waiting, num_returns=1, timeout=timeout)
             if not ready:
                 ranks = [self.refs.index(r) for r in waiting]
-                if overall is not None and time.monotonic() >= overall:
+                if overall is not None and (straggler_deadline is None or overall <= straggler_deadline):  # the caller's deadline came first
                     raise WorkerTimeoutError(
                         f"{waiting_for or self.method}: the {self.role} worker rank(s) {ranks} (pool {self.pool!r}) did not finish "
                         f"{self.method} within {timeout_s} s ({key or 'the deadline'}; submitted {time.monotonic() - self.submitted:.0f} s "

@@ -263,7 +263,7 @@ class RLTrainer:
         sync = Stage("reshard", self.weight_sync.reshard, [], [], pool=actor_pool)
         if roles.async_rollout:  # generation happens outside the flow, one batch ahead (train_step)
             gen_stages = []
-            if not c.active:  # bypass: the PPO ratio against the policy that sampled
+            if not c.active and self.cfg.async_training.max_staleness > 0:  # bypass: the PPO ratio against the policy that sampled
                 old_log_prob = Stage("old_log_prob", driver_stages.behaviour_log_probs, ["rollout_log_probs"], ["old_log_probs"])
             sync = Stage("sync_weights", self._sync_rollout, [], [], pool=actor_pool)
         correction_keys = ["rollout_is_weights", "rollout_rs_mask"] if c.active else []
