@@ -265,7 +265,7 @@ class ActorSpec:
             return n_workers
         if tp == pp == 1:
             return n_workers
-        problems, dp = actor_layout_problems(self, n_workers)
+        problems, dp = actor_layout_problems(self)
         p.extend(problems)
         if dp is None:
             return n_workers
@@ -380,7 +380,7 @@ class CriticSpec:
         tp, key, n_workers = self.critic.tensor_model_parallel_size, "critic.tensor_model_parallel_size", self.world
         if not p.positive(key, tp) or tp == 1 or n_workers < 1:
             return n_workers
-        problems, dp = critic_layout_problems(self, n_workers)
+        problems, dp = critic_layout_problems(self)
         p.extend(problems)
         return n_workers if dp is None else dp
 
@@ -533,11 +533,11 @@ def role_spec_problems(cfg: HybridFlowConfig, kind: str) -> list[str]:
     return resolve(cfg, kind).problems()
 
 
-def actor_layout_problems(spec: ActorSpec, n_workers: int) -> tuple[list[str], int | None]:
-    """The actor's pp x tp x dp (tp, pp >= 1 and not both 1) against its `n_workers`, the model
+def actor_layout_problems(spec: ActorSpec) -> tuple[list[str], int | None]:
+    """The actor's pp x tp x dp (tp, pp >= 1 and not both 1) against its pool's workers, the model
     (heads, layers, tied embeddings) and the generation TP: (problems, dp or None when pp x tp does
     not divide the workers)."""
-    tp, pp = spec.actor.tensor_model_parallel_size, spec.actor.pipeline_model_parallel_size
+    tp, pp, n_workers = spec.actor.tensor_model_parallel_size, spec.actor.pipeline_model_parallel_size, spec.world
     gen_tp = spec.rollout.rollout.tensor_model_parallel_size
     tp_key, pp_key = f"{A}.tensor_model_parallel_size", f"{A}.pipeline_model_parallel_size"
     if n_workers % (tp * pp):
@@ -560,9 +560,9 @@ def actor_layout_problems(spec: ActorSpec, n_workers: int) -> tuple[list[str], i
     return out, dims.dp
 
 
-def critic_layout_problems(spec: CriticSpec, n_workers: int) -> tuple[list[str], int | None]:
+def critic_layout_problems(spec: CriticSpec) -> tuple[list[str], int | None]:
     """critic.tensor_model_parallel_size (> 1) x dp against the critic's workers and its model's heads."""
-    tp, key = spec.critic.tensor_model_parallel_size, "critic.tensor_model_parallel_size"
+    tp, key, n_workers = spec.critic.tensor_model_parallel_size, "critic.tensor_model_parallel_size", spec.world
     if n_workers % tp:
         return [f"{key} ({tp}) must divide the critic's {n_workers} workers; set it to one of {divisors(n_workers)}"], None
     mj = model_json(spec.model.path)

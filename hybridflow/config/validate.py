@@ -3,9 +3,12 @@
 Every problem is collected and reported at once, each with its key and what to change, so a user
 fixes a config in one round instead of one crash per worker start-up.
 
-Checks that need a component's knowledge (the resource pools, the parallel layout, the registries
-of advantage estimators and policy losses, a model's parameter names) live with that component,
-which registers them here on import (`register_check`). The validator imports the modules named in
+Here: the run's checks (trainer, resource pools, data, algorithm, features that do not combine)
+and the helpers every check uses (`Problems`). Each role's spec checks itself (its layout against
+its pool and the model, its batch shapes, its section's values: `hybridflow.run_plan`, the
+"role_specs" check); other checks that need a component's knowledge (the rollout backends, the
+registries of advantage estimators and policy losses, a model's parameter names, the tools) live
+with that component, which registers them here on import (`register_check`). The validator imports the modules named in
 CHECK_MODULES -- by name, when it runs -- so hybridflow.config imports nothing above it (config is
 the bottom layer: docs/architecture.md, "Layers and imports") and this tuple is the one place that
 names them.
