@@ -113,3 +113,72 @@ def test_no_trained_batch_is_staler_than_k_and_each_is_trained_once(k, seed):
     assert pool.held == steps  # the pool ends on the last update's weights
     assert trained == [f"b{i}" for i in range(steps)] and len(drawn) == steps  # every batch drawn was trained, once, in order
     assert staleness == [float(min(s - 1, k)) for s in range(1, steps + 1)]  # as fresh as the bound allows, never staler
+
+
+class FakeAgent:
+    """A multi-turn rollout: each row takes 3 model turns through the group, with tool time between
+    them; a turn's completion is the weights the pool ran it with (the pool's record, as its token)."""
+
+    def __init__(self, rng: random.Random):
+        self.rng = rng
+
+    def generate(self, group, prompts: Batch, params) -> Batch:
+        from hybridflow.protocol import Request, SamplingParams
+
+        b, turns = len(prompts), []
+        for _ in range(3):
+            out = group.generate_requests(Batch.from_dict(non_tensors={"request": [Request((1,), SamplingParams(max_new_tokens=1)) for _ in range(b)]}))
+            turns.append(out["completion"])
+            time.sleep(min(0.002 * self.rng.paretovariate(1.5), 0.05))  # a tool call
+        out = {k: torch.zeros(b, 3, dtype=torch.long) for k in GEN_OUTPUTS}
+        out["response_mask"] = torch.ones(b, 3, dtype=torch.long)
+        out["responses"] = torch.tensor([[t[i].token_ids[0] for t in turns] for i in range(b)])  # the pool's record
+        out["rollout_policy_version"] = torch.tensor([[t[i].policy_version for t in turns] for i in range(b)])  # the scheduler's
+        return Batch.from_dict(tensors=out, meta={"metrics": {"agent/turns": 3.0}})
+
+
+class FifoPoolWithRequests(FifoPool):
+    def _run(self):
+        from hybridflow.protocol import Completion
+
+        while True:
+            call, method, args = self.calls.get()
+            time.sleep(min(self.slow * self.rng.paretovariate(1.5), 0.05))
+            if method == "generate_requests":
+                call.value = Batch.from_dict(non_tensors={"completion": [Completion((self.held,), (0.0,), "stop") for _ in args[0]["request"]]})
+            else:
+                self.held = args[0]
+                call.value = [{"bytes_received": 1}]
+            call.event.set()
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_async_multi_turn_turns_carry_the_weights_that_sampled_them(k):
+    """Trajectories run on driver threads while the trainer updates; weight syncs land between their
+    turns, so one trajectory's turns may be sampled by different versions: each token's recorded
+    version is the one the pool ran it with, none is newer than the trainer's or older than k."""
+    rng = random.Random(k)
+    pool = FifoPoolWithRequests(rng, slow=0.002)
+    sync = FakeWeightSync(pool)
+    count = [0]
+
+    def prompts() -> Batch:
+        count[0] += 1
+        return Batch.from_dict(tensors={"input_ids": torch.zeros(2, 2)})
+
+    steps, mixed = 8, 0
+    gen = AsyncRollout(pool, sync, prompts, lambda step: step, steps, max_staleness=k, agent=FakeAgent(rng))
+    for step in range(1, steps + 1):
+        batch, m = gen.take(step)
+        versions, sampled_by = batch["rollout_policy_version"], batch["responses"]
+        assert torch.equal(versions, sampled_by)  # the scheduler's version of every turn is the pool's record
+        assert int(versions.min()) >= step - 1 - k and int(versions.max()) <= step - 1
+        assert m["rollout/staleness_max"] == step - 1 - int(versions.min()) <= k and m["agent/turns"] == 3.0
+        mixed += int((versions.max(dim=1).values != versions.min(dim=1).values).any())
+        time.sleep(min(0.003 * rng.paretovariate(1.5), 0.05))
+        sync.version = step
+        gen.sync_weights(step)
+    gen.drain()
+    assert count[0] == steps and pool.held == steps
+    # at k = 0 nothing runs during an update; at k = 2 syncs land between the turns of queued trajectories
+    assert mixed == 0 if k == 0 else mixed > 0

@@ -318,8 +318,6 @@ def validate_config(cfg: HybridFlowConfig, kind: Literal["rl", "dpo"] = "rl") ->
                  f"latest weights: remove it or set trainer.async_rollout=true")
     if not (isinstance(roll.request_timeout_s, (int, float)) and roll.request_timeout_s > 0):
         p.append(f"{R}.request_timeout_s must be > 0 seconds, got {roll.request_timeout_s!r}")
-    if roll.multi_turn.enable and t.async_rollout:
-        p.append(f"{R}.multi_turn.enable runs the agent loop on the colocated rollout; set trainer.async_rollout=false")
     if kind == "rl" and not arr.actor.recompute_old_log_prob:
         actor = arr.actor
         single = actor.ppo_epochs == 1 and actor.ppo_mini_batch_size in (None, d.train_batch_size)  # None: derived as train_batch_size

@@ -9,7 +9,8 @@ trajectories become the same batch a single-turn rollout returns, with tool toke
     prompts [b, P] (left-padded: the chat prompt with the tool schemas), responses [b, R]
     (right-padded, R = data.max_response_length), response_mask [b, R] (1 = model token),
     input_ids / attention_mask / position_ids [b, P+R] (attention on every real token, tool
-    tokens included), rollout_log_probs / rollout_untruncated_log_probs [b, R] (0 on tool tokens).
+    tokens included), rollout_log_probs / rollout_untruncated_log_probs [b, R] (0 on tool tokens),
+    and with async rollout rollout_policy_version [b, R] (the weights that sampled each turn).
 """
 
 from __future__ import annotations
@@ -51,7 +52,13 @@ def trajectories_to_batch(trajs: list[Trajectory], pad_id: int, params: Sampling
         loss_mask[i, :n] = torch.tensor(t.response_mask, dtype=torch.long)
         logps[i, :n] = torch.tensor(t.log_probs, dtype=torch.float32)
         untruncated[i, :n] = torch.tensor(t.untruncated_log_probs, dtype=torch.float32)
-    return rollout_batch(prompts, prompt_mask, responses, logps, lengths, params, loss_mask=loss_mask, untruncated_log_probs=untruncated)
+    out = rollout_batch(prompts, prompt_mask, responses, logps, lengths, params, loss_mask=loss_mask, untruncated_log_probs=untruncated)
+    if any(v >= 0 for t in trajs for v in t.versions):  # the driver tracked which weights sampled each turn (async rollout)
+        versions = torch.full((b, R), -1, dtype=torch.long)
+        for i, t in enumerate(trajs):
+            versions[i, : len(t.versions)] = torch.tensor(t.versions, dtype=torch.long)
+        out["rollout_policy_version"] = versions  # [b, R]
+    return out
 
 
 class AgentRollout:

@@ -29,6 +29,9 @@ batches in flight at a crash are generated again after the resume, with the rest
 from __future__ import annotations
 
 import collections
+import concurrent.futures
+import dataclasses
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -36,7 +39,7 @@ from typing import Any, Callable
 import torch
 
 from hybridflow.protocol import Batch, SamplingParams
-from hybridflow.trainer.keys import GEN_OUTPUTS, PROMPT_KEYS
+from hybridflow.trainer.keys import PROMPT_KEYS
 
 TIMEOUT_KEY = "actor_rollout_ref.rollout.request_timeout_s"
 
@@ -55,13 +58,20 @@ class _InFlight:
 
 class AsyncRollout:
     def __init__(self, rollout: Any, weight_sync: Any, prompts: Callable[[], Batch], sampling: Callable[[int], SamplingParams],
-                 total_steps: int, max_staleness: int = 1, timeout_s: float | None = None, loader_state: Callable[[], Any] = lambda: None):
+                 total_steps: int, max_staleness: int = 1, timeout_s: float | None = None, loader_state: Callable[[], Any] = lambda: None,
+                 agent: Any = None):
         """rollout: the rollout pool's view (`submit(method, ...) -> Pending`); weight_sync:
         `start_rollout_sync() -> RolloutSync` (`trainer/weight_sync.py`); prompts(): the next batch
         of prompts (drawn from the loader); sampling(step): that step's sampling parameters;
-        loader_state(): the loader's position (what a checkpoint stores)."""
+        loader_state(): the loader's position (what a checkpoint stores); agent: a multi-turn
+        rollout (`agent_rollout.AgentRollout`) whose trajectories run on a driver thread per batch,
+        each turn a request to the pool tagged with the policy version it samples with (tool time
+        overlaps the other batches' generation and the update)."""
         self.rollout, self.weight_sync, self.prompts, self.sampling = rollout, weight_sync, prompts, sampling
         self.total_steps, self.k, self.timeout_s, self.loader_state = total_steps, max_staleness, timeout_s, loader_state
+        self.agent = agent
+        self.threads = concurrent.futures.ThreadPoolExecutor(max_staleness + 1, "agent-rollout") if agent is not None else None
+        self.lock = threading.Lock()  # a call's submission and the version it samples with, vs a sync's submission
         self.queue: collections.deque[_InFlight] = collections.deque()  # submitted, not yet trained: oldest first
         self.syncs: collections.deque[tuple[int, Any]] = collections.deque()  # (batches submitted before it, RolloutSync) not collected
         self.next_step = 1  # the step whose batch is submitted next
@@ -81,9 +91,13 @@ class AsyncRollout:
         """Submit every batch whose staleness at its training step stays within k."""
         while self.next_step <= self.total_steps and (self.next_step - 1) - self.version <= self.k:
             state = self.loader_state()
-            prompts = self.prompts()
-            pending = self.rollout.submit("generate_sequences", prompts.select(PROMPT_KEYS), self.sampling(self.next_step))
-            self.queue.append(_InFlight(self.next_step, prompts, pending, self.version, state))
+            prompts, params = self.prompts(), self.sampling(self.next_step)
+            with self.lock:
+                if self.agent is None:
+                    pending = self.rollout.submit("generate_sequences", prompts.select(PROMPT_KEYS), params)
+                else:
+                    pending = _ThreadCall(self.threads.submit(self.agent.generate, _VersionedPool(self), prompts, params))
+                self.queue.append(_InFlight(self.next_step, prompts, pending, self.version, state))
             self.next_step += 1
             self.submitted += 1
 
@@ -99,12 +113,14 @@ class AsyncRollout:
         wait_start = time.perf_counter()
         out = item.pending.result(self.timeout_s, f"step {step}'s batch (sampled with policy version {item.version})", TIMEOUT_KEY)
         batch = item.prompts
-        for key in GEN_OUTPUTS:
+        for key in out.keys():
             batch[key] = out[key]
+        metrics = {"timing_s/gen_wait": time.perf_counter() - wait_start, "rollout/buffer_depth": float(len(self.queue)),
+                   **out.meta.pop("metrics", {})}
         batch.meta.update(out.meta, policy_version=item.version)
         mask = batch["response_mask"]
-        batch["rollout_policy_version"] = torch.full(mask.shape, item.version, dtype=torch.long)  # [b, R] the weights that sampled each token
-        metrics = {"timing_s/gen_wait": time.perf_counter() - wait_start, "rollout/buffer_depth": float(len(self.queue))}
+        if "rollout_policy_version" not in out:  # one call: every token sampled with the version it was submitted with
+            batch["rollout_policy_version"] = torch.full(mask.shape, item.version, dtype=torch.long)  # [b, R]
         metrics.update(staleness_metrics(step, batch["rollout_policy_version"], mask))
         metrics.update(self._collect_syncs(self.submitted - len(self.queue)))  # syncs queued before a batch taken have run
         return batch, metrics
@@ -114,9 +130,10 @@ class AsyncRollout:
         pool, queued behind the batches it is generating. The driver waits for the sync only when
         no later batch than the next step's is queued before it (then waiting costs nothing: the
         next step needs that batch first); otherwise it collects it once a batch after it is taken."""
-        sync = self.weight_sync.start_rollout_sync()
-        self.syncs.append((self.submitted, sync))
-        self.version = step
+        with self.lock:
+            sync = self.weight_sync.start_rollout_sync()
+            self.syncs.append((self.submitted, sync))
+            self.version = step
         metrics = {"timing_s/sync_publish": sync.publish_s}
         if len(self.queue) <= 1:
             metrics.update(self.drain())
@@ -144,3 +161,34 @@ def staleness_metrics(step: int, versions: torch.Tensor, mask: torch.Tensor) -> 
         lag = (step - 1 - versions).flatten().float()
     return {"rollout/staleness": float(lag.max()), "rollout/staleness_min": float(lag.min()),
             "rollout/staleness_mean": float(lag.mean()), "rollout/staleness_max": float(lag.max())}
+
+
+class _VersionedPool:
+    """The rollout pool as the agent loop's group: each `generate_requests` call is submitted with
+    the policy version the pool will sample it with (the syncs submitted before it), under the same
+    lock as the syncs, and its completions carry that version."""
+
+    def __init__(self, owner: AsyncRollout):
+        self.owner = owner
+
+    def generate_requests(self, data: Batch) -> Batch:
+        o = self.owner
+        with o.lock:
+            version = o.version
+            pending = o.rollout.submit("generate_requests", data)
+        out = pending.result(o.timeout_s, f"a multi-turn request batch ({len(data)} requests, policy version {version})", TIMEOUT_KEY)
+        return Batch.from_dict(non_tensors={"completion": [dataclasses.replace(c, policy_version=version) for c in out["completion"]]})
+
+
+class _ThreadCall:
+    """A batch's multi-turn rollout on a driver thread. Its wait has no deadline of its own: every
+    request inside it has one (actor_rollout_ref.rollout.request_timeout_s), and tools theirs."""
+
+    def __init__(self, future: concurrent.futures.Future):
+        self.future = future
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def result(self, timeout_s: float | None = None, waiting_for: str = "", key: str = "") -> Batch:
+        return self.future.result()

@@ -200,7 +200,8 @@ class RLTrainer:
                                       (self.pool_of(Role.ACTOR_ROLLOUT), roles.pools.get(Role.ROLLOUT, "")))
         if roles.async_rollout:
             self.async_gen = AsyncRollout(self.rollout, self.weight_sync, self._prepare_batch, lambda step: self._sampling(step=step), self.total_steps,
-                                          cfg.async_training.max_staleness, self.run_plan.rollout.rollout.request_timeout_s, self.loader.state_dict)
+                                          cfg.async_training.max_staleness, self.run_plan.rollout.rollout.request_timeout_s, self.loader.state_dict,
+                                          self.agent)
 
     @property
     def is_main(self) -> bool:
@@ -305,7 +306,9 @@ class RLTrainer:
 
     def _prepare_batch_keys(self) -> list[str]:
         """The keys a step's batch starts with (the loader's columns and the group ids)."""
-        keys = PROMPT_KEYS + SAMPLE_INFO_KEYS + ["uid"] + (GEN_OUTPUTS if self.async_rollout else [])  # async: generated outside the flow
+        keys = PROMPT_KEYS + SAMPLE_INFO_KEYS + ["uid"]
+        if self.async_rollout:  # generated outside the flow (with its version per token; agents: their reward)
+            keys += GEN_OUTPUTS + ["rollout_policy_version"] + (["agent_reward"] if self.agent is not None else [])
         if self.sample_flow is not None:  # dynamic sampling: generated and scored before the flow
             keys += [k for s in self.sample_flow.stages if s.enabled for k in s.outputs]
         return keys
