@@ -38,6 +38,7 @@ from hybridflow.config.schema import (
     RewardTrainConfig,
     RolloutConfig,
 )
+from hybridflow.config.derive import positive_int
 from hybridflow.config.loader import literal_choices
 from hybridflow.config.validate import A, KL_TYPES, R, Problems, batch_checks, component_check, model_json, register_check
 from hybridflow.parallel.dims import TP_KEY, ParallelDims, _heads_problems, _size_ok, divisors, layout_choices, validate_gen_tp
@@ -288,7 +289,7 @@ class ActorSpec:
     def _ppo_batch_problems(self, p: Problems, dp: int) -> None:
         """The generation batch over the actor's workers, and the PPO mini/micro-batches over dp."""
         a, bs, n, n_workers = self.actor, self.prompts_per_step, self.samples_per_prompt, self.world
-        if not (_positive_int(bs) and _positive_int(n) and n_workers >= 1):
+        if not (positive_int(bs) and positive_int(n) and n_workers >= 1):
             return  # reported by the validator (data.train_batch_size, rollout.n) or the pools check
         if (bs * n) % n_workers:
             p.append(f"data.train_batch_size * {R}.n ({bs}*{n}) must be divisible by "
@@ -357,7 +358,7 @@ class CriticSpec:
     def problems(self) -> list[str]:
         p, c = Problems(), self.critic
         bs, n, n_workers = self.prompts_per_step, self.samples_per_prompt, self.world
-        if self.active and _positive_int(bs) and _positive_int(n) and n_workers >= 1:
+        if self.active and positive_int(bs) and positive_int(n) and n_workers >= 1:
             dp = self._tp_problems(p)
             batch_checks(p, "critic", self.mini_batch_prompts, c.ppo_micro_batch_size_per_gpu, bs, n, dp,
                          "workers" if dp == n_workers else "critic data-parallel groups (workers / tp)")
@@ -516,10 +517,6 @@ def resolve(cfg: HybridFlowConfig, kind: str = "rl") -> RunPlan:
     teacher = (TeacherSpec(process, tc.model, tc.fsdp_config, tc.log_prob_micro_batch_size_per_gpu, arr.model, arr.model.use_remove_padding,
                            world(rp.Role.TEACHER)) if tc.enable and kind == "rl" else None)
     return RunPlan(actor, critic, rollout, reward_model, teacher)
-
-
-def _positive_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v > 0
 
 
 # ---------------------------------------------------------------- the config validator's checks

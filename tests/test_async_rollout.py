@@ -21,9 +21,6 @@ class _Call:
     def __init__(self):
         self.event, self.value = threading.Event(), None
 
-    def done(self) -> bool:
-        return self.event.is_set()
-
     def result(self, timeout_s=None, waiting_for="", key=""):
         assert self.event.wait(timeout=30), waiting_for
         return self.value
@@ -45,12 +42,16 @@ class FifoPool:
         return call
 
     def _run(self):
+        from hybridflow.protocol import Completion
+
         while True:
             call, method, args = self.calls.get()
             time.sleep(min(self.slow * self.rng.paretovariate(1.5), 0.05))  # a long tail, capped for the test's time
             if method == "receive_weights":
                 self.held = args[0]
                 call.value = [{"bytes_received": 1}]
+            elif method == "generate_requests":  # the agent loop's turns: each completion is the weights it ran with
+                call.value = Batch.from_dict(non_tensors={"completion": [Completion((self.held,), (0.0,), "stop") for _ in args[0]["request"]]})
             else:
                 prompts = args[0]
                 b = len(prompts)
@@ -137,28 +138,13 @@ class FakeAgent:
         return Batch.from_dict(tensors=out, meta={"metrics": {"agent/turns": 3.0}})
 
 
-class FifoPoolWithRequests(FifoPool):
-    def _run(self):
-        from hybridflow.protocol import Completion
-
-        while True:
-            call, method, args = self.calls.get()
-            time.sleep(min(self.slow * self.rng.paretovariate(1.5), 0.05))
-            if method == "generate_requests":
-                call.value = Batch.from_dict(non_tensors={"completion": [Completion((self.held,), (0.0,), "stop") for _ in args[0]["request"]]})
-            else:
-                self.held = args[0]
-                call.value = [{"bytes_received": 1}]
-            call.event.set()
-
-
 @pytest.mark.parametrize("k", [0, 2])
 def test_async_multi_turn_turns_carry_the_weights_that_sampled_them(k):
     """Trajectories run on driver threads while the trainer updates; weight syncs land between their
     turns, so one trajectory's turns may be sampled by different versions: each token's recorded
     version is the one the pool ran it with, none is newer than the trainer's or older than k."""
     rng = random.Random(k)
-    pool = FifoPoolWithRequests(rng, slow=0.002)
+    pool = FifoPool(rng, slow=0.002)
     sync = FakeWeightSync(pool)
     count = [0]
 

@@ -41,7 +41,9 @@ def _run(model_dir, task_dir, out, reward, *extra):
     cfg = load_config(None, rl_overrides(model_dir, task_dir, out, f"custom_reward_function.path={reward}", f"actor_rollout_ref.model.lora_rank={RANK}",
                                          f"actor_rollout_ref.model.lora_alpha={ALPHA}", "actor_rollout_ref.actor.use_kl_loss=true",
                                          "actor_rollout_ref.actor.optim.lr=1e-2", "trainer.check_weight_sync=true", "trainer.total_training_steps=2",
-                                         "trainer.save_freq=1", *extra), schema=HybridFlowConfig)
+                                         "trainer.save_freq=1",
+                                         # the backend frees its buffers between steps, keeping the frozen base (static pieces sent once)
+                                         "actor_rollout_ref.hybrid_engine.keep_generation_buffers=false", *extra), schema=HybridFlowConfig)
     trainer = RLTrainer(cfg)
     try:
         result = trainer.fit()

@@ -136,7 +136,8 @@ def largest_divisor(n: int, cap: int, step: int = 1) -> Optional[int]:
     return next((d for d in range(min(n, cap), 0, -1) if n % d == 0 and d % step == 0), None)
 
 
-def _pos(v) -> bool:
+def positive_int(v) -> bool:
+    """An int (not a bool) > 0: a size the derivations and checks can compute with."""
     return isinstance(v, int) and not isinstance(v, bool) and v > 0
 
 
@@ -153,10 +154,10 @@ def _data_parallel_sizes(cfg: HybridFlowConfig, kind: str) -> tuple[Optional[int
         return None, None
     a, c = cfg.actor_rollout_ref.actor, cfg.critic
     actor_dp = critic_dp = None
-    if _pos(a.tensor_model_parallel_size) and _pos(a.pipeline_model_parallel_size) and _pos(actor_workers):
+    if positive_int(a.tensor_model_parallel_size) and positive_int(a.pipeline_model_parallel_size) and positive_int(actor_workers):
         split = a.tensor_model_parallel_size * a.pipeline_model_parallel_size
         actor_dp = actor_workers // split if actor_workers % split == 0 else None
-    if _pos(c.tensor_model_parallel_size) and _pos(critic_workers) and critic_workers % c.tensor_model_parallel_size == 0:
+    if positive_int(c.tensor_model_parallel_size) and positive_int(critic_workers) and critic_workers % c.tensor_model_parallel_size == 0:
         critic_dp = critic_workers // c.tensor_model_parallel_size
     return actor_dp, critic_dp
 
@@ -184,7 +185,7 @@ def _derive_n(cfg: HybridFlowConfig, kind: str) -> None:
 
 def _derive_mini(cfg: HybridFlowConfig, kind: str, dp: int) -> None:
     d, a, n = cfg.data, cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout.n
-    if a.ppo_mini_batch_size is not None or not (_pos(d.train_batch_size) and _pos(n)):
+    if a.ppo_mini_batch_size is not None or not (positive_int(d.train_batch_size) and positive_int(n)):
         return
     unit = 1 if kind == "dpo" else n  # pairs are split over the workers whole; prompts as their n samples
     if kind == "rl" and not a.recompute_old_log_prob:  # one on-policy pass: the whole batch is one mini-batch
@@ -204,7 +205,7 @@ def _derive_mini(cfg: HybridFlowConfig, kind: str, dp: int) -> None:
 def _derive_micro(cfg: HybridFlowConfig, who: str, mini: Optional[int], seqs_per_unit: int, dp: Optional[int], even: bool = False) -> None:
     """who: "actor" or "critic"; mini: its mini-batch (prompts or pairs, global); seqs_per_unit: rollout.n (2 for DPO pairs)."""
     section = cfg.actor_rollout_ref.actor if who == "actor" else cfg.critic
-    if section.ppo_micro_batch_size_per_gpu is not None or dp is None or not (_pos(mini) and _pos(seqs_per_unit)):
+    if section.ppo_micro_batch_size_per_gpu is not None or dp is None or not (positive_int(mini) and positive_int(seqs_per_unit)):
         return
     if (mini * seqs_per_unit) % dp:
         return  # the validator refuses the mini-batch
@@ -246,14 +247,14 @@ def derive_defaults(cfg: HybridFlowConfig, kind: str = "rl") -> HybridFlowConfig
 
 
 def _workers(t) -> int:
-    return t.nnodes * t.n_gpus_per_node if _pos(t.nnodes) and _pos(t.n_gpus_per_node) else 0
+    return t.nnodes * t.n_gpus_per_node if positive_int(t.nnodes) and positive_int(t.n_gpus_per_node) else 0
 
 
 def derive_sft_defaults(cfg: SFTConfig) -> SFTConfig:
     """A copy of the SFT config with micro_batch_size_per_gpu derived when unset."""
     cfg = copy.deepcopy(cfg)
     workers = _workers(cfg.trainer)
-    if cfg.micro_batch_size_per_gpu is None and workers and _pos(cfg.train_batch_size) and cfg.train_batch_size % workers == 0:
+    if cfg.micro_batch_size_per_gpu is None and workers and positive_int(cfg.train_batch_size) and cfg.train_batch_size % workers == 0:
         per_worker = cfg.train_batch_size // workers
         cfg.micro_batch_size_per_gpu = micro = largest_divisor(per_worker, SFT_MICRO_BATCH_CAP)
         log_once(f"SFT micro batch {micro}: derived from the {per_worker} sequences each worker gets (train_batch_size "
@@ -268,7 +269,7 @@ def derive_rm_defaults(cfg: RewardTrainConfig) -> RewardTrainConfig:
     cfg = copy.deepcopy(cfg)
     _resolve_precisions([("fsdp_config", cfg.fsdp_config)], cfg.trainer.device)
     workers = _workers(cfg.trainer)
-    if cfg.micro_batch_size_per_gpu is None and workers and _pos(cfg.train_batch_size) and cfg.train_batch_size % workers == 0:
+    if cfg.micro_batch_size_per_gpu is None and workers and positive_int(cfg.train_batch_size) and cfg.train_batch_size % workers == 0:
         per_worker = 2 * cfg.train_batch_size // workers
         cfg.micro_batch_size_per_gpu = micro = largest_divisor(per_worker, SFT_MICRO_BATCH_CAP, 2)
         log_once(f"reward-model micro batch {micro}: derived from the {per_worker} sequences each worker gets (both sides of "

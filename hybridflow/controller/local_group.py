@@ -34,9 +34,6 @@ class _Done:
     def __init__(self, value: Any):
         self.value = value
 
-    def done(self) -> bool:
-        return True
-
     def result(self, timeout_s: float | None = None, waiting_for: str = "", key: str = "") -> Any:
         """The value: the call ran in this process when it was made, so there is nothing to wait for."""
         return self.value

@@ -217,11 +217,6 @@ class Pending:
         self.straggler_timeout_s = straggler_timeout_s
         self.submitted = time.monotonic()
 
-    def done(self) -> bool:
-        """Every rank has finished (results not collected): never waits."""
-        ready, _ = ray.wait(list(self.refs), num_returns=len(self.refs), timeout=0)
-        return len(ready) == len(self.refs)
-
     def result(self, timeout_s: float | None = None, waiting_for: str = "", key: str = "") -> Any:
         """The collected results. timeout_s: the most this wait may take (None: no limit but the
         stragglers' one); past it a WorkerTimeoutError names `waiting_for` (what the caller waits

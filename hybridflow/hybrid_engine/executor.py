@@ -37,7 +37,7 @@ from hybridflow.hybrid_engine.plan import ParamPlan, ReshardPlan, fsdp_dim, inte
 from hybridflow.hybrid_engine.staging import staging_numel, staging_plan
 from hybridflow.hybrid_engine.trace import TraceRecorder
 from hybridflow.parallel.dims import ParallelDims
-from hybridflow.parallel.dtensor import crop, held_box, local, own_storage  # noqa: F401  (crop, held_box re-exported)
+from hybridflow.parallel.dtensor import crop, free_storage, held_box, local, own_storage, restore_storage  # noqa: F401  (crop, held_box re-exported)
 from hybridflow.protocol import WeightPiece
 
 logger = logging.getLogger("hybridflow")
@@ -165,14 +165,13 @@ class HybridEngine:
         if not self.cfg.keep_generation_buffers:
             for name, p in self.gen.items():
                 if name not in self.frozen or not self.frozen_synced:  # frozen slices stay: they never change
-                    local(p.data).untyped_storage().resize_(0)
+                    free_storage(p)
         self.acquired = False
         return 0
 
     def acquire(self) -> None:
-        for t in self.gen_buffers():
-            if t.untyped_storage().nbytes() == 0:
-                t.untyped_storage().resize_(t.numel() * t.element_size())
+        for p in self.gen.values():
+            restore_storage(p)
         self.acquired = True
 
     # ------------------------------------------------------------------ staging

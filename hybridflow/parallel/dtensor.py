@@ -36,6 +36,18 @@ def held_slice(t: torch.Tensor, box: Box) -> torch.Tensor:
     return crop(local(t), box, held_box(t))
 
 
+def free_storage(p: torch.nn.Parameter) -> None:
+    """Release this rank's memory of `p` (its shape stays; needs a private storage: `own_storage`)."""
+    local(p.data).untyped_storage().resize_(0)
+
+
+def restore_storage(p: torch.nn.Parameter) -> None:
+    """Re-allocate what `free_storage` released (contents undefined until written)."""
+    t = local(p.data)
+    if t.untyped_storage().nbytes() == 0:
+        t.untyped_storage().resize_(t.numel() * t.element_size())
+
+
 def own_storage(p: torch.nn.Parameter) -> None:
     """Give a parameter a private, resizable storage (HF may load it as a view of a memory-mapped
     file), so its memory can be freed and re-allocated (`untyped_storage().resize_`)."""

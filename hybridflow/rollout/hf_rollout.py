@@ -19,7 +19,7 @@ import torch
 from transformers import GenerationConfig
 
 from hybridflow.algorithms import logprobs_from_logits
-from hybridflow.parallel.dtensor import held_slice, local, own_storage
+from hybridflow.parallel.dtensor import free_storage, held_slice, own_storage, restore_storage
 from hybridflow.protocol import Batch, Completion, GenLayout, Request, SamplingParams, WeightPiece
 from hybridflow.rollout.base import RolloutContext, generate_batch, response_lengths
 
@@ -67,15 +67,13 @@ class HFRollout:
         if not self.keep_buffers:
             for name, p in self.params.items():
                 if name not in self.static:
-                    local(p.data).untyped_storage().resize_(0)
+                    free_storage(p)
         self.awake = False
 
     def wake(self) -> None:
         """Before a weight sync: re-allocate what `sleep()` freed (the sync writes every byte of it)."""
         for p in self.params.values():
-            t = local(p.data)
-            if t.untyped_storage().nbytes() == 0:
-                t.untyped_storage().resize_(t.numel() * t.element_size())
+            restore_storage(p)
         self.awake = True
 
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:

@@ -40,8 +40,8 @@ import torch
 
 from hybridflow.protocol import Batch, SamplingParams
 from hybridflow.trainer.keys import PROMPT_KEYS
+from hybridflow.trainer.weight_sync import REQUEST_TIMEOUT_KEY
 
-TIMEOUT_KEY = "actor_rollout_ref.rollout.request_timeout_s"
 
 
 @dataclass
@@ -111,7 +111,7 @@ class AsyncRollout:
         if item.step != step:
             raise RuntimeError(f"async rollout: the oldest queued batch is step {item.step}'s, step {step} asked for it")
         wait_start = time.perf_counter()
-        out = item.pending.result(self.timeout_s, f"step {step}'s batch (sampled with policy version {item.version})", TIMEOUT_KEY)
+        out = item.pending.result(self.timeout_s, f"step {step}'s batch (sampled with policy version {item.version})", REQUEST_TIMEOUT_KEY)
         batch = item.prompts
         for key in out.keys():
             batch[key] = out[key]
@@ -176,7 +176,7 @@ class _VersionedPool:
         with o.lock:
             version = o.version
             pending = o.rollout.submit("generate_requests", data)
-        out = pending.result(o.timeout_s, f"a multi-turn request batch ({len(data)} requests, policy version {version})", TIMEOUT_KEY)
+        out = pending.result(o.timeout_s, f"a multi-turn request batch ({len(data)} requests, policy version {version})", REQUEST_TIMEOUT_KEY)
         return Batch.from_dict(non_tensors={"completion": [dataclasses.replace(c, policy_version=version) for c in out["completion"]]})
 
 
@@ -186,9 +186,6 @@ class _ThreadCall:
 
     def __init__(self, future: concurrent.futures.Future):
         self.future = future
-
-    def done(self) -> bool:
-        return self.future.done()
 
     def result(self, timeout_s: float | None = None, waiting_for: str = "", key: str = "") -> Batch:
         return self.future.result()

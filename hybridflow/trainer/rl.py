@@ -55,7 +55,7 @@ from hybridflow.trainer.loader import PromptLoader
 from hybridflow.trainer.metrics import compute_data_metrics
 from hybridflow.trainer.placement import WorkerGroups, start_groups
 from hybridflow.trainer.roles import RunRoles, role_classes
-from hybridflow.trainer.weight_sync import WeightSync
+from hybridflow.trainer.weight_sync import REQUEST_TIMEOUT_KEY, WeightSync
 from hybridflow.utils.tracking import CONSOLE_COLUMNS, Tracker
 
 if TYPE_CHECKING:
@@ -223,8 +223,7 @@ class RLTrainer:
         """One response (single-turn) or one trajectory (multi-turn: the agent loop) per row."""
         if self.agent is None:
             call = group.submit("generate_sequences", batch.select(PROMPT_KEYS), params, release_after=release_after)
-            return call.result(self.run_plan.rollout.rollout.request_timeout_s, f"step {self.global_step}'s generation",
-                               "actor_rollout_ref.rollout.request_timeout_s")
+            return call.result(self.run_plan.rollout.rollout.request_timeout_s, f"step {self.global_step}'s generation", REQUEST_TIMEOUT_KEY)
         out = self.agent.generate(group, batch, params)
         if release_after:
             group.sleep_rollout()

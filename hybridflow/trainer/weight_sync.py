@@ -24,6 +24,8 @@ from hybridflow.config.schema import TrainerConfig
 from hybridflow.run_plan import ActorSpec
 from hybridflow.protocol import Batch
 
+REQUEST_TIMEOUT_KEY = "actor_rollout_ref.rollout.request_timeout_s"  # the deadline of every wait on generation
+
 logger = logging.getLogger("hybridflow")
 
 
@@ -142,7 +144,7 @@ class WeightSync:
         fingerprints = self.rollout.submit("weight_fingerprints") if check else None  # right after the receipt, before any later batch
         return RolloutSync(self, receive, fingerprints, trained, time.perf_counter() - start, (tp, world))
 
-    def _log_rollout_sync(self, m: dict[str, float], tp: int, world: int) -> None:
+    def log_rollout_sync(self, m: dict[str, float], tp: int, world: int) -> None:
         if not self.logged:
             logger.info("Cross-pool weight sync from FSDP(dp=%d) on %s to TP=%d x DP=%d on %s: %s received per generation rank "
                         "(its generation slice) in %.3fs", self.actor.world_size, self.pools[0], tp, world // tp,
@@ -161,18 +163,17 @@ class RolloutSync:
 
     def finish(self, timeout_s: float | None = None) -> dict[str, float]:
         """Wait for the receipt (at most timeout_s) and check it: the metrics of this sync."""
-        key = "actor_rollout_ref.rollout.request_timeout_s"
-        per_rank = self.receive.result(timeout_s, "a weight sync to the rollout pool", key)
+        per_rank = self.receive.result(timeout_s, "a weight sync to the rollout pool", REQUEST_TIMEOUT_KEY)
         m = {"timing_s/sync_weights": time.perf_counter() - self.started,
              "reshard/bytes_per_rank": float(max(x["bytes_received"] for x in per_rank))}
         if self.fingerprints is not None:
-            held = self.fingerprints.result(timeout_s, "the rollout pool's weight fingerprints", key)
+            held = self.fingerprints.result(timeout_s, "the rollout pool's weight fingerprints", REQUEST_TIMEOUT_KEY)
             mismatched = [k for fp in held for k, v in fp.items() if self.trained.get(k) != v]
             diff = max(x["max_diff"] for x in per_rank)
             if mismatched or diff != 0.0:
                 raise RuntimeError(f"weight sync check failed: rollout weights differ from the trained ones ({mismatched[:3]}, max diff {diff})")
             m["reshard/weight_max_diff"] = 0.0
-        self.owner._log_rollout_sync(m, *self.layout)
+        self.owner.log_rollout_sync(m, *self.layout)
         return m
 
 
