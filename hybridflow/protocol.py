@@ -123,7 +123,7 @@ class Completion:
     log_probs: tuple[float, ...]
     finish_reason: Literal["stop", "length"]
     untruncated_log_probs: Optional[tuple[float, ...]] = None
-    policy_version: Optional[int] = None  # the weights that sampled it, when the caller tracks them (async rollout)
+    versions: Optional[tuple[int, ...]] = None  # per token: the policy version that sampled it, when the caller tracks them (async rollout)
 
     @property
     def untruncated(self) -> tuple[float, ...]:
@@ -132,7 +132,8 @@ class Completion:
     def cut(self, n: int) -> "Completion":
         """The first n tokens, finish_reason "length" (a request's own limit inside a shared call)."""
         return Completion(self.token_ids[:n], self.log_probs[:n], "length",
-                          None if self.untruncated_log_probs is None else self.untruncated_log_probs[:n], self.policy_version)
+                          None if self.untruncated_log_probs is None else self.untruncated_log_probs[:n],
+                          None if self.versions is None else self.versions[:n])
 
 
 def _to_object_array(key: str, value: Any) -> np.ndarray:

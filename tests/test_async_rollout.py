@@ -50,8 +50,10 @@ class FifoPool:
             if method == "receive_weights":
                 self.held = args[0]
                 call.value = [{"bytes_received": 1}]
-            elif method == "generate_requests":  # the agent loop's turns: each completion is the weights it ran with
-                call.value = Batch.from_dict(non_tensors={"completion": [Completion((self.held,), (0.0,), "stop") for _ in args[0]["request"]]})
+            elif method == "generate_requests":  # each token of a completion is the weights it ran with; the limit ends it
+                reqs = args[0]["request"]
+                call.value = Batch.from_dict(non_tensors={"completion": [
+                    Completion((self.held,) * r.params.max_new_tokens, (0.0,) * r.params.max_new_tokens, "length") for r in reqs]})
             else:
                 prompts = args[0]
                 b = len(prompts)
@@ -134,7 +136,7 @@ class FakeAgent:
         out = {k: torch.zeros(b, 3, dtype=torch.long) for k in GEN_OUTPUTS}
         out["response_mask"] = torch.ones(b, 3, dtype=torch.long)
         out["responses"] = torch.tensor([[t[i].token_ids[0] for t in turns] for i in range(b)])  # the pool's record
-        out["rollout_policy_version"] = torch.tensor([[t[i].policy_version for t in turns] for i in range(b)])  # the scheduler's
+        out["rollout_policy_version"] = torch.tensor([[t[i].versions[0] for t in turns] for i in range(b)])  # the scheduler's
         return Batch.from_dict(tensors=out, meta={"metrics": {"agent/turns": 3.0}})
 
 
@@ -168,3 +170,37 @@ def test_async_multi_turn_turns_carry_the_weights_that_sampled_them(k):
     assert count[0] == steps and pool.held == steps
     # at k = 0 nothing runs during an update; at k = 2 syncs land between the turns of queued trajectories
     assert mixed == 0 if k == 0 else mixed > 0
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_partial_rollout_pauses_responses_for_weight_updates_within_the_bound(k):
+    """async_training.partial_rollout: each response runs in segments (2 tokens of 8), so the syncs
+    queued while it runs land between its segments: a response may be sampled by several versions,
+    every token's recorded version is the one the pool ran it with, versions only grow along a
+    response, and the oldest token is never more than k updates behind the step that trains it."""
+    rng = random.Random(10 + k)
+    pool = FifoPool(rng, slow=0.002)
+    sync = FakeWeightSync(pool)
+    from hybridflow.protocol import SamplingParams
+
+    def prompts() -> Batch:
+        return Batch.from_dict(tensors={"input_ids": torch.ones(3, 2, dtype=torch.long), "attention_mask": torch.ones(3, 2, dtype=torch.long),
+                                        "position_ids": torch.zeros(3, 2, dtype=torch.long)})
+
+    steps, mixed = 8, 0
+    gen = AsyncRollout(pool, sync, prompts, lambda step: SamplingParams(max_new_tokens=8, seed=step), steps, max_staleness=k,
+                       partial_chunk=2, pad_id=0)
+    for step in range(1, steps + 1):
+        batch, m = gen.take(step)
+        versions, sampled_by = batch["rollout_policy_version"], batch["responses"]
+        assert versions.shape == (3, 8) and batch["response_mask"].all()
+        assert torch.equal(versions, sampled_by)  # the scheduler's record of every token is the pool's
+        assert (versions[:, 1:] >= versions[:, :-1]).all()
+        assert int(versions.min()) >= step - 1 - k and int(versions.max()) <= step - 1
+        assert m["rollout/staleness_max"] == step - 1 - int(versions.min()) <= k
+        mixed += int(m["rollout/mixed_version_rows"])
+        time.sleep(min(0.003 * rng.paretovariate(1.5), 0.05))
+        sync.version = step
+        gen.sync_weights(step)
+    gen.drain()
+    assert pool.held == steps and mixed > 0

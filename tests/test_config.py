@@ -288,6 +288,10 @@ def _set(cfg, dotted, value):
     ({"actor_rollout_ref.rollout.name": "sglang"}, "unknown rollout backend 'sglang' (actor_rollout_ref.rollout.name); registered: ['hf', 'vllm'"),
     ({"async_training.max_staleness": -1}, "async_training.max_staleness must be an integer >= 0"),
     ({"async_training.max_staleness": 2}, "async_training.max_staleness=2 applies to trainer.async_rollout=true"),
+    ({"async_training.partial_rollout": True}, "async_training.partial_rollout=true pauses running requests for the weight updates that "
+     "reach a rollout pool of its own (trainer.async_rollout=true)"),
+    ({"async_training.partial_rollout_chunk": 0}, "async_training.partial_rollout_chunk must be a positive number of tokens"),
+    ({"async_training.partial_rollout_chunk": 8}, "async_training.partial_rollout_chunk=8 applies to async_training.partial_rollout=true"),
     ({"actor_rollout_ref.rollout.request_timeout_s": 0}, "actor_rollout_ref.rollout.request_timeout_s must be > 0 seconds, got 0"),
     ({"actor_rollout_ref.actor.loss_agg_mode": "sum"}, "actor_rollout_ref.actor.loss_agg_mode must be one of"),
     ({"actor_rollout_ref.actor.kl_loss_type": "k9"}, "actor_rollout_ref.actor.kl_loss_type must be one of"),
@@ -455,10 +459,14 @@ def test_pool_mapping_parses_and_sizes_roles(world):
     (["trainer.async_rollout=true", "algorithm.adv_estimator=remax", "resource_pool.pools.a.workers_per_node=2",
       "resource_pool.pools.r.workers_per_node=1", "resource_pool.mapping.actor_rollout=a", "resource_pool.mapping.rollout=r"],
      "does not combine with trainer.async_rollout=true"),
+    (["trainer.async_rollout=true", "async_training.partial_rollout=true", "async_training.partial_rollout_chunk=4",
+      "resource_pool.pools.a.workers_per_node=2", "resource_pool.pools.r.workers_per_node=1", "resource_pool.mapping.actor_rollout=a",
+      "resource_pool.mapping.rollout=r"],
+     "async_training.partial_rollout_chunk=4 >= data.max_response_length=4: no response would ever pause for a weight update; set it below (e.g. 1)"),
 ])
 def test_pool_validation(world, items, expected):
     cfg = load_config(None, items, schema=HybridFlowConfig)
-    world.resource_pool, world.trainer.async_rollout = cfg.resource_pool, cfg.trainer.async_rollout
+    world.resource_pool, world.trainer.async_rollout, world.async_training = cfg.resource_pool, cfg.trainer.async_rollout, cfg.async_training
     world.algorithm.adv_estimator = cfg.algorithm.adv_estimator
     world.critic.ppo_micro_batch_size_per_gpu = 8
     world.actor_rollout_ref.rollout.tensor_model_parallel_size = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size

@@ -45,7 +45,7 @@ class Trajectory:
     response_mask: list[int] = field(default_factory=list)  # 1 = sampled by the model, 0 = tool / environment
     log_probs: list[float] = field(default_factory=list)  # the backend's behaviour log-prob per model token, 0.0 elsewhere
     untruncated_log_probs: list[float] = field(default_factory=list)  # under the temperature alone (Completion's)
-    versions: list[int] = field(default_factory=list)  # per token: the policy version of the turn that sampled it (-1: unknown)
+    versions: list[int] = field(default_factory=list)  # per token: the policy version that sampled it (-1: unknown)
     num_turns: int = 0  # assistant turns
     tool_calls: int = 0
     tool_errors: int = 0
@@ -58,10 +58,11 @@ class Trajectory:
     finished_at: float = 0.0  # time.monotonic() when the trajectory ended
 
     def append(self, ids: Sequence[int], model: bool, log_probs: Sequence[float] | None = None,
-               untruncated_log_probs: Sequence[float] | None = None, version: int | None = None) -> None:
-        """version: the model turn's policy version (tool tokens keep the last model turn's)."""
+               untruncated_log_probs: Sequence[float] | None = None, versions: Sequence[int] | None = None) -> None:
+        """versions: per model token, the policy version that sampled it (tool tokens, or a turn
+        without versions, keep the last one's)."""
         last = self.versions[-1] if self.versions else -1
-        self.versions.extend([last if version is None else version] * len(ids))
+        self.versions.extend([last] * len(ids) if versions is None else [int(v) for v in versions])
         self.response_ids.extend(int(t) for t in ids)
         self.response_mask.extend([1 if model else 0] * len(ids))
         zeros = [0.0] * len(ids)
@@ -158,7 +159,7 @@ class AgentLoop:
                 traj.finish = "length"
                 break
             c = await batcher.generate(traj.prompt_ids + traj.response_ids, left)
-            traj.append(c.token_ids, model=True, log_probs=c.log_probs, untruncated_log_probs=c.untruncated, version=c.policy_version)
+            traj.append(c.token_ids, model=True, log_probs=c.log_probs, untruncated_log_probs=c.untruncated, versions=c.versions)
             traj.num_turns += 1
             if c.finish_reason != "stop":  # cut by the budget: the turn never closed, nothing may follow it
                 traj.finish = "length"

@@ -516,6 +516,11 @@ class AsyncTrainingConfig:
     # on it. The pool generates up to k batches ahead; 0 generates each batch with the latest weights
     # (the synchronous schedule on a pool of its own), 1 overlaps one batch with each update.
     max_staleness: int = 1
+    # Partial rollout (verl's key): requests run in segments of partial_rollout_chunk tokens, so a
+    # weight update reaches running responses at the next segment boundary; their tokens so far are
+    # kept with the version that sampled them (`rollout/partial.py`).
+    partial_rollout: bool = False
+    partial_rollout_chunk: int = 32
 
 
 @dataclass

@@ -21,10 +21,10 @@ import json
 import os
 from typing import Callable, Literal
 
-from hybridflow.config.derive import derive_defaults, derive_rm_defaults, derive_sft_defaults, resolve_mixed_precision
+from hybridflow.config.derive import derive_defaults, derive_rm_defaults, derive_sft_defaults, positive_int, resolve_mixed_precision
 from hybridflow.config.loader import ConfigError, literal_choices
 from hybridflow.config.pools import pool_problems, run_roles
-from hybridflow.config.schema import (GROUP_ESTIMATORS, LORA_TARGETS, MODEL_DTYPES, DPOConfig, HybridFlowConfig, ModelConfig,
+from hybridflow.config.schema import (GROUP_ESTIMATORS, LORA_TARGETS, MODEL_DTYPES, AsyncTrainingConfig, DPOConfig, HybridFlowConfig, ModelConfig,
                                       OptimConfig, RewardTrainConfig, SFTConfig, TrainerConfig)
 
 A, R = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
@@ -247,6 +247,31 @@ def batch_checks(p: Problems, who: str, mini: int, micro: int, train_bs: int, n:
                  f"set it to a divisor of {per_worker}")
 
 
+def _async_problems(p: Problems, cfg: HybridFlowConfig) -> None:
+    """async_training: the staleness bound and partial rollout, which need a rollout pool of its own."""
+    t, a = cfg.trainer, cfg.async_training
+    k = a.max_staleness
+    if not (isinstance(k, int) and not isinstance(k, bool) and k >= 0):
+        p.append(f"async_training.max_staleness must be an integer >= 0 (policy versions a trained batch may lag; 0 = always the "
+                 f"latest weights), got {k!r}")
+    elif k != 1 and not t.async_rollout:
+        p.append(f"async_training.max_staleness={k} applies to trainer.async_rollout=true (a rollout pool generating ahead of "
+                 f"training, resource_pool.mapping.rollout on a pool of its own); the colocated rollout always generates with the "
+                 f"latest weights: remove it or set trainer.async_rollout=true")
+    chunk, budget = a.partial_rollout_chunk, cfg.data.max_response_length
+    if a.partial_rollout and not t.async_rollout:
+        p.append("async_training.partial_rollout=true pauses running requests for the weight updates that reach a rollout pool "
+                 "of its own (trainer.async_rollout=true); the colocated rollout's weights never change during generation: "
+                 "remove it or set trainer.async_rollout=true")
+    if not positive_int(chunk):
+        p.append(f"async_training.partial_rollout_chunk must be a positive number of tokens (a request's segment), got {chunk!r}")
+    elif not a.partial_rollout and chunk != AsyncTrainingConfig.partial_rollout_chunk:
+        p.append(f"async_training.partial_rollout_chunk={chunk} applies to async_training.partial_rollout=true: remove it or set that")
+    elif a.partial_rollout and positive_int(budget) and chunk >= budget:
+        p.append(f"async_training.partial_rollout_chunk={chunk} >= data.max_response_length={budget}: no response would ever pause "
+                 f"for a weight update; set it below (e.g. {max(1, budget // 4)})")
+
+
 def _dpo_problems(p: Problems, cfg: HybridFlowConfig) -> None:
     """The DPO section: the loss parameters, and online sampling (its pairs per step: ActorSpec)."""
     dpo = cfg.dpo
@@ -308,14 +333,7 @@ def validate_config(cfg: HybridFlowConfig, kind: Literal["rl", "dpo"] = "rl") ->
     if t.async_rollout and roll.name == "vllm":
         p.append(f"trainer.async_rollout=true runs a generation-only pool whose backend takes the weights in place (hf); "
                  f"set {R}.name=hf (vLLM runs colocated with the actor)")
-    k = cfg.async_training.max_staleness
-    if not (isinstance(k, int) and not isinstance(k, bool) and k >= 0):
-        p.append(f"async_training.max_staleness must be an integer >= 0 (policy versions a trained batch may lag; 0 = always the "
-                 f"latest weights), got {k!r}")
-    elif k != 1 and not t.async_rollout:
-        p.append(f"async_training.max_staleness={k} applies to trainer.async_rollout=true (a rollout pool generating ahead of "
-                 f"training, resource_pool.mapping.rollout on a pool of its own); the colocated rollout always generates with the "
-                 f"latest weights: remove it or set trainer.async_rollout=true")
+    _async_problems(p, cfg)
     if not (isinstance(roll.request_timeout_s, (int, float)) and roll.request_timeout_s > 0):
         p.append(f"{R}.request_timeout_s must be > 0 seconds, got {roll.request_timeout_s!r}")
     if kind == "rl" and not arr.actor.recompute_old_log_prob:

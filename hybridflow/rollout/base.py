@@ -170,17 +170,24 @@ def batch_requests(prompts: Batch, params: SamplingParams) -> list[Request]:
 
 def generate_batch(backend, prompts: Batch, params: SamplingParams, pad_id: int) -> Batch:
     """The batch API on top of `generate_requests`: completions are right-padded to
-    max_new_tokens next to the prompts as given ([b, P], left-padded)."""
+    max_new_tokens next to the prompts as given ([b, P], left-padded); completions that carry their
+    tokens' policy versions add rollout_policy_version [b, R] (-1 past each response)."""
     completions = backend.generate_requests(batch_requests(prompts, params))
     b, R = len(completions), params.max_new_tokens
     responses = torch.full((b, R), pad_id, dtype=torch.long)
     logps = torch.zeros((b, R), dtype=torch.float32)
     untruncated = torch.zeros((b, R), dtype=torch.float32)
     lengths = torch.zeros(b, dtype=torch.long)
+    versions = torch.full((b, R), -1, dtype=torch.long) if completions and completions[0].versions is not None else None
     for i, c in enumerate(completions):
         n = len(c.token_ids)
         lengths[i] = n
         responses[i, :n] = torch.tensor(c.token_ids, dtype=torch.long)
         logps[i, :n] = torch.tensor(c.log_probs, dtype=torch.float32)
         untruncated[i, :n] = torch.tensor(c.untruncated, dtype=torch.float32)
-    return rollout_batch(prompts["input_ids"], prompts["attention_mask"], responses, logps, lengths, params, untruncated_log_probs=untruncated)
+        if versions is not None:
+            versions[i, :n] = torch.tensor(c.versions, dtype=torch.long)
+    out = rollout_batch(prompts["input_ids"], prompts["attention_mask"], responses, logps, lengths, params, untruncated_log_probs=untruncated)
+    if versions is not None:
+        out["rollout_policy_version"] = versions
+    return out

@@ -13,13 +13,23 @@ sync samples with those weights, and a sync submitted after batches waits for th
 without blocking the driver. k = 0 generates each batch after the previous update's sync (the
 synchronous schedule on a pool of its own); k = 1 overlaps one batch with each update.
 
-Every batch records the version that sampled it: `rollout_policy_version` [b, R] per response
-token (one version per trajectory: a request is not paused for a weight update), and the step's
-metrics give `rollout/staleness` (updates since the sampling weights) with its per-token
-min / mean / max, `rollout/buffer_depth` (batches generated or in flight beyond this step's) and
-`timing_s/gen_wait` (the trainer waiting for its batch). Every wait on the pool has a deadline
-(actor_rollout_ref.rollout.request_timeout_s): past it the run stops with one line naming the
-pool, its ranks, the step and the version it waited for.
+Every batch records the versions that sampled it: `rollout_policy_version` [b, R] per response
+token. One call samples a whole batch with one version; a multi-turn trajectory's turns (each a
+call, on a driver thread per batch) may be sampled by different versions, and with
+async_training.partial_rollout every request runs in segments (`rollout/partial.py`), so a sync
+lands between two segments of a running response: the tokens it has keep their version, the rest
+is sampled with the new weights. A version only grows within a response, so the oldest token of a
+batch is its first, and the bound above holds per token.
+
+The step's metrics: `rollout/staleness` (updates since the oldest sampling weights) with its
+per-token min / mean / max, `rollout/mixed_version_rows` (responses sampled by more than one
+version), `rollout/buffer_depth` (batches generated or in flight beyond this step's),
+`timing_s/gen_wait` (the trainer waiting for its batch) and `rollout/trainer_idle_fraction` (that
+wait over the time since the previous batch was taken), and `rollout/gen_idle_fraction` with one
+`rollout/gen_idle_fraction/replica{d}` per generation replica (the share of the wall time between
+the replica's calls, since the previous step, in which it was not generating). Every wait on the
+pool has a deadline (actor_rollout_ref.rollout.request_timeout_s): past it the run stops with one
+line naming the pool, its ranks, the step and the version it waited for.
 
 Resume: a checkpoint records the loader position before the oldest batch still queued, so the
 batches in flight at a crash are generated again after the resume, with the restored weights
@@ -38,7 +48,9 @@ from typing import Any, Callable
 
 import torch
 
-from hybridflow.protocol import Batch, SamplingParams
+from hybridflow.protocol import Batch, Completion, Request, SamplingParams
+from hybridflow.rollout.base import generate_batch
+from hybridflow.rollout.partial import generate_in_segments
 from hybridflow.trainer.keys import PROMPT_KEYS
 from hybridflow.trainer.weight_sync import REQUEST_TIMEOUT_KEY
 
@@ -59,24 +71,29 @@ class _InFlight:
 class AsyncRollout:
     def __init__(self, rollout: Any, weight_sync: Any, prompts: Callable[[], Batch], sampling: Callable[[int], SamplingParams],
                  total_steps: int, max_staleness: int = 1, timeout_s: float | None = None, loader_state: Callable[[], Any] = lambda: None,
-                 agent: Any = None):
+                 agent: Any = None, partial_chunk: int | None = None, pad_id: int = 0):
         """rollout: the rollout pool's view (`submit(method, ...) -> Pending`); weight_sync:
         `start_rollout_sync() -> RolloutSync` (`trainer/weight_sync.py`); prompts(): the next batch
         of prompts (drawn from the loader); sampling(step): that step's sampling parameters;
         loader_state(): the loader's position (what a checkpoint stores); agent: a multi-turn
         rollout (`agent_rollout.AgentRollout`) whose trajectories run on a driver thread per batch,
         each turn a request to the pool tagged with the policy version it samples with (tool time
-        overlaps the other batches' generation and the update)."""
+        overlaps the other batches' generation and the update); partial_chunk: partial rollout's
+        segment length in tokens (None: off; on, single-turn batches run on driver threads too, and
+        pad_id pads their responses)."""
         self.rollout, self.weight_sync, self.prompts, self.sampling = rollout, weight_sync, prompts, sampling
         self.total_steps, self.k, self.timeout_s, self.loader_state = total_steps, max_staleness, timeout_s, loader_state
-        self.agent = agent
-        self.threads = concurrent.futures.ThreadPoolExecutor(max_staleness + 1, "agent-rollout") if agent is not None else None
+        self.agent, self.partial_chunk, self.pad_id = agent, partial_chunk, pad_id
+        threaded = agent is not None or partial_chunk is not None  # each batch's requests driven from a driver thread
+        self.threads = concurrent.futures.ThreadPoolExecutor(max_staleness + 1, "async-rollout") if threaded else None
         self.lock = threading.Lock()  # a call's submission and the version it samples with, vs a sync's submission
         self.queue: collections.deque[_InFlight] = collections.deque()  # submitted, not yet trained: oldest first
         self.syncs: collections.deque[tuple[int, Any]] = collections.deque()  # (batches submitted before it, RolloutSync) not collected
         self.next_step = 1  # the step whose batch is submitted next
         self.version = 0  # weight syncs submitted to the pool: the version of the next batch submitted
         self.submitted = 0  # batches submitted so far
+        self.clocks = ReplicaClocks()  # the generation replicas' busy time since the last step
+        self.last_take = time.perf_counter()
 
     @property
     def pending(self) -> bool:
@@ -93,10 +110,12 @@ class AsyncRollout:
             state = self.loader_state()
             prompts, params = self.prompts(), self.sampling(self.next_step)
             with self.lock:
-                if self.agent is None:
-                    pending = self.rollout.submit("generate_sequences", prompts.select(PROMPT_KEYS), params)
-                else:
+                if self.agent is not None:
                     pending = _ThreadCall(self.threads.submit(self.agent.generate, _VersionedPool(self), prompts, params))
+                elif self.partial_chunk is not None:
+                    pending = _ThreadCall(self.threads.submit(generate_batch, _VersionedPool(self), prompts.select(PROMPT_KEYS), params, self.pad_id))
+                else:
+                    pending = self.rollout.submit("generate_sequences", prompts.select(PROMPT_KEYS), params)
                 self.queue.append(_InFlight(self.next_step, prompts, pending, self.version, state))
             self.next_step += 1
             self.submitted += 1
@@ -115,11 +134,16 @@ class AsyncRollout:
         batch = item.prompts
         for key in out.keys():
             batch[key] = out[key]
-        metrics = {"timing_s/gen_wait": time.perf_counter() - wait_start, "rollout/buffer_depth": float(len(self.queue)),
-                   **out.meta.pop("metrics", {})}
+        now = time.perf_counter()
+        wait = now - wait_start
+        with self.lock:  # the threads' calls add to the clocks
+            gen_metrics = self.clocks.take(out.meta.pop("metrics", {}))
+        metrics = {"timing_s/gen_wait": wait, "rollout/trainer_idle_fraction": wait / max(now - self.last_take, 1e-9),
+                   "rollout/buffer_depth": float(len(self.queue)), **gen_metrics}
+        self.last_take = now
         batch.meta.update(out.meta, policy_version=item.version)
         mask = batch["response_mask"]
-        if "rollout_policy_version" not in out:  # one call: every token sampled with the version it was submitted with
+        if "rollout_policy_version" not in out:  # one pool call: every token sampled with the version it was submitted with
             batch["rollout_policy_version"] = torch.full(mask.shape, item.version, dtype=torch.long)  # [b, R]
         metrics.update(staleness_metrics(step, batch["rollout_policy_version"], mask))
         metrics.update(self._collect_syncs(self.submitted - len(self.queue)))  # syncs queued before a batch taken have run
@@ -156,33 +180,89 @@ class AsyncRollout:
 def staleness_metrics(step: int, versions: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     """Updates between the weights that sampled each response token and the update of `step`
     (which trains on top of step - 1 updates): the batch's, and per token min / mean / max."""
-    lag = (step - 1 - versions)[mask.bool()].float()
+    valid = mask.bool()
+    lag = (step - 1 - versions)[valid].float()
     if not lag.numel():
         lag = (step - 1 - versions).flatten().float()
+    big = torch.iinfo(versions.dtype).max
+    newest = torch.where(valid, versions, -1).max(dim=1).values  # [b]
+    oldest = torch.where(valid, versions, big).min(dim=1).values  # [b]
+    mixed = ((newest > oldest) & valid.any(dim=1)).sum()
     return {"rollout/staleness": float(lag.max()), "rollout/staleness_min": float(lag.min()),
-            "rollout/staleness_mean": float(lag.mean()), "rollout/staleness_max": float(lag.max())}
+            "rollout/staleness_mean": float(lag.mean()), "rollout/staleness_max": float(lag.max()),
+            "rollout/mixed_version_rows": float(mixed)}
 
 
 class _VersionedPool:
-    """The rollout pool as the agent loop's group: each `generate_requests` call is submitted with
-    the policy version the pool will sample it with (the syncs submitted before it), under the same
-    lock as the syncs, and its completions carry that version."""
+    """The rollout pool as the agent loop's group (and, with partial rollout, as the backend that
+    `generate_batch` calls): each pool call is submitted with the policy version the pool will
+    sample it with (the syncs submitted before it), under the same lock as the syncs, and its
+    completions carry that version per token; with partial rollout a request is several calls."""
 
     def __init__(self, owner: AsyncRollout):
         self.owner = owner
 
-    def generate_requests(self, data: Batch) -> Batch:
+    def call(self, requests: list[Request]) -> tuple[list[Completion], int]:
         o = self.owner
         with o.lock:
             version = o.version
-            pending = o.rollout.submit("generate_requests", data)
-        out = pending.result(o.timeout_s, f"a multi-turn request batch ({len(data)} requests, policy version {version})", REQUEST_TIMEOUT_KEY)
-        return Batch.from_dict(non_tensors={"completion": [dataclasses.replace(c, policy_version=version) for c in out["completion"]]})
+            pending = o.rollout.submit("generate_requests", Batch.from_dict(non_tensors={"request": requests}))
+        out = pending.result(o.timeout_s, f"{len(requests)} generation requests (policy version {version})", REQUEST_TIMEOUT_KEY)
+        with o.lock:
+            o.clocks.add(out.meta.get("metrics", {}))
+        return list(out["completion"]), version
+
+    def complete(self, requests: list[Request]) -> list[Completion]:
+        if self.owner.partial_chunk is not None:
+            return generate_in_segments(requests, self.call, self.owner.partial_chunk)
+        completions, version = self.call(requests)
+        return [dataclasses.replace(c, versions=(version,) * len(c.token_ids)) for c in completions]
+
+    def generate_requests(self, data: Batch | list[Request]) -> Batch | list[Completion]:
+        """The agent loop's group call (a Batch with a "request" column -> one with "completion"),
+        or the backend call of `generate_batch` (requests -> completions)."""
+        if isinstance(data, Batch):
+            return Batch.from_dict(non_tensors={"completion": self.complete(list(data["request"]))})
+        return self.complete(list(data))
+
+
+class ReplicaClocks:
+    """The generation replicas' busy and wall seconds, summed over the calls that returned since the
+    last step: each call reports `rollout/replica{d}/busy_s` (generating) and `.../span_s` (since
+    the replica's previous call ended), so busy / span is the replica's share of time generating."""
+
+    PREFIX = "rollout/replica"
+
+    def __init__(self):
+        self.busy: dict[str, float] = collections.defaultdict(float)
+        self.span: dict[str, float] = collections.defaultdict(float)
+
+    def add(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Sum a call's replica clocks; returns its other metrics."""
+        rest = {}
+        for key, value in metrics.items():
+            if key.startswith(self.PREFIX) and key.endswith(("/busy_s", "/span_s")):
+                replica, _, kind = key[len(self.PREFIX):].rpartition("/")
+                (self.busy if kind == "busy_s" else self.span)[replica] += value
+            else:
+                rest[key] = value
+        return rest
+
+    def take(self, metrics: dict[str, float]) -> dict[str, float]:
+        """A step's generation metrics: `metrics` (a batch's own call, if any) less the clocks, plus
+        the idle fraction per replica since the last step and their mean; the sums restart."""
+        out = self.add(metrics)
+        idle = {f"rollout/gen_idle_fraction/replica{r}": max(0.0, 1.0 - self.busy[r] / self.span[r]) for r in sorted(self.span) if self.span[r] > 0}
+        if idle:
+            out.update(idle, **{"rollout/gen_idle_fraction": sum(idle.values()) / len(idle)})
+        self.busy.clear()
+        self.span.clear()
+        return out
 
 
 class _ThreadCall:
-    """A batch's multi-turn rollout on a driver thread. Its wait has no deadline of its own: every
-    request inside it has one (actor_rollout_ref.rollout.request_timeout_s), and tools theirs."""
+    """A batch's rollout on a driver thread (multi-turn, or partial). Its wait has no deadline of its
+    own: every pool call inside it has one (actor_rollout_ref.rollout.request_timeout_s), and tools theirs."""
 
     def __init__(self, future: concurrent.futures.Future):
         self.future = future

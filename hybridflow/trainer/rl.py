@@ -199,9 +199,10 @@ class RLTrainer:
         self.weight_sync = WeightSync(self.run_plan.actor, cfg.trainer, self.actor, self.plan_summary, self.rollout,
                                       (self.pool_of(Role.ACTOR_ROLLOUT), roles.pools.get(Role.ROLLOUT, "")))
         if roles.async_rollout:
+            at = cfg.async_training
             self.async_gen = AsyncRollout(self.rollout, self.weight_sync, self._prepare_batch, lambda step: self._sampling(step=step), self.total_steps,
-                                          cfg.async_training.max_staleness, self.run_plan.rollout.rollout.request_timeout_s, self.loader.state_dict,
-                                          self.agent)
+                                          at.max_staleness, self.run_plan.rollout.rollout.request_timeout_s, self.loader.state_dict,
+                                          self.agent, at.partial_rollout_chunk if at.partial_rollout else None, self.tokenizer.pad_token_id)
 
     @property
     def is_main(self) -> bool:

@@ -8,6 +8,8 @@ fed by the hybrid engine) and `RolloutWorker` (a pool of its own) both use it.
 
 from __future__ import annotations
 
+import time
+
 from transformers import AutoTokenizer
 
 from hybridflow.controller.decorator import Dispatch, register
@@ -23,6 +25,19 @@ class RolloutMixin:
     rollout: RolloutBackend
     rank: int
     world_size: int
+    report_clocks = False  # a pool of its own: each call reports its replica's busy and wall time
+    _last_call_end: float | None = None
+
+    def _with_clocks(self, out: Batch, start: float) -> Batch:
+        """out, with this replica's seconds generating (busy_s) and since its previous call ended
+        (span_s) in its metrics: the driver's generation idle fraction (`async_rollout.ReplicaClocks`)."""
+        if self.report_clocks:
+            end = time.monotonic()
+            since = start if self._last_call_end is None else self._last_call_end
+            self._last_call_end = end
+            d = self.rollout.dp_index
+            out.meta["metrics"] = {**out.meta.get("metrics", {}), f"rollout/replica{d}/busy_s": end - start, f"rollout/replica{d}/span_s": end - since}
+        return out
 
     def dispatch_layout(self, layout: str | None) -> tuple[int, int, bool]:
         """Generation splits prompts over gen_dp replicas; the gen_tp ranks of one replica share them."""
@@ -36,16 +51,18 @@ class RolloutMixin:
         """prompts: input_ids/attention_mask [b, P] left-padded. Returns responses, masks and
         rollout log-probs (`rollout.base.rollout_batch`). release_after frees the generation
         memory once done (the next weight sync re-acquires it)."""
+        start = time.monotonic()
         out = self.rollout.generate(prompts, params)
         if release_after:  # generation -> training: frees buffers, moves nothing
             self.rollout.sleep()
-        return out
+        return self._with_clocks(out, start)
 
     @register(Dispatch.DP_COMPUTE, layout="rollout")
     def generate_requests(self, data: Batch) -> Batch:
         """Request-level generation (the agent loop's entry point): data holds one `Request` per
         row in its "request" column; returns the `Completion`s in a "completion" column."""
-        return Batch.from_dict(non_tensors={"completion": self.rollout.generate_requests(list(data["request"]))})
+        start = time.monotonic()
+        return self._with_clocks(Batch.from_dict(non_tensors={"completion": self.rollout.generate_requests(list(data["request"]))}), start)
 
     @register(Dispatch.ONE_TO_ALL)
     def sleep_rollout(self) -> None:
@@ -56,6 +73,8 @@ class RolloutMixin:
 class RolloutWorker(RolloutMixin, Worker):
     """A generation-only pool (trainer.async_rollout): the HF backend whose weight source is a
     `PoolReceiver`; the actor's pool publishes its shards after every update."""
+
+    report_clocks = True
 
     def __init__(self, spec: RolloutSpec):
         """spec: the rollout's (`run_plan.resolve(cfg).rollout`)."""
