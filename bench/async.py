@@ -8,11 +8,16 @@ same number of steps (the same samples) in each mode:
     sync        the colocated rollout on the actor's 2 workers (generate, then train)
     async k=1   a rollout pool of its own (1 worker) generating one batch ahead
     async k=2   ... up to two batches ahead (trajectories of two batches in flight while training)
+    k=2 partial ... with partial rollout (async_training.partial_rollout: requests in 32-token
+                segments, so a weight sync reaches a running turn at the next boundary)
 
 Columns: seconds per step (steps 2..N, the first one starts the pipeline), the trainer's wait for
 its batch per step (async: timing_s/gen_wait; sync: the generation stage, during which it cannot
-train), the largest staleness trained on, and the held-out accuracy after the last step (greedy,
-the recipe's metric). On this 2-core machine the pools share the same 2 cores, so generation and
+train), the trainer's idle fraction (that wait over the step) and the generation replicas' idle
+fraction (async: rollout/gen_idle_fraction, the share of the pool's wall time between its calls
+not spent generating; sync: the update's share of the step, when the colocated rollout cannot
+generate), the largest staleness trained on, the responses sampled by more than one version, and
+the held-out accuracy after the last step (greedy, the recipe's metric). On this 2-core machine the pools share the same 2 cores, so generation and
 training compete for them: what async can win here is the tools' waiting time.
 
 Run:  .venv/bin/python bench/async.py [--steps 10] [--json PATH]
@@ -32,7 +37,8 @@ sys.path.insert(0, ROOT)
 
 ASYNC = ["trainer.async_rollout=true", "resource_pool.pools.actor_pool.workers_per_node=2", "resource_pool.pools.rollout_pool.workers_per_node=1",
          "resource_pool.mapping.actor_rollout=actor_pool", "resource_pool.mapping.rollout=rollout_pool"]
-MODES = [("sync", []), ("async k=1", ASYNC + ["async_training.max_staleness=1"]), ("async k=2", ASYNC + ["async_training.max_staleness=2"])]
+MODES = [("sync", []), ("async k=1", ASYNC + ["async_training.max_staleness=1"]), ("async k=2", ASYNC + ["async_training.max_staleness=2"]),
+         ("async k=2 + partial", ASYNC + ["async_training.max_staleness=2", "async_training.partial_rollout=true"])]
 
 
 def slow_tool_config(recipe_config: str, out: str) -> str:
@@ -61,10 +67,16 @@ def run_mode(name: str, extra: list[str], files: dict, tools: str, out: str, ste
     finally:
         trainer.shutdown()
     later = history[1:] or history
+
+    def mean(f) -> float:
+        return sum(f(h) for h in later) / len(later)
+
     wait_key = "timing_s/gen_wait" if extra else "timing_s/gen"
-    return {"mode": name, "s_per_step": sum(h["timing_s/step"] for h in later) / len(later),
-            "wait_per_step": sum(h.get(wait_key, 0.0) for h in later) / len(later),
+    gen_idle = (lambda h: h.get("rollout/gen_idle_fraction", 0.0)) if extra else (lambda h: 1.0 - h["timing_s/gen"] / h["timing_s/step"])
+    return {"mode": name, "s_per_step": mean(lambda h: h["timing_s/step"]), "wait_per_step": mean(lambda h: h.get(wait_key, 0.0)),
+            "trainer_idle": mean(lambda h: h.get(wait_key, 0.0) / h["timing_s/step"]), "gen_idle": mean(gen_idle),
             "max_staleness": max(h.get("rollout/staleness_max", 0.0) for h in history),
+            "mixed_rows": sum(h.get("rollout/mixed_version_rows", 0.0) for h in history),
             "val_acc": history[-1].get(val_key("tool")), "wall_s": time.time() - start}
 
 
@@ -84,12 +96,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
             print(f"[bench] {rows[-1]}", flush=True)
     base = rows[0]["s_per_step"]
     print(f"\n{args.steps} GRPO steps of the tool recipe with a heavy-tailed calculator (8 prompts x 8 trajectories)\n")
-    print("| mode | s / step | trainer wait / step | vs sync | max staleness | held-out acc | wall s |")
-    print("|---|---|---|---|---|---|---|")
+    print("| mode | s / step | trainer wait / step | vs sync | trainer idle | generation idle | max staleness | mixed-version rows | held-out acc | wall s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         acc = "-" if r["val_acc"] is None else f"{r['val_acc']:.2f}"
-        print(f"| {r['mode']} | {r['s_per_step']:.2f} | {r['wait_per_step']:.2f} | {base / r['s_per_step']:.2f}x | {r['max_staleness']:.0f} | "
-              f"{acc} | {r['wall_s']:.0f} |")
+        print(f"| {r['mode']} | {r['s_per_step']:.2f} | {r['wait_per_step']:.2f} | {base / r['s_per_step']:.2f}x | {r['trainer_idle']:.2f} | "
+              f"{r['gen_idle']:.2f} | {r['max_staleness']:.0f} | {r['mixed_rows']:.0f} | {acc} | {r['wall_s']:.0f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

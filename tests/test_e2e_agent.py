@@ -85,19 +85,29 @@ def test_recipe_fixture_is_what_the_recipe_trains(ray_cluster, tmp_path, recipe)
 
 
 @pytest.mark.timeout(900)
-def test_guess_recipe_learns_to_bisect(ray_cluster, tmp_path):
+def test_guess_recipe_learns_to_bisect_with_async_partial_rollout(ray_cluster, tmp_path):
     """`hybridflow demo --recipe guess`, short: from the committed warm start (the recipe's 300-step
     SFT on games that mostly count up from 1, tests/fixtures/recipes/guess), 10 GRPO steps instead of
-    40 against the turn penalty, at the recipe's lr 2e-4. Measured: held-out turns per solved game
-    5.5 -> 2.9, score 0.55 -> 0.81 at step 10 (bisection's score; docs/agents.md)."""
+    40 against the turn penalty, at the recipe's lr 2e-4. Run with the async keys: a rollout pool of
+    its own one batch ahead (max_staleness=1) with partial rollout (every request in 32-token
+    segments on a driver thread). The synchronous recipe's bar, which it meets (docs/agents.md):
+    measured sync 0.55 -> 0.81 held-out score and 5.5 -> 2.9 turns per solved game at step 10, and
+    with these keys 0.55 -> 0.73 and 5.5 -> 2.9 (two runs, the same numbers, ~50 s each)."""
     import json
 
     from hybridflow.cli import main as cli_main
 
     out = tmp_path / "guess"
+    async_partial = ["trainer.async_rollout=true", "async_training.max_staleness=1", "async_training.partial_rollout=true",
+                     "resource_pool.pools.actor_pool.workers_per_node=2", "resource_pool.pools.rollout_pool.workers_per_node=1",
+                     "resource_pool.mapping.actor_rollout=actor_pool", "resource_pool.mapping.rollout=rollout_pool", "trainer.logger=[jsonl]"]
     assert cli_main(["demo", "--recipe", "guess", "--output-dir", str(out), "--sft-model", str(FIXTURES / "guess"),
-                     "--rl-steps", "10", "trainer.progress_bar=false"]) == 0
+                     "--rl-steps", "10", "trainer.progress_bar=false", *async_partial]) == 0
     s = json.loads((out / "summary.json").read_text())
+    steps = [json.loads(line) for line in (out / "guess_grpo" / "metrics.jsonl").read_text().splitlines()]
+    trained = [h for h in steps if "rollout/staleness_max" in h]
+    assert len(trained) == 10 and max(h["rollout/staleness_max"] for h in trained) == 1.0  # one batch ahead, never staler
+    assert all(0.0 <= h.get("rollout/gen_idle_fraction", 0.0) <= 1.0 for h in trained)
     assert s["val_turns_per_solved_after_sft"] >= 5.0  # counting up: (1 + ... + 10) / 10 turns
     assert s["val_turns_per_solved_final"] <= s["val_turns_per_solved_after_sft"] - 1.5
     assert s["val_acc_final"] >= s["val_acc_after_sft"] + 0.1
