@@ -258,6 +258,9 @@ def _async_problems(p: Problems, cfg: HybridFlowConfig) -> None:
         p.append(f"async_training.max_staleness={k} applies to trainer.async_rollout=true (a rollout pool generating ahead of "
                  f"training, resource_pool.mapping.rollout on a pool of its own); the colocated rollout always generates with the "
                  f"latest weights: remove it or set trainer.async_rollout=true")
+    if not (isinstance(a.max_replica_restarts, int) and not isinstance(a.max_replica_restarts, bool) and a.max_replica_restarts >= 0):
+        p.append(f"async_training.max_replica_restarts must be an integer >= 0 (restarts of one rollout replica before the run "
+                 f"stops; 0 = never restart), got {a.max_replica_restarts!r}")
     chunk, budget = a.partial_rollout_chunk, cfg.data.max_response_length
     if a.partial_rollout and not t.async_rollout:
         p.append("async_training.partial_rollout=true pauses running requests for the weight updates that reach a rollout pool "

@@ -137,6 +137,7 @@ class RayWorkerGroup:
         self.worker_cls = worker_cls
         remote_cls = ray.remote(worker_cls)
         self.workers = []
+        self._start = (remote_cls, init_kwargs, [])  # what `replace_worker` starts again: the class, its kwargs, each rank's options
         for rank, (pg, bundle_index, local_rank) in enumerate(pool.slots()):
             worker_env = {**base_env, **(env or {}), "RANK": str(rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(local_rank)}
             options = {
@@ -146,6 +147,7 @@ class RayWorkerGroup:
                 "runtime_env": {"env_vars": worker_env},
                 "name": f"{name}_{rank}",
             }
+            self._start[2].append(options)
             self.workers.append(remote_cls.options(**options).remote(**init_kwargs))
         # Rendezvous: rank 0 names an address and a free port; everyone gets it before init.
         node_ip = ray.get(self.workers[0]._group_node_ip.remote())
@@ -179,18 +181,30 @@ class RayWorkerGroup:
     def pids(self) -> list[int]:
         return ray.get([w._group_pid.remote() for w in self.workers])
 
+    def replace_worker(self, rank: int, incarnation: int) -> None:
+        """Kill rank `rank`'s actor and start a new one in its slot (same placement bundle, class,
+        arguments and environment; named `<name>_<rank>_<incarnation>`). It joins no process group:
+        only workers that need none (a generation replica of one process) can be replaced."""
+        remote_cls, init_kwargs, options = self._start
+        ray.kill(self.workers[rank], no_restart=True)
+        self.workers[rank] = remote_cls.options(**{**options[rank], "name": f"{options[rank]['name']}_{incarnation}"}).remote(**init_kwargs)
+
     def shutdown(self) -> None:
         for w in self.workers:
             ray.kill(w)
         self.workers = []
 
 
-class WorkerDiedError(RuntimeError):
-    """A worker process of a group died (killed, out of memory, crashed) during a call."""
-
-
 class WorkerCallError(RuntimeError):
     """A worker raised during a call (e.g. a collective that timed out: trainer.collective_timeout_s)."""
+
+    def __init__(self, message: str, ranks: tuple[int, ...] = ()):
+        super().__init__(message)
+        self.ranks = ranks  # the ranks that died or did not finish (empty: a worker raised)
+
+
+class WorkerDiedError(WorkerCallError):
+    """A worker process of a group died (killed, out of memory, crashed) during a call."""
 
 
 class WorkerTimeoutError(WorkerCallError):
@@ -236,9 +250,10 @@ class Pending:
                     raise WorkerTimeoutError(
                         f"{waiting_for or self.method}: the {self.role} worker rank(s) {ranks} (pool {self.pool!r}) did not finish "
                         f"{self.method} within {timeout_s} s ({key or 'the deadline'}; submitted {time.monotonic() - self.submitted:.0f} s "
-                        f"ago): a hung or too slow worker; raise the limit for longer calls; {RESUME_HINT}")
-                raise WorkerCallError(f"the {self.role} worker rank(s) {ranks} (pool {self.pool!r}) did not finish {self.method} within "
-                                      f"{self.straggler_timeout_s} s of the other ranks (trainer.collective_timeout_s): a hung worker; {RESUME_HINT}")
+                        f"ago): a hung or too slow worker; raise the limit for longer calls; {RESUME_HINT}", tuple(ranks))
+                raise WorkerTimeoutError(f"the {self.role} worker rank(s) {ranks} (pool {self.pool!r}) did not finish {self.method} within "
+                                         f"{self.straggler_timeout_s} s of the other ranks (trainer.collective_timeout_s): a hung worker; {RESUME_HINT}",
+                                         tuple(ranks))
             for ref in ready:
                 done[ref] = self._get(ref)
             if straggler_deadline is None and self.straggler_timeout_s is not None:
@@ -252,7 +267,7 @@ class Pending:
             return ray.get(ref)
         except ray.exceptions.RayActorError as e:
             cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise WorkerDiedError(f"{where} died: {cause}; {RESUME_HINT}") from None
+            raise WorkerDiedError(f"{where} died: {cause}; {RESUME_HINT}", (rank,)) from None
         except ray.exceptions.RayTaskError as e:
             cause = e.cause if getattr(e, "cause", None) is not None else e
             lines = [line for line in str(cause).strip().splitlines() if line.strip()]

@@ -52,17 +52,20 @@ from hybridflow.protocol import Batch, Completion, Request, SamplingParams
 from hybridflow.rollout.base import generate_batch
 from hybridflow.rollout.partial import generate_in_segments
 from hybridflow.trainer.keys import PROMPT_KEYS
+from hybridflow.trainer.replicas import ReplicaRestarted
 from hybridflow.trainer.weight_sync import REQUEST_TIMEOUT_KEY
 
 
 
 @dataclass
 class _InFlight:
-    """One batch's generation on the rollout pool: its step, prompts, the pool call, the policy
-    version of the weights it samples with, and the loader's position before its prompts."""
+    """One batch's generation on the rollout pool: its step, prompts and sampling parameters, the
+    pool call, the policy version of the weights it samples with, and the loader's position before
+    its prompts."""
 
     step: int
     prompts: Batch
+    params: SamplingParams
     pending: Any
     version: int
     loader_state: Any
@@ -92,6 +95,7 @@ class AsyncRollout:
         self.next_step = 1  # the step whose batch is submitted next
         self.version = 0  # weight syncs submitted to the pool: the version of the next batch submitted
         self.submitted = 0  # batches submitted so far
+        self.resubmitted = 0  # generation calls submitted again after a replica restart (their first results unused)
         self.clocks = ReplicaClocks()  # the generation replicas' busy time since the last step
         self.last_take = time.perf_counter()
 
@@ -116,7 +120,7 @@ class AsyncRollout:
                     pending = _ThreadCall(self.threads.submit(generate_batch, _VersionedPool(self), prompts.select(PROMPT_KEYS), params, self.pad_id))
                 else:
                     pending = self.rollout.submit("generate_sequences", prompts.select(PROMPT_KEYS), params)
-                self.queue.append(_InFlight(self.next_step, prompts, pending, self.version, state))
+                self.queue.append(_InFlight(self.next_step, prompts, params, pending, self.version, state))
             self.next_step += 1
             self.submitted += 1
 
@@ -130,7 +134,14 @@ class AsyncRollout:
         if item.step != step:
             raise RuntimeError(f"async rollout: the oldest queued batch is step {item.step}'s, step {step} asked for it")
         wait_start = time.perf_counter()
-        out = item.pending.result(self.timeout_s, f"step {step}'s batch (sampled with policy version {item.version})", REQUEST_TIMEOUT_KEY)
+        while True:
+            try:
+                out = item.pending.result(self.timeout_s, f"step {step}'s batch (sampled with policy version {item.version})", REQUEST_TIMEOUT_KEY)
+                break
+            except ReplicaRestarted:  # one pool call (single-turn): generate the whole batch again, with the weights held now
+                with self.lock:
+                    item.version, self.resubmitted = self.version, self.resubmitted + 1
+                    item.pending = self.rollout.submit("generate_sequences", item.prompts.select(PROMPT_KEYS), item.params)
         batch = item.prompts
         for key in out.keys():
             batch[key] = out[key]
@@ -139,7 +150,9 @@ class AsyncRollout:
         with self.lock:  # the threads' calls add to the clocks
             gen_metrics = self.clocks.take(out.meta.pop("metrics", {}))
         metrics = {"timing_s/gen_wait": wait, "rollout/trainer_idle_fraction": wait / max(now - self.last_take, 1e-9),
-                   "rollout/buffer_depth": float(len(self.queue)), **gen_metrics}
+                   "rollout/buffer_depth": float(len(self.queue)), "rollout/resubmitted_calls": float(self.resubmitted), **gen_metrics}
+        if hasattr(self.rollout, "metrics"):  # a ReplicaSet: its restarts so far
+            metrics.update(self.rollout.metrics())
         self.last_take = now
         batch.meta.update(out.meta, policy_version=item.version)
         mask = batch["response_mask"]
@@ -203,11 +216,19 @@ class _VersionedPool:
         self.owner = owner
 
     def call(self, requests: list[Request]) -> tuple[list[Completion], int]:
+        """One pool call, submitted again (with the version held then) if a replica restarts during it."""
         o = self.owner
-        with o.lock:
-            version = o.version
-            pending = o.rollout.submit("generate_requests", Batch.from_dict(non_tensors={"request": requests}))
-        out = pending.result(o.timeout_s, f"{len(requests)} generation requests (policy version {version})", REQUEST_TIMEOUT_KEY)
+        data = Batch.from_dict(non_tensors={"request": requests})
+        while True:
+            with o.lock:
+                version = o.version
+                pending = o.rollout.submit("generate_requests", data)
+            try:
+                out = pending.result(o.timeout_s, f"{len(requests)} generation requests (policy version {version})", REQUEST_TIMEOUT_KEY)
+                break
+            except ReplicaRestarted:
+                with o.lock:
+                    o.resubmitted += 1
         with o.lock:
             o.clocks.add(out.meta.get("metrics", {}))
         return list(out["completion"]), version

@@ -49,6 +49,7 @@ from hybridflow.run_plan import resolve
 from hybridflow.trainer import checkpoints, driver_stages, validation
 from hybridflow.trainer.agent_rollout import AgentRollout
 from hybridflow.trainer.async_rollout import AsyncRollout
+from hybridflow.trainer.replicas import ReplicaSet
 from hybridflow.trainer.dataflow import DataFlow, Stage
 from hybridflow.trainer.keys import GEN_OUTPUTS, PROMPT_KEYS, REWARD_KEYS, SAMPLE_INFO_KEYS, TRAIN_KEYS, with_sample_info
 from hybridflow.trainer.loader import PromptLoader
@@ -189,6 +190,10 @@ class RLTrainer:
         self.actor = views["actor"]
         self.ref = views.get("ref", self.actor) if roles.ref_log_prob else None
         self.rollout = views["rollout"] if roles.async_rollout else self.actor
+        gen = self.run_plan.rollout.rollout
+        if roles.async_rollout and gen.tensor_model_parallel_size == 1:  # replicas of one process: restarted when they fail
+            self.rollout = ReplicaSet(self.groups[self.pool_of(Role.ROLLOUT)], "rollout", cfg.async_training.max_replica_restarts,
+                                      gen.request_timeout_s)
         self.critic = views.get("critic")
         self.rm = views.get("reward_model")
         self.teacher = views.get("teacher")
@@ -199,9 +204,9 @@ class RLTrainer:
         self.weight_sync = WeightSync(self.run_plan.actor, cfg.trainer, self.actor, self.plan_summary, self.rollout,
                                       (self.pool_of(Role.ACTOR_ROLLOUT), roles.pools.get(Role.ROLLOUT, "")))
         if roles.async_rollout:
-            at = cfg.async_training
+            at, timeout_s = cfg.async_training, self.run_plan.rollout.rollout.request_timeout_s
             self.async_gen = AsyncRollout(self.rollout, self.weight_sync, self._prepare_batch, lambda step: self._sampling(step=step), self.total_steps,
-                                          at.max_staleness, self.run_plan.rollout.rollout.request_timeout_s, self.loader.state_dict,
+                                          at.max_staleness, timeout_s, self.loader.state_dict,
                                           self.agent, at.partial_rollout_chunk if at.partial_rollout else None, self.tokenizer.pad_token_id)
 
     @property

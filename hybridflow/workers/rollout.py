@@ -84,7 +84,8 @@ class RolloutWorker(RolloutMixin, Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
-        self.init_process_group(self.device, self.spec.process.collective_timeout_s)
+        if self.spec.rollout.tensor_model_parallel_size > 1:  # a replica of gen_tp processes shares its layers over a group;
+            self.init_process_group(self.device, self.spec.process.collective_timeout_s)  # one of one process needs none (replaceable)
         mcfg = self.spec.model
         self.tokenizer = AutoTokenizer.from_pretrained(mcfg.tokenizer_source())
         name = self.spec.name

@@ -1,0 +1,167 @@
+"""Rollout replicas that survive faults: real Ray actors (2 replicas of a generation worker that
+reports which weights it holds), SIGKILLed or hung mid-run under the async scheduler. The oracle is
+the replicas' own record (each generated token is the weight version the replica held), never the
+scheduler's bookkeeping: every batch is trained once, in order, no token is staler than k, and
+each token's recorded version is the one its replica held, before and after the restart."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+
+import pytest
+import torch
+
+from hybridflow.controller.decorator import Dispatch, register
+from hybridflow.controller.worker import Worker
+from hybridflow.controller.worker_group import ColocatedWorkerGroup, ResourcePool, WorkerCallError
+from hybridflow.protocol import Batch, Completion, SamplingParams
+from hybridflow.trainer.async_rollout import AsyncRollout
+from hybridflow.trainer.keys import GEN_OUTPUTS
+from hybridflow.trainer.replicas import ReplicaSet
+
+pytestmark = pytest.mark.usefixtures("ray_cluster")
+
+
+class VersionReplica(Worker):
+    """A generation replica: holds the weight version it last received; every token it generates
+    is that version. A call sleeps a little (a long tail); if `hang_file` exists when a call
+    starts, the call deletes it and sleeps forever (a replica that stopped making progress)."""
+
+    def __init__(self, hang_file: str = ""):
+        super().__init__()
+        self.held, self.hang_file, self.rng = -1, hang_file, random.Random(self.rank)
+
+    def dispatch_layout(self, layout):
+        return self.rank, self.world_size, True
+
+    @register(Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        self.held = -1  # no weights until a sync
+
+    @register(Dispatch.ONE_TO_ALL)
+    def receive_weights(self, version: int, check: bool = False) -> dict:
+        self.held = version
+        return {"bytes_received": 1.0}
+
+    def _nap(self) -> None:
+        if self.hang_file and os.path.exists(self.hang_file):
+            os.remove(self.hang_file)
+            time.sleep(3600)
+        time.sleep(min(0.01 * self.rng.paretovariate(1.5), 0.1))
+
+    @register(Dispatch.DP_COMPUTE)
+    def generate_requests(self, data: Batch) -> Batch:
+        self._nap()
+        return Batch.from_dict(non_tensors={"completion": [
+            Completion((self.held,) * r.params.max_new_tokens, (0.0,) * r.params.max_new_tokens, "length") for r in data["request"]]})
+
+    @register(Dispatch.DP_COMPUTE)
+    def generate_sequences(self, prompts: Batch, params: SamplingParams) -> Batch:
+        self._nap()
+        b = len(prompts)
+        out = {k: torch.zeros(b, 3, dtype=torch.long) for k in GEN_OUTPUTS}
+        out["response_mask"] = torch.ones(b, 3, dtype=torch.long)
+        out["responses"] = torch.full((b, 3), self.held)
+        return Batch.from_dict(tensors=out)
+
+
+class _Sync:
+    def __init__(self, pending):
+        self.pending, self.publish_s = pending, 0.0
+
+    def finish(self, timeout_s=None):
+        self.pending.result(timeout_s)
+        return {}
+
+
+class VersionSync:
+    def __init__(self, replicas: ReplicaSet):
+        self.replicas, self.version = replicas, 0
+
+    def start_rollout_sync(self) -> _Sync:
+        return _Sync(self.replicas.submit("receive_weights", self.version))
+
+
+def _replicas(name: str, max_restarts: int, timeout_s: float, hang_file: str = ""):
+    pool = ResourcePool(1, 2, 0.25, name=f"replicas_{name}")
+    group = ColocatedWorkerGroup(pool, {"rollout": (VersionReplica, {"hang_file": hang_file})}, name=f"replicas_{name}_{os.getpid()}")
+    group.role("rollout").init_model()
+    return pool, group, ReplicaSet(group, "rollout", max_restarts, timeout_s)
+
+
+def _run(replicas: ReplicaSet, k: int, steps: int, partial: bool, fault=lambda step: None) -> list[dict]:
+    sync = VersionSync(replicas)
+    replicas.submit("receive_weights", 0).result()
+    drawn = []
+
+    def prompts() -> Batch:
+        drawn.append(len(drawn))
+        return Batch.from_dict(tensors={"input_ids": torch.ones(4, 2, dtype=torch.long), "attention_mask": torch.ones(4, 2, dtype=torch.long),
+                                        "position_ids": torch.zeros(4, 2, dtype=torch.long)}, non_tensors={"uid": [f"b{len(drawn) - 1}"] * 4})
+
+    gen = AsyncRollout(replicas, sync, prompts, lambda step: SamplingParams(max_new_tokens=6, seed=step), steps, max_staleness=k,
+                       timeout_s=replicas.timeout_s, partial_chunk=2 if partial else None)
+    history = []
+    for step in range(1, steps + 1):
+        fault(step)
+        batch, m = gen.take(step)
+        versions = batch["rollout_policy_version"]
+        assert torch.equal(versions, batch["responses"])  # every token's record is the version its replica held
+        assert int(versions.min()) >= step - 1 - k and int(versions.max()) <= step - 1 and m["rollout/staleness_max"] <= k
+        history.append({"uid": batch.non_tensors["uid"][0], **m})
+        sync.version = step
+        gen.sync_weights(step)
+    gen.drain()
+    assert [h["uid"] for h in history] == [f"b{i}" for i in range(steps)] and len(drawn) == steps  # each batch trained once, in order
+    return history
+
+
+@pytest.mark.parametrize("partial", [True, False])
+def test_a_replica_killed_mid_run_is_restarted_and_its_calls_run_again(partial):
+    pool, group, replicas = _replicas(f"kill{int(partial)}", max_restarts=2, timeout_s=60.0)
+    try:
+        def kill(step):
+            if step == 3:
+                os.kill(group.pids()[1], signal.SIGKILL)
+
+        history = _run(replicas, k=2, steps=8, partial=partial, fault=kill)
+        assert history[-1]["rollout/replica_restarts"] == 1.0 and replicas.incarnation == [0, 1]
+        assert history[-1]["rollout/resubmitted_calls"] >= 1.0
+    finally:
+        group.shutdown()
+        pool.release()
+
+
+def test_a_hung_replica_is_named_within_its_deadline_and_replaced(tmp_path):
+    hang = tmp_path / "hang"
+    pool, group, replicas = _replicas("hang", max_restarts=1, timeout_s=3.0, hang_file=str(hang))
+    try:
+        def hang_at_3(step):
+            if step == 3:
+                hang.write_text("once")
+
+        start = time.time()
+        history = _run(replicas, k=1, steps=6, partial=True, fault=hang_at_3)
+        assert time.time() - start < 60
+        assert history[-1]["rollout/replica_restarts"] == 1.0
+    finally:
+        group.shutdown()
+        pool.release()
+
+
+def test_a_replica_past_its_restarts_stops_the_run_naming_it():
+    pool, group, replicas = _replicas("limit", max_restarts=0, timeout_s=60.0)
+    try:
+        def kill(step):
+            if step == 2:
+                os.kill(group.pids()[0], signal.SIGKILL)
+
+        with pytest.raises(WorkerCallError, match=r"rollout replica 0 \(pool 'replicas_limit'\) failed after 0 restart\(s\), the most "
+                                                  r"async_training.max_replica_restarts allows: .*rank 0 .* died"):
+            _run(replicas, k=1, steps=4, partial=False, fault=kill)
+    finally:
+        group.shutdown()
+        pool.release()
