@@ -98,10 +98,13 @@ class SamplingParams:
 @dataclass(frozen=True)
 class Request:
     """One generation request: the prompt's token ids (no padding) and its own sampling settings
-    (max new tokens, stop strings and stop token ids included)."""
+    (max new tokens, stop strings and stop token ids included). session: the conversation it
+    continues (a multi-turn trajectory, a paused response): replicas route a session's requests to
+    the replica that served it before, where its prefix may be cached."""
 
     prompt_ids: tuple[int, ...]
     params: SamplingParams
+    session: Optional[str] = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))

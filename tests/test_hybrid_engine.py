@@ -396,8 +396,9 @@ def _memory_worker(rank: int, world: int, port: int, path: str, out: str) -> Non
         assert engine.max_abs_diff() == 0.0
         peaks[run] = stats["peak_extra_bytes"]
     json.dump({"peaks": peaks, "model": model_bytes, "layer": layer_bytes, "two_slots": two_slots}, open(f"{out}.{rank}", "w"))
-    # the measurement sees the generation buffers it re-allocated and wrote
-    assert peaks["cold"] >= model_bytes and peaks["warm"] >= model_bytes, (peaks, model_bytes)
+    # the measurement sees the generation buffers it re-allocated and wrote (up to what the process
+    # freed meanwhile: a CI run on shared cores saw the warm peak 0.1 MB under the model's bytes)
+    assert peaks["cold"] >= model_bytes - slack // 2 and peaks["warm"] >= model_bytes - slack // 2, (peaks, model_bytes)
     # optimized: at most the generation slices plus two layers' staging
     assert peaks["cold"] <= model_bytes + two_slots + slack, (peaks, model_bytes, two_slots)
     # warm: the staging slots are resident, so a switch adds nothing but the generation slices

@@ -12,6 +12,7 @@ import signal
 import time
 
 import pytest
+import ray
 import torch
 
 from hybridflow.controller.decorator import Dispatch, register
@@ -32,7 +33,7 @@ class VersionReplica(Worker):
 
     def __init__(self, hang_file: str = ""):
         super().__init__()
-        self.held, self.hang_file, self.rng = -1, hang_file, random.Random(self.rank)
+        self.held, self.hang_file, self.rng, self.slowdown = -1, hang_file, random.Random(self.rank), 1.0
 
     def dispatch_layout(self, layout):
         return self.rank, self.world_size, True
@@ -40,6 +41,10 @@ class VersionReplica(Worker):
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
         self.held = -1  # no weights until a sync
+
+    @register(Dispatch.ONE_TO_ALL)
+    def slow_down(self, rank: int, factor: float) -> None:
+        self.slowdown = factor if self.rank == rank else 1.0
 
     @register(Dispatch.ONE_TO_ALL)
     def receive_weights(self, version: int, check: bool = False) -> dict:
@@ -50,13 +55,13 @@ class VersionReplica(Worker):
         if self.hang_file and os.path.exists(self.hang_file):
             os.remove(self.hang_file)
             time.sleep(3600)
-        time.sleep(min(0.01 * self.rng.paretovariate(1.5), 0.1))
+        time.sleep(self.slowdown * min(0.01 * self.rng.paretovariate(1.5), 0.1))
 
     @register(Dispatch.DP_COMPUTE)
     def generate_requests(self, data: Batch) -> Batch:
         self._nap()
-        return Batch.from_dict(non_tensors={"completion": [
-            Completion((self.held,) * r.params.max_new_tokens, (0.0,) * r.params.max_new_tokens, "length") for r in data["request"]]})
+        n = [r.params.max_new_tokens for r in data["request"]]  # tokens: the weights held; log-probs: which replica served it
+        return Batch.from_dict(non_tensors={"completion": [Completion((self.held,) * k, (float(self.rank),) * k, "length") for k in n]})
 
     @register(Dispatch.DP_COMPUTE)
     def generate_sequences(self, prompts: Batch, params: SamplingParams) -> Batch:
@@ -85,11 +90,17 @@ class VersionSync:
         return _Sync(self.replicas.submit("receive_weights", self.version))
 
 
-def _replicas(name: str, max_restarts: int, timeout_s: float, hang_file: str = ""):
-    pool = ResourcePool(1, 2, 0.25, name=f"replicas_{name}")
-    group = ColocatedWorkerGroup(pool, {"rollout": (VersionReplica, {"hang_file": hang_file})}, name=f"replicas_{name}_{os.getpid()}")
+@pytest.fixture(scope="module")
+def pool_group(tmp_path_factory):
+    """One rollout pool of 2 VersionReplica workers for the module's tests (each test wraps it in a
+    ReplicaSet of its own); its hang file."""
+    hang = tmp_path_factory.mktemp("replicas") / "hang"
+    pool = ResourcePool(1, 2, 0.25, name="replicas")
+    group = ColocatedWorkerGroup(pool, {"rollout": (VersionReplica, {"hang_file": str(hang)})}, name=f"replicas_{os.getpid()}")
     group.role("rollout").init_model()
-    return pool, group, ReplicaSet(group, "rollout", max_restarts, timeout_s)
+    yield group, hang
+    group.shutdown()
+    pool.release()
 
 
 def _run(replicas: ReplicaSet, k: int, steps: int, partial: bool, fault=lambda step: None) -> list[dict]:
@@ -120,48 +131,88 @@ def _run(replicas: ReplicaSet, k: int, steps: int, partial: bool, fault=lambda s
 
 
 @pytest.mark.parametrize("partial", [True, False])
-def test_a_replica_killed_mid_run_is_restarted_and_its_calls_run_again(partial):
-    pool, group, replicas = _replicas(f"kill{int(partial)}", max_restarts=2, timeout_s=60.0)
-    try:
-        def kill(step):
-            if step == 3:
-                os.kill(group.pids()[1], signal.SIGKILL)
+def test_a_replica_killed_mid_run_is_restarted_and_its_calls_run_again(pool_group, partial):
+    group, _ = pool_group
+    replicas = ReplicaSet(group, "rollout", max_restarts=2, timeout_s=60.0)
 
-        history = _run(replicas, k=2, steps=8, partial=partial, fault=kill)
-        assert history[-1]["rollout/replica_restarts"] == 1.0 and replicas.incarnation == [0, 1]
-        assert history[-1]["rollout/resubmitted_calls"] >= 1.0
+    def kill(step):
+        if step == 3:
+            os.kill(group.pids()[1], signal.SIGKILL)
+
+    history = _run(replicas, k=2, steps=8, partial=partial, fault=kill)
+    assert history[-1]["rollout/replica_restarts"] == 1.0 and replicas.incarnation == [0, 1]
+    assert history[-1]["rollout/resubmitted_calls"] >= 1.0
+
+
+def test_a_hung_replica_is_named_within_its_deadline_and_replaced(pool_group, caplog):
+    group, hang = pool_group
+    replicas = ReplicaSet(group, "rollout", max_restarts=3, timeout_s=8.0)
+
+    def hang_at_3(step):
+        if step == 3:
+            hang.write_text("once")
+
+    start = time.time()
+    history = _run(replicas, k=1, steps=6, partial=True, fault=hang_at_3)
+    assert time.time() - start < 90
+    assert history[-1]["rollout/replica_restarts"] >= 1.0
+    assert "did not finish generate_requests within 8.0 s" in caplog.text and "restarting it" in caplog.text
+
+
+def test_requests_go_to_the_least_loaded_replica_and_a_session_stays_on_its_replica(pool_group):
+    """Replica 1 is 20x slower. Four threads each send 6 calls of 4 requests: two of a thread's
+    requests belong to sessions (the same two in each call, as a trajectory's turns), two belong to
+    none. Every session is served by one replica throughout, and the requests without a session go
+    mostly to the fast replica (the slow one keeps more in flight)."""
+    import threading
+
+    from hybridflow.protocol import Request
+
+    group, _ = pool_group
+    replicas = ReplicaSet(group, "rollout", max_restarts=0, timeout_s=60.0)
+    served: dict[str, set] = {}
+    free = [0, 0]
+    lock = threading.Lock()
+
+    def client(t: int) -> None:
+        for call in range(6):
+            reqs = [Request((1,), SamplingParams(max_new_tokens=2), session=f"t{t}-s{j}") for j in range(2)]
+            reqs += [Request((1,), SamplingParams(max_new_tokens=2)) for _ in range(2)]
+            out = replicas.submit("generate_requests", Batch.from_dict(non_tensors={"request": reqs})).result(60)
+            with lock:
+                for r, c in zip(reqs, out["completion"]):
+                    if r.session is None:
+                        free[int(c.log_probs[0])] += 1
+                    else:
+                        served.setdefault(r.session, set()).add(int(c.log_probs[0]))
+
+    group.role("rollout").slow_down(1, 20.0)
+    try:
+        replicas.submit("receive_weights", 0).result()
+        threads = [threading.Thread(target=client, args=(t,)) for t in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(120)
     finally:
-        group.shutdown()
-        pool.release()
+        group.role("rollout").slow_down(-1, 1.0)
+    assert len(served) == 8 and all(len(s) == 1 for s in served.values()), served  # one replica per session
+    assert sum(free) == 48 and free[0] > free[1], free  # the fast replica served more of the rest
+    assert replicas.load() == [0, 0]
 
 
-def test_a_hung_replica_is_named_within_its_deadline_and_replaced(tmp_path):
-    hang = tmp_path / "hang"
-    pool, group, replicas = _replicas("hang", max_restarts=1, timeout_s=3.0, hang_file=str(hang))
+def test_a_replica_past_its_restarts_stops_the_run_naming_it(pool_group):
+    group, _ = pool_group
+    replicas = ReplicaSet(group, "rollout", max_restarts=0, timeout_s=60.0)
+
+    def kill(step):
+        if step == 2:
+            os.kill(group.pids()[0], signal.SIGKILL)
+
     try:
-        def hang_at_3(step):
-            if step == 3:
-                hang.write_text("once")
-
-        start = time.time()
-        history = _run(replicas, k=1, steps=6, partial=True, fault=hang_at_3)
-        assert time.time() - start < 60
-        assert history[-1]["rollout/replica_restarts"] == 1.0
-    finally:
-        group.shutdown()
-        pool.release()
-
-
-def test_a_replica_past_its_restarts_stops_the_run_naming_it():
-    pool, group, replicas = _replicas("limit", max_restarts=0, timeout_s=60.0)
-    try:
-        def kill(step):
-            if step == 2:
-                os.kill(group.pids()[0], signal.SIGKILL)
-
-        with pytest.raises(WorkerCallError, match=r"rollout replica 0 \(pool 'replicas_limit'\) failed after 0 restart\(s\), the most "
+        with pytest.raises(WorkerCallError, match=r"rollout replica 0 \(pool 'replicas'\) failed after 0 restart\(s\), the most "
                                                   r"async_training.max_replica_restarts allows: .*rank 0 .* died"):
             _run(replicas, k=1, steps=4, partial=False, fault=kill)
-    finally:
-        group.shutdown()
-        pool.release()
+    finally:  # the pool's other tests need replica 0 back
+        group.replace_worker(0)
+        ray.get(group.workers[0].rollout__init_model.remote())

@@ -260,3 +260,28 @@ def test_vllm_reports_behaviour_and_untruncated_log_probs(vllm_model_dir):
                 assert c.log_probs[t] == pytest.approx(_truncated_logprob(logits[t], tokid, 0.8, 8), abs=1e-3)
                 gaps.append(c.log_probs[t] - c.untruncated[t])
     assert max(gaps) > 1e-2  # the two meanings differ where the truncation cut mass
+
+
+def test_vllm_as_the_async_rollout_pool_with_partial_rollout(ray_cluster, vllm_model_dir, task_dir, varied_reward, tmp_path):
+    """vLLM as the generation-only rollout of async rollout: one engine in the rollout pool's worker,
+    the weights received from the actor's pool through the object store after every update, and
+    partial rollout (every response in 2-token segments: the second segment continues from the
+    first's tokens, vLLM's prefix cache holding them). At max_staleness=0 every token is sampled by
+    the weights the trainer holds, so every step compares vLLM's log-probs (both segments) with the
+    FSDP2 trainer's recomputation, in fp32, right after a cross-pool sync."""
+    cfg = load_config(None, rl_overrides(vllm_model_dir, task_dir, tmp_path, "actor_rollout_ref.rollout.name=vllm",
+                                         f"custom_reward_function.path={varied_reward}", "trainer.async_rollout=true",
+                                         "async_training.max_staleness=0", "async_training.partial_rollout=true",
+                                         "async_training.partial_rollout_chunk=2", "resource_pool.pools.actor_pool.workers_per_node=2",
+                                         "resource_pool.pools.rollout_pool.workers_per_node=1", "resource_pool.mapping.actor_rollout=actor_pool",
+                                         "resource_pool.mapping.rollout=rollout_pool"), schema=HybridFlowConfig)
+    trainer = RLTrainer(cfg)
+    try:
+        hist = [h for h in trainer.fit()["history"] if h["step"] > 0]
+    finally:
+        trainer.shutdown()
+    assert len(hist) == 3
+    for h in hist:
+        assert h["rollout/staleness_max"] == 0.0
+        assert h["rollout/logprob_diff_max"] < 1e-3, h  # vLLM on its own pool vs the FSDP2 trainer, fp32, after each sync
+        assert abs(h["actor/ppo_kl"]) < 1e-6

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -56,6 +57,7 @@ class Trajectory:
     reward: float = 0.0  # sum of the tools' / environment's rewards
     finish: str = ""  # "answer" | "max_turns" | "length" | "env_done" | "truncated"
     finished_at: float = 0.0  # time.monotonic() when the trajectory ended
+    session: str = field(default_factory=lambda: uuid.uuid4().hex)  # its requests' session (one replica serves its turns)
 
     def append(self, ids: Sequence[int], model: bool, log_probs: Sequence[float] | None = None,
                untruncated_log_probs: Sequence[float] | None = None, versions: Sequence[int] | None = None) -> None:
@@ -88,13 +90,13 @@ class RequestBatcher:
 
     def __init__(self, generate_fn: GenerateFn, base: SamplingParams):
         self.generate_fn, self.base = generate_fn, base
-        self.pending: list[tuple[tuple[int, ...], int, asyncio.Future]] = []  # (prompt ids, its max new tokens, result)
+        self.pending: list[tuple[tuple[int, ...], int, str | None, asyncio.Future]] = []  # (prompt ids, its max new tokens, session, result)
         self.calls = 0
         self._task: asyncio.Task | None = None
 
-    async def generate(self, prompt_ids: Sequence[int], max_new_tokens: int) -> Completion:
+    async def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, session: str | None = None) -> Completion:
         fut = asyncio.get_running_loop().create_future()
-        self.pending.append((tuple(prompt_ids), max_new_tokens, fut))
+        self.pending.append((tuple(prompt_ids), max_new_tokens, session, fut))
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._drain())
         return await fut
@@ -104,15 +106,15 @@ class RequestBatcher:
             await asyncio.sleep(0)  # every trajectory that is ready adds its request first
             batch, self.pending = self.pending, []
             # One SamplingParams per call (the HF backend batches equal params into one generate).
-            params = self.base.with_(max_new_tokens=max(n for _, n, _ in batch), seed=self.base.seed * 1000 + self.calls)
+            params = self.base.with_(max_new_tokens=max(n for _, n, _, _ in batch), seed=self.base.seed * 1000 + self.calls)
             self.calls += 1
             try:
-                out = await asyncio.to_thread(self.generate_fn, [Request(ids, params) for ids, _, _ in batch])
+                out = await asyncio.to_thread(self.generate_fn, [Request(ids, params, session) for ids, _, session, _ in batch])
             except Exception as e:  # noqa: BLE001 - every waiting trajectory gets the backend's error
-                for _, _, f in batch:
+                for *_, f in batch:
                     f.set_exception(e)
                 continue
-            for (_, n, f), c in zip(batch, out):  # n: this request's own limit within the shared call
+            for (_, n, _, f), c in zip(batch, out):  # n: this request's own limit within the shared call
                 f.set_result(c if len(c.token_ids) <= n else c.cut(n))
 
 
@@ -158,7 +160,7 @@ class AgentLoop:
             if left <= 0:
                 traj.finish = "length"
                 break
-            c = await batcher.generate(traj.prompt_ids + traj.response_ids, left)
+            c = await batcher.generate(traj.prompt_ids + traj.response_ids, left, traj.session)
             traj.append(c.token_ids, model=True, log_probs=c.log_probs, untruncated_log_probs=c.untruncated, versions=c.versions)
             traj.num_turns += 1
             if c.finish_reason != "stop":  # cut by the budget: the turn never closed, nothing may follow it

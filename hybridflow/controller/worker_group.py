@@ -138,6 +138,7 @@ class RayWorkerGroup:
         remote_cls = ray.remote(worker_cls)
         self.workers = []
         self._start = (remote_cls, init_kwargs, [])  # what `replace_worker` starts again: the class, its kwargs, each rank's options
+        self.replaced = 0  # workers replaced so far (each replacement's name is new)
         for rank, (pg, bundle_index, local_rank) in enumerate(pool.slots()):
             worker_env = {**base_env, **(env or {}), "RANK": str(rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(local_rank)}
             options = {
@@ -181,13 +182,15 @@ class RayWorkerGroup:
     def pids(self) -> list[int]:
         return ray.get([w._group_pid.remote() for w in self.workers])
 
-    def replace_worker(self, rank: int, incarnation: int) -> None:
+    def replace_worker(self, rank: int) -> None:
         """Kill rank `rank`'s actor and start a new one in its slot (same placement bundle, class,
-        arguments and environment; named `<name>_<rank>_<incarnation>`). It joins no process group:
-        only workers that need none (a generation replica of one process) can be replaced."""
+        arguments and environment; named `<name>_<rank>_r<n>`, n counting this group's
+        replacements). It joins no process group: only workers that need none (a generation
+        replica of one process) can be replaced."""
         remote_cls, init_kwargs, options = self._start
         ray.kill(self.workers[rank], no_restart=True)
-        self.workers[rank] = remote_cls.options(**{**options[rank], "name": f"{options[rank]['name']}_{incarnation}"}).remote(**init_kwargs)
+        self.replaced += 1
+        self.workers[rank] = remote_cls.options(**{**options[rank], "name": f"{options[rank]['name']}_r{self.replaced}"}).remote(**init_kwargs)
 
     def shutdown(self) -> None:
         for w in self.workers:
@@ -223,8 +226,11 @@ class Pending:
     Once a rank has finished, the others get `straggler_timeout_s` to finish too; a rank stuck
     outside any collective (which would time out by itself) is then reported instead of waited for."""
 
-    def __init__(self, refs: list, collect, method: str = "", pool: str = "", straggler_timeout_s: float | None = None):
+    def __init__(self, refs: list, collect, method: str = "", pool: str = "", straggler_timeout_s: float | None = None,
+                 ranks: list[int] | None = None):
+        """ranks: the rank each ref runs on (None: ref i on rank i)."""
         self.refs = refs
+        self.ranks = list(range(len(refs))) if ranks is None else ranks
         self.collect = collect
         role, _, name = method.rpartition("__")  # colocated groups call "<role>__<method>"
         self.role, self.method, self.pool = role or "worker", name, pool
@@ -245,7 +251,7 @@ class Pending:
             timeout = None if not deadlines else max(0.0, min(deadlines) - time.monotonic())
             ready, waiting = ray.wait(waiting, num_returns=1, timeout=timeout)
             if not ready:
-                ranks = [self.refs.index(r) for r in waiting]
+                ranks = [self.ranks[self.refs.index(r)] for r in waiting]
                 if overall is not None and (straggler_deadline is None or overall <= straggler_deadline):  # the caller's deadline came first
                     raise WorkerTimeoutError(
                         f"{waiting_for or self.method}: the {self.role} worker rank(s) {ranks} (pool {self.pool!r}) did not finish "
@@ -261,7 +267,7 @@ class Pending:
         return self.collect([done[r] for r in self.refs])
 
     def _get(self, ref) -> Any:
-        rank = self.refs.index(ref)
+        rank = self.ranks[self.refs.index(ref)]
         where = f"the {self.role} worker rank {rank} (pool {self.pool!r}) during {self.method}"
         try:
             return ray.get(ref)

@@ -16,6 +16,8 @@ only when it ends before the segment's last token.
 
 from __future__ import annotations
 
+import dataclasses
+import uuid
 from typing import Callable, Sequence
 
 from hybridflow.protocol import Completion, Request
@@ -40,13 +42,14 @@ def generate_in_segments(requests: Sequence[Request], call: Call, chunk: int) ->
     versions: list[list[int]] = [[] for _ in range(n)]
     finish: list[str] = ["length"] * n
     running, segment = list(range(n)), 0
+    call_id = uuid.uuid4().hex  # a request's segments are one session (the replica that has its prefix)
     while running:
         calls = []
         for i in running:
             r = requests[i]
             left = r.params.max_new_tokens - len(tokens[i])
-            calls.append(Request(r.prompt_ids + tuple(tokens[i]), r.params.with_(max_new_tokens=min(chunk, left),
-                                                                                  seed=segment_seed(r.params.seed, segment))))
+            calls.append(dataclasses.replace(r, prompt_ids=r.prompt_ids + tuple(tokens[i]), session=r.session or f"{call_id}-{i}",
+                                             params=r.params.with_(max_new_tokens=min(chunk, left), seed=segment_seed(r.params.seed, segment))))
         completions, version = call(calls)
         still = []
         for i, c in zip(running, completions):

@@ -29,13 +29,20 @@ def compute_data_metrics(batch: Batch, world_size: int, step_seconds: float) -> 
     m.update(_stats("response_length", resp_len))
     m["response_length/clip_ratio"] = float((resp_len >= max_resp).float().mean())
     m.update(_stats("prompt_length", prompt_len))
-    # (async rollout: the old log-probs ARE the rollout's, marked by the policy version in meta)
-    if "rollout_untruncated_log_probs" in batch and "old_log_probs" in batch and "policy_version" not in batch.meta and batch.meta.get("temperature", 1.0) > 0:
+    # Async rollout: only the tokens sampled with the weights the trainer holds (rollout_policy_version
+    # == trainer_version) compare the two engines, and only when the trainer recomputed the old
+    # log-probs (not when they are the rollout's own: the bypass mode).
+    same_weights = mask
+    if "rollout_policy_version" in batch:
+        same_weights = mask * (batch["rollout_policy_version"] == batch.meta.get("trainer_version", -2))
+    recomputed = batch.meta.get("old_log_probs") != "rollout"
+    if ("rollout_untruncated_log_probs" in batch and "old_log_probs" in batch and recomputed and same_weights.any()
+            and batch.meta.get("temperature", 1.0) > 0):
         # Rollout engine vs training engine log-probs of the sampled tokens (same weights), both
         # under the temperature alone: the backends' truncation (top-p / top-k) is not a mismatch.
-        diff = (batch["rollout_untruncated_log_probs"] - batch["old_log_probs"]).abs() * mask
+        diff = (batch["rollout_untruncated_log_probs"] - batch["old_log_probs"]).abs() * same_weights
         m["rollout/logprob_diff_max"] = float(diff.max())
-        m["rollout/logprob_diff_mean"] = float(masked_mean(diff, mask))
+        m["rollout/logprob_diff_mean"] = float(masked_mean(diff, same_weights))
     tokens = float(batch["attention_mask"].sum())
     m["perf/total_num_tokens"] = tokens
     m["perf/throughput"] = tokens / max(step_seconds, 1e-9) / world_size  # tokens/s per worker

@@ -1,7 +1,14 @@
 """The rollout pool as replicas that survive faults (trainer.async_rollout, one process per replica:
 actor_rollout_ref.rollout.tensor_model_parallel_size=1).
 
-Every call on the pool goes through `ReplicaSet.submit` (the pool's own `submit`, the same dispatch).
+Every call on the pool goes through `ReplicaSet.submit`. Request-level generation
+(`generate_requests`: agent turns, partial rollout's segments) is routed per request: a request of a
+session (`Request.session`: a trajectory's turns, a paused response's segments) goes to the replica
+that served the session before (its prefix may be cached there), any other to the replica with the
+fewest requests in flight, so a slow replica gets fewer; each replica gets one call with its
+requests. Batch generation (`generate_sequences`) and weight syncs keep the pool's dispatch (rows
+split evenly over the replicas; a sync to every replica).
+
 When a call finds a replica dead (its process SIGKILLed, out of memory) or not finished within its
 deadline (actor_rollout_ref.rollout.request_timeout_s: a replica that stopped making progress), the
 replica is killed and started again in its slot, loads the model and receives the latest weights
@@ -20,15 +27,20 @@ stops the run, naming the rank, as before).
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 from typing import Any
 
-from hybridflow.controller.worker_group import WorkerCallError, WorkerDiedError, WorkerTimeoutError
+import ray
+
+from hybridflow.controller.worker_group import Pending, WorkerCallError, WorkerDiedError, WorkerTimeoutError
+from hybridflow.protocol import Batch
 
 logger = logging.getLogger("hybridflow")
 
 SYNC_METHODS = ("receive_weights", "weight_fingerprints")
+MAX_SESSIONS = 100_000  # sessions remembered for routing (the oldest forgotten first)
 
 
 class ReplicaRestarted(WorkerCallError):
@@ -49,12 +61,56 @@ class ReplicaSet:
         self.lock = threading.Lock()  # submissions vs a restart: a call goes to the replica's current process
         self.restarts = 0
         self.receipts: dict[int, dict] = {}  # a restarted replica's receipt of the latest weights
+        self.outstanding: list[tuple[Any, int, int]] = []  # (object ref, replica, requests) of routed parts not finished yet
+        self.sessions: collections.OrderedDict[str, int] = collections.OrderedDict()  # session -> the replica that served it
 
     def submit(self, method: str, *args, **kwargs) -> "_Recovering":
         with self.lock:
+            if method == "generate_requests":
+                return _Recovering(self, method, args, kwargs, self._route(args[0]), list(self.incarnation))
             if method == "receive_weights":
                 self.latest = (args, kwargs)
             return _Recovering(self, method, args, kwargs, self.view.submit(method, *args, **kwargs), list(self.incarnation))
+
+    def _route(self, data: Batch) -> Pending:
+        """One call per replica with the requests routed to it; the completions come back in order."""
+        requests = list(data["request"])
+        load = self.load()
+        routed = []
+        for r in requests:
+            replica = self.sessions.get(r.session) if r.session is not None else None
+            if replica is None:
+                replica = min(range(self.world_size), key=lambda d: (load[d], d))
+            if r.session is not None:
+                self.sessions[r.session] = replica
+                self.sessions.move_to_end(r.session)
+                if len(self.sessions) > MAX_SESSIONS:
+                    self.sessions.popitem(last=False)
+            load[replica] += 1
+            routed.append(replica)
+        ranks = sorted(set(routed))
+        refs = [getattr(self.group.workers[d], f"{self.role}__generate_requests").remote(
+            Batch.from_dict(non_tensors={"request": [r for r, to in zip(requests, routed) if to == d]})) for d in ranks]
+        self.outstanding += [(ref, d, routed.count(d)) for ref, d in zip(refs, ranks)]
+
+        def collect(results: list[Batch]) -> Batch:
+            parts = {d: iter(out["completion"]) for d, out in zip(ranks, results)}
+            metrics = {k: v for out in results for k, v in out.meta.get("metrics", {}).items()}  # per-replica keys
+            return Batch.from_dict(non_tensors={"completion": [next(parts[d]) for d in routed]}, meta={"metrics": metrics})
+
+        return Pending(refs, collect, f"{self.role}__generate_requests", self.pool.name, ranks=ranks)
+
+    def load(self) -> list[int]:
+        """Requests routed to each replica whose part has not finished (a part that finished, or
+        failed, no longer loads its replica)."""
+        if self.outstanding:
+            done, _ = ray.wait([ref for ref, _, _ in self.outstanding], num_returns=len(self.outstanding), timeout=0)
+            finished = set(done)
+            self.outstanding = [o for o in self.outstanding if o[0] not in finished]
+        load = [0] * self.world_size
+        for _, d, n in self.outstanding:
+            load[d] += n
+        return load
 
     def __getattr__(self, method: str):
         """The pool's methods called directly (validation's generation): submitted, waited for, and
@@ -92,9 +148,7 @@ class ReplicaSet:
 
     def _restart(self, rank: int) -> None:
         """A new process in the replica's slot: the model, then the latest weights (in call order)."""
-        from hybridflow.controller.worker_group import Pending
-
-        self.group.replace_worker(rank, self.incarnation[rank])
+        self.group.replace_worker(rank)
         worker = self.group.workers[rank]
         calls = [getattr(worker, f"{self.role}__init_model").remote()]
         if self.latest is not None:
@@ -125,6 +179,4 @@ class _Recovering:
             return self.owner.submit(self.method, *self.args, **self.kwargs).result(timeout_s, waiting_for, key)
 
     def _received(self, rank: int, failed: tuple[int, ...]) -> dict:
-        import ray
-
         return self.owner.receipts[rank] if rank in failed else ray.get(self.pending.refs[rank])

@@ -105,7 +105,10 @@ class RLTrainer:
         a = cfg.algorithm
         self.kl_ctrl = make_kl_controller(a.kl_ctrl.type, a.kl_ctrl.kl_coef, a.kl_ctrl.target_kl, a.kl_ctrl.horizon)
         # "auto" decided once, here: off-policy only when the rollout pool may lag (async, max_staleness > 0)
-        self.correction = resolve_correction(a.rollout_correction, cfg.trainer.async_rollout and cfg.async_training.max_staleness > 0)
+        lagging = cfg.trainer.async_rollout and cfg.async_training.max_staleness > 0
+        self.correction = resolve_correction(a.rollout_correction, lagging)
+        # bypass: the PPO ratio against the policy that sampled (the rollout's log-probs as the old ones)
+        self.old_from_rollout = lagging and not self.correction.active
         self.sample_flow: DataFlow | None = None  # dynamic sampling: gen + reward, rerun until the batch is full
         self._gen_round = 0  # dynamic sampling: which generation round of the step (its own sampling seed)
         self.underfilled_batches = 0  # dynamic sampling: steps that trained on fewer groups than a batch (data/underfilled_batches)
@@ -269,7 +272,7 @@ class RLTrainer:
         sync = Stage("reshard", self.weight_sync.reshard, [], [], pool=actor_pool)
         if roles.async_rollout:  # generation happens outside the flow, one batch ahead (train_step)
             gen_stages = []
-            if not c.active and self.cfg.async_training.max_staleness > 0:  # bypass: the PPO ratio against the policy that sampled
+            if self.old_from_rollout:
                 old_log_prob = Stage("old_log_prob", driver_stages.behaviour_log_probs, ["rollout_log_probs"], ["old_log_probs"])
             sync = Stage("sync_weights", self._sync_rollout, [], [], pool=actor_pool)
         correction_keys = ["rollout_is_weights", "rollout_rs_mask"] if c.active else []
@@ -409,6 +412,7 @@ class RLTrainer:
         start = time.perf_counter()
         if self.async_rollout:  # the batch generated during the previous step; the next one starts now
             batch, gen_metrics = self.async_gen.take(self.global_step)
+            batch.meta.update(trainer_version=self.global_step - 1, old_log_probs="rollout" if self.old_from_rollout else "trainer")
             batch, metrics = flow.run(batch)
             metrics.update(gen_metrics)
         else:

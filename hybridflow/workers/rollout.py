@@ -70,9 +70,22 @@ class RolloutMixin:
         self.rollout.sleep()
 
 
+def hf_param_shapes(model_cfg) -> dict[str, tuple[int, ...]]:
+    """The policy's parameter names and shapes, from its HF config on the meta device (no weights
+    read): what the trained weights' pieces are named and cut by."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_cfg.path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return {n: tuple(p.shape) for n, p in model.named_parameters()}
+
+
 class RolloutWorker(RolloutMixin, Worker):
-    """A generation-only pool (trainer.async_rollout): the HF backend whose weight source is a
-    `PoolReceiver`; the actor's pool publishes its shards after every update."""
+    """A generation-only pool (trainer.async_rollout): a rollout backend (hf, or vllm with one
+    process per replica) whose weight source is a `PoolReceiver`; the actor's pool publishes its
+    shards after every update."""
 
     report_clocks = True
 
@@ -91,10 +104,11 @@ class RolloutWorker(RolloutMixin, Worker):
         name = self.spec.name
         self.rollout = make_rollout(name, RolloutContext(self.spec, self.tokenizer, self.device, self.rank, self.world_size))
         lay = self.rollout.layout()
-        if lay.buffers is None:
-            raise ValueError(f"trainer.async_rollout: the rollout pool receives the weights into the backend's own storages; "
-                             f"backend {name!r} (actor_rollout_ref.rollout.name) offers none (GenLayout.buffers): use hf")
-        self.receiver = PoolReceiver({n: tuple(p.shape) for n, p in lay.buffers.items()}, lay.shard_dims, lay.gen_tp, self.rank, self.world_size)
+        # The receiver needs every parameter's shape: the backend's own storages (hf), or, for a
+        # backend that owns and repacks its weights (vllm), the HF model's, built on the meta device.
+        shapes = {n: tuple(p.shape) for n, p in lay.buffers.items()} if lay.buffers is not None else hf_param_shapes(mcfg)
+        shard_dims = {n: lay.shard_dims.get(n) for n in shapes}  # gen_tp = 1 here for vllm: every piece whole
+        self.receiver = PoolReceiver(shapes, shard_dims, lay.gen_tp, self.rank, self.world_size)
 
     @register(Dispatch.ONE_TO_ALL)
     def receive_weights(self, refs_by_src: list[list], check: bool = False) -> dict:
@@ -103,13 +117,17 @@ class RolloutWorker(RolloutMixin, Worker):
         self.receiver.stage(refs_by_src)
         self.rollout.update_weights(self.receiver.pieces())
         out = dict(self.receiver.last_stats)
-        if check:
-            out["max_diff"] = max_piece_diff(self.rollout.layout().buffers, self.receiver.last_pieces)
+        buffers = self.rollout.layout().buffers
+        if check and buffers is not None:  # a backend that repacks its weights (vllm) is checked by rollout/logprob_diff_max
+            out["max_diff"] = max_piece_diff(buffers, self.receiver.last_pieces)
+        elif check:
+            out["max_diff"] = 0.0
         return out
 
     @register(Dispatch.ONE_TO_ALL)
     def weight_fingerprints(self) -> dict[str, str]:
-        return generation_fingerprints(self.rollout.layout().buffers)
+        buffers = self.rollout.layout().buffers
+        return {} if buffers is None else generation_fingerprints(buffers)
 
     @register(Dispatch.RANK_ZERO)
     def weight_version(self) -> int:
