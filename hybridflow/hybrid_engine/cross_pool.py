@@ -57,6 +57,26 @@ def publish(train_model: nn.Module, gen_dims: dict[str, int | None], rank: int, 
     return [ray.put(pieces) for pieces in per_dst]
 
 
+def whole_pieces(pieces) -> list[WeightPiece]:
+    """The pieces of each parameter (one per training rank that held some of it) joined into one
+    whole piece per parameter: for a backend that owns and repacks its weights (vLLM), whose loaders
+    take a parameter once and whole. Holds the whole generation slice once (what the backend needs)."""
+    parts: dict[str, list[WeightPiece]] = {}
+    for piece in pieces:
+        parts.setdefault(piece.name, []).append(piece)
+    out = []
+    for name, items in parts.items():
+        shape, full = items[0].shape, tuple((0, n) for n in items[0].shape)
+        if len(items) == 1 and items[0].box == full:
+            out.append(items[0])
+            continue
+        whole = torch.empty(shape, dtype=items[0].tensor.dtype)
+        for piece in items:
+            crop(whole, piece.box, full).copy_(piece.tensor)
+        out.append(WeightPiece(name, shape, full, whole, items[0].static))
+    return out
+
+
 def fingerprint(t: torch.Tensor) -> str:
     """A digest of the exact bytes of `t` (bit-for-bit comparison across processes)."""
     return hashlib.sha1(t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()

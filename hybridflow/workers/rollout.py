@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 from hybridflow.controller.decorator import Dispatch, register
 from hybridflow.controller.worker import Worker
 from hybridflow.parallel.process_group import pick_device
-from hybridflow.hybrid_engine.cross_pool import PoolReceiver, generation_fingerprints, max_piece_diff
+from hybridflow.hybrid_engine.cross_pool import PoolReceiver, generation_fingerprints, max_piece_diff, whole_pieces
 from hybridflow.protocol import Batch, SamplingParams
 from hybridflow.run_plan import RolloutSpec
 from hybridflow.rollout.base import RolloutBackend, RolloutContext, make_rollout
@@ -115,9 +115,10 @@ class RolloutWorker(RolloutMixin, Worker):
         """Push this rank's pieces of the trained weights (object refs from `publish_weights`) into
         the backend; check: every piece now sits in the backend's parameters (by their own layout)."""
         self.receiver.stage(refs_by_src)
-        self.rollout.update_weights(self.receiver.pieces())
-        out = dict(self.receiver.last_stats)
         buffers = self.rollout.layout().buffers
+        # a backend with its own storages takes each piece into its slice; one that repacks (vllm), each parameter whole
+        self.rollout.update_weights(self.receiver.pieces() if buffers is not None else whole_pieces(self.receiver.pieces()))
+        out = dict(self.receiver.last_stats)
         if check and buffers is not None:  # a backend that repacks its weights (vllm) is checked by rollout/logprob_diff_max
             out["max_diff"] = max_piece_diff(buffers, self.receiver.last_pieces)
         elif check:
