@@ -399,3 +399,40 @@ def test_resume_modes_disable_and_resume_path(tiny_model_dir, task_dir, varied_r
     assert run(first, "trainer.total_training_steps=3", "trainer.resume_mode=disable") == [1, 2, 3]
     other = tmp_path / "other"
     assert run(other, "trainer.total_training_steps=3", "trainer.resume_mode=resume_path", f"trainer.resume_from_path={first / 'global_step_1'}") == [2, 3]
+
+
+def test_async_resume_regenerates_the_batch_in_flight_at_the_checkpoint(tiny_model_dir, task_dir, varied_reward, tmp_path):
+    """Async rollout one batch ahead: when step 2's checkpoint is written, step 3's batch is already
+    generated (with step 1's weights). Resumed from that checkpoint, the run regenerates it from the
+    loader position stored before it, with the restored weights (regenerated, not persisted): it
+    trains the same prompts at steps 3 and 4 as the uninterrupted run (none lost, none twice),
+    step 3's batch at staleness 0 (sampled by the restored policy) and step 4's within the bound."""
+    out = tmp_path / "run"
+    base = rl_overrides(tiny_model_dir, task_dir, out, f"custom_reward_function.path={varied_reward}", "trainer.total_training_steps=4",
+                        "trainer.save_freq=2", "trainer.async_rollout=true", "async_training.max_staleness=1",
+                        "resource_pool.pools.actor_pool.workers_per_node=1", "resource_pool.pools.rollout_pool.workers_per_node=1",
+                        "resource_pool.mapping.actor_rollout=actor_pool", "resource_pool.mapping.rollout=rollout_pool")
+
+    def run(*extra) -> dict[int, tuple]:
+        trainer = RLTrainer(load_config(None, [*base, *extra], schema=HybridFlowConfig))
+        trained = {}
+        try:
+            trainer.init_workers()
+            take = trainer.async_gen.take
+
+            def taking(step):
+                batch, metrics = take(step)
+                trained[step] = (batch["prompts"].tolist(), metrics["rollout/staleness_max"])
+                return batch, metrics
+
+            trainer.async_gen.take = taking
+            trainer.fit()
+        finally:
+            trainer.shutdown()
+        return trained
+
+    straight = run()
+    resumed = run("trainer.resume_mode=resume_path", f"trainer.resume_from_path={out / 'global_step_2'}")
+    assert sorted(straight) == [1, 2, 3, 4] and sorted(resumed) == [3, 4]
+    assert [resumed[s][0] for s in (3, 4)] == [straight[s][0] for s in (3, 4)]  # the same prompts: none lost, none twice
+    assert straight[3][1] == 1.0 and resumed[3][1] == 0.0 and resumed[4][1] <= 1.0
