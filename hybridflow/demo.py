@@ -30,7 +30,7 @@ from hybridflow.run_plan import resolve
 
 DATA_SOURCE = "digit_max"
 # The held-out accuracy of a recipe's task (the tool recipe has its own task; the others share digit_max).
-RECIPE_TASK = {"tool": "multiply", "guess": "guess"}
+RECIPE_TASK = {"tool": "multiply", "guess": "guess", "agent": "agent"}
 
 
 def val_key(recipe: str) -> str:
@@ -42,12 +42,14 @@ VAL_KEY = val_key("grpo")
 
 SFT_STEPS = 300
 RL_STEPS = 60
-RECIPE_STEPS = {"grpo": RL_STEPS, "dpo": 40, "rm-grpo": 40, "online-dpo": 40, "tool": 20, "guess": 40, "distill": 40}
+RECIPE_STEPS = {"grpo": RL_STEPS, "dpo": 40, "rm-grpo": 40, "online-dpo": 40, "tool": 20, "guess": 40, "distill": 40, "agent": 10}
 RM_STEPS = 100
 # the tool recipe's SFT in two stages from the random model: the copy stage (every call exact) then the biased mix
 TOOL_COPY_STEPS, TOOL_SFT_STEPS, TOOL_LAYERS = 450, 250, 2
 GUESS_SFT_STEPS = 300
 GUESS_MAX_PROMPT, GUESS_MAX_RESPONSE = 56, 448  # the prompt is 48 tokens; 10 guesses and 9 replies of <= 45 tokens
+# the agent recipe's black-box agent (a plain openai program; the repo's examples/)
+EXAMPLE_AGENT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "openai_agent", "agent.py")
 TOOL_MAX_PROMPT, TOOL_MAX_RESPONSE = 160, 160  # the compact tool prompt is 147 tokens; call (78) + result (34) + answer (22) = 134
 
 
@@ -196,10 +198,13 @@ def run_recipe(recipe: str, files: dict, sft_dir: str, out: str, steps: int, *ov
         print(f"[demo] on-policy distillation (no reward in the update): {steps} steps, {cfg.data.train_batch_size} prompts x "
               f"{resolve(cfg).rollout.rollout.n} samples scored token by token by the teacher, {_workers(cfg)}", flush=True)
         result = _fit(RLTrainer(cfg))
-    elif recipe in ("tool", "guess"):
-        make = demo_tool_rl_config if recipe == "tool" else demo_guess_rl_config
+    elif recipe in ("tool", "guess", "agent"):
+        make = demo_guess_rl_config if recipe == "guess" else demo_tool_rl_config
+        if recipe == "agent":  # the tool recipe's task played by a black-box agent through the OpenAI-compatible endpoint
+            overrides = (f"actor_rollout_ref.rollout.agent.function={EXAMPLE_AGENT}:rollout", *overrides)
         cfg = make(files, sft_dir, f"{out}/{recipe}_grpo", steps, *overrides)
-        what = "the calculator" if recipe == "tool" else "the guessing environment"
+        what = {"tool": "the calculator", "guess": "the guessing environment",
+                "agent": f"a black-box agent ({os.path.relpath(EXAMPLE_AGENT)}: openai client, its own calculator and score)"}[recipe]
         print(f"[demo] multi-turn GRPO with {what}: {steps} steps, {cfg.data.train_batch_size} prompts x "
               f"{resolve(cfg).rollout.rollout.n} trajectories, {_workers(cfg)}", flush=True)
         result = _fit(RLTrainer(cfg))
@@ -248,8 +253,8 @@ def prepare_recipe(recipe: str, out: str, seed: int | None = None, sft_steps: in
     from hybridflow.models.tiny import make_tiny_model
 
     data_seed = {} if seed is None else {"seed": seed}
-    if recipe == "tool":  # its own task: 3-digit products, a calculator, conversations of ~300 tokens
-        files = make_multiply_task(os.path.join(out, "data"), **data_seed)
+    if recipe in ("tool", "agent"):  # its own task: 3-digit products, a calculator, conversations of ~300 tokens
+        files = make_multiply_task(os.path.join(out, "data"), **data_seed, **({"data_source": "agent"} if recipe == "agent" else {}))
         base = make_tiny_model(os.path.join(out, "tiny_model"), hidden_size=128, intermediate_size=256, num_hidden_layers=TOOL_LAYERS,
                                max_position_embeddings=512, tools_template=True, **data_seed)
         max_length = TOOL_MAX_PROMPT + TOOL_MAX_RESPONSE

@@ -131,6 +131,15 @@ class RolloutSpec:
             elif mt.tool_config_path:  # the tools' own options (e.g. the python tool's sandbox limits), before any worker
                 p.extend(component_check("tool_config")(mt.tool_config_path))  # hybridflow.agent.tools
         p.enum(f"{R}.multi_turn.format", mt.format, literal_choices(type(mt), "format"))
+        a = r.agent
+        p.extend(component_check("black_box_agent")(a.function, a.command, mt.enable))  # hybridflow.agent.openai_agent
+        if a.function or a.command:
+            if not a.timeout_s > 0:
+                p.append(f"{R}.agent.timeout_s must be > 0 (seconds one trajectory's agent may run), got {a.timeout_s}")
+            p.positive(f"{R}.agent.max_request_bytes", a.max_request_bytes)
+            p.positive(f"{R}.agent.max_messages", a.max_messages)
+            if not 0 <= a.port < 65536:
+                p.append(f"{R}.agent.port must be in [0, 65535] (0 = a free port), got {a.port}")
         p.token_budget(f"{R}.log_prob_max_token_len_per_gpu", r.log_prob_use_dynamic_bsz, r.log_prob_max_token_len_per_gpu, self.max_model_len)
         mj = model_json(self.model.path)
         heads = mj.get("num_attention_heads") or 0

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create/refresh the project venv: torch first, then hybridflow and its dependencies (pip install -e .[test]).
+# Create/refresh the project venv: torch first, then hybridflow and its dependencies (pip install -e .[test,envs]).
 # Re-running is a no-op while pyproject.toml and this script are unchanged.
 #
 # Which torch build: HYBRIDFLOW_TORCH holds the pip arguments that install it (default torch==2.13.0).
@@ -23,5 +23,5 @@ venv_up_to_date "$VENV" scripts/bootstrap.sh && exit 0
 echo "[bootstrap] setting up $VENV (torch: $TORCH_SPEC)" >&2
 venv_create "$VENV"
 venv_pip "$VENV" $TORCH_SPEC  # unquoted on purpose: pip arguments (a version, an --index-url)
-venv_pip "$VENV" -e ".[test]"
+venv_pip "$VENV" -e ".[test,envs]"
 venv_stamp "$VENV" scripts/bootstrap.sh

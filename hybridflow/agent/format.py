@@ -76,6 +76,10 @@ class ToolCallFormat:
         """The tool description for templates that ignore ``tools=`` (goes into the system message)."""
         raise NotImplementedError
 
+    def render_calls(self, content: str, calls: Sequence[tuple[str, Mapping[str, Any]]]) -> str:
+        """An assistant turn's text with its tool calls (name, arguments) written as the model writes them."""
+        raise NotImplementedError
+
     def tool_message(self, result: ToolResult | str, name: str | None = None) -> dict[str, Any]:
         """The chat message that carries a tool's answer (the template decides how it looks)."""
         text = result.text if isinstance(result, ToolResult) else str(result)
@@ -141,6 +145,10 @@ class HermesFormat(ToolCallFormat):
         if not isinstance(args, dict):
             return None, f"'arguments' of {name!r} must be a JSON object"
         return ToolCall(name, args), ""
+
+    def render_calls(self, content: str, calls: Sequence[tuple[str, Mapping[str, Any]]]) -> str:
+        blocks = [f"{self.OPEN}\n{json.dumps({'name': n, 'arguments': dict(a)}, ensure_ascii=False)}\n{self.CLOSE}" for n, a in calls]
+        return "\n".join([content.strip()] * bool(content.strip()) + blocks)
 
     def system_prompt(self, tools: Sequence[Mapping[str, Any]]) -> str:
         lines = "\n".join(json.dumps(dict(t), ensure_ascii=False) for t in tools)

@@ -23,6 +23,8 @@ The backend call is injected (`generate_fn`): this module knows no Ray, no worke
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import importlib
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -57,6 +59,13 @@ class Trajectory:
     reward: float = 0.0  # sum of the tools' / environment's rewards
     finish: str = ""  # "answer" | "max_turns" | "length" | "env_done" | "truncated"
     finished_at: float = 0.0  # time.monotonic() when the trajectory ended
+    # a black-box agent's session (openai_agent.py): requests whose plain rendering differed from the recorded
+    # tokens (the recorded ones were trained), earlier segments not trained, and how the agent ended
+    retokenization_mismatch: int = 0
+    dropped_segments: int = 0
+    agent_error: str = ""
+    agent_timeout: bool = False
+    session_kind: str = ""  # "openai": played by a black-box agent through the endpoint
     session: str = field(default_factory=lambda: uuid.uuid4().hex)  # its requests' session (one replica serves its turns)
 
     def append(self, ids: Sequence[int], model: bool, log_probs: Sequence[float] | None = None,
@@ -81,22 +90,29 @@ class AgentSettings:
     format: str = "hermes"
     response_budget: int = 256  # tokens of the whole response (model + tool), data.max_response_length
     default_agent: str | None = None  # rows without agent_name: "tool_agent" (or "env_agent" for env rows)
+    black_box: Any = None  # openai_agent.BlackBoxAgent: rows without agent_name play through the endpoint
+    endpoint: Any = None  # openai_server.EndpointSettings (with black_box)
 
 
 class RequestBatcher:
     """Gathers the requests of every trajectory in flight; one backend call at a time takes all
     that are pending (the backend is a serial resource), run in a thread so tools go on meanwhile.
-    Each call gets its own seed (`base.seed * 1000 + call index`), so turns do not repeat samples."""
+    Each call gets its own seed (`base.seed * 1000 + call index`), so turns do not repeat samples;
+    a request with its own SamplingParams (the OpenAI endpoint's) keeps them, and its own seed when
+    `seeded` (the backend runs requests of equal params as one batch: a seeded request samples what
+    it samples alone when no other pending request has the same params)."""
 
     def __init__(self, generate_fn: GenerateFn, base: SamplingParams):
         self.generate_fn, self.base = generate_fn, base
-        self.pending: list[tuple[tuple[int, ...], int, str | None, asyncio.Future]] = []  # (prompt ids, its max new tokens, session, result)
+        # (prompt ids, its max new tokens, session, its own params or None: the base's, seeded, result)
+        self.pending: list[tuple[tuple[int, ...], int, str | None, SamplingParams | None, bool, asyncio.Future]] = []
         self.calls = 0
         self._task: asyncio.Task | None = None
 
-    async def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, session: str | None = None) -> Completion:
+    async def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, session: str | None = None,
+                       params: SamplingParams | None = None, seeded: bool = False) -> Completion:
         fut = asyncio.get_running_loop().create_future()
-        self.pending.append((tuple(prompt_ids), max_new_tokens, session, fut))
+        self.pending.append((tuple(prompt_ids), max_new_tokens, session, params, seeded, fut))
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._drain())
         return await fut
@@ -105,31 +121,47 @@ class RequestBatcher:
         while self.pending:
             await asyncio.sleep(0)  # every trajectory that is ready adds its request first
             batch, self.pending = self.pending, []
-            # One SamplingParams per call (the HF backend batches equal params into one generate).
-            params = self.base.with_(max_new_tokens=max(n for _, n, _, _ in batch), seed=self.base.seed * 1000 + self.calls)
+            seed = self.base.seed * 1000 + self.calls
             self.calls += 1
+            # Requests of equal settings share one SamplingParams, at the longest limit among them (the
+            # HF backend batches equal params into one generate); each is cut to its own limit after.
+            keys = [(p or self.base).with_(max_new_tokens=0, **({} if seeded else {"seed": seed})) for _, _, _, p, seeded, _ in batch]
+            longest: dict[SamplingParams, int] = {}
+            for k, (_, n, *_) in zip(keys, batch):
+                longest[k] = max(longest.get(k, 0), n)
+            requests = [Request(ids, k.with_(max_new_tokens=longest[k]), session) for k, (ids, _, session, *_) in zip(keys, batch)]
             try:
-                out = await asyncio.to_thread(self.generate_fn, [Request(ids, params, session) for ids, _, session, _ in batch])
+                out = await asyncio.to_thread(self.generate_fn, requests)
             except Exception as e:  # noqa: BLE001 - every waiting trajectory gets the backend's error
                 for *_, f in batch:
-                    f.set_exception(e)
+                    if not f.done():
+                        f.set_exception(e)
                 continue
-            for (_, n, _, f), c in zip(batch, out):  # n: this request's own limit within the shared call
-                f.set_result(c if len(c.token_ids) <= n else c.cut(n))
+            for (_, n, *_, f), c in zip(batch, out):  # n: this request's own limit within the shared call
+                if not f.done():  # its caller may have gone (a cancelled HTTP request)
+                    f.set_result(c if len(c.token_ids) <= n else c.cut(n))
 
 
 AGENT_LOOPS: dict[str, type["AgentLoop"]] = {}
 
 
 register_agent_loop = class_registry("agent loop", AGENT_LOOPS)
+# Loops defined outside this module, imported on first use: name -> module.
+BUILT_IN_LOOPS = {"openai_agent": "hybridflow.agent.openai_agent"}
 
 
 class AgentLoop:
     """One trajectory per `run` call; subclasses decide what follows a model turn (`after_turn`)."""
 
-    def __init__(self, tokenizer, settings: AgentSettings, tools: Sequence[Tool] = ()):
-        self.tok, self.s, self.tools = tokenizer, settings, list(tools)
+    def __init__(self, tokenizer, settings: AgentSettings, tools: Sequence[Tool] = (), shared: Any = None):
+        self.tok, self.s, self.tools, self.shared = tokenizer, settings, list(tools), shared  # shared: what step_resources gave
         self.fmt = get_format(settings.format)
+
+    @classmethod
+    def step_resources(cls, tokenizer, settings: AgentSettings, batcher: "RequestBatcher") -> contextlib.AbstractAsyncContextManager | None:
+        """An async context manager entered once per step around this class's trajectories (what it
+        yields reaches each instance as `shared`); None: nothing shared."""
+        return None
 
     def first_messages(self, row: Mapping[str, Any]) -> list[dict]:
         return [dict(m) for m in row["raw_prompt"]]
@@ -253,10 +285,14 @@ def agent_name_for(row: Mapping[str, Any], settings: AgentSettings, has_tools: b
     environment, tool_agent with tools, single_turn_agent otherwise."""
     extra = row.get("extra_info") or {}
     name = row.get("agent_name") or extra.get("agent_name") or settings.default_agent
+    if not name and settings.black_box is not None:
+        name = "openai_agent"
     if not name:
         name = "env_agent" if env_name_for_row(row) is not None else ("tool_agent" if has_tools else "single_turn_agent")
+    if name not in AGENT_LOOPS and name in BUILT_IN_LOOPS:  # registered when its module is first imported (it imports this one)
+        importlib.import_module(BUILT_IN_LOOPS[name])
     if name not in AGENT_LOOPS:
-        raise ValueError(f"unknown agent_name {name!r}; registered agent loops: {sorted(AGENT_LOOPS)}")
+        raise ValueError(f"unknown agent_name {name!r}; registered agent loops: {sorted(set(AGENT_LOOPS) | set(BUILT_IN_LOOPS))}")
     return name
 
 
@@ -264,12 +300,14 @@ async def run_trajectories(rows: Sequence[Mapping[str, Any]], generate_fn: Gener
                            params: SamplingParams, tools: Sequence[Tool] = ()) -> tuple[list[Trajectory], RequestBatcher]:
     """Every row's trajectory, all in flight at once; in row order."""
     batcher = RequestBatcher(generate_fn, params)
-
-    async def one(row: Mapping[str, Any]) -> Trajectory:
-        loop = AGENT_LOOPS[agent_name_for(row, settings, bool(tools))](tokenizer, settings, tools)
-        return await loop.run(row, batcher)
-
-    return list(await asyncio.gather(*(one(r) for r in rows))), batcher
+    classes = [AGENT_LOOPS[agent_name_for(row, settings, bool(tools))] for row in rows]
+    async with contextlib.AsyncExitStack() as stack:
+        shared = {}  # per loop class: what its trajectories of this step share (e.g. openai_agent's endpoint)
+        for cls in dict.fromkeys(classes):
+            cm = cls.step_resources(tokenizer, settings, batcher)
+            shared[cls] = None if cm is None else await stack.enter_async_context(cm)
+        trajs = await asyncio.gather(*(cls(tokenizer, settings, tools, shared[cls]).run(row, batcher) for row, cls in zip(rows, classes)))
+    return list(trajs), batcher
 
 
 def trajectory_metrics(trajs: Sequence[Trajectory], batcher: RequestBatcher | None = None) -> dict[str, float]:
@@ -292,4 +330,9 @@ def trajectory_metrics(trajs: Sequence[Trajectory], batcher: RequestBatcher | No
         out["agent/num_turns/solved_mean"] = sum(solved) / len(solved)
     if batcher is not None:
         out["agent/generate_calls"] = float(batcher.calls)
+    if any(t.session_kind == "openai" for t in trajs):
+        out["agent/retokenization_mismatch"] = float(sum(t.retokenization_mismatch for t in trajs))
+        out["agent/dropped_segments"] = float(sum(t.dropped_segments for t in trajs))
+        out["agent/agent_errors"] = float(sum(bool(t.agent_error) for t in trajs))
+        out["agent/agent_timeouts"] = float(sum(t.agent_timeout for t in trajs))
     return out

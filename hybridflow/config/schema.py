@@ -183,6 +183,23 @@ class MultiTurnConfig:
 
 
 @dataclass
+class AgentConfig:
+    """A black-box agent (docs/agents.md "Black-box agents"): written against an OpenAI-compatible URL,
+    served per trajectory by the run's endpoint (hybridflow/agent/openai_server.py); verl's section name."""
+
+    # `module:function` or `/path/file.py:function`: `async def rollout(client: openai.AsyncOpenAI, row) -> float | dict`
+    function: Optional[str] = None
+    # A command run per trajectory (split like a shell, no shell) with OPENAI_BASE_URL / OPENAI_API_KEY / OPENAI_MODEL
+    # set for its session and the row as JSON on stdin; its last stdout line is the reward (a number or {"reward": x}).
+    command: Optional[str] = None
+    timeout_s: float = 300.0  # one trajectory's agent; past it the agent is stopped and its trajectory scored 0 (counted)
+    host: str = "127.0.0.1"  # where the endpoint listens (another address is the user's explicit choice)
+    port: int = 0  # 0 = a free port per step
+    max_request_bytes: int = 1_048_576  # a larger body gets 413
+    max_messages: int = 256  # a longer conversation gets 400
+
+
+@dataclass
 class RolloutConfig:
     name: str = "hf"  # hf | vllm (CPU: scripts/bootstrap_vllm.sh; CUDA: pip install hybridflow[vllm])
     # Samples per prompt. None = not set: GROUP_N for an estimator whose baseline is the prompt's group
@@ -205,6 +222,7 @@ class RolloutConfig:
     request_timeout_s: float = 600.0
     val_kwargs: SamplingConfig = field(default_factory=SamplingConfig)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
 
 
 @dataclass

@@ -36,6 +36,7 @@ CHECK_MODULES = (
     "hybridflow.planning.arch",  # freeze_modules
     "hybridflow.agent.tools",  # tool_config
     "hybridflow.rollout.base",  # rollout_backend
+    "hybridflow.agent.openai_agent",  # black_box_agent
 )
 # name -> what the function registered under it takes and returns
 CHECKS = {
@@ -44,6 +45,7 @@ CHECKS = {
     "policy_losses": "() -> the registered policy losses' names",
     "freeze_modules": "(model_path, patterns) -> problems: actor.freeze_modules against the model's parameter names",
     "tool_config": "(path) -> problems: the multi-turn tool YAML loads, with every tool's options (e.g. sandbox limits)",
+    "black_box_agent": "(function, command, multi_turn_enabled) -> problems: actor_rollout_ref.rollout.agent loads (a function) or names a program (a command)",
     "rollout_backend": "(name, spec) -> problems: rollout.name names a registered (or importable) backend, and the backend's own checks of its RolloutSpec",
 }
 _REGISTERED: dict[str, Callable] = {}

@@ -189,12 +189,15 @@ def _tool_call(expression: str) -> str:
 
 
 def make_multiply_task(out_dir, n_train: int = 2000, n_val: int = 100, n_sft: int = 3000, direct_prob: float = 0.6,
-                       bad_args_prob: float = 0.0, min_operand: int = 320, seed: int = 0) -> dict[str, pathlib.Path]:
+                       bad_args_prob: float = 0.0, min_operand: int = 320, seed: int = 0,
+                       data_source: str = MULTIPLY_DATA_SOURCE) -> dict[str, pathlib.Path]:
     """Write ``train.parquet`` / ``val.parquet`` (RL, disjoint operand pairs), ``sft_copy.parquet`` (every
     call exact) and ``sft.parquet`` (the mix above; both multi-turn ``messages`` + ``tools``, ``n_sft``
     rows over the train pairs only) and ``tool_config.yaml``.
 
-    Operands are drawn from ``min_operand..999``; 320 makes every product, the rounded ones too, 6 digits."""
+    Operands are drawn from ``min_operand..999``; 320 makes every product, the rounded ones too, 6 digits.
+    ``data_source="agent"``: the RL rows are scored by the agent that plays them (the ``agent`` recipe's
+    black-box agent) instead of the ``multiply`` rule."""
     for name, p in (("direct_prob", direct_prob), ("bad_args_prob", bad_args_prob)):
         if not 0.0 <= p <= 1.0:
             raise ValueError(f"{name} must be in [0, 1], got {p}")
@@ -211,7 +214,7 @@ def make_multiply_task(out_dir, n_train: int = 2000, n_val: int = 100, n_sft: in
     val, train = ordered[:n_val], ordered[n_val:]
 
     def rl_rows(split: str, split_pairs):
-        return [{"data_source": MULTIPLY_DATA_SOURCE, "prompt": multiply_prompt(a, b), "ability": "math",
+        return [{"data_source": data_source, "prompt": multiply_prompt(a, b), "ability": "math",
                  "reward_model": {"style": "rule", "ground_truth": str(a * b)},
                  "extra_info": {"split": split, "index": i, "a": a, "b": b}} for i, (a, b) in enumerate(split_pairs)]
 

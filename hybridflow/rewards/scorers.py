@@ -58,9 +58,9 @@ _GSM8K = ("openai/gsm8k", "gsm8k")
 # MATH-style rows (a \boxed{} answer compared as math: hybridflow/rewards/math.py), by verl's names.
 _MATH = ("math", "lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500", "math_dapo", "aime", "aime2024", "aime2025")
 _CODE = ("code",)
-# Rows played against an environment (hybridflow/agent/envs.py): the environment's own reward is the
-# trajectory's (`agent_reward`, added by the trainer); the rule adds nothing.
-_ENVIRONMENT = ("guess",)
+# Rows played against an environment (hybridflow/agent/envs.py) or by a black-box agent that scores its own
+# episode (agent/openai_agent.py): that reward is the trajectory's (`agent_reward`, added by the trainer); the rule adds nothing.
+_ENVIRONMENT = ("guess", "agent")
 
 
 def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float | dict:
@@ -81,8 +81,13 @@ def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_
         from hybridflow.rewards.code import code_score  # lazy: only code rewards need the sandbox
 
         return code_score(solution_str, ground_truth)
+    if data_source.startswith("reasoning_gym/"):  # hybridflow prepare --reasoning-gym: the task's own verifier
+        from hybridflow.data.reasoning_gym import reasoning_gym_score
+
+        return reasoning_gym_score(data_source, solution_str, extra_info)
     raise NotImplementedError(
-        f"no built-in reward for data_source {data_source!r} (built-in: {', '.join(_EXACT_ANSWER + _GSM8K + _MATH + _CODE + _ENVIRONMENT)}); "
+        f"no built-in reward for data_source {data_source!r} (built-in: {', '.join(_EXACT_ANSWER + _GSM8K + _MATH + _CODE + _ENVIRONMENT)}, "
+        f"reasoning_gym/<task>); "
         f"set custom_reward_function.path (and custom_reward_function.name) to a file defining "
         f"compute_score(data_source, solution_str, ground_truth, extra_info)"
     )

@@ -22,14 +22,24 @@ import torch
 
 from hybridflow.agent.loop import AgentSettings, Trajectory, run_trajectories, trajectory_metrics
 from hybridflow.agent.tools import load_tool_config
-from hybridflow.config.schema import MultiTurnConfig
+from hybridflow.config.schema import AgentConfig, MultiTurnConfig
 from hybridflow.protocol import Batch, SamplingParams
 from hybridflow.rollout.base import rollout_batch
 
 
-def agent_settings(mt: MultiTurnConfig, max_response_length: int) -> AgentSettings:
-    """mt: actor_rollout_ref.rollout.multi_turn; max_response_length: data.max_response_length (the trajectory's token budget)."""
-    return AgentSettings(mt.max_assistant_turns, mt.max_tool_response_length, mt.format, max_response_length, mt.default_agent)
+def agent_settings(mt: MultiTurnConfig, max_response_length: int, agent: AgentConfig | None = None, max_prompt_length: int = 0,
+                   model_name: str = "policy") -> AgentSettings:
+    """mt: actor_rollout_ref.rollout.multi_turn; max_response_length: data.max_response_length (the trajectory's token budget);
+    agent: actor_rollout_ref.rollout.agent (a black-box agent through the OpenAI-compatible endpoint, served as model_name)."""
+    black_box = endpoint = None
+    if agent is not None and (agent.function or agent.command):
+        from hybridflow.agent.openai_agent import BlackBoxAgent
+        from hybridflow.agent.openai_server import EndpointSettings
+
+        black_box = BlackBoxAgent(agent.function, agent.command, agent.timeout_s)
+        endpoint = EndpointSettings(model_name, max_response_length, max_prompt_length, mt.format, agent.host, agent.port,
+                                    agent.max_request_bytes, agent.max_messages)
+    return AgentSettings(mt.max_assistant_turns, mt.max_tool_response_length, mt.format, max_response_length, mt.default_agent, black_box, endpoint)
 
 
 def trajectories_to_batch(trajs: list[Trajectory], pad_id: int, params: SamplingParams) -> Batch:
@@ -64,9 +74,10 @@ def trajectories_to_batch(trajs: list[Trajectory], pad_id: int, params: Sampling
 class AgentRollout:
     """The step's multi-turn rollouts through a rollout group (`generate_requests`)."""
 
-    def __init__(self, multi_turn: MultiTurnConfig, max_response_length: int, tokenizer: Any):
+    def __init__(self, multi_turn: MultiTurnConfig, max_response_length: int, tokenizer: Any, agent: AgentConfig | None = None,
+                 max_prompt_length: int = 0, model_name: str = "policy"):
         self.tokenizer = tokenizer
-        self.settings = agent_settings(multi_turn, max_response_length)
+        self.settings = agent_settings(multi_turn, max_response_length, agent, max_prompt_length, model_name)
         path = multi_turn.tool_config_path
         self.tools = load_tool_config(path) if path else []
         self.last: list[Trajectory] = []
@@ -85,3 +96,10 @@ class AgentRollout:
         out["agent_reward"] = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
         out.meta["metrics"] = trajectory_metrics(trajs, batcher)
         return out
+
+
+def served_model_name(path: str) -> str:
+    """The name the agent endpoint serves the policy as: the model directory's name (what /v1/models lists)."""
+    import os
+
+    return os.path.basename(os.path.normpath(path)) or "policy"

@@ -47,7 +47,7 @@ from hybridflow.rewards.manager import RewardManager
 from hybridflow.protocol import SamplingParams
 from hybridflow.run_plan import resolve
 from hybridflow.trainer import checkpoints, driver_stages, validation
-from hybridflow.trainer.agent_rollout import AgentRollout
+from hybridflow.trainer.agent_rollout import AgentRollout, served_model_name
 from hybridflow.trainer.async_rollout import AsyncRollout
 from hybridflow.trainer.replicas import ReplicaSet
 from hybridflow.trainer.dataflow import DataFlow, Stage
@@ -136,7 +136,8 @@ class RLTrainer:
         self._check_scorers()
         # Multi-turn (tools / environments): the agent loop on the driver; tool config read now.
         mt = self.run_plan.rollout.rollout.multi_turn
-        self.agent = AgentRollout(mt, d.max_response_length, self.tokenizer) if mt.enable else None
+        self.agent = AgentRollout(mt, d.max_response_length, self.tokenizer, self.run_plan.rollout.rollout.agent, d.max_prompt_length,
+                                  served_model_name(mcfg.path)) if mt.enable else None
 
     def _train_data(self):
         """The training dataset and its collate function (RL: prompts)."""

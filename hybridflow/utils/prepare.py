@@ -2,6 +2,7 @@
 
     hybridflow prepare gsm8k_train.jsonl --format gsm8k --split train -o data/gsm8k/train.parquet
     hybridflow prepare math_test.parquet --format math --split test -o data/math/test.parquet
+    hybridflow prepare --reasoning-gym chain_sum --size 2000 --seed 1 -o data/rg/train.parquet   (hybridflow/data/reasoning_gym.py)
 
 What verl's `examples/data_preprocess/{gsm8k,math_dataset}.py` do, from files on disk (no hub):
 each row becomes
@@ -113,7 +114,7 @@ def convert(path: str, fmt_name: str, split: str, data_source: str | None = None
 
 def main_prepare(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="hybridflow prepare", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("inputs", nargs="+", help="JSONL or parquet files")
+    p.add_argument("inputs", nargs="*", help="JSONL or parquet files (or --reasoning-gym)")
     p.add_argument("-o", "--output", required=True, help="the RL parquet file to write")
     p.add_argument("--format", default="auto", choices=["auto", *FORMATS])
     p.add_argument("--split", default="train", help="written to extra_info.split")
@@ -122,7 +123,26 @@ def main_prepare(argv: list[str] | None = None) -> int:
     p.add_argument("--answer-key", default=None, help="the reference solution's column")
     p.add_argument("--skip-bad", action="store_true", help="drop rows without a final answer instead of stopping")
     p.add_argument("--limit", type=int, default=None, help="keep the first N rows")
+    p.add_argument("--reasoning-gym", metavar="TASK", default=None,
+                   help="generate TASK's entries with reasoning-gym instead of reading files (scored by its own verifier)")
+    p.add_argument("--size", type=int, default=1000, help="--reasoning-gym: entries to generate")
+    p.add_argument("--seed", type=int, default=0, help="--reasoning-gym: the dataset seed (entry i depends on seed + i)")
+    p.add_argument("--rg-config", nargs="*", default=[], metavar="KEY=VALUE", help="--reasoning-gym: the task's config, e.g. max_terms=3")
     a = p.parse_args(argv)
+    if a.reasoning_gym:
+        from hybridflow.data.reasoning_gym import make_rows, parse_config
+
+        if a.inputs:
+            p.exit(2, "hybridflow prepare: give input files or --reasoning-gym, not both\n")
+        try:
+            rows = make_rows(a.reasoning_gym, a.size, a.seed, parse_config(a.rg_config), a.split)
+        except ValueError as e:
+            p.exit(2, f"hybridflow prepare: {e}\n")
+        write_parquet(rows[:a.limit] if a.limit is not None else rows, a.output)
+        print(f"wrote {min(len(rows), a.limit or len(rows))} rows of reasoning-gym {a.reasoning_gym} (seed {a.seed}) to {a.output}")
+        return 0
+    if not a.inputs:
+        p.exit(2, "hybridflow prepare: give input files (JSONL / parquet) or --reasoning-gym TASK\n")
     rows, skipped = [], 0
     try:
         for path in a.inputs:

@@ -1,0 +1,207 @@
+"""Token-in/token-out sessions: what a black-box agent's requests become in training.
+
+An agent written against an OpenAI-compatible URL sends whole conversations as *text* (its
+history, our earlier replies included); the server must train on the *tokens* it fed and sampled.
+Re-rendering a history re-tokenizes our replies, and that may give other ids than the ones sampled
+(a different merge of the same text, a tool call written back in another JSON spelling): the
+re-tokenization problem. So a `Session` records every reply it produced together with the
+conversation it ends, and builds each next prompt from the recorded tokens:
+
+    request i+1's messages = (a conversation we replied to, + our reply) + new messages
+    prompt ids             = that conversation's recorded ids (prompt + sampled, exactly)
+                             + the chat template's delta of the new messages (format.message_delta_ids)
+
+and counts (`mismatches`) requests whose plain rendering differs from that: the recorded tokens win
+and the difference is never trained on. A request that extends nothing recorded (the agent
+rewrote, summarised or cut its history; a reply cut by max_tokens, which has no end of turn to
+continue after) starts a new *segment*: a fresh trajectory from its own rendering. The session's
+trajectory for training is its last segment (the one that ended the episode, which the reward
+judges); earlier segments are counted (`dropped_segments`), not trained.
+
+Shapes: a segment is an `agent.loop.Trajectory` (prompt ids, response ids with mask 1 on sampled
+tokens and 0 on template / tool / user tokens, per-token log-probs and policy versions).
+No HTTP here: `openai_server.py` calls `prompt_for` and `record`.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from hybridflow.agent.format import apply_chat_template_with_tools, get_format, message_delta_ids
+from hybridflow.agent.loop import Trajectory
+from hybridflow.protocol import Completion
+
+
+def _text(content: Any) -> str:
+    """OpenAI message content -> text: a string, None, or a list of parts ({type: text, text})."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping))
+
+
+def _call_key(call: Mapping[str, Any]) -> tuple[str, str]:
+    fn = call.get("function") or {}
+    args = fn.get("arguments", "{}")
+    try:
+        args = json.dumps(json.loads(args) if isinstance(args, str) else args, sort_keys=True)
+    except (TypeError, ValueError):
+        args = str(args)
+    return str(fn.get("name", "")), args
+
+
+def message_key(m: Mapping[str, Any]) -> tuple:
+    """What identifies a message when an agent sends our reply back: role, text, and tool calls by
+    name and decoded arguments (clients re-serialise the JSON and add fields such as refusal: null)."""
+    return (m.get("role"), _text(m.get("content")).strip(), tuple(_call_key(c) for c in m.get("tool_calls") or ()))
+
+
+def template_messages(messages: Sequence[Mapping[str, Any]], fmt: str) -> list[dict]:
+    """OpenAI messages -> what the chat template renders: text content; an assistant's tool_calls
+    written in the tool-call format's own syntax (how the model writes them); `developer` as system."""
+    out = []
+    for m in messages:
+        role = "system" if m.get("role") == "developer" else m.get("role")
+        text = _text(m.get("content"))
+        if role == "assistant" and m.get("tool_calls"):
+            text = get_format(fmt).render_calls(text, [(n, json.loads(a)) for n, a in map(_call_key, m["tool_calls"])])
+        msg = {"role": role, "content": text}
+        if role == "tool" and m.get("name"):
+            msg["name"] = m["name"]
+        out.append(msg)
+    return out
+
+
+@dataclass
+class _Point:
+    """A conversation we replied to, our reply appended: where a next request may continue."""
+
+    keys: tuple  # message_key of each message, our reply last
+    segment: int  # which segment's tokens it ends
+    length: int  # len(segment.response_ids) after the reply
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A request's prompt ids and where its reply would go (`Session.plan`); nothing recorded yet."""
+
+    ids: list[int]
+    left: int  # response tokens the segment may still take
+    segment: int | None = None  # continued segment (None: a new one)
+    length: int = 0  # its response tokens the prompt keeps
+    delta: tuple[int, ...] | list[int] = ()  # the new messages' tokens (mask 0)
+    mismatch: bool = False  # the plain rendering of the messages differs from `ids`
+
+
+@dataclass
+class Session:
+    """One trajectory's requests: a black-box agent's episode. `key` is its own bearer token."""
+
+    id: str
+    tokenizer: Any
+    fmt: str
+    response_budget: int  # tokens of one segment's response (model + template), data.max_response_length
+    max_prompt_tokens: int  # data.max_prompt_length: a new segment's prompt
+    row: Mapping[str, Any] = field(default_factory=dict)
+    key: str = field(default_factory=lambda: "hf-" + secrets.token_urlsafe(24))
+    segments: list[Trajectory] = field(default_factory=list)
+    points: list[_Point] = field(default_factory=list)
+    requests: int = 0
+    mismatches: int = 0  # requests whose plain rendering differs from the recorded tokens (the recorded ones were used)
+    tool_calls: int = 0  # tool calls returned to the agent (first choices)
+    last: int = -1  # the segment the latest reply went to: the trained one
+    closed: bool = False
+    opened_at: float = field(default_factory=time.monotonic)
+
+    def plan(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None) -> "Placement":
+        """Where a chat request goes, without changing the session (`place` commits it): continues the
+        longest recorded conversation that `messages` extend, else a new segment. ValueError (a 400)
+        when it does not fit the budgets."""
+        keys = tuple(message_key(m) for m in messages)
+        best = max((p for p in self.points if len(p.keys) < len(keys) and keys[: len(p.keys)] == p.keys), key=lambda p: len(p.keys), default=None)
+        if best is None:
+            return self._new(list(apply_chat_template_with_tools(self.tokenizer, template_messages(messages, self.fmt), tools, self.fmt)))
+        seg = self.segments[best.segment]
+        delta = message_delta_ids(self.tokenizer, template_messages(messages[len(best.keys):], self.fmt), add_generation_prompt=True, after_eos=True)
+        ids = seg.prompt_ids + seg.response_ids[: best.length] + delta
+        plain = apply_chat_template_with_tools(self.tokenizer, template_messages(messages, self.fmt), tools, self.fmt)
+        return self._continue(ids, best.segment, best.length, delta, mismatch=list(plain) != ids)
+
+    def plan_ids(self, ids: Sequence[int]) -> "Placement":
+        """/v1/completions: token ids (a tokenized text prompt). Continues the latest segment whose
+        tokens it extends (the extension is mask 0), else a new segment."""
+        ids = [int(t) for t in ids]
+        for i in range(len(self.segments) - 1, -1, -1):
+            seg = self.segments[i]
+            have = seg.prompt_ids + seg.response_ids
+            if len(ids) > len(have) and ids[: len(have)] == have and seg.response_ids:
+                return self._continue(ids, i, len(seg.response_ids), ids[len(have):], mismatch=False)
+        return self._new(ids)
+
+    def _continue(self, ids: list[int], segment: int, length: int, delta: list[int], mismatch: bool) -> "Placement":
+        left = self.response_budget - length - len(delta)
+        if left <= 0:
+            raise ValueError(f"the conversation has used this trajectory's token budget ({self.response_budget} response tokens, "
+                             f"data.max_response_length): {length + len(delta)} with the new messages")
+        return Placement(ids, left, segment, length, delta, mismatch)
+
+    def _new(self, ids: list[int]) -> "Placement":
+        if len(ids) > self.max_prompt_tokens:
+            raise ValueError(f"the prompt is {len(ids)} tokens; this run's prompts take at most {self.max_prompt_tokens} "
+                             f"(data.max_prompt_length)")
+        return Placement(ids, self.response_budget)
+
+    def place(self, p: "Placement") -> int:
+        """Commit a plan: the segment index its reply goes to (a branch when the recorded point is
+        not the segment's end: a retry, another of n choices)."""
+        self.requests += 1
+        self.mismatches += int(p.mismatch)
+        if p.segment is None:
+            self.segments.append(Trajectory(prompt_ids=p.ids, session=self.id))
+            return len(self.segments) - 1
+        at = p.segment if len(self.segments[p.segment].response_ids) == p.length else self.branch(p.segment, p.length)
+        self.segments[at].append(p.delta, model=False)
+        return at
+
+    def branch(self, segment: int, length: int) -> int:
+        """A new segment holding the first `length` response tokens of `segment`; its index."""
+        self.segments.append(_truncated(self.segments[segment], length))
+        return len(self.segments) - 1
+
+    def record(self, segment: int, messages: Sequence[Mapping[str, Any]] | None, completion: Completion, reply: Mapping[str, Any] | None,
+               stop_ids: Sequence[int]) -> None:
+        """The reply `completion` to a request placed in `segment`: its tokens appended as sampled
+        (mask 1, log-probs, versions); with chat messages, a point to continue from when the turn
+        closed with a stop token (a reply cut by max_tokens or a stop string has no end of turn)."""
+        seg = self.segments[segment]
+        seg.append(completion.token_ids, model=True, log_probs=completion.log_probs,
+                   untruncated_log_probs=completion.untruncated, versions=completion.versions)
+        seg.num_turns += 1
+        seg.finish = "answer" if completion.finish_reason == "stop" else "length"
+        seg.finished_at = time.monotonic()
+        self.last = segment
+        if messages is not None and reply is not None and completion.token_ids and completion.token_ids[-1] in stop_ids:
+            self.points.append(_Point(tuple(message_key(m) for m in [*messages, reply]), segment, len(seg.response_ids)))
+
+    def trajectory(self) -> Trajectory | None:
+        """The trained trajectory: the segment the latest reply went to (the agent's final episode);
+        None when the agent made no request."""
+        return self.segments[self.last] if self.last >= 0 else None
+
+    @property
+    def dropped_segments(self) -> int:
+        return max(sum(1 for s in self.segments if s.num_turns) - 1, 0)
+
+
+def _truncated(seg: Trajectory, n: int) -> Trajectory:
+    """A new segment holding `seg`'s first n response tokens (a branch)."""
+    out = Trajectory(prompt_ids=list(seg.prompt_ids), session=seg.session)
+    out.response_ids, out.response_mask = seg.response_ids[:n], seg.response_mask[:n]
+    out.log_probs, out.untruncated_log_probs, out.versions = seg.log_probs[:n], seg.untruncated_log_probs[:n], seg.versions[:n]
+    out.num_turns = sum(1 for a, b in zip([0, *out.response_mask], out.response_mask) if b and not a)
+    return out

@@ -1,0 +1,307 @@
+"""The OpenAI-compatible endpoint (agent/openai_server.py) and its token-in/token-out sessions
+(agent/sessions.py), driven by the official `openai` client and by raw HTTP.
+
+Oracles: the backend's own `generate_requests` for the same prompt ids and seed (tokens and
+log-probs); for the session tests a scripted backend whose replies are fixed texts, so the expected
+trajectory is written out by hand (the chat template's strings, tokenized independently)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from hybridflow.agent.loop import AgentSettings, RequestBatcher, run_trajectories
+from hybridflow.agent.openai_agent import BlackBoxAgent
+from hybridflow.agent.openai_server import EndpointSettings, LiveEndpoint
+from hybridflow.protocol import Completion, Request, SamplingParams
+
+CALC = {"type": "function", "function": {"name": "calculator", "description": "calc",
+                                         "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def hf_backend(tiny_model_dir, tok):
+    from hybridflow.rollout.hf_rollout import HFRollout
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    return HFRollout(model, tok, "cpu")
+
+
+class Scripted:
+    """A backend that answers each request with the next of `texts` (tokenized, + eos): what the
+    test writes is what the model 'sampled'; log-prob of token i is -0.01 * (i + 1)."""
+
+    def __init__(self, tok, texts):
+        self.tok, self.texts, self.requests = tok, texts if callable(texts) else list(texts), []  # texts: a list, or prompt text -> reply
+
+    def __call__(self, requests):
+        out = []
+        for r in requests:
+            self.requests.append(r)
+            text = self.texts(self.tok.decode(list(r.prompt_ids))) if callable(self.texts) else self.texts.pop(0)
+            ids = self.tok.encode(text, add_special_tokens=False) + [self.tok.eos_token_id]
+            out.append(Completion(tuple(ids), tuple(-0.01 * (i + 1) for i in range(len(ids))), "stop"))
+        return out
+
+
+async def _serve(tok, generate_fn, body, *, sampling="request", budget=200, max_prompt=1000, **settings):
+    batcher = RequestBatcher(generate_fn, SamplingParams(max_new_tokens=budget, seed=1))
+    ep = LiveEndpoint(EndpointSettings("tiny", budget, max_prompt, sampling=sampling, **settings), tok, batcher)
+    async with ep.serve():
+        return await body(ep, batcher)
+
+
+def test_chat_tokens_and_logprobs_equal_generate_requests_for_the_same_seed(tok, hf_backend):
+    base = SamplingParams(max_new_tokens=24, temperature=1.0, seed=11)
+
+    async def body(ep, batcher):
+        s = ep.open_session()
+        async with openai.AsyncOpenAI(base_url=ep.url(s), api_key=s.key, max_retries=0) as client:
+            assert [m.id for m in (await client.models.list()).data] == ["tiny"]
+            r = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "What is 2*3?"}], tools=[CALC],
+                                                     tool_choice="auto", logprobs=True, seed=11, max_tokens=24, temperature=1.0, n=2)
+        return r, s
+
+    r, session = asyncio.run(_serve(tok, hf_backend.generate_requests, body, max_prompt=1000))
+    prompt = r.model_extra["prompt_token_ids"]
+    oracle = hf_backend.generate_requests([Request(prompt, base)] * 2)  # the backend itself, the same prompt, seed and params
+    for choice, want in zip(r.choices, oracle):
+        assert choice.model_extra["token_ids"] == list(want.token_ids)
+        assert [t.logprob for t in choice.logprobs.content] == list(want.log_probs)  # bit for bit
+    assert r.usage.completion_tokens == sum(len(c.token_ids) for c in oracle)
+    # what the session recorded for training: the first choice's tokens and log-probs as sampled
+    traj = session.trajectory()
+    assert traj.prompt_ids == prompt and traj.response_ids == list(oracle[0].token_ids) and traj.log_probs == list(oracle[0].log_probs)
+    assert traj.response_mask == [1] * len(oracle[0].token_ids)
+
+
+def _expected_delta(tok, messages_text: str) -> list[int]:
+    """The tiny Qwen-style template written out: after the model's <|im_end|> the template adds "\n",
+    then each message as <|im_start|>role\ncontent<|im_end|>\n and the next assistant header."""
+    return tok.encode("\n" + messages_text + "<|im_start|>assistant\n", add_special_tokens=False)
+
+
+@pytest.mark.parametrize("spelling, mismatches", [('{"name":"calculator","arguments":{"expression":"2*3"}}', 1),
+                                                  ('{"name": "calculator", "arguments": {"expression": "2*3"}}', 0)])
+def test_tool_calls_round_trip_and_the_recorded_tokens_win(tok, spelling, mismatches):
+    """The model writes a call in its own JSON spelling; the client gets `tool_calls`, runs the tool and
+    sends the history back, which the template re-renders in the canonical spelling. The trajectory
+    keeps the sampled tokens (a re-rendering that differs is counted, never trained on)."""
+    call_text = f"<tool_call>\n{spelling}\n</tool_call>"
+    backend = Scripted(tok, [call_text, "The answer is 6."])
+
+    async def body(ep, batcher):
+        s = ep.open_session()
+        async with openai.AsyncOpenAI(base_url=ep.url(s), api_key=s.key, max_retries=0) as client:
+            messages = [{"role": "user", "content": "What is 2*3?"}]
+            r1 = await client.chat.completions.create(model="tiny", messages=messages, tools=[CALC])
+            m = r1.choices[0].message
+            assert r1.choices[0].finish_reason == "tool_calls" and m.content is None
+            assert [(c.function.name, json.loads(c.function.arguments)) for c in m.tool_calls] == [("calculator", {"expression": "2*3"})]
+            messages += [m.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": m.tool_calls[0].id, "content": "6"}]
+            r2 = await client.chat.completions.create(model="tiny", messages=messages, tools=[CALC])
+            assert r2.choices[0].message.content == "The answer is 6." and r2.choices[0].finish_reason == "stop"
+        return s
+
+    s = asyncio.run(_serve(tok, backend, body))
+    eos = [tok.eos_token_id]
+    first = tok.encode(call_text, add_special_tokens=False) + eos
+    tool = _expected_delta(tok, "<|im_start|>tool\n6<|im_end|>\n")
+    second = tok.encode("The answer is 6.", add_special_tokens=False) + eos
+    traj = s.trajectory()
+    assert len(s.segments) == 1 and traj.num_turns == 2
+    assert traj.response_ids == first + tool + second
+    assert traj.response_mask == [1] * len(first) + [0] * len(tool) + [1] * len(second)
+    assert traj.log_probs[: len(first)] == [-0.01 * (i + 1) for i in range(len(first))]
+    assert traj.log_probs[len(first): len(first) + len(tool)] == [0.0] * len(tool)
+    assert list(backend.requests[1].prompt_ids) == traj.prompt_ids + first + tool  # what the model was fed: the recorded tokens
+    assert s.mismatches == mismatches
+
+
+def test_a_rewritten_history_starts_a_new_segment_and_the_latest_is_trained(tok):
+    backend = Scripted(tok, ["one", "two", "three"])
+
+    async def body(ep, batcher):
+        s = ep.open_session()
+        async with openai.AsyncOpenAI(base_url=ep.url(s), api_key=s.key, max_retries=0) as client:
+            h = [{"role": "user", "content": "a"}]
+            r = await client.chat.completions.create(model="tiny", messages=h)
+            h += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "b"}]
+            await client.chat.completions.create(model="tiny", messages=h)  # extends: the same segment
+            await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "summary: a, one, b"}])  # rewritten
+        return s
+
+    s = asyncio.run(_serve(tok, backend, body))
+    assert len(s.segments) == 2 and s.segments[0].num_turns == 2 and s.dropped_segments == 1
+    assert s.trajectory() is s.segments[1] and s.trajectory().response_ids == tok.encode("three", add_special_tokens=False) + [tok.eos_token_id]
+
+
+def _hostile(url: str, key: str, other_key: str, other_url: str, big: bytes) -> list[tuple[str, str, dict, object, int]]:
+    """(name, method, headers, body, expected status): what a policy-written or broken client may send."""
+    ok = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    msgs = [{"role": "user", "content": "hi"}]
+
+    def chat(**fields):
+        return {"model": "tiny", "messages": msgs, **fields}
+
+    return [
+        ("broken json", "POST", ok, b'{"model": "tiny", "messages": [', 400),
+        ("not an object", "POST", ok, b"[1, 2]", 400),
+        ("not utf-8", "POST", ok, b"\xff\xfe{", 400),
+        ("10 MB body", "POST", ok, big, 413),
+        ("chunked body over the limit", "POST", ok, "chunked", 413),  # no Content-Length: counted as it streams in
+        ("no key", "POST", {"Content-Type": "application/json"}, chat(), 401),
+        ("wrong key", "POST", {**ok, "Authorization": "Bearer hf-wrong"}, chat(), 401),
+        ("another session's key", "POST", {**ok, "Authorization": f"Bearer {other_key}"}, chat(), 403),
+        ("not bearer", "POST", {**ok, "Authorization": f"Basic {key}"}, chat(), 401),
+        ("unknown model", "POST", ok, {"model": "gpt-4o", "messages": msgs}, 404),
+        ("no model", "POST", ok, {"messages": msgs}, 404),
+        ("no messages", "POST", ok, {"model": "tiny"}, 400),
+        ("empty messages", "POST", ok, chat(messages=[]), 400),
+        ("bad role", "POST", ok, chat(messages=[{"role": "root", "content": "x"}]), 400),
+        ("content not text", "POST", ok, chat(messages=[{"role": "user", "content": {"$gt": 1}}]), 400),
+        ("too many messages", "POST", ok, chat(messages=msgs * 300), 400),
+        ("negative max_tokens", "POST", ok, chat(max_tokens=-5), 400),
+        ("huge max_tokens", "POST", ok, chat(max_tokens=10**9), 400),
+        ("string max_tokens", "POST", ok, chat(max_completion_tokens="9"), 400),
+        ("n too large", "POST", ok, chat(n=1000), 400),
+        ("temperature out of range", "POST", ok, chat(temperature=-1), 400),
+        ("top_p zero", "POST", ok, chat(top_p=0), 400),
+        ("seed not int", "POST", ok, chat(seed="x"), 400),
+        ("too many stops", "POST", ok, chat(stop=["a", "b", "c", "d", "e"]), 400),
+        ("stream", "POST", ok, chat(stream=True), 400),
+        ("unknown tool choice", "POST", ok, chat(tools=[CALC], tool_choice={"type": "function", "function": {"name": "rm_rf"}}), 400),
+        ("malformed tool schema", "POST", ok, chat(tools=[{"type": "function", "function": {"name": 5}}]), 400),
+        ("assistant tool call not json", "POST", ok,
+         chat(messages=msgs + [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function",
+                                                                                       "function": {"name": "calculator", "arguments": "{oops"}}]}]), 400),
+        ("unknown session", "POST", ok, chat(), 404),  # sent to a made-up session id (below)
+        ("unknown route", "POST", ok, chat(), 404),
+    ]
+
+
+def test_thirty_hostile_requests_get_their_status_and_change_nothing(tok):
+    backend = Scripted(tok, ["fine"])
+
+    async def body(ep, batcher):
+        s, other = ep.open_session(), ep.open_session()
+        url = ep.url(s)
+        cases = _hostile(url, s.key, other.key, ep.url(other), b'{"model": "tiny", "messages": [' + b"x" * (10 << 20) + b"]}")
+        assert len(cases) == 30
+        got = []
+        async with httpx.AsyncClient(timeout=30) as http:
+            for name, method, headers, payload, want in cases:
+                target = {"unknown session": f"{ep.base_url}/sessions/{'0' * 32}/v1/chat/completions",
+                          "unknown route": f"{url}/admin/weights"}.get(name, f"{url}/chat/completions")
+                if payload == "chunked":
+                    async def chunks():
+                        for _ in range(4):
+                            yield b"x" * (512 << 10)
+                    content = chunks()
+                else:
+                    content = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+                r = await http.request(method, target, headers=headers, content=content)
+                err = r.json()["error"]
+                got.append((name, r.status_code, want))
+                assert set(err) == {"message", "type", "param", "code"} and err["message"], (name, err)
+            state = (len(s.segments), s.requests, len(other.segments), batcher.calls)
+            async with openai.AsyncOpenAI(base_url=url, api_key=s.key, max_retries=0) as client:  # the session still serves
+                r = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+        return got, state, r
+
+    got, state, r = asyncio.run(_serve(tok, backend, body))
+    assert [(n, g) for n, g, w in got if g != w] == [], got
+    assert state == (0, 0, 0, 0)  # nothing recorded, nothing generated by any of them
+    assert r.choices[0].message.content == "fine" and len(backend.requests) == 1
+
+
+def test_max_tokens_is_bounded_by_the_trajectory_budget(tok):
+    backend = Scripted(tok, ["ab"])
+
+    async def body(ep, batcher):
+        s = ep.open_session()
+        async with openai.AsyncOpenAI(base_url=ep.url(s), api_key=s.key, max_retries=0) as client:
+            with pytest.raises(openai.BadRequestError, match="remaining token budget"):
+                await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=9)
+            await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}])
+        return backend.requests
+
+    (req,) = asyncio.run(_serve(tok, backend, body, budget=8))
+    assert req.params.max_new_tokens == 8  # no max_tokens: the budget left
+
+
+def test_training_sampling_is_the_runs_and_overrides_are_counted(tok):
+    backend = Scripted(tok, ["a"])
+
+    async def body(ep, batcher):
+        s = ep.open_session()
+        async with openai.AsyncOpenAI(base_url=ep.url(s), api_key=s.key, max_retries=0) as client:
+            await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], temperature=0.3, top_p=0.5)
+        return ep.counters.sampling_overridden
+
+    assert asyncio.run(_serve(tok, backend, body, sampling="run")) == 1
+    assert backend.requests[0].params.temperature == 1.0 and backend.requests[0].params.top_p == 1.0
+
+
+async def _agent_ok(client, row):
+    r = await client.chat.completions.create(model=row["model"], messages=row["messages"])
+    return {"reward": float(r.choices[0].message.content == "yes"), "note": "dicts are fine"}
+
+
+async def _agent_raises(client, row):
+    await client.chat.completions.create(model=row["model"], messages=row["messages"])
+    raise RuntimeError("agent bug")
+
+
+async def _agent_hangs(client, row):
+    await asyncio.sleep(60)
+
+
+@pytest.mark.parametrize("fn, reward, error, timeout", [("_agent_ok", 1.0, False, False), ("_agent_raises", 0.0, True, False),
+                                                        ("_agent_hangs", 0.0, True, True)])
+def test_openai_agent_function_trajectories(tok, fn, reward, error, timeout):
+    """`openai_agent` runs the user's function per row; its session's tokens are the trajectory; an
+    agent that raises or hangs scores 0, is counted, and stops nothing else."""
+    from hybridflow.agent.loop import trajectory_metrics
+
+    backend = Scripted(tok, ["yes", "yes"])
+    settings = AgentSettings(response_budget=64, black_box=BlackBoxAgent(function=f"{__name__}:{fn}", timeout_s=1.0),
+                             endpoint=EndpointSettings("tiny", 64, 200))
+    rows = [{"raw_prompt": [{"role": "user", "content": "ok?"}], "extra_info": {}}] * 2
+    trajs, batcher = asyncio.run(run_trajectories(rows, backend, tok, settings, SamplingParams(max_new_tokens=64)))
+    yes = tok.encode("yes", add_special_tokens=False) + [tok.eos_token_id]
+    for t in trajs:
+        assert t.reward == reward and bool(t.agent_error) == error and t.agent_timeout == timeout
+        assert t.response_ids == (yes if fn != "_agent_hangs" else [])
+    m = trajectory_metrics(trajs, batcher)
+    assert m["agent/agent_errors"] == 2 * error and m["agent/agent_timeouts"] == 2 * timeout
+
+
+def test_openai_agent_command_plays_in_its_own_process(tok):
+    """`agent.command`: examples/openai_agent/agent.py as an unmodified program (OPENAI_BASE_URL /
+    OPENAI_API_KEY from its environment, the row on stdin, the reward on stdout). The scripted model
+    calls the calculator with 12*34, then answers with its result: right for 12*34, wrong for 12*35."""
+    import os
+    import sys
+
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "openai_agent", "agent.py")
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*34"}}\n</tool_call>'
+    backend = Scripted(tok, lambda prompt: "The answer is 408." if prompt.endswith("408<|im_end|>\n<|im_start|>assistant\n") else call)
+    settings = AgentSettings(response_budget=256, black_box=BlackBoxAgent(command=f"{sys.executable} {script}", timeout_s=60),
+                             endpoint=EndpointSettings("tiny", 256, 1000))
+    rows = [{"raw_prompt": [{"role": "user", "content": f"What is 12*{b}?"}], "extra_info": {}} for b in (34, 35)]
+    trajs, _ = asyncio.run(run_trajectories(rows, backend, tok, settings, SamplingParams(max_new_tokens=256)))
+    assert sorted(t.reward for t in trajs) == [0.0, 1.0] and not any(t.agent_error for t in trajs)
+    for t in trajs:  # call, the tool's answer (mask 0), the final answer
+        assert t.num_turns == 2 and t.tool_calls == 1 and 0 in t.response_mask and t.retokenization_mismatch == 0
