@@ -216,3 +216,60 @@ def test_agent_recipe_a_black_box_openai_agent_learns_the_calculator_task(ray_cl
     assert all(h["agent/retokenization_mismatch"] == 0 and h["agent/agent_errors"] == 0 and h["agent/tool_calls/mean"] > 0 for h in trained)
     assert trained[0]["actor/ppo_kl"] == 0.0  # the recorded log-probs are the trainer's own on the first update
     assert s["val_acc_after_sft"] < 0.3 and s["val_acc_final"] >= 0.8
+
+
+def test_verifiers_and_openenv_environments_train_a_grpo_step_with_their_own_rewards(ray_cluster, tiny_model_dir, tmp_path):
+    """One GRPO step on Ray whose rows are played by a verifiers taskset (its rubric scores the one
+    answer) and by an OpenEnv server over openenv's client (its step rewards): every trajectory's
+    reward is what the environment's own rule gives for the model's decoded turns, and the step's
+    score is their mean (the rule adds nothing for these data sources)."""
+    import re
+
+    from hybridflow.agent.ecosystem import make_verifiers_rows
+    from hybridflow.config import HybridFlowConfig, load_config
+    from hybridflow.data.tasks import write_parquet
+    from hybridflow.trainer.rl import RLTrainer
+    from openenv_guess import serve
+    from vf_arith import expected_reward
+
+    url, stop = serve()
+    vf_rows = make_verifiers_rows("vf_arith")
+    oe_rows = [{"data_source": "openenv", "prompt": [{"role": "user", "content": "Guess my digit."}], "reward_model": {"style": "rule", "ground_truth": ""},
+                "extra_info": {"env": "openenv", "env_kwargs": {"url": url, "message_key": "prompt", "reset_kwargs": {"target": t}}}} for t in (1, 2, 3)]
+    write_parquet(vf_rows + oe_rows + vf_rows[:2], tmp_path / "train.parquet")  # 8 prompts
+    cfg = load_config(None, rl_overrides(tiny_model_dir, tmp_path, tmp_path / "out", f"data.train_files=[{tmp_path / 'train.parquet'}]",
+                                         f"data.val_files=[{tmp_path / 'train.parquet'}]", "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+                                         "data.max_prompt_length=64", "data.max_response_length=64", "trainer.total_training_steps=1",
+                                         "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.rollout.multi_turn.enable=true",
+                                         "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3", f"actor_rollout_ref.rollout.stop_token_ids=[{GUESS_STOPS}]",
+                                         "actor_rollout_ref.actor.recompute_old_log_prob=true", "trainer.val_before_train=false",
+                                         "trainer.test_freq=0"), schema=HybridFlowConfig)
+    trainer = RLTrainer(cfg)
+    tok = trainer.tokenizer
+    try:
+        out = trainer.fit()
+        trajs = trainer.agent.last
+    finally:
+        trainer.shutdown()
+        stop()
+    step = next(h for h in out["history"] if h["step"] == 1)
+    assert len(trajs) == 16 and step["actor/ppo_kl"] == 0.0
+    seen = {"verifiers": 0, "openenv": 0}
+    for t in trajs:
+        turns, cur = [], []  # the model's turns: runs of mask-1 tokens
+        for tid, m in zip(t.response_ids + [None], t.response_mask + [0]):
+            if m:
+                cur.append(tid)
+            elif cur:
+                turns, cur = turns + [tok.decode(cur, skip_special_tokens=True)], []
+        prompt = tok.decode(t.prompt_ids)
+        match = re.search(r"(\d)\+(\d)=", prompt)
+        if match:  # a verifiers task: its rubric on the one answer
+            index = ["2+3", "4+4", "1+6"].index(match.group(0)[:-1])
+            assert t.reward == expected_reward(index, turns[0]), (turns, t.reward)
+            seen["verifiers"] += 1
+        else:  # the OpenEnv game: 1 when a turn ends with the target digit
+            seen["openenv"] += 1
+            assert t.reward in (0.0, 1.0) and len(turns) <= 3
+    assert seen == {"verifiers": 10, "openenv": 6}
+    assert step["critic/score/mean"] == pytest.approx(sum(t.reward for t in trajs) / len(trajs), abs=1e-6)

@@ -18,6 +18,7 @@ the rest of ``interaction_kwargs``) on top of the config's. Simplified against v
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import re
 from dataclasses import dataclass
 from typing import Any, Mapping, NamedTuple
@@ -66,16 +67,31 @@ class Environment:
     def step(self, model_text: str) -> EnvStep:
         raise NotImplementedError
 
+    # The loop awaits these; an environment that talks to a server (ecosystem.py) overrides them, a
+    # pure-Python one keeps reset / step.
+    async def areset(self, row: Mapping[str, Any]) -> str:
+        return self.reset(row)
+
+    async def astep(self, model_text: str) -> EnvStep:
+        return self.step(model_text)
+
+    async def aclose(self) -> None:
+        """Release what the episode holds (a connection); called once when the trajectory ends."""
+
 
 _ENVS: dict[str, type[Environment]] = {}
 
 
 register_env = class_registry("environment", _ENVS, set_name=True)
+# Environments defined in modules that import this one, imported on first use: name -> module.
+BUILT_IN_ENVS = {"openenv": "hybridflow.agent.ecosystem", "verifiers": "hybridflow.agent.ecosystem"}
 
 
 def make_env(name: str, config: Mapping[str, Any] | None = None) -> Environment:
+    if name not in _ENVS and name in BUILT_IN_ENVS:
+        importlib.import_module(BUILT_IN_ENVS[name])
     if name not in _ENVS:
-        raise ValueError(f"unknown environment {name!r}; registered: {sorted(_ENVS)}")
+        raise ValueError(f"unknown environment {name!r}; registered: {sorted(set(_ENVS) | set(BUILT_IN_ENVS))}")
     return _ENVS[name](config)
 
 
@@ -98,7 +114,9 @@ def make_env_for_row(row: Mapping[str, Any], default: str | None = None, config:
     name = env_name_for_row(row, default)
     if name is None:
         return None
-    return make_env(name, {**dict(config or {}), **dict(_extra(row).get("env_kwargs") or {})})
+    # None values are dropped: a parquet file of rows with different env_kwargs gives every row every key (None where it had none)
+    row_kwargs = {k: v for k, v in dict(_extra(row).get("env_kwargs") or {}).items() if v is not None}
+    return make_env(name, {**dict(config or {}), **row_kwargs})
 
 
 # ------------------------------------------------------------------------------------ guess

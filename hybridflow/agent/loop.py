@@ -262,17 +262,22 @@ class EnvAgentLoop(AgentLoop):
 
     def first_messages(self, row: Mapping[str, Any]) -> list[dict]:
         messages = [dict(m) for m in row.get("raw_prompt") or []]
-        first = self.env.reset(row)
-        return messages if messages else [{"role": "user", "content": first}]
+        return messages if messages else [{"role": "user", "content": self.first}]
 
     async def setup(self, row: Mapping[str, Any]) -> None:
         env = make_env_for_row(row)
         if env is None:
             raise ValueError("env_agent: the row names no environment (extra_info.env or extra_info.interaction_kwargs.name)")
         self.env: Environment = env
+        self.first = await env.areset(row)
+
+    async def teardown(self) -> None:
+        env = getattr(self, "env", None)
+        if env is not None:
+            await env.aclose()
 
     async def after_turn(self, traj: Trajectory, text: str) -> list[dict] | None:
-        message, reward, done = self.env.step(text)
+        message, reward, done = await self.env.astep(text)
         traj.reward += float(reward)
         if done:
             traj.finish = "env_done"

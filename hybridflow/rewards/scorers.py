@@ -58,9 +58,9 @@ _GSM8K = ("openai/gsm8k", "gsm8k")
 # MATH-style rows (a \boxed{} answer compared as math: hybridflow/rewards/math.py), by verl's names.
 _MATH = ("math", "lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500", "math_dapo", "aime", "aime2024", "aime2025")
 _CODE = ("code",)
-# Rows played against an environment (hybridflow/agent/envs.py) or by a black-box agent that scores its own
+# Rows played against an environment (hybridflow/agent/envs.py, ecosystem.py) or by a black-box agent that scores its own
 # episode (agent/openai_agent.py): that reward is the trajectory's (`agent_reward`, added by the trainer); the rule adds nothing.
-_ENVIRONMENT = ("guess", "agent")
+_ENVIRONMENT = ("guess", "agent", "verifiers", "openenv")
 
 
 def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float | dict:

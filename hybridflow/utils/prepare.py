@@ -3,6 +3,7 @@
     hybridflow prepare gsm8k_train.jsonl --format gsm8k --split train -o data/gsm8k/train.parquet
     hybridflow prepare math_test.parquet --format math --split test -o data/math/test.parquet
     hybridflow prepare --reasoning-gym chain_sum --size 2000 --seed 1 -o data/rg/train.parquet   (hybridflow/data/reasoning_gym.py)
+    hybridflow prepare --verifiers my_taskset --size 500 -o data/vf/train.parquet                (hybridflow/agent/ecosystem.py)
 
 What verl's `examples/data_preprocess/{gsm8k,math_dataset}.py` do, from files on disk (no hub):
 each row becomes
@@ -128,7 +129,19 @@ def main_prepare(argv: list[str] | None = None) -> int:
     p.add_argument("--size", type=int, default=1000, help="--reasoning-gym: entries to generate")
     p.add_argument("--seed", type=int, default=0, help="--reasoning-gym: the dataset seed (entry i depends on seed + i)")
     p.add_argument("--rg-config", nargs="*", default=[], metavar="KEY=VALUE", help="--reasoning-gym: the task's config, e.g. max_terms=3")
+    p.add_argument("--verifiers", metavar="TASKSET", default=None,
+                   help="a verifiers (v1) taskset's tasks as rows of the `verifiers` environment (its rubric is the reward); --size: the first N")
     a = p.parse_args(argv)
+    if a.verifiers:
+        from hybridflow.agent.ecosystem import make_verifiers_rows
+
+        try:
+            rows = make_verifiers_rows(a.verifiers, a.size, a.split)
+        except ValueError as e:
+            p.exit(2, f"hybridflow prepare: {e}\n")
+        write_parquet(rows, a.output)
+        print(f"wrote {len(rows)} rows of verifiers taskset {a.verifiers} to {a.output}")
+        return 0
     if a.reasoning_gym:
         from hybridflow.data.reasoning_gym import make_rows, parse_config
 
