@@ -237,13 +237,14 @@ def test_verifiers_and_openenv_environments_train_a_grpo_step_with_their_own_rew
     oe_rows = [{"data_source": "openenv", "prompt": [{"role": "user", "content": "Guess my digit."}], "reward_model": {"style": "rule", "ground_truth": ""},
                 "extra_info": {"env": "openenv", "env_kwargs": {"url": url, "message_key": "prompt", "reset_kwargs": {"target": t}}}} for t in (1, 2, 3)]
     write_parquet(vf_rows + oe_rows + vf_rows[:2], tmp_path / "train.parquet")  # 8 prompts
-    cfg = load_config(None, rl_overrides(tiny_model_dir, tmp_path, tmp_path / "out", f"data.train_files=[{tmp_path / 'train.parquet'}]",
-                                         f"data.val_files=[{tmp_path / 'train.parquet'}]", "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+    data = tmp_path / "train.parquet"
+    cfg = load_config(None, rl_overrides(tiny_model_dir, tmp_path, tmp_path / "out", f"data.train_files=[{data}]", f"data.val_files=[{data}]",
+                                         "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
                                          "data.max_prompt_length=64", "data.max_response_length=64", "trainer.total_training_steps=1",
-                                         "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.rollout.multi_turn.enable=true",
-                                         "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3", f"actor_rollout_ref.rollout.stop_token_ids=[{GUESS_STOPS}]",
-                                         "actor_rollout_ref.actor.recompute_old_log_prob=true", "trainer.val_before_train=false",
-                                         "trainer.test_freq=0"), schema=HybridFlowConfig)
+                                         "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2",
+                                         "actor_rollout_ref.rollout.multi_turn.enable=true", "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
+                                         f"actor_rollout_ref.rollout.stop_token_ids=[{GUESS_STOPS}]", "actor_rollout_ref.actor.recompute_old_log_prob=true",
+                                         "trainer.val_before_train=false", "trainer.test_freq=0"), schema=HybridFlowConfig)
     trainer = RLTrainer(cfg)
     tok = trainer.tokenizer
     try:
