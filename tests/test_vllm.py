@@ -285,3 +285,43 @@ def test_vllm_as_the_async_rollout_pool_with_partial_rollout(ray_cluster, vllm_m
         assert h["rollout/staleness_max"] == 0.0
         assert h["rollout/logprob_diff_max"] < 1e-3, h  # vLLM on its own pool vs the FSDP2 trainer, fp32, after each sync
         assert abs(h["actor/ppo_kl"]) < 1e-6
+
+
+def test_openai_endpoint_on_vllm_records_what_vllm_samples_for_the_same_seed(tmp_path):
+    """The agent endpoint (agent/openai_server.py) in front of the vLLM backend, driven by the
+    official `openai` client with tools and logprobs: the token ids and log-probs it returns and
+    records equal vLLM's own `generate_requests` for the same prompt ids, params and seed."""
+    import asyncio
+
+    import openai
+    from transformers import AutoTokenizer
+
+    from hybridflow.agent.loop import RequestBatcher
+    from hybridflow.agent.openai_server import EndpointSettings, LiveEndpoint
+    from hybridflow.protocol import Request, SamplingParams
+    from hybridflow.rollout.vllm_rollout import VLLMRollout
+
+    from hybridflow.models.tiny import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / "m", hidden_size=64, num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=1024)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    rollout = VLLMRollout(str(model_dir), "float32", 1024, 0, "cpu", 0.5, 1, tokenizer=tok)  # the tool prompt is ~550 tokens
+    calc = {"type": "function", "function": {"name": "calculator", "description": "calc", "parameters": {"type": "object", "properties": {}}}}
+    base = SamplingParams(max_new_tokens=24, temperature=1.0, seed=11)
+
+    async def body():
+        batcher = RequestBatcher(rollout.generate_requests, SamplingParams(max_new_tokens=64, seed=1))
+        ep = LiveEndpoint(EndpointSettings("tiny", 64, 900, sampling="request"), tok, batcher)
+        async with ep.serve():
+            s = ep.open_session()
+            async with openai.AsyncOpenAI(base_url=ep.url(s), api_key=s.key, max_retries=0) as client:
+                r = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "What is 2*3?"}], tools=[calc],
+                                                         logprobs=True, seed=11, max_tokens=24, temperature=1.0)
+        return r, s
+
+    r, session = asyncio.run(body())
+    want = rollout.generate_requests([Request(r.model_extra["prompt_token_ids"], base)])[0]
+    choice = r.choices[0]
+    assert choice.model_extra["token_ids"] == list(want.token_ids) and len(want.token_ids) > 0
+    assert [t.logprob for t in choice.logprobs.content] == list(want.log_probs)
+    assert session.trajectory().response_ids == list(want.token_ids) and session.trajectory().log_probs == list(want.log_probs)
