@@ -248,9 +248,9 @@ def test_training_sampling_is_the_runs_and_overrides_are_counted(tok):
         s = ep.open_session()
         async with openai.AsyncOpenAI(base_url=ep.url(s), api_key=s.key, max_retries=0) as client:
             await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], temperature=0.3, top_p=0.5)
-        return ep.counters.sampling_overridden
+        return ep.counters.sampling_overridden, s.sampling_overridden
 
-    assert asyncio.run(_serve(tok, backend, body, sampling="run")) == 1
+    assert asyncio.run(_serve(tok, backend, body, sampling="run")) == (1, 1)
     assert backend.requests[0].params.temperature == 1.0 and backend.requests[0].params.top_p == 1.0
 
 

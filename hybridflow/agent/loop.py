@@ -63,6 +63,7 @@ class Trajectory:
     # tokens (the recorded ones were trained), earlier segments not trained, and how the agent ended
     retokenization_mismatch: int = 0
     dropped_segments: int = 0
+    sampling_overridden: int = 0
     agent_error: str = ""
     agent_timeout: bool = False
     session_kind: str = ""  # "openai": played by a black-box agent through the endpoint
@@ -340,4 +341,5 @@ def trajectory_metrics(trajs: Sequence[Trajectory], batcher: RequestBatcher | No
         out["agent/dropped_segments"] = float(sum(t.dropped_segments for t in trajs))
         out["agent/agent_errors"] = float(sum(bool(t.agent_error) for t in trajs))
         out["agent/agent_timeouts"] = float(sum(t.agent_timeout for t in trajs))
+        out["agent/sampling_overridden"] = float(sum(t.sampling_overridden for t in trajs))
     return out

@@ -206,7 +206,7 @@ class OpenAIAgentLoop(AgentLoop):
             traj = Trajectory(prompt_ids=list(ids)[-endpoint.s.max_prompt_tokens:], session=session.id, finish="no_request")
         traj.reward += reward
         traj.retokenization_mismatch, traj.tool_calls = session.mismatches, session.tool_calls
-        traj.dropped_segments = session.dropped_segments
+        traj.dropped_segments, traj.sampling_overridden = session.dropped_segments, session.sampling_overridden
         traj.agent_error, traj.agent_timeout, traj.session_kind = error, timeout, "openai"
         if error:
             print(f"[hybridflow] openai_agent: session {session.id[:8]}: {error[:300]}", file=sys.stderr)

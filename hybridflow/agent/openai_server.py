@@ -252,7 +252,7 @@ class LiveEndpoint:
             plan = session.plan(messages, tools)
         except ValueError as e:
             raise APIError(400, str(e), param="messages", code="context_length_exceeded") from None
-        params, seeded, n, want_logprobs = self._params(body, plan.left)
+        params, seeded, n, want_logprobs = self._params(body, plan.left, session)
         prompt, seg = plan.ids, session.place(plan)  # every check passed: the request is recorded from here on
         completions = await asyncio.gather(*(self.batcher.generate(prompt, params.max_new_tokens, session.id, params, seeded) for _ in range(n)))
         fmt = get_format(self.s.fmt)
@@ -295,7 +295,7 @@ class LiveEndpoint:
             plan = session.plan_ids(ids)
         except ValueError as e:
             raise APIError(400, str(e), param="prompt", code="context_length_exceeded") from None
-        params, seeded, n, want_logprobs = self._params(body, plan.left)
+        params, seeded, n, want_logprobs = self._params(body, plan.left, session)
         if n != 1:
             raise APIError(400, "n > 1 is not supported on /v1/completions (one continuation per segment)", param="n")
         ids, seg = plan.ids, session.place(plan)
@@ -306,7 +306,7 @@ class LiveEndpoint:
                     if want_logprobs else None}]
         return self._reply("text_completion", ids, [c], choices)
 
-    def _params(self, body: Mapping[str, Any], left: int) -> tuple[SamplingParams, bool, int, bool]:
+    def _params(self, body: Mapping[str, Any], left: int, session: Session) -> tuple[SamplingParams, bool, int, bool]:
         """(params, seeded, n, logprobs) from the request's fields, checked; max tokens bounded by `left`."""
         base = self.batcher.base
         n = _int(body, "n", 1, 1, MAX_N)
@@ -344,6 +344,7 @@ class LiveEndpoint:
             params = params.with_(do_sample=asked.get("temperature", 1.0) > 0, **asked)
         elif any(getattr(base, k) != v for k, v in asked.items()):
             self.counters.sampling_overridden += 1
+            session.sampling_overridden += 1
         return params, seed is not None, n, bool(logprobs)
 
     def _text(self, c: Completion, params: SamplingParams) -> str:

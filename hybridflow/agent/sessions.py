@@ -114,6 +114,7 @@ class Session:
     requests: int = 0
     mismatches: int = 0  # requests whose plain rendering differs from the recorded tokens (the recorded ones were used)
     tool_calls: int = 0  # tool calls returned to the agent (first choices)
+    sampling_overridden: int = 0  # requests that asked for another temperature / top_p than the run's (served with the run's)
     last: int = -1  # the segment the latest reply went to: the trained one
     closed: bool = False
     opened_at: float = field(default_factory=time.monotonic)

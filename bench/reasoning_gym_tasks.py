@@ -1,0 +1,142 @@
+"""reasoning-gym tasks trained with GRPO, scored by reasoning-gym's own verifiers: held-out accuracy
+before -> after, one row per task (and a SmolLM2-135M row with --smollm2).
+
+Per task (hybridflow/data/reasoning_gym.py makes the rows; train seed 1, held-out seed 10**6 + 1):
+- tiny rows: a fresh 2-layer x 128 char-level model, a short SFT (`--sft-steps`) on demonstrations
+  `<answer>X</answer>` whose answer is wrong with probability `--bias` (a nearby number, a
+  misspelt word), then `--steps` GRPO steps (8 prompts x 8 samples, `--lr`) with the task's verifier
+  as the only reward. The greedy held-out accuracy is measured after the SFT and at the end.
+- `--smollm2 DIR` (scripts/get_smollm2.py): SmolLM2-135M-Instruct as it comes (no SFT), the same GRPO
+  on chain_sum with fewer steps (CPU), before -> after.
+
+Run:  .venv/bin/python bench/reasoning_gym_tasks.py [--tasks chain_sum spell_backward] [--steps 30] [--smollm2 runs/models/smollm2-135m]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from hybridflow.config import HybridFlowConfig, SFTConfig, load_config  # noqa: E402
+from hybridflow.data.reasoning_gym import make_rows  # noqa: E402
+from hybridflow.data.tasks import write_parquet  # noqa: E402
+
+TASKS = {
+    "chain_sum": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
+    "spell_backward": {"min_word_len": 3, "max_word_len": 4},
+}
+VAL_SEED = 10**6 + 1
+
+
+def wrong(answer: str, rng: random.Random) -> str:
+    """A plausible wrong answer: a nearby number, or the word with two letters swapped."""
+    try:
+        return str(int(answer) + rng.choice([-2, -1, 1, 2]))
+    except ValueError:
+        if len(answer) < 2:
+            return answer + answer
+        i = rng.randrange(len(answer) - 1)
+        swapped = answer[:i] + answer[i + 1] + answer[i] + answer[i + 2:]
+        return swapped if swapped != answer else answer[::-1] + "x"
+
+
+def task_files(name: str, out: str, n_train: int, n_val: int, bias: float) -> dict:
+    cfg = TASKS[name]
+    train, val = make_rows(name, n_train, 1, cfg, "train"), make_rows(name, n_val, VAL_SEED, cfg, "val")
+    rng = random.Random(0)
+    sft = [{"messages": [*r["prompt"], {"role": "assistant", "content": "<answer>{}</answer>".format(
+        wrong(r["reward_model"]["ground_truth"], rng) if rng.random() < bias else r["reward_model"]["ground_truth"])}]} for r in train]
+    return {"train": write_parquet(train, f"{out}/train.parquet"), "val": write_parquet(val, f"{out}/val.parquet"),
+            "sft": write_parquet(sft, f"{out}/sft.parquet")}
+
+
+def grpo_config(files: dict, model: str, out: str, steps: int, prompt_len: int, response_len: int, n: int, prompts: int,
+                lr: float) -> HybridFlowConfig:
+    return load_config(None, [
+        f"data.train_files=[{files['train']}]", f"data.val_files=[{files['val']}]", f"data.train_batch_size={prompts}",
+        f"data.max_prompt_length={prompt_len}", f"data.max_response_length={response_len}", f"actor_rollout_ref.model.path={model}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={prompts}", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+        f"actor_rollout_ref.actor.optim.lr={lr}", f"actor_rollout_ref.rollout.n={n}", "actor_rollout_ref.rollout.temperature=1.0",
+        "algorithm.adv_estimator=grpo", f"trainer.total_training_steps={steps}", f"trainer.test_freq={steps}", "trainer.val_before_train=true",
+        f"trainer.default_local_dir={out}", "trainer.resume_mode=disable", "trainer.save_freq=-1", "trainer.logger=[console]",
+        "trainer.progress_bar=false",
+    ], schema=HybridFlowConfig)
+
+
+def fit(cfg) -> list[dict]:
+    from hybridflow.trainer.rl import RLTrainer
+
+    trainer = RLTrainer(cfg)
+    try:
+        return trainer.fit()["history"]
+    finally:
+        trainer.shutdown()
+
+
+def held_out(history: list[dict], name: str) -> tuple[float, float]:
+    key = f"val-core/reasoning_gym/{name}/acc/mean@1"
+    vals = [h[key] for h in history if key in h]
+    return vals[0], vals[-1]
+
+
+def tiny_row(name: str, root: str, args) -> dict:
+    from hybridflow.models.tiny import make_tiny_model
+    from hybridflow.trainer.sft import run_sft
+
+    t = time.time()
+    out = f"{root}/{name}"
+    files = task_files(name, f"{out}/data", 4000, 100, args.bias)
+    base = make_tiny_model(f"{out}/tiny", hidden_size=128, intermediate_size=256, num_hidden_layers=2)
+    sft = load_config(None, [
+        f"train_files=[{files['sft']}]", "multiturn.enable=true", "max_length=200", "train_batch_size=64", "micro_batch_size_per_gpu=32",
+        f"total_steps={args.sft_steps}", f"model.path={base}", "optim.lr=2e-3", "optim.lr_scheduler_type=cosine",
+        "optim.lr_warmup_steps_ratio=0.05", f"save_dir={out}/sft_model", f"trainer.default_local_dir={out}/sft", "trainer.logger=[console]",
+    ], schema=SFTConfig)
+    run_sft(sft)
+    history = fit(grpo_config(files, f"{out}/sft_model", f"{out}/grpo", args.steps, 160, 24, 8, 8, args.lr))
+    before, after = held_out(history, name)
+    return {"row": f"tiny, {name}", "before": before, "after": after, "steps": args.steps, "wall_s": time.time() - t}
+
+
+def smollm2_row(path: str, root: str, args) -> dict:
+    t = time.time()
+    files = task_files("chain_sum", f"{root}/smol/data", 2000, 50, 0.0)
+    history = fit(grpo_config(files, path, f"{root}/smol/grpo", args.smollm2_steps, 192, 48, 4, 8, 1e-6))
+    before, after = held_out(history, "chain_sum")
+    return {"row": "SmolLM2-135M, chain_sum", "before": before, "after": after, "steps": args.smollm2_steps, "wall_s": time.time() - t}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tasks", nargs="+", default=sorted(TASKS), choices=sorted(TASKS))
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--sft-steps", type=int, default=300)
+    ap.add_argument("--lr", type=float, default=1e-4, help="the tiny rows' GRPO learning rate")
+    ap.add_argument("--bias", type=float, default=0.5, help="share of SFT demonstrations with a wrong answer")
+    ap.add_argument("--smollm2", default=None, metavar="DIR")
+    ap.add_argument("--smollm2-steps", type=int, default=10)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as root:
+        for name in args.tasks:
+            rows.append(tiny_row(name, root, args))
+        if args.smollm2:
+            rows.append(smollm2_row(args.smollm2, root, args))
+    print(f"\n{'row':<28} {'held-out before':>16} {'after':>7} {'GRPO steps':>11} {'wall s':>8}")
+    for r in rows:
+        print(f"{r['row']:<28} {r['before']:>16.2f} {r['after']:>7.2f} {r['steps']:>11} {r['wall_s']:>8.0f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
