@@ -9,6 +9,7 @@
     hybridflow export runs/demo/grpo/global_step_60 runs/policy_hf
     hybridflow plan --preset llama3-8b --nodes 8 --gpus-per-node 8 --train-layout pp2xtp8xdp4 --gen-tp 4
     hybridflow prepare gsm8k_train.jsonl --split train -o data/gsm8k/train.parquet
+    hybridflow prepare --reasoning-gym chain_sum --size 2000 --seed 1 -o data/rg/train.parquet
 """
 
 from __future__ import annotations

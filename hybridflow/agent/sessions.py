@@ -179,6 +179,8 @@ class Session:
         """The reply `completion` to a request placed in `segment`: its tokens appended as sampled
         (mask 1, log-probs, versions); with chat messages, a point to continue from when the turn
         closed with a stop token (a reply cut by max_tokens or a stop string has no end of turn)."""
+        if self.closed:  # a reply that arrived after its agent ended (timed out): the trajectory is already taken
+            return
         seg = self.segments[segment]
         seg.append(completion.token_ids, model=True, log_probs=completion.log_probs,
                    untruncated_log_probs=completion.untruncated, versions=completion.versions)
