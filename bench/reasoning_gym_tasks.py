@@ -3,11 +3,11 @@ before -> after, one row per task (and a SmolLM2-135M row with --smollm2).
 
 Per task (hybridflow/data/reasoning_gym.py makes the rows; train seed 1, held-out seed 10**6 + 1):
 - tiny rows: a fresh 2-layer x 128 char-level model, a short SFT (`--sft-steps`) on demonstrations
-  `<answer>X</answer>` whose answer is wrong with probability `--bias` (a nearby number, a
-  misspelt word), then `--steps` GRPO steps (8 prompts x 8 samples, `--lr`) with the task's verifier
+  `<answer>X</answer>` that follow a wrong rule with probability `--bias` (copy the question's last
+  number instead of computing; spell the word forward), then `--steps` GRPO steps (8 prompts x 8 samples, `--lr`) with the task's verifier
   as the only reward. The greedy held-out accuracy is measured after the SFT and at the end.
-- `--smollm2 DIR` (scripts/get_smollm2.py): SmolLM2-135M-Instruct as it comes (no SFT), the same GRPO
-  on chain_sum with fewer steps (CPU), before -> after.
+- `--smollm2 DIR` (scripts/get_smollm2.py): SmolLM2-135M-Instruct as it comes (no SFT), GRPO on
+  chain_sum (8 prompts x 4 samples, `--smollm2-steps`, `--smollm2-lr`), before -> after.
 
 Run:  .venv/bin/python bench/reasoning_gym_tasks.py [--tasks chain_sum spell_backward] [--steps 30] [--smollm2 runs/models/smollm2-135m]
 """
@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import random
+import re
 import sys
 import tempfile
 import time
@@ -35,24 +36,29 @@ TASKS = {
 VAL_SEED = 10**6 + 1
 
 
-def wrong(answer: str, rng: random.Random) -> str:
-    """A plausible wrong answer: a nearby number, or the word with two letters swapped."""
+def wrong(answer: str, question: str) -> str:
+    """The wrong *rule* the SFT demonstrations follow with probability `bias` (as the demo's task
+    does: the SFT model knows both rules and prefers the wrong one; GRPO has a rule to switch to):
+    a number's answer -> the last number of the question (copy instead of compute); a word's ->
+    the word reversed back (spell it forward)."""
     try:
-        return str(int(answer) + rng.choice([-2, -1, 1, 2]))
+        int(answer)
     except ValueError:
-        if len(answer) < 2:
-            return answer + answer
-        i = rng.randrange(len(answer) - 1)
-        swapped = answer[:i] + answer[i + 1] + answer[i] + answer[i + 2:]
-        return swapped if swapped != answer else answer[::-1] + "x"
+        return answer[::-1]
+    numbers = re.findall(r"-?\d+", question.split("=")[0])
+    return numbers[-1] if numbers and numbers[-1] != answer else str(int(answer) + 1)
 
 
 def task_files(name: str, out: str, n_train: int, n_val: int, bias: float) -> dict:
     cfg = TASKS[name]
     train, val = make_rows(name, n_train, 1, cfg, "train"), make_rows(name, n_val, VAL_SEED, cfg, "val")
     rng = random.Random(0)
-    sft = [{"messages": [*r["prompt"], {"role": "assistant", "content": "<answer>{}</answer>".format(
-        wrong(r["reward_model"]["ground_truth"], rng) if rng.random() < bias else r["reward_model"]["ground_truth"])}]} for r in train]
+
+    def demo(r: dict) -> str:
+        truth = r["reward_model"]["ground_truth"]
+        return wrong(truth, r["prompt"][0]["content"]) if rng.random() < bias else truth
+
+    sft = [{"messages": [*r["prompt"], {"role": "assistant", "content": f"<answer>{demo(r)}</answer>"}]} for r in train]
     return {"train": write_parquet(train, f"{out}/train.parquet"), "val": write_parquet(val, f"{out}/val.parquet"),
             "sft": write_parquet(sft, f"{out}/sft.parquet")}
 
@@ -108,20 +114,21 @@ def tiny_row(name: str, root: str, args) -> dict:
 def smollm2_row(path: str, root: str, args) -> dict:
     t = time.time()
     files = task_files("chain_sum", f"{root}/smol/data", 2000, 50, 0.0)
-    history = fit(grpo_config(files, path, f"{root}/smol/grpo", args.smollm2_steps, 192, 48, 4, 8, 1e-6))
+    history = fit(grpo_config(files, path, f"{root}/smol/grpo", args.smollm2_steps, 192, 48, 4, 8, args.smollm2_lr))
     before, after = held_out(history, "chain_sum")
     return {"row": "SmolLM2-135M, chain_sum", "before": before, "after": after, "steps": args.smollm2_steps, "wall_s": time.time() - t}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tasks", nargs="+", default=sorted(TASKS), choices=sorted(TASKS))
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--sft-steps", type=int, default=300)
-    ap.add_argument("--lr", type=float, default=1e-4, help="the tiny rows' GRPO learning rate")
-    ap.add_argument("--bias", type=float, default=0.5, help="share of SFT demonstrations with a wrong answer")
+    ap.add_argument("--tasks", nargs="*", default=sorted(TASKS), choices=sorted(TASKS))
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--sft-steps", type=int, default=800)
+    ap.add_argument("--lr", type=float, default=2e-4, help="the tiny rows' GRPO learning rate")
+    ap.add_argument("--bias", type=float, default=0.7, help="share of SFT demonstrations that follow the wrong rule")
     ap.add_argument("--smollm2", default=None, metavar="DIR")
-    ap.add_argument("--smollm2-steps", type=int, default=10)
+    ap.add_argument("--smollm2-steps", type=int, default=15)
+    ap.add_argument("--smollm2-lr", type=float, default=5e-6)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     rows = []
