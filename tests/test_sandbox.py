@@ -185,7 +185,9 @@ except OSError as e:
     bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
     res = marked(sb, bomb, marker, SandboxLimits(max_procs=8, cpu_s=1, wall_s=2))
     assert res.timed_out or res.killed_reason, res
-    assert res.exit_code != 0 and res.wall_s < 3.5
+    # stopped at its 2 s wall (or sooner by CPU); the slack covers teardown of 8 spinning processes on 2
+    # shared cores while other CI tests run (3.77 s was seen with the unshare backend)
+    assert res.exit_code != 0 and res.wall_s < 5.0
     assert host_processes_with(marker) == []
 
 
