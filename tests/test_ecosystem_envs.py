@@ -11,23 +11,13 @@ import pytest
 from transformers import AutoTokenizer
 
 from hybridflow.agent.loop import AgentSettings, run_trajectories
-from hybridflow.protocol import Completion, SamplingParams
+from hybridflow.protocol import SamplingParams
+from test_openai_endpoint import Scripted  # a backend answering each request with a fixed reply of its prompt
 
 
 @pytest.fixture(scope="module")
 def tok(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
-
-
-def scripted(tok, reply):
-    """A backend answering each request with reply(prompt text) (+ eos)."""
-    def generate(requests):
-        out = []
-        for r in requests:
-            ids = tok.encode(reply(tok.decode(list(r.prompt_ids))), add_special_tokens=False) + [tok.eos_token_id]
-            out.append(Completion(tuple(ids), tuple([-0.5] * len(ids)), "stop"))
-        return out
-    return generate
 
 
 def test_verifiers_taskset_rows_are_scored_by_its_rubric(tok, tmp_path):
@@ -42,7 +32,7 @@ def test_verifiers_taskset_rows_are_scored_by_its_rubric(tok, tmp_path):
     assert [r["prompt"][-1]["content"] for r in rows] == [f"{q}=" for q, _ in ROWS] and rows[0]["prompt"][0]["role"] == "system"
     replies = {"2+3=": "5", "4+4=": "it is 8", "1+6=": "6"}
     agent_rows = [{"raw_prompt": list(r["prompt"]), "extra_info": r["extra_info"]} for r in rows]
-    trajs, _ = asyncio.run(run_trajectories(agent_rows, scripted(tok, lambda p: next(v for k, v in replies.items() if k in p)), tok,
+    trajs, _ = asyncio.run(run_trajectories(agent_rows, Scripted(tok, lambda p: next(v for k, v in replies.items() if k in p)), tok,
                                             AgentSettings(response_budget=32), SamplingParams(max_new_tokens=32)))
     want = [expected_reward(i, replies[f"{q}="]) for i, (q, _) in enumerate(ROWS)]
     assert [t.reward for t in trajs] == want and want == [1.25, 1.0 + 0.5 / 8, 0.25]
@@ -57,7 +47,7 @@ def test_openenv_server_played_over_its_client(tok):
         rows = [{"raw_prompt": [], "extra_info": {"env": "openenv", "env_kwargs": {"url": url, "message_key": "prompt",
                                                                                     "reset_kwargs": {"target": t}}}} for t in (3, 9)]
         # the model guesses 3, then (after "No.") 9: the first game is won in one turn, the second in two
-        trajs, _ = asyncio.run(run_trajectories(rows, scripted(tok, lambda p: "9" if "No." in p else "3"), tok,
+        trajs, _ = asyncio.run(run_trajectories(rows, Scripted(tok, lambda p: "9" if "No." in p else "3"), tok,
                                                 AgentSettings(max_assistant_turns=5, response_budget=96), SamplingParams(max_new_tokens=96)))
     finally:
         stop()

@@ -68,12 +68,6 @@ class OpenEnvEnvironment(Environment):
         if client is not None:
             await client.close()
 
-    def reset(self, row: Mapping[str, Any]) -> str:
-        raise TypeError("openenv env is asynchronous: the agent loop calls areset / astep")
-
-    def step(self, model_text: str) -> EnvStep:
-        raise TypeError("openenv env is asynchronous: the agent loop calls areset / astep")
-
 
 # ------------------------------------------------------------------------------------ verifiers
 @functools.lru_cache(maxsize=16)
@@ -147,9 +141,3 @@ class VerifiersEnvironment(Environment):
     async def astep(self, model_text: str) -> EnvStep:
         reward, self.parts = await score_with_rubric(self.task, self.prompt, model_text)
         return EnvStep("", reward, True)
-
-    def reset(self, row: Mapping[str, Any]) -> str:
-        raise TypeError("verifiers env is asynchronous: the agent loop calls areset / astep")
-
-    def step(self, model_text: str) -> EnvStep:
-        raise TypeError("verifiers env is asynchronous: the agent loop calls areset / astep")

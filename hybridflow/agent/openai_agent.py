@@ -25,6 +25,7 @@ import json
 import math
 import os
 import shlex
+import shutil
 import signal
 import sys
 from dataclasses import dataclass
@@ -96,15 +97,9 @@ def agent_problems(function: str | None, command: str | None, multi_turn: bool) 
         except ValueError as e:
             argv = []
             out.append(f"{key}.command={command!r}: {e}")
-        if argv and not (os.path.isfile(argv[0]) or _which(argv[0])):
+        if argv and not (os.path.isfile(argv[0]) or shutil.which(argv[0])):
             out.append(f"{key}.command={command!r}: {argv[0]!r} is not a file or a program on PATH")
     return out
-
-
-def _which(name: str) -> bool:
-    import shutil
-
-    return shutil.which(name) is not None
 
 
 def parse_reward(line: str) -> float:
@@ -178,7 +173,7 @@ class OpenAIAgentLoop(AgentLoop):
 
     async def run(self, row: Mapping[str, Any], batcher: RequestBatcher) -> Trajectory:
         agent, endpoint = self.s.black_box, self.shared
-        session = endpoint.open_session(row)
+        session = endpoint.open_session()
         agent_row = {"messages": jsonable(list(row.get("raw_prompt") or [])), "extra_info": jsonable(dict(row.get("extra_info") or {})),
                      "model": endpoint.s.model_name}
         reward, error, timeout = 0.0, "", False

@@ -1,6 +1,6 @@
 """An OpenAI-compatible endpoint in front of the rollout: black-box agents generate through it.
 
-    GET  /v1/models                                   the served model (the run key or a session key)
+    GET  /v1/models                                   the served model (any session's key)
     POST /sessions/{id}/v1/chat/completions           messages, tools, tool_choice, n, temperature, top_p,
                                                       max_tokens | max_completion_tokens, stop, seed, logprobs
     POST /sessions/{id}/v1/completions                prompt (text or token ids), the same sampling fields
@@ -31,12 +31,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
+import httpx
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
@@ -79,7 +82,6 @@ class EndpointSettings:
 
 @dataclass
 class Counters:
-    requests: int = 0
     errors: dict[int, int] = field(default_factory=dict)  # status -> count
     sampling_overridden: int = 0
 
@@ -89,7 +91,6 @@ class LiveEndpoint:
 
     def __init__(self, settings: EndpointSettings, tokenizer: Any, batcher: Any):  # batcher: loop.RequestBatcher
         self.s, self.tok, self.batcher = settings, tokenizer, batcher
-        self.run_key = "hf-" + secrets.token_urlsafe(24)
         self.sessions: dict[str, Session] = {}
         self.counters = Counters()
         self.stop_ids = {int(tokenizer.eos_token_id), *batcher.base.stop_token_ids}
@@ -98,9 +99,9 @@ class LiveEndpoint:
         self.app = self._build_app()
 
     # ------------------------------------------------------------------ sessions
-    def open_session(self, row: Mapping[str, Any] | None = None) -> Session:
+    def open_session(self) -> Session:
         sid = uuid.uuid4().hex
-        s = Session(sid, self.tok, self.s.fmt, self.s.response_budget, self.s.max_prompt_tokens, dict(row or {}))
+        s = Session(sid, self.tok, self.s.fmt, self.s.response_budget, self.s.max_prompt_tokens)
         self.sessions[sid] = s
         return s
 
@@ -113,8 +114,6 @@ class LiveEndpoint:
     @contextlib.asynccontextmanager
     async def serve(self):
         """Serve on the running loop (uvicorn, a free port unless settings.port) until the block ends."""
-        import uvicorn
-
         config = uvicorn.Config(self.app, host=self.s.host, port=self.s.port, log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=1)
         server = uvicorn.Server(config)
@@ -127,10 +126,6 @@ class LiveEndpoint:
             await asyncio.sleep(0.01)
         host, port = server.servers[0].sockets[0].getsockname()[:2]
         self.base_url = f"http://{host}:{port}"
-        import logging
-
-        import httpx
-
         logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per agent request at INFO would drown the run's log
         # One connection pool for the in-process agents' clients (a client per trajectory would build
         # an SSL context and a pool each: ~20 ms of CPU apiece).
@@ -152,7 +147,6 @@ class LiveEndpoint:
             return JSONResponse(e.body(), status_code=e.status)
 
         async def handle(request: Request, work) -> JSONResponse:
-            self.counters.requests += 1
             try:
                 return JSONResponse(await work())
             except APIError as e:
@@ -207,7 +201,7 @@ class LiveEndpoint:
         return s
 
     def _known_key(self, key: str) -> bool:
-        return secrets.compare_digest(key, self.run_key) or any(secrets.compare_digest(key, s.key) for s in self.sessions.values())
+        return any(secrets.compare_digest(key, s.key) for s in self.sessions.values())
 
     async def _models(self, request, sid: str | None) -> dict:
         if sid is None:
@@ -269,7 +263,8 @@ class LiveEndpoint:
                      "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}} for call in parsed.calls]}
                 finish = "tool_calls" if c.finish_reason == "stop" else finish
             session.record(seg if i == 0 else session.branch(seg, base_len), messages, c, message, self.stop_ids)
-            session.tool_calls += len(message.get("tool_calls") or ()) * (i == 0)
+            if i == 0:
+                session.tool_calls += len(message.get("tool_calls") or ())
             choices.insert(0, {"index": i, "message": message, "finish_reason": finish, "token_ids": list(c.token_ids),
                                "logprobs": self._logprobs(c) if want_logprobs else None})
         return self._reply("chat.completion", prompt, completions, choices)

@@ -107,7 +107,6 @@ class Session:
     fmt: str
     response_budget: int  # tokens of one segment's response (model + template), data.max_response_length
     max_prompt_tokens: int  # data.max_prompt_length: a new segment's prompt
-    row: Mapping[str, Any] = field(default_factory=dict)
     key: str = field(default_factory=lambda: "hf-" + secrets.token_urlsafe(24))
     segments: list[Trajectory] = field(default_factory=list)
     points: list[_Point] = field(default_factory=list)
@@ -117,7 +116,6 @@ class Session:
     sampling_overridden: int = 0  # requests that asked for another temperature / top_p than the run's (served with the run's)
     last: int = -1  # the segment the latest reply went to: the trained one
     closed: bool = False
-    opened_at: float = field(default_factory=time.monotonic)
 
     def plan(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None) -> "Placement":
         """Where a chat request goes, without changing the session (`place` commits it): continues the

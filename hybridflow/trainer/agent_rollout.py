@@ -16,6 +16,7 @@ trajectories become the same batch a single-turn rollout returns, with tool toke
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Any
 
 import torch
@@ -100,6 +101,4 @@ class AgentRollout:
 
 def served_model_name(path: str) -> str:
     """The name the agent endpoint serves the policy as: the model directory's name (what /v1/models lists)."""
-    import os
-
     return os.path.basename(os.path.normpath(path)) or "policy"

@@ -132,30 +132,27 @@ def main_prepare(argv: list[str] | None = None) -> int:
     p.add_argument("--verifiers", metavar="TASKSET", default=None,
                    help="a verifiers (v1) taskset's tasks as rows of the `verifiers` environment (its rubric is the reward); --size: the first N")
     a = p.parse_args(argv)
-    if a.verifiers:
-        from hybridflow.agent.ecosystem import make_verifiers_rows
-
+    if a.verifiers or a.reasoning_gym:  # generated rows instead of files
+        if a.inputs or (a.verifiers and a.reasoning_gym):
+            p.exit(2, "hybridflow prepare: give input files, --reasoning-gym or --verifiers, one of them\n")
         try:
-            rows = make_verifiers_rows(a.verifiers, a.size, a.split)
+            if a.verifiers:
+                from hybridflow.agent.ecosystem import make_verifiers_rows
+
+                rows, what = make_verifiers_rows(a.verifiers, a.size, a.split), f"verifiers taskset {a.verifiers}"
+            else:
+                from hybridflow.data.reasoning_gym import make_rows, parse_config
+
+                rows = make_rows(a.reasoning_gym, a.size, a.seed, parse_config(a.rg_config), a.split)
+                what = f"reasoning-gym {a.reasoning_gym} (seed {a.seed})"
         except ValueError as e:
             p.exit(2, f"hybridflow prepare: {e}\n")
+        rows = rows[:a.limit] if a.limit is not None else rows
         write_parquet(rows, a.output)
-        print(f"wrote {len(rows)} rows of verifiers taskset {a.verifiers} to {a.output}")
-        return 0
-    if a.reasoning_gym:
-        from hybridflow.data.reasoning_gym import make_rows, parse_config
-
-        if a.inputs:
-            p.exit(2, "hybridflow prepare: give input files or --reasoning-gym, not both\n")
-        try:
-            rows = make_rows(a.reasoning_gym, a.size, a.seed, parse_config(a.rg_config), a.split)
-        except ValueError as e:
-            p.exit(2, f"hybridflow prepare: {e}\n")
-        write_parquet(rows[:a.limit] if a.limit is not None else rows, a.output)
-        print(f"wrote {min(len(rows), a.limit or len(rows))} rows of reasoning-gym {a.reasoning_gym} (seed {a.seed}) to {a.output}")
+        print(f"wrote {len(rows)} rows of {what} to {a.output}")
         return 0
     if not a.inputs:
-        p.exit(2, "hybridflow prepare: give input files (JSONL / parquet) or --reasoning-gym TASK\n")
+        p.exit(2, "hybridflow prepare: give input files (JSONL / parquet), --reasoning-gym TASK or --verifiers TASKSET\n")
     rows, skipped = [], 0
     try:
         for path in a.inputs:
