@@ -6,8 +6,10 @@ Per task (hybridflow/data/reasoning_gym.py makes the rows; train seed 1, held-ou
   `<answer>X</answer>` that follow a wrong rule with probability `--bias` (copy the question's last
   number instead of computing; spell the word forward), then `--steps` GRPO steps (8 prompts x 8 samples, `--lr`) with the task's verifier
   as the only reward. The greedy held-out accuracy is measured after the SFT and at the end.
-- `--smollm2 DIR` (scripts/get_smollm2.py): SmolLM2-135M-Instruct as it comes (no SFT), GRPO on
-  chain_sum (8 prompts x 4 samples, `--smollm2-steps`, `--smollm2-lr`), before -> after.
+- `--smollm2 DIR` (scripts/get_smollm2.py): SmolLM2-135M-Instruct after a short format SFT
+  (`--smollm2-sft-steps` on the same kind of demonstrations, wrong rule with probability
+  `--smollm2-bias`: as it comes it writes no `<answer>` tag and scores 0.00), then GRPO on chain_sum
+  (8 prompts x 4 samples, `--smollm2-steps`, `--smollm2-lr`), before (after the SFT) -> after.
 
 Run:  .venv/bin/python bench/reasoning_gym_tasks.py [--tasks chain_sum spell_backward] [--steps 30] [--smollm2 runs/models/smollm2-135m]
 """
@@ -92,29 +94,37 @@ def held_out(history: list[dict], name: str) -> tuple[float, float]:
     return vals[0], vals[-1]
 
 
+def sft(files: dict, model: str, out: str, steps: int, batch: int, lr: float, max_length: int) -> str:
+    """A short SFT on the demonstrations; returns the saved model's directory."""
+    from hybridflow.trainer.sft import run_sft
+
+    run_sft(load_config(None, [
+        f"train_files=[{files['sft']}]", "multiturn.enable=true", f"max_length={max_length}", f"train_batch_size={batch}",
+        f"micro_batch_size_per_gpu={min(batch // 2, 32)}", f"total_steps={steps}", f"model.path={model}", f"optim.lr={lr}",
+        "optim.lr_scheduler_type=cosine", "optim.lr_warmup_steps_ratio=0.05", f"save_dir={out}/sft_model",
+        f"trainer.default_local_dir={out}/sft", "trainer.logger=[console]",
+    ], schema=SFTConfig))
+    return f"{out}/sft_model"
+
+
 def tiny_row(name: str, root: str, args) -> dict:
     from hybridflow.models.tiny import make_tiny_model
-    from hybridflow.trainer.sft import run_sft
 
     t = time.time()
     out = f"{root}/{name}"
     files = task_files(name, f"{out}/data", 4000, 100, args.bias)
     base = make_tiny_model(f"{out}/tiny", hidden_size=128, intermediate_size=256, num_hidden_layers=2)
-    sft = load_config(None, [
-        f"train_files=[{files['sft']}]", "multiturn.enable=true", "max_length=200", "train_batch_size=64", "micro_batch_size_per_gpu=32",
-        f"total_steps={args.sft_steps}", f"model.path={base}", "optim.lr=2e-3", "optim.lr_scheduler_type=cosine",
-        "optim.lr_warmup_steps_ratio=0.05", f"save_dir={out}/sft_model", f"trainer.default_local_dir={out}/sft", "trainer.logger=[console]",
-    ], schema=SFTConfig)
-    run_sft(sft)
-    history = fit(grpo_config(files, f"{out}/sft_model", f"{out}/grpo", args.steps, 160, 24, 8, 8, args.lr))
+    model = sft(files, base, out, args.sft_steps, 64, 2e-3, 200)
+    history = fit(grpo_config(files, model, f"{out}/grpo", args.steps, 160, 24, 8, 8, args.lr))
     before, after = held_out(history, name)
     return {"row": f"tiny, {name}", "before": before, "after": after, "steps": args.steps, "wall_s": time.time() - t}
 
 
 def smollm2_row(path: str, root: str, args) -> dict:
     t = time.time()
-    files = task_files("chain_sum", f"{root}/smol/data", 2000, 50, 0.0)
-    history = fit(grpo_config(files, path, f"{root}/smol/grpo", args.smollm2_steps, 192, 48, 4, 8, args.smollm2_lr))
+    files = task_files("chain_sum", f"{root}/smol/data", 2000, 50, args.smollm2_bias)
+    model = sft(files, path, f"{root}/smol", args.smollm2_sft_steps, 16, args.smollm2_sft_lr, 256)
+    history = fit(grpo_config(files, model, f"{root}/smol/grpo", args.smollm2_steps, 192, 48, 4, 8, args.smollm2_lr))
     before, after = held_out(history, "chain_sum")
     return {"row": "SmolLM2-135M, chain_sum", "before": before, "after": after, "steps": args.smollm2_steps, "wall_s": time.time() - t}
 
@@ -129,6 +139,9 @@ def main() -> None:
     ap.add_argument("--smollm2", default=None, metavar="DIR")
     ap.add_argument("--smollm2-steps", type=int, default=15)
     ap.add_argument("--smollm2-lr", type=float, default=5e-6)
+    ap.add_argument("--smollm2-sft-steps", type=int, default=40)
+    ap.add_argument("--smollm2-sft-lr", type=float, default=3e-5)
+    ap.add_argument("--smollm2-bias", type=float, default=0.5)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     rows = []

@@ -288,9 +288,11 @@ def test_openai_agent_function_trajectories(tok, fn, reward, error, timeout):
     assert m["agent/agent_errors"] == 2 * error and m["agent/agent_timeouts"] == 2 * timeout
 
 
-def test_openai_agent_command_plays_in_its_own_process(tok):
+@pytest.mark.parametrize("sandbox", [False, True], ids=["process", "sandboxed"])
+def test_openai_agent_command_plays_in_its_own_process(tok, sandbox):
     """`agent.command`: examples/openai_agent/agent.py as an unmodified program (OPENAI_BASE_URL /
-    OPENAI_API_KEY from its environment, the row on stdin, the reward on stdout). The scripted model
+    OPENAI_API_KEY from its environment, the row on stdin, the reward on stdout), as a plain process
+    and in the OS sandbox (through the bridge and the endpoint's Unix socket). The scripted model
     calls the calculator with 12*34, then answers with its result: right for 12*34, wrong for 12*35."""
     import os
     import sys
@@ -298,10 +300,112 @@ def test_openai_agent_command_plays_in_its_own_process(tok):
     script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "openai_agent", "agent.py")
     call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*34"}}\n</tool_call>'
     backend = Scripted(tok, lambda prompt: "The answer is 408." if prompt.endswith("408<|im_end|>\n<|im_start|>assistant\n") else call)
-    settings = AgentSettings(response_budget=256, black_box=BlackBoxAgent(command=f"{sys.executable} {script}", timeout_s=60),
-                             endpoint=EndpointSettings("tiny", 256, 1000))
+    settings = AgentSettings(response_budget=256, black_box=BlackBoxAgent(command=f"{sys.executable} {script}", timeout_s=60, sandbox=sandbox),
+                             endpoint=EndpointSettings("tiny", 256, 1000, unix_socket=sandbox))
     rows = [{"raw_prompt": [{"role": "user", "content": f"What is 12*{b}?"}], "extra_info": {}} for b in (34, 35)]
     trajs, _ = asyncio.run(run_trajectories(rows, backend, tok, settings, SamplingParams(max_new_tokens=256)))
     assert sorted(t.reward for t in trajs) == [0.0, 1.0] and not any(t.agent_error for t in trajs)
     for t in trajs:  # call, the tool's answer (mask 0), the final answer
         assert t.num_turns == 2 and t.tool_calls == 1 and 0 in t.response_mask and t.retokenization_mismatch == 0
+
+
+HOSTILE_AGENT = r'''
+import json, os, socket, sys, urllib.error, urllib.request
+
+row = json.load(sys.stdin)
+info = row["extra_info"]
+checks = {}
+checks["sees the project"] = os.path.exists(info["project"])
+try:
+    socket.create_connection(("127.0.0.1", info["host_port"]), timeout=2).close()
+    checks["reaches a host service on 127.0.0.1"] = True
+except OSError:
+    checks["reaches a host service on 127.0.0.1"] = False
+try:
+    open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "planted"), "w").close()
+    checks["writes next to its script"] = True
+except OSError:
+    checks["writes next to its script"] = False
+checks["sees the host's environment"] = "HYBRIDFLOW_TEST_SECRET" in os.environ
+
+
+def post(url, body):
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"],
+                                                                  "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=20) as r:
+            return r.status, json.load(r)
+    except urllib.error.HTTPError as e:
+        return e.code, None
+
+
+base = os.environ["OPENAI_BASE_URL"]
+body = {"model": os.environ["OPENAI_MODEL"], "messages": row["messages"]}
+own = base.split("/sessions/")[1].split("/")[0]
+checks["serves another session's id"] = post(base.replace(own, "0" * 32) + "/chat/completions", body)[0] not in (401, 403, 404)
+status, reply = post(base + "/chat/completions", body)
+served = status == 200 and reply["choices"][0]["message"]["content"] == "yes"
+# One number: 1 when served and contained; each breach adds its bit (the test names them).
+print(json.dumps({"reward": float(served) + sum(2 ** (i + 1) for i, v in enumerate(checks.values()) if v)}))
+'''
+BREACHES = ["sees the project", "reaches a host service on 127.0.0.1", "writes next to its script", "sees the host's environment",
+            "serves another session's id"]
+
+
+@pytest.mark.parametrize("python", ["venv", "system"])
+def test_sandboxed_agent_command_reaches_its_session_and_nothing_else(tok, python, monkeypatch):
+    """agent.sandbox=true: a hostile command (stdlib only) looks for the project, a service on the
+    host's 127.0.0.1, a writable script directory, the host's environment and another session; it
+    reaches only its own session, through the bridge. The venv's interpreter (its base lives under
+    /root, which `nobody` cannot read) runs on the unshare backend; the system's on bwrap."""
+    import os
+    import shutil
+    import socket
+    import sys
+    import tempfile
+
+    from hybridflow.agent.openai_agent import agent_sandbox
+
+    interpreter = sys.executable if python == "venv" else "/usr/bin/python3"
+    if not os.access(interpreter, os.X_OK):
+        pytest.skip("no /usr/bin/python3")
+    # Not under /tmp (the sandbox's /tmp is its own) nor pytest's tmp_path (its parents are 0700).
+    folder = tempfile.mkdtemp(prefix="hostile-agent-", dir="/var/tmp")
+    os.chmod(folder, 0o755)
+    script = os.path.join(folder, "agent.py")
+    with open(script, "w") as f:
+        f.write(HOSTILE_AGENT)
+    monkeypatch.setenv("HYBRIDFLOW_TEST_SECRET", "1")
+    host_service = socket.create_server(("127.0.0.1", 0))
+    try:
+        command = f"{interpreter} {script}"
+        if python == "system" and shutil.which("bwrap"):
+            assert agent_sandbox(command)[0].backend == "bwrap"
+        backend = Scripted(tok, ["yes"])
+        settings = AgentSettings(response_budget=64, black_box=BlackBoxAgent(command=command, timeout_s=60, sandbox=True),
+                                 endpoint=EndpointSettings("tiny", 64, 200, unix_socket=True))
+        project = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        rows = [{"raw_prompt": [{"role": "user", "content": "ok?"}],
+                 "extra_info": {"project": os.path.join(project, "pyproject.toml"), "host_port": host_service.getsockname()[1]}}]
+        (t,), _ = asyncio.run(run_trajectories(rows, backend, tok, settings, SamplingParams(max_new_tokens=64)))
+    finally:
+        host_service.close()
+        shutil.rmtree(folder)
+    assert not t.agent_error, t.agent_error
+    breached = [name for i, name in enumerate(BREACHES) if int(t.reward) >> (i + 1) & 1]
+    assert t.reward == 1.0 and not breached, breached
+    assert t.response_ids == tok.encode("yes", add_special_tokens=False) + [tok.eos_token_id]
+
+
+def test_agent_sandbox_config_errors_name_the_key():
+    """agent.sandbox=true is for a command; a command whose files sit under /tmp cannot be shown in
+    the sandbox (its /tmp is its own). Both are refused before any worker starts, naming the key."""
+    import sys
+
+    from hybridflow.config import ConfigError, load_config, validate_config
+
+    base = ["actor_rollout_ref.model.path=x", "actor_rollout_ref.rollout.multi_turn.enable=true", "actor_rollout_ref.rollout.agent.sandbox=true"]
+    with pytest.raises(ConfigError, match=r"agent\.sandbox=true applies to actor_rollout_ref\.rollout\.agent\.command"):
+        validate_config(load_config(None, [*base, f"actor_rollout_ref.rollout.agent.function={__file__}:_agent_ok"]))
+    with pytest.raises(ConfigError, match=r"agent\.sandbox=true: no sandbox for .*cannot be shown in the sandbox: its /tmp is its own"):
+        validate_config(load_config(None, [*base, f"actor_rollout_ref.rollout.agent.command='{sys.executable} /tmp'"]))

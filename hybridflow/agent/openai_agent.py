@@ -6,6 +6,12 @@ the run's OpenAI-compatible endpoint (`openai_server.py`); its session's tokens 
     command    run per trajectory (split like a shell; no shell) with OPENAI_BASE_URL, OPENAI_API_KEY
                and OPENAI_MODEL set for its session and the row as JSON on stdin; its last stdout line
                is the reward: a number or {"reward": x, ...}
+    sandbox    (with command) the command runs in the OS sandbox (hybridflow/agent/sandbox): no network
+               but its session's endpoint, which it reaches through a bridge on the sandbox's own
+               127.0.0.1 (sandbox/bridge.py) and a Unix socket of the endpoint bound in; a read-only
+               view of /usr, its program's installation (``<prefix>`` of ``<prefix>/bin/program`` and of
+               the file that links to, e.g. a venv and its base Python) and the directory of each
+               argument that is a file; a private writable /tmp; the limits of `sandbox_limits`.
 
 `row`: {"messages": the row's prompt, "extra_info": ..., "model": the served model name}. The reward
 is the trajectory's agent reward (added to the data_source's rule reward, as an environment's is).
@@ -35,19 +41,59 @@ from typing import Any, Awaitable, Callable, Mapping
 from hybridflow.agent.loop import AgentLoop, RequestBatcher, Trajectory, register_agent_loop
 from hybridflow.agent.format import apply_chat_template_with_tools
 from hybridflow.agent.openai_server import LiveEndpoint
+from hybridflow.agent.sandbox import Sandbox, SandboxLimits, SandboxUnavailable
 from hybridflow.config.validate import register_check
 
 STDOUT_KEEP = 65536  # bytes of a command's stdout kept (the reward is its last line)
 STDERR_KEEP = 4096
+BRIDGE_SOURCE = (Path(__file__).parent / "sandbox" / "bridge.py").read_text()
+SOCKET_INSIDE = "/run/hybridflow/endpoint.sock"  # where a sandboxed agent's endpoint socket is bound
+BRIDGE_PORT = 8000  # on the sandbox's own loopback: no other process shares that network namespace
 
 
 @dataclass(frozen=True)
 class BlackBoxAgent:
-    """actor_rollout_ref.rollout.agent: which agent, and how long one trajectory may take."""
+    """actor_rollout_ref.rollout.agent: which agent, how long one trajectory may take, and whether the
+    command runs in the OS sandbox."""
 
     function: str | None = None
     command: str | None = None
     timeout_s: float = 300.0
+    sandbox: bool = False
+
+
+def sandbox_limits(timeout_s: float) -> SandboxLimits:
+    """A sandboxed agent's limits: its trajectory's time (wall and summed CPU), 1 GiB of memory for
+    the whole sandbox (an interpreter with an HTTP client and its threads), 64 processes/threads."""
+    return SandboxLimits(cpu_s=timeout_s, wall_s=timeout_s, memory_mb=1024, max_procs=64, output_bytes=STDOUT_KEEP, open_files=256)
+
+
+def sandboxed_command(command: str) -> tuple[list[str], list[str]]:
+    """(argv with its host paths made absolute, the host paths a sandboxed run of it must see).
+
+    The program's installation is `<prefix>` when it lives in `<prefix>/bin` (a venv, /usr/local), else
+    its own directory; the same for the file it links to (a venv's python -> its base interpreter).
+    An argument that names an existing file shows that file's directory (a script and its modules)."""
+    argv = shlex.split(command)
+    program = os.path.abspath(shutil.which(argv[0]) or argv[0])
+    show: list[str] = []
+    for path in dict.fromkeys([program, os.path.realpath(program)]):
+        folder = os.path.dirname(path)
+        show.append(os.path.dirname(folder) if os.path.basename(folder) == "bin" else folder)
+    args = []
+    for a in argv[1:]:
+        if os.path.exists(a):
+            a = os.path.abspath(a)
+            show.append(os.path.dirname(a) if os.path.isfile(a) else a)
+        args.append(a)
+    return [program, *args], [p for p in dict.fromkeys(show) if p != "/"]
+
+
+@functools.lru_cache(maxsize=4)
+def agent_sandbox(command: str) -> tuple[Sandbox, list[str]]:
+    """The sandbox a command runs in (made and tried once per process) and its argv."""
+    argv, show = sandboxed_command(command)
+    return Sandbox(show=show), argv
 
 
 @functools.lru_cache(maxsize=8)
@@ -75,7 +121,7 @@ def load_function(spec: str) -> Callable[..., Awaitable[Any]]:
 
 
 @register_check("black_box_agent")
-def agent_problems(function: str | None, command: str | None, multi_turn: bool) -> list[str]:
+def agent_problems(function: str | None, command: str | None, multi_turn: bool, sandbox: bool = False) -> list[str]:
     """Config checks before any worker starts."""
     key = "actor_rollout_ref.rollout.agent"
     if not function and not command:
@@ -99,6 +145,14 @@ def agent_problems(function: str | None, command: str | None, multi_turn: bool) 
             out.append(f"{key}.command={command!r}: {e}")
         if argv and not (os.path.isfile(argv[0]) or shutil.which(argv[0])):
             out.append(f"{key}.command={command!r}: {argv[0]!r} is not a file or a program on PATH")
+        elif argv and sandbox:
+            try:
+                agent_sandbox(command)
+            except (SandboxUnavailable, ValueError) as e:
+                out.append(f"{key}.sandbox=true: no sandbox for {command!r} here: {e}")
+    if sandbox and function:
+        out.append(f"{key}.sandbox=true applies to {key}.command (a function runs in the driver's process); "
+                   f"run the agent as a command to sandbox it")
     return out
 
 
@@ -130,6 +184,29 @@ async def _read_tail(stream: asyncio.StreamReader, keep: int) -> bytes:
     return buf
 
 
+def last_reward(stdout: str) -> float:
+    lines = [ln for ln in stdout.splitlines() if ln.strip()]
+    if not lines:
+        raise ValueError("the agent command printed no reward")
+    return parse_reward(lines[-1])
+
+
+async def run_sandboxed(command: str, row: Mapping[str, Any], env: Mapping[str, str], socket_path: str, timeout_s: float) -> float:
+    """`run_command` in the sandbox: the bridge (sandbox/bridge.py) runs the command and forwards
+    127.0.0.1:BRIDGE_PORT to the endpoint's socket; OPENAI_BASE_URL points at the bridge."""
+    sandbox, argv = agent_sandbox(command)
+    bridge = [sandbox.python, "-I", "-S", "-B", "bridge.py", SOCKET_INSIDE, str(BRIDGE_PORT), "--", *argv]
+    res = await asyncio.to_thread(sandbox.run, bridge, sandbox_limits(timeout_s), stdin=json.dumps(jsonable(row)),
+                                  files={"bridge.py": BRIDGE_SOURCE}, env=env, sockets={SOCKET_INSIDE: socket_path})
+    if res.timed_out:
+        raise TimeoutError(res.killed_reason)
+    if not res.ok:
+        raise RuntimeError(f"the sandboxed agent command {res.killed_reason or f'exited {res.exit_code}'}: {res.stderr[-400:]}")
+    if res.truncated:
+        raise ValueError(f"the sandboxed agent command wrote over {STDOUT_KEEP} bytes; its reward line was dropped")
+    return last_reward(res.stdout)
+
+
 async def run_command(command: str, row: Mapping[str, Any], env: Mapping[str, str], timeout_s: float) -> float:
     """The command's reward; raises on a non-zero exit, no reward, or TimeoutError (the process
     group is killed)."""
@@ -154,10 +231,7 @@ async def run_command(command: str, row: Mapping[str, Any], env: Mapping[str, st
             await proc.wait()
     if proc.returncode != 0:
         raise RuntimeError(f"the agent command exited {proc.returncode}: {err.decode(errors='replace')[-400:]}")
-    lines = [ln for ln in out.decode(errors="replace").splitlines() if ln.strip()]
-    if not lines:
-        raise ValueError("the agent command printed no reward")
-    return parse_reward(lines[-1])
+    return last_reward(out.decode(errors="replace"))
 
 
 @register_agent_loop("openai_agent")
@@ -186,9 +260,13 @@ class OpenAIAgentLoop(AgentLoop):
                 out = await asyncio.wait_for(load_function(agent.function)(client, agent_row), agent.timeout_s)
                 reward = parse_reward(json.dumps(out))
             else:
-                env = {"OPENAI_BASE_URL": endpoint.url(session), "OPENAI_API_KEY": session.key, "OPENAI_MODEL": endpoint.s.model_name,
-                       "PYTHONUNBUFFERED": "1"}
-                reward = await run_command(agent.command, agent_row, env, agent.timeout_s)
+                env = {"OPENAI_API_KEY": session.key, "OPENAI_MODEL": endpoint.s.model_name, "PYTHONUNBUFFERED": "1"}
+                if agent.sandbox:
+                    env["OPENAI_BASE_URL"] = endpoint.url(session, f"http://127.0.0.1:{BRIDGE_PORT}")
+                    reward = await run_sandboxed(agent.command, agent_row, env, endpoint.socket_path, agent.timeout_s)
+                else:
+                    env["OPENAI_BASE_URL"] = endpoint.url(session)
+                    reward = await run_command(agent.command, agent_row, env, agent.timeout_s)
         except (asyncio.TimeoutError, TimeoutError):
             timeout, error = True, f"the agent ran past actor_rollout_ref.rollout.agent.timeout_s={agent.timeout_s}"
         except Exception as e:  # noqa: BLE001 - a failing agent scores 0 and is counted; the run goes on

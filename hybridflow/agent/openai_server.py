@@ -32,7 +32,9 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import secrets
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -78,6 +80,7 @@ class EndpointSettings:
     max_request_bytes: int = 1_048_576
     max_messages: int = 256
     sampling: Literal["run", "request"] = "run"
+    unix_socket: bool = False  # serve on a Unix socket as well (`socket_path`): sandboxed agents reach it through it
 
 
 @dataclass
@@ -95,6 +98,7 @@ class LiveEndpoint:
         self.counters = Counters()
         self.stop_ids = {int(tokenizer.eos_token_id), *batcher.base.stop_token_ids}
         self.base_url = ""  # http://host:port once serving
+        self.socket_path = ""  # with settings.unix_socket, once serving: mode 0666 in a 0711 directory of its own
         self.http = None  # httpx.AsyncClient for in-process agents, while serving
         self.app = self._build_app()
 
@@ -108,35 +112,54 @@ class LiveEndpoint:
     def close_session(self, session: Session) -> None:
         session.closed = True
 
-    def url(self, session: Session) -> str:
-        return f"{self.base_url}/sessions/{session.id}/v1"
+    def url(self, session: Session, base: str | None = None) -> str:
+        """The session's OpenAI base URL (on `base` instead of where this serves: a sandbox's bridge)."""
+        return f"{base or self.base_url}/sessions/{session.id}/v1"
 
     @contextlib.asynccontextmanager
     async def serve(self):
-        """Serve on the running loop (uvicorn, a free port unless settings.port) until the block ends."""
-        config = uvicorn.Config(self.app, host=self.s.host, port=self.s.port, log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=1)
+        """Serve on the running loop (uvicorn, a free port unless settings.port; with settings.unix_socket
+        also on a Unix socket) until the block ends."""
+        servers: list[tuple[uvicorn.Server, asyncio.Task]] = []
+        with contextlib.ExitStack() as cleanup:
+            where = [{"host": self.s.host, "port": self.s.port}]
+            if self.s.unix_socket:
+                # Sandboxed agents run as another user (nobody): the directory lets them reach the socket
+                # (0711: not list it), the socket's 0666 lets them connect. Sessions still need their keys.
+                folder = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="hybridflow-endpoint-"))
+                os.chmod(folder, 0o711)
+                where.append({"uds": os.path.join(folder, "endpoint.sock")})
+            try:
+                for w in where:
+                    servers.append(await self._start(**w))
+                host, port = servers[0][0].servers[0].sockets[0].getsockname()[:2]
+                self.base_url = f"http://{host}:{port}"
+                self.socket_path = where[-1].get("uds", "")
+                logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per agent request at INFO would drown the run's log
+                # One connection pool for the in-process agents' clients (a client per trajectory would build
+                # an SSL context and a pool each: ~20 ms of CPU apiece).
+                self.http = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=64), timeout=None)
+                try:
+                    yield self
+                finally:
+                    await self.http.aclose()
+            finally:
+                for server, task in servers:
+                    server.should_exit = True
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(task, 5)
+
+    async def _start(self, **where) -> tuple[uvicorn.Server, asyncio.Task]:
+        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=1, **where)
         server = uvicorn.Server(config)
         server.install_signal_handlers = lambda: None  # the driver owns its signals (and may not be the main thread)
         task = asyncio.create_task(server.serve())
         while not server.started:
             if task.done():
                 task.result()  # the bind failed: raise why
-                raise RuntimeError(f"the agent endpoint did not start on {self.s.host}:{self.s.port}")
+                raise RuntimeError(f"the agent endpoint did not start on {where}")
             await asyncio.sleep(0.01)
-        host, port = server.servers[0].sockets[0].getsockname()[:2]
-        self.base_url = f"http://{host}:{port}"
-        logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per agent request at INFO would drown the run's log
-        # One connection pool for the in-process agents' clients (a client per trajectory would build
-        # an SSL context and a pool each: ~20 ms of CPU apiece).
-        self.http = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=64), timeout=None)
-        try:
-            yield self
-        finally:
-            await self.http.aclose()
-            server.should_exit = True
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(task, 5)
+        return server, task
 
     # ------------------------------------------------------------------ HTTP
     def _build_app(self):

@@ -2,7 +2,8 @@
 
 ``core.py`` runs it (namespaces, the view of the file system, limits, output); ``cgroup.py`` makes
 the limits hold for the whole sandbox; ``seccomp.py`` is the system-call filter; ``init.py`` is the
-program that runs as the sandbox's init. The threat model is in docs/agents.md.
+program that runs as the sandbox's init; ``bridge.py`` carries a sandboxed black-box agent's HTTP
+to the run's endpoint (a Unix socket bound in). The threat model is in docs/agents.md.
 """
 
 from hybridflow.agent.sandbox.core import (

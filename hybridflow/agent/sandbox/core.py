@@ -194,11 +194,20 @@ class Sandbox:
     by default ``$HYBRIDFLOW_SANDBOX_CGROUP``, else found (see ``cgroup.py``)."""
 
     def __init__(self, limits: SandboxLimits | None = None, backend: str = "auto", python: str | None = None,
-                 cgroup: str | None = None):
+                 cgroup: str | None = None, show: Sequence[str] = ()):
         self.limits = limits or SandboxLimits()
         self.python = python or _default_python()
         self._as_nobody = os.geteuid() == 0
         self._ro_paths, self._links = _visible_paths(self.python)
+        # `show`: more host paths in the view, read-only at their own place (a black-box agent's program
+        # and its environment; see openai_agent.py). Absolute, existing; already-shown ones are skipped.
+        for path in show:
+            if not os.path.isabs(path) or not os.path.exists(path):
+                raise ValueError(f"sandbox paths to show must be absolute and exist, got {path!r}")
+            if path == WORKDIR or path.startswith(WORKDIR + "/"):
+                raise ValueError(f"{path!r} cannot be shown in the sandbox: its {WORKDIR} is its own (move it elsewhere, e.g. /var/tmp)")
+            if not any(path == p or path.startswith(p.rstrip("/") + "/") for p in self._ro_paths):
+                self._ro_paths.append(path)
         # Host-side tools by absolute path: Popen looks names up in the sandbox's PATH, not ours.
         search = os.pathsep.join([os.environ.get("PATH", ""), "/usr/local/bin", "/usr/bin", "/bin", "/usr/sbin", "/sbin"])
         tools = ("timeout", "setpriv", "bwrap", "unshare", "mount", "pivot_root")
@@ -233,10 +242,16 @@ class Sandbox:
         return self.run([self.python, "-E", "-s", "-B", "-u", "main.py"], limits, stdin=stdin, files=files)
 
     def run(self, argv: Sequence[str], limits: SandboxLimits | None = None, *, stdin: str | bytes = "",
-            files: Mapping[str, str | bytes] | None = None) -> SandboxResult:
+            files: Mapping[str, str | bytes] | None = None, env: Mapping[str, str] | None = None,
+            sockets: Mapping[str, str] | None = None) -> SandboxResult:
         """Run ``argv`` (paths as seen inside the sandbox) in ``/tmp``, holding ``files``. Files and
-        stdin travel as in-memory files (memfd), so nothing is written on the host's disk."""
+        stdin travel as in-memory files (memfd), so nothing is written on the host's disk. ``env``:
+        variables added to the sandbox's own (PATH, HOME, ... stay the sandbox's); ``sockets``: {path inside: host Unix socket} bound in
+        (the one way out of the network namespace, for what the caller serves on it)."""
         lim = limits or self.limits
+        for inside, host in (sockets or {}).items():
+            if not inside.startswith("/run/") or ".." in inside or not os.path.isabs(host):
+                raise ValueError(f"sandbox sockets are bound under /run/ from an absolute host path, got {inside!r}: {host!r}")
         for name in files or {}:
             if not isinstance(name, str) or not _FILE_NAME.fullmatch(name):
                 raise ValueError(f"sandbox file names are plain names in {WORKDIR} (letters, digits, '_', '-', '.'; "
@@ -252,7 +267,7 @@ class Sandbox:
             try:
                 if self._cgroup is not None:
                     cg = self._cgroup.create(_mib(lim.memory_mb + _WRAPPER_MB), int(lim.max_procs))
-                cmd = self._command(self.backend, lim, list(argv), fds, status_w)
+                cmd = self._command(self.backend, lim, list(argv), fds, status_w, dict(env or {}), dict(sockets or {}))
                 if cg is not None:
                     cmd = cg.join_prefix() + cmd
                 handed_over = True
@@ -271,30 +286,31 @@ class Sandbox:
 
     # ------------------------------------------------------------------ command lines
     def _command(self, backend: str, lim: SandboxLimits, argv: list[str], files: list[tuple[int, str]],
-                 status_fd: int) -> list[str]:
+                 status_fd: int, env: dict[str, str], sockets: dict[str, str]) -> list[str]:
         # Backstop: should this process die before it can enforce the wall time, `timeout` does.
         outer = [self._tools["timeout"], "-s", "KILL", f"{lim.wall_s + 5:g}"]
         if backend == "bwrap":
             # bwrap makes the user namespace (uid nobody when we are root: setpriv drops first).
             drop = [self._tools["setpriv"], f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"] if self._as_nobody else []
-            init = self._init(lim, argv, status_fd, drop=None, userns=None)
-            return [*outer, *drop, *self._bwrap(lim, files), "--", *init]
+            init = self._init(lim, argv, status_fd, env, drop=None, userns=None)
+            return [*outer, *drop, *self._bwrap(lim, files, sockets), "--", *init]
         # unshare: the init starts as root in the new namespaces (no user namespace yet), so it drops
         # to nobody and makes the program's user namespace itself.
         uid = {"uid": NOBODY, "gid": NOBODY}
-        init = self._init(lim, argv, status_fd, drop=uid if self._as_nobody else None, userns=uid)
-        return [*outer, *self._unshare(lim, files, init)]
+        init = self._init(lim, argv, status_fd, env, drop=uid if self._as_nobody else None, userns=uid)
+        return [*outer, *self._unshare(lim, files, sockets, init, status_fd)]
 
-    def _init(self, lim: SandboxLimits, argv: list[str], status_fd: int, drop: dict | None, userns: dict | None) -> list[str]:
+    def _init(self, lim: SandboxLimits, argv: list[str], status_fd: int, env: dict[str, str], drop: dict | None,
+              userns: dict | None) -> list[str]:
         """The namespace's init (init.py) with this run's settings, then the program's argv."""
         cpu = max(1, int(lim.cpu_s + 0.999))
         rlimits = {"cpu": (cpu, cpu + 1), "as": (_mib(lim.memory_mb),) * 2, "nproc": (int(lim.max_procs),) * 2,
                    "fsize": (_mib(lim.file_size_mb),) * 2, "core": (0, 0), "nofile": (int(lim.open_files),) * 2}
-        cfg = {"status_fd": status_fd, "env": _SANDBOX_ENV, "rlimits": rlimits, "drop": drop, "userns": userns,
+        cfg = {"status_fd": status_fd, "env": {**env, **_SANDBOX_ENV}, "rlimits": rlimits, "drop": drop, "userns": userns,
                "bpf": self._bpf_hex}
         return [self.python, "-I", "-S", "-B", "-c", _INIT_SOURCE, json.dumps(cfg, separators=(",", ":")), "--", *argv]
 
-    def _bwrap(self, lim: SandboxLimits, files: list[tuple[int, str]]) -> list[str]:
+    def _bwrap(self, lim: SandboxLimits, files: list[tuple[int, str]], sockets: dict[str, str]) -> list[str]:
         cmd = [self._tools["bwrap"], "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--as-pid-1", "--new-session",
                "--cap-drop", "ALL", "--hostname", "sandbox", "--clearenv"]
         for k, v in _SANDBOX_ENV.items():
@@ -304,26 +320,41 @@ class Sandbox:
             cmd += ["--ro-bind", path, path]
         for path, target in self._links:
             cmd += ["--symlink", target, path]
+        for inside, host in sockets.items():
+            cmd += ["--ro-bind", host, inside]  # connect() works on a read-only mount (it writes to the socket, not the file)
         cmd += ["--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev",  # /dev/shm stays read-only
                 "--size", str(_mib(lim.tmp_mb)), "--tmpfs", WORKDIR]
         for fd, name in files:
             cmd += ["--file", str(fd), f"{WORKDIR}/{name}"]
         return cmd + ["--chdir", WORKDIR, "--remount-ro", "/"]
 
-    def _unshare(self, lim: SandboxLimits, files: list[tuple[int, str]], init: list[str]) -> list[str]:
+    def _unshare(self, lim: SandboxLimits, files: list[tuple[int, str]], sockets: dict[str, str], init: list[str],
+                 status_fd: int) -> list[str]:
         """unshare runs a setup script as the new pid namespace's first process: it builds the root on a
         tmpfs (mounted over /tmp, in the private mount namespace only), pivots into it and execs the
         init, which drops to the sandbox identity and runs the command as its child. Every name in
         the script is quoted; file names are checked in ``run`` as well."""
         q = shlex.quote
-        lines = ["set -eu", "export PATH=/usr/sbin:/usr/bin:/sbin:/bin", "R=/tmp",
-                 'mount -t tmpfs -o mode=0755,size=4m,nosuid,nodev sandbox-root "$R"']
+        lines = ["set -eu", "export PATH=/usr/sbin:/usr/bin:/sbin:/bin", "R=/tmp"]
+        # A socket's host directory may be under /tmp, which the root's tmpfs is about to hide: it is
+        # opened first (a descriptor 3-9 the run passes nothing on), bound through /proc/self/fd, closed.
+        free = [n for n in range(3, 10) if n != status_fd and n not in {fd for fd, _ in files}]
+        if len(sockets) > len(free):
+            raise ValueError(f"at most {len(free)} sockets per sandbox run here, got {len(sockets)}")
+        held = dict(zip(sockets, free))
+        lines += [f"exec {n}<{q(os.path.dirname(sockets[inside]))}" for inside, n in held.items()]
+        lines.append('mount -t tmpfs -o mode=0755,size=4m,nosuid,nodev sandbox-root "$R"')
         for path in self._ro_paths:
             dst = '"$R"' + q(path)
             make = f"mkdir -p {dst}" if os.path.isdir(path) else f"mkdir -p \"$(dirname {dst})\" && touch {dst}"
             lines += [make, f"mount --bind {q(path)} {dst}", f"mount -o remount,bind,ro,nosuid,nodev {dst}"]
         for path, target in self._links:
             lines.append(f'ln -s {q(target)} "$R"{q(path)}')
+        for inside, n in held.items():
+            dst = '"$R"' + q(inside)
+            lines += [f"mkdir -p \"$(dirname {dst})\" && touch {dst}",
+                      f"mount --bind /proc/self/fd/{n}/{q(os.path.basename(sockets[inside]))} {dst}",
+                      f"mount -o remount,bind,ro,nosuid,nodev {dst}", f"exec {n}<&-"]
         lines.append('mkdir "$R/dev" "$R/proc" "$R/tmp"')
         for dev in _DEVICES:
             lines += [f'touch "$R/dev/{dev}"', f'mount --bind /dev/{dev} "$R/dev/{dev}"']

@@ -25,10 +25,13 @@ before ``execve``), ``{"error": "..."}`` (a setup step failed), then ``{"exit": 
 """
 
 import ctypes
+import fcntl
 import json
 import os
 import resource
 import signal
+import socket
+import struct
 import sys
 
 PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 4, 38, 22, 2
@@ -50,6 +53,20 @@ def report(fd, **msg):
 def check(ok, what):
     if ok != 0:
         raise OSError(ctypes.get_errno(), f"{what}: {os.strerror(ctypes.get_errno())}")
+
+
+def loopback_up():
+    """``unshare --net`` leaves the new namespace's loopback down (bwrap brings it up); as root in
+    that namespace (the unshare backend) the init brings it up, so the sandbox can talk to itself on
+    127.0.0.1 (a black-box agent's endpoint bridge listens there). Elsewhere this is a no-op."""
+    siocgifflags, siocsifflags, iff_up = 0x8913, 0x8914, 0x1
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            flags = struct.unpack("16sh14x", fcntl.ioctl(s, siocgifflags, struct.pack("16sh14x", b"lo", 0)))[1]
+            if not flags & iff_up:
+                fcntl.ioctl(s, siocsifflags, struct.pack("16sh14x", b"lo", flags | iff_up))
+    except OSError:
+        pass  # not allowed here (then bwrap has done it) or no loopback at all: nothing listens either way
 
 
 def become_program(cfg, argv, libc):
@@ -107,6 +124,7 @@ def main():
             except (OSError, ValueError):
                 pass
     libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+    loopback_up()
     pid = os.fork()
     if pid == 0:
         try:
