@@ -80,6 +80,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings, kept in the response
     stop_token_ids: tuple[int, ...] = ()  # besides the tokenizer's EOS
     seed: int = 0  # per call; backends derive per-replica / per-request seeds from it
+    top_logprobs: int = 0  # > 0: each token also carries the k most likely tokens' log-probs (the endpoint's top_logprobs)
 
     def with_(self, **changes: Any) -> "SamplingParams":
         """A copy with some fields changed (e.g. a request's own max_new_tokens)."""
@@ -127,6 +128,9 @@ class Completion:
     finish_reason: Literal["stop", "length"]
     untruncated_log_probs: Optional[tuple[float, ...]] = None
     versions: Optional[tuple[int, ...]] = None  # per token: the policy version that sampled it, when the caller tracks them (async rollout)
+    # per token, with params.top_logprobs = k: the k most likely (token id, log-prob) under the distribution
+    # sampled from (log_probs'), most likely first
+    top_logprobs: Optional[tuple[tuple[tuple[int, float], ...], ...]] = None
 
     @property
     def untruncated(self) -> tuple[float, ...]:
@@ -136,7 +140,8 @@ class Completion:
         """The first n tokens, finish_reason "length" (a request's own limit inside a shared call)."""
         return Completion(self.token_ids[:n], self.log_probs[:n], "length",
                           None if self.untruncated_log_probs is None else self.untruncated_log_probs[:n],
-                          None if self.versions is None else self.versions[:n])
+                          None if self.versions is None else self.versions[:n],
+                          None if self.top_logprobs is None else self.top_logprobs[:n])
 
 
 def _to_object_array(key: str, value: Any) -> np.ndarray:

@@ -289,8 +289,9 @@ def test_vllm_as_the_async_rollout_pool_with_partial_rollout(ray_cluster, vllm_m
 
 def test_openai_endpoint_on_vllm_records_what_vllm_samples_for_the_same_seed(tmp_path):
     """The agent endpoint (agent/openai_server.py) in front of the vLLM backend, driven by the
-    official `openai` client with tools and logprobs: the token ids and log-probs it returns and
-    records equal vLLM's own `generate_requests` for the same prompt ids, params and seed."""
+    official `openai` client with tools, logprobs and top_logprobs: the token ids, log-probs and top
+    log-probs it returns and records equal vLLM's own `generate_requests` for the same prompt ids,
+    params and seed."""
     import asyncio
 
     import openai
@@ -307,7 +308,7 @@ def test_openai_endpoint_on_vllm_records_what_vllm_samples_for_the_same_seed(tmp
     tok = AutoTokenizer.from_pretrained(model_dir)
     rollout = VLLMRollout(str(model_dir), "float32", 1024, 0, "cpu", 0.5, 1, tokenizer=tok)  # the tool prompt is ~550 tokens
     calc = {"type": "function", "function": {"name": "calculator", "description": "calc", "parameters": {"type": "object", "properties": {}}}}
-    base = SamplingParams(max_new_tokens=24, temperature=1.0, seed=11)
+    base = SamplingParams(max_new_tokens=24, temperature=1.0, seed=11, top_logprobs=2)
 
     async def body():
         batcher = RequestBatcher(rollout.generate_requests, SamplingParams(max_new_tokens=64, seed=1))
@@ -316,7 +317,7 @@ def test_openai_endpoint_on_vllm_records_what_vllm_samples_for_the_same_seed(tmp
             s = ep.open_session()
             async with openai.AsyncOpenAI(base_url=ep.url(s), api_key=s.key, max_retries=0) as client:
                 r = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "What is 2*3?"}], tools=[calc],
-                                                         logprobs=True, seed=11, max_tokens=24, temperature=1.0)
+                                                         logprobs=True, top_logprobs=2, seed=11, max_tokens=24, temperature=1.0)
         return r, s
 
     r, session = asyncio.run(body())
@@ -324,4 +325,8 @@ def test_openai_endpoint_on_vllm_records_what_vllm_samples_for_the_same_seed(tmp
     choice = r.choices[0]
     assert choice.model_extra["token_ids"] == list(want.token_ids) and len(want.token_ids) > 0
     assert [t.logprob for t in choice.logprobs.content] == list(want.log_probs)
+    tops = [[e.logprob for e in t.top_logprobs] for t in choice.logprobs.content]
+    assert tops == [[lp for _, lp in top] for top in want.top_logprobs] and all(len(t) == 2 and t[0] >= t[1] for t in tops)
+    for t, lp, top in zip(want.token_ids, want.log_probs, want.top_logprobs):  # the sampled token, where listed, has its own log-prob
+        assert lp <= top[0][1] and all(v == lp for i, v in top if i == t)
     assert session.trajectory().response_ids == list(want.token_ids) and session.trajectory().log_probs == list(want.log_probs)

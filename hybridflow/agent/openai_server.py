@@ -52,6 +52,7 @@ from hybridflow.protocol import Completion, SamplingParams
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_N = 8  # choices per request
 MAX_STOPS = 4  # stop strings per request (OpenAI's limit)
+MAX_TOP_LOGPROBS = 20  # top_logprobs (OpenAI's limit)
 
 
 class APIError(Exception):
@@ -269,7 +270,7 @@ class LiveEndpoint:
             plan = session.plan(messages, tools)
         except ValueError as e:
             raise APIError(400, str(e), param="messages", code="context_length_exceeded") from None
-        params, seeded, n, want_logprobs = self._params(body, plan.left, session)
+        params, seeded, n, want_logprobs = self._params(body, plan.left, session, chat=True)
         prompt, seg = plan.ids, session.place(plan)  # every check passed: the request is recorded from here on
         completions = await asyncio.gather(*(self.batcher.generate(prompt, params.max_new_tokens, session.id, params, seeded) for _ in range(n)))
         fmt = get_format(self.s.fmt)
@@ -313,19 +314,22 @@ class LiveEndpoint:
             plan = session.plan_ids(ids)
         except ValueError as e:
             raise APIError(400, str(e), param="prompt", code="context_length_exceeded") from None
-        params, seeded, n, want_logprobs = self._params(body, plan.left, session)
+        params, seeded, n, want_logprobs = self._params(body, plan.left, session, chat=False)
         if n != 1:
             raise APIError(400, "n > 1 is not supported on /v1/completions (one continuation per segment)", param="n")
         ids, seg = plan.ids, session.place(plan)
         c = await self.batcher.generate(ids, params.max_new_tokens, session.id, params, seeded)
         session.record(seg, None, c, None, self.stop_ids)
         choices = [{"index": 0, "text": self._text(c, params), "finish_reason": c.finish_reason, "token_ids": list(c.token_ids),
-                    "logprobs": {"tokens": [self.tok.decode([t]) for t in c.token_ids], "token_logprobs": list(c.log_probs)}
+                    "logprobs": {"tokens": [self.tok.decode([t]) for t in c.token_ids], "token_logprobs": list(c.log_probs),
+                                 "top_logprobs": [{self.tok.decode([t]): v for t, v in top} for top in c.top_logprobs]
+                                 if c.top_logprobs is not None else None}
                     if want_logprobs else None}]
         return self._reply("text_completion", ids, [c], choices)
 
-    def _params(self, body: Mapping[str, Any], left: int, session: Session) -> tuple[SamplingParams, bool, int, bool]:
-        """(params, seeded, n, logprobs) from the request's fields, checked; max tokens bounded by `left`."""
+    def _params(self, body: Mapping[str, Any], left: int, session: Session, chat: bool) -> tuple[SamplingParams, bool, int, bool]:
+        """(params, seeded, n, logprobs) from the request's fields, checked; max tokens bounded by `left`.
+        chat: OpenAI's chat fields (logprobs: bool, top_logprobs: k), else the completions' (logprobs: k)."""
         base = self.batcher.base
         n = _int(body, "n", 1, 1, MAX_N)
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
@@ -348,15 +352,18 @@ class LiveEndpoint:
         seed = body.get("seed")
         if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**31):
             raise APIError(400, "seed must be an integer in [0, 2**31)", param="seed")
-        logprobs = body.get("logprobs", False)
-        if not isinstance(logprobs, (bool, int)) or (isinstance(logprobs, int) and not isinstance(logprobs, bool) and logprobs < 0):
-            raise APIError(400, "logprobs must be a boolean", param="logprobs")
-        top = body.get("top_logprobs")
-        if top not in (None, 0):
-            raise APIError(400, "top_logprobs > 0 is not supported: the sampled token's log-prob is returned (logprobs=true)",
-                           param="top_logprobs", code="unsupported")
+        logprobs, top = body.get("logprobs", False), body.get("top_logprobs")
+        if chat:
+            if not isinstance(logprobs, bool):
+                raise APIError(400, "logprobs must be a boolean", param="logprobs")
+            if top is not None and (not _is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS or (top and not logprobs)):
+                raise APIError(400, f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], with logprobs=true", param="top_logprobs")
+        else:  # /v1/completions: logprobs=k is the sampled token's log-prob and the k most likely besides
+            if logprobs is not None and logprobs is not False and (not _is_int(logprobs) or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
+                raise APIError(400, f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]", param="logprobs")
+            logprobs, top = logprobs is not None and logprobs is not False, logprobs or 0
         params = base.with_(max_new_tokens=int(max_tokens), stop=tuple(dict.fromkeys([*base.stop, *stops])),
-                            seed=int(seed) if seed is not None else base.seed)
+                            seed=int(seed) if seed is not None else base.seed, top_logprobs=int(top or 0))
         asked = {k: v for k, v in (("temperature", temperature), ("top_p", top_p)) if v is not None}
         if self.s.sampling == "request":
             params = params.with_(do_sample=asked.get("temperature", 1.0) > 0, **asked)
@@ -373,11 +380,12 @@ class LiveEndpoint:
         return text
 
     def _logprobs(self, c: Completion) -> dict:
-        out = []
-        for t, lp in zip(c.token_ids, c.log_probs):
+        def entry(t: int, lp: float) -> dict:
             s = self.tok.decode([t])
-            out.append({"token": s, "logprob": float(lp), "bytes": list(s.encode()), "top_logprobs": []})
-        return {"content": out}
+            return {"token": s, "logprob": float(lp), "bytes": list(s.encode())}
+
+        tops = c.top_logprobs or [()] * len(c.token_ids)
+        return {"content": [{**entry(t, lp), "top_logprobs": [entry(*x) for x in top]} for t, lp, top in zip(c.token_ids, c.log_probs, tops)]}
 
     def _reply(self, kind: str, prompt: list[int], completions: list[Completion], choices: list[dict]) -> dict:
         used = sum(len(c.token_ids) for c in completions)

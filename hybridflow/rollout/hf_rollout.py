@@ -127,7 +127,12 @@ class HFRollout:
         logits = torch.stack(out.logits, dim=1).float() / temperature  # [b, R', V]
         untruncated = logprobs_from_logits(logits, gen).cpu()  # [b, R']
         # HF's processed scores: logits / T with the tokens top-k / top-p cut set to -inf
-        logp = logprobs_from_logits(torch.stack(out.scores, dim=1).float(), gen).cpu() if sample else untruncated
+        scores = torch.stack(out.scores, dim=1).float() if sample else logits  # [b, R', V]
+        logp = logprobs_from_logits(scores, gen).cpu() if sample else untruncated
+        top = None
+        if params.top_logprobs > 0:  # the k most likely under the distribution sampled from: [b, R', k]
+            top_lp, top_ids = torch.log_softmax(scores, dim=-1).topk(min(params.top_logprobs, scores.shape[-1]), dim=-1)
+            top = [[tuple(zip(i, v)) for i, v in zip(ri, rv)] for ri, rv in zip(top_ids.tolist(), top_lp.tolist())]
         lengths = response_lengths(gen, stop_ids, tok.pad_token_id).tolist()  # [b]
         completions = []
         for row, n in zip(gen.tolist(), lengths):
@@ -137,7 +142,7 @@ class HFRollout:
                 bool(params.stop) and tok.decode(toks).endswith(tuple(params.stop)))
             i = len(completions)
             completions.append(Completion(tuple(toks), tuple(logp[i, :n].tolist()), "stop" if stopped else "length",
-                                          tuple(untruncated[i, :n].tolist())))
+                                          tuple(untruncated[i, :n].tolist()), top_logprobs=None if top is None else tuple(top[i][:n])))
         return completions
 
 

@@ -40,6 +40,7 @@ def generate_in_segments(requests: Sequence[Request], call: Call, chunk: int) ->
     logps: list[list[float]] = [[] for _ in range(n)]
     untruncated: list[list[float]] = [[] for _ in range(n)]
     versions: list[list[int]] = [[] for _ in range(n)]
+    top: list[list] = [[] for _ in range(n)]  # with params.top_logprobs
     finish: list[str] = ["length"] * n
     running, segment = list(range(n)), 0
     call_id = uuid.uuid4().hex  # a request's segments are one session (the replica that has its prefix)
@@ -57,9 +58,11 @@ def generate_in_segments(requests: Sequence[Request], call: Call, chunk: int) ->
             logps[i] += c.log_probs
             untruncated[i] += c.untruncated
             versions[i] += [version] * len(c.token_ids)
+            top[i] += c.top_logprobs or ()
             if c.finish_reason == "stop" or len(tokens[i]) >= requests[i].params.max_new_tokens:
                 finish[i] = c.finish_reason
             else:
                 still.append(i)
         running, segment = still, segment + 1
-    return [Completion(tuple(tokens[i]), tuple(logps[i]), finish[i], tuple(untruncated[i]), tuple(versions[i])) for i in range(n)]
+    return [Completion(tuple(tokens[i]), tuple(logps[i]), finish[i], tuple(untruncated[i]), tuple(versions[i]),
+                       tuple(top[i]) if requests[i].params.top_logprobs else None) for i in range(n)]

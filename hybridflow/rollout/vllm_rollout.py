@@ -147,14 +147,18 @@ class VLLMRollout:
                 stop=list(sp.stop) or None,
                 include_stop_str_in_output=True,  # train on the stop string, as the HF backend does
                 seed=sp.seed * 100_003 + self.dp_index * 10_007 + i if do_sample else None,
-                logprobs=0,
+                logprobs=sp.top_logprobs,  # the sampled token's always; the k most likely besides with top_logprobs
             ))
         completions = []
         for out in self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request):
             c = out.outputs[0]
             toks = tuple(c.token_ids)
             logps = tuple(lp[t].logprob for t, lp in zip(toks, c.logprobs or []))
-            completions.append(Completion(toks, logps, "length" if c.finish_reason == "length" else "stop"))
+            top, k = None, requests[len(completions)].params.top_logprobs
+            if k > 0:  # ranks 1..k (vLLM also lists the sampled token when its rank is lower)
+                top = tuple(tuple(sorted(((t, v.logprob) for t, v in lp.items() if v.rank is not None and v.rank <= k), key=lambda x: -x[1]))
+                            for lp in c.logprobs or [])
+            completions.append(Completion(toks, logps, "length" if c.finish_reason == "length" else "stop", top_logprobs=top))
         truncated = [i for i, r in enumerate(requests) if r.params.sampling and (r.params.top_p < 1 or r.params.top_k > 0) and completions[i].token_ids]
         for i, untruncated in zip(truncated, self._untruncated_log_probs([requests[i] for i in truncated], [completions[i] for i in truncated])):
             completions[i] = dataclasses.replace(completions[i], untruncated_log_probs=untruncated)
