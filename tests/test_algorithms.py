@@ -842,3 +842,26 @@ def test_a_step_whose_dynamic_sampling_kept_no_trainable_group_skips_its_update(
     assert metrics["train/skipped_updates"] == 1.0 and metrics["data/underfilled_batches"] == 1.0 and "timing_s/step" in metrics
 
 
+
+
+def test_mismatch_alarm_fires_on_a_jump_and_keeps_its_history():
+    """rollout/logprob_diff_alarm: a step over factor x the median of the previous ones fires (with at
+    least 3 before it); a zero history (exact mode) makes any non-zero value a jump; off at 0."""
+    from hybridflow.trainer.metrics import MismatchAlarm
+
+    alarm = MismatchAlarm(10.0)
+    fired = []
+    for step, v in enumerate([3e-6, 4e-5, 2e-6, 3e-6, 3e-5, 5e-5], start=1):
+        m = {"rollout/logprob_diff_max": v}
+        text = alarm.check(step, m)
+        assert m["rollout/logprob_diff_alarm"] == float(text is not None)
+        if text:
+            fired.append(step)
+            assert f"step {step}:" in text and "trainer.mismatch_alarm_factor" in text
+    # step 2's jump has fewer than 3 steps before it; step 5 (3e-5) is 10 x the median 3e-6, not over it;
+    # step 6 (5e-5) is over 10 x median(3e-6, 4e-5, 2e-6, 3e-6, 3e-5) = 3e-5
+    assert fired == [6]
+    resumed = MismatchAlarm(10.0, history=[0.0] * 5)  # restored from a checkpoint of an exact run
+    assert resumed.check(6, {"rollout/logprob_diff_max": 1e-9}) is not None
+    assert MismatchAlarm(0.0).check(1, {"rollout/logprob_diff_max": 1.0}) is None
+    assert alarm.check(8, {}) is None  # a step without the metric (no recomputed log-probs)

@@ -470,6 +470,10 @@ class TrainerConfig:
     # steps in a row abort the run.
     collective_timeout_s: float = 600.0
     max_nonfinite_steps: int = 3
+    # A step whose rollout/logprob_diff_max is over this many times the median of the previous steps'
+    # (kept in checkpoints: a jump after a resume counts) is logged as a warning naming the step, and
+    # rollout/logprob_diff_alarm=1 (docs/monitoring.md); 0 = off.
+    mismatch_alarm_factor: float = 10.0
     # ray: this process is the single controller of Ray worker groups. torchrun: every process
     # started by `torchrun --nproc_per_node=N` runs the driver loop and is one worker (one pool,
     # nnodes x n_gpus_per_node = WORLD_SIZE ranks); the same dataflow, workers and checkpoints.

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
+import numpy as np
 import torch
 
 from hybridflow.algorithms import masked_mean
@@ -43,7 +46,38 @@ def compute_data_metrics(batch: Batch, world_size: int, step_seconds: float) -> 
         diff = (batch["rollout_untruncated_log_probs"] - batch["old_log_probs"]).abs() * same_weights
         m["rollout/logprob_diff_max"] = float(diff.max())
         m["rollout/logprob_diff_mean"] = float(masked_mean(diff, same_weights))
+        m["rollout/logprob_diff_p99"] = float(torch.quantile(diff[same_weights.bool()].double(), 0.99))
     tokens = float(batch["attention_mask"].sum())
     m["perf/total_num_tokens"] = tokens
     m["perf/throughput"] = tokens / max(step_seconds, 1e-9) / world_size  # tokens/s per worker
     return m
+
+
+@dataclass
+class MismatchAlarm:
+    """Flags a step whose train-rollout mismatch jumps: `rollout/logprob_diff_max` over `factor` times
+    the median of the last `window` steps' (at least 3 of them; a zero median - the exact mode - makes
+    any non-zero value a jump). Its history is part of the trainer's checkpoint, so the first step
+    after a resume is judged against the steps before it (the failure slime reported)."""
+
+    factor: float = 10.0  # trainer.mismatch_alarm_factor; 0 = off
+    window: int = 10
+    history: list[float] = field(default_factory=list)
+
+    def check(self, step: int, metrics: dict[str, float]) -> str | None:
+        """Adds rollout/logprob_diff_alarm to `metrics` on a step that has the mismatch metric; the
+        warning's text when it fires."""
+        value = metrics.get("rollout/logprob_diff_max")
+        if value is None or self.factor <= 0:
+            return None
+        past = self.history[-self.window:]
+        median = float(np.median(past)) if len(past) >= 3 else None
+        fired = median is not None and value > self.factor * median and value > 0
+        self.history = [*past, value]
+        metrics["rollout/logprob_diff_alarm"] = float(fired)
+        if not fired:
+            return None
+        return (f"step {step}: rollout/logprob_diff_max jumped to {value:.3g}, over {self.factor:g}x the median {median:.3g} of the "
+                f"previous {len(past)} steps (trainer.mismatch_alarm_factor). The rollout no longer samples what the trainer "
+                f"computes: after a resume or a weight sync change, check the sync; `hybridflow mismatch RUN_DIR --step {step}` "
+                f"finds the first layer that differs")

@@ -53,7 +53,7 @@ from hybridflow.trainer.replicas import ReplicaSet
 from hybridflow.trainer.dataflow import DataFlow, Stage
 from hybridflow.trainer.keys import GEN_OUTPUTS, PROMPT_KEYS, REWARD_KEYS, SAMPLE_INFO_KEYS, TRAIN_KEYS, with_sample_info
 from hybridflow.trainer.loader import PromptLoader
-from hybridflow.trainer.metrics import compute_data_metrics
+from hybridflow.trainer.metrics import MismatchAlarm, compute_data_metrics
 from hybridflow.trainer.placement import WorkerGroups, start_groups
 from hybridflow.trainer.roles import RunRoles, role_classes
 from hybridflow.trainer.weight_sync import REQUEST_TIMEOUT_KEY, WeightSync
@@ -112,6 +112,7 @@ class RLTrainer:
         self.sample_flow: DataFlow | None = None  # dynamic sampling: gen + reward, rerun until the batch is full
         self._gen_round = 0  # dynamic sampling: which generation round of the step (its own sampling seed)
         self.underfilled_batches = 0  # dynamic sampling: steps that trained on fewer groups than a batch (data/underfilled_batches)
+        self.mismatch_alarm = MismatchAlarm(cfg.trainer.mismatch_alarm_factor)
         self.global_step = 0
         self.log_dir = cfg.trainer.log_dir or cfg.trainer.default_local_dir
         self.placed: WorkerGroups | None = None  # set by init_workers
@@ -473,6 +474,8 @@ class RLTrainer:
                 metrics = self.train_step(flow)
                 metrics["data/num_filtered_prompts"] = float(self.train_ds.num_filtered)
                 nonfinite = self._check_finite(metrics, nonfinite)
+                if (alarm := self.mismatch_alarm.check(self.global_step, metrics)) is not None:
+                    logger.warning(alarm)
                 last = self.global_step == self.total_steps
                 if t.test_freq > 0 and (self.global_step % t.test_freq == 0 or last):
                     val_metrics = self.validate()
@@ -526,7 +529,8 @@ class RLTrainer:
         else:
             loader_state = self._loader_state_at_prefetch if self._next_batch is not None else self.loader.state_dict()
         state = {"global_step": self.global_step, "loader": loader_state, "kl_ctrl": self.kl_ctrl.state_dict(),
-                 "underfilled_batches": self.underfilled_batches, "run_keys": checkpoints.run_keys(self.cfg), **self._extra_state()}
+                 "underfilled_batches": self.underfilled_batches, "run_keys": checkpoints.run_keys(self.cfg),
+                 "mismatch_history": list(self.mismatch_alarm.history), **self._extra_state()}
         if self.is_main:
             checkpoints.commit(root, self.global_step, state, self.cfg.trainer.max_ckpt_to_keep)
         self.placed.barrier()  # torchrun: rank 0 completes the checkpoint before anyone goes on
@@ -544,6 +548,7 @@ class RLTrainer:
         self.loader.load_state_dict(state["loader"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.underfilled_batches = int(state.get("underfilled_batches", 0))  # a checkpoint from before the count: 0
+        self.mismatch_alarm.history = list(state.get("mismatch_history", []))
         self._load_extra_state(state)
         if self.async_rollout:  # the rollout pool starts from the restored policy
             self._sync_rollout()
