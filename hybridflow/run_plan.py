@@ -249,7 +249,22 @@ class ActorSpec:
         p.enum("actor_rollout_ref.hybrid_engine.granularity", he.granularity, ["layer", "full"])
         p.fsdp(f"{A}.fsdp_config", a.fsdp_config, self.process.device)
         self._model_problems(p)
+        if self.rollout.rollout.exact:
+            p.extend(self.exact_refused())
         return p
+
+    def exact_refused(self) -> list[str]:
+        """actor_rollout_ref.rollout.exact=true holds for: the hf backend at gen_tp 1, single-turn rollouts,
+        one pipeline stage, padded (not packed) sequences. Each miss is one line naming its key."""
+        r, key = self.rollout.rollout, f"{R}.exact=true"
+        reasons = [(r.name != "hf", f"{key} needs {R}.name=hf: vLLM's kernels are not the trainer's (its mismatch per layer: "
+                                    f"`hybridflow mismatch`); got {r.name!r}"),
+                   (r.tensor_model_parallel_size != 1, f"{key} needs {R}.tensor_model_parallel_size=1: a tensor-parallel sampler sums "
+                                                       f"the row-parallel products in other pieces than the trainer's full matmuls"),
+                   (r.multi_turn.enable, f"{key} is for single-turn rollouts: set {R}.multi_turn.enable=false"),
+                   (self.actor.pipeline_model_parallel_size > 1, f"{key} needs {A}.pipeline_model_parallel_size=1"),
+                   (self.model.use_remove_padding, f"{key} runs each sequence alone: set actor_rollout_ref.model.use_remove_padding=false")]
+        return [why for bad, why in reasons if bad]
 
     def lora_refused(self) -> str | None:
         """Why the policy cannot train LoRA adapters in this run (None: it can). Wired: FSDP2 (x TP) training,

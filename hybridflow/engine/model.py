@@ -20,15 +20,39 @@ def _keeps_logits(model: nn.Module) -> bool:
     return "logits_to_keep" in inspect.signature(type(model).forward).parameters
 
 
-def response_logits(model: nn.Module, mb: Batch, temperature: float = 1.0, remove_padding: bool = False) -> torch.Tensor:
+def exact_row_logits(model: nn.Module, prompt: torch.Tensor, response: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Logits [1, R, V] predicting `response` [R] (padded to its full width R) after `prompt` [p]
+    (no padding): the one computation the exact mode (actor_rollout_ref.rollout.exact) runs on both
+    sides, the rollout's sampler and the trainer's log-probs, so the two are bit for bit equal.
+
+    Why it is exact: the row runs alone with a shape that depends only on p and R ([1, p + R]: no
+    batch-mates, no left padding, position ids 0.., no attention mask, so the causal kernel path
+    every time), and the logits at position p - 1 + t depend only on the tokens up to it (causal
+    attention; every other op is per token). So a sampler that runs this on the prompt and the
+    first t tokens (pads after them) gets, at row t, the very numbers the trainer's pass over the
+    finished response computes there."""
+    ids = torch.cat([prompt, response])[None]
+    positions = torch.arange(ids.shape[1], device=ids.device)[None]
+    kwargs = {"logits_to_keep": response.shape[0] + 1} if _keeps_logits(model) else {}
+    out = model(input_ids=ids, position_ids=positions, use_cache=False, **kwargs)
+    logits = out.logits[:, -response.shape[0] - 1 : -1, :].float()
+    return logits / temperature if temperature != 1.0 else logits
+
+
+def response_logits(model: nn.Module, mb: Batch, temperature: float = 1.0, remove_padding: bool = False, exact: bool = False) -> torch.Tensor:
     """Logits [b, R, V] (or [b, R, 1] for a value head) at the positions that predict the response.
     A causal LM projects only those positions onto the vocabulary (`logits_to_keep`), as TRL does.
 
     remove_padding: the micro-batch's valid tokens run as one packed row [1, T] whose position ids
     restart at 0 per sequence (transformers then masks attention across sequences), and the logits
-    are gathered back to [b, R, V]; positions after a response's end (masked out) get row 0's."""
+    are gathered back to [b, R, V]; positions after a response's end (masked out) get row 0's.
+    exact: each row alone through `exact_row_logits` (its prompt without the left padding)."""
     resp_len = mb["responses"].shape[1]
     keep = _keeps_logits(model)
+    if exact:
+        prompt_mask = mb["attention_mask"][:, : -resp_len].bool()  # [b, P]
+        return torch.cat([exact_row_logits(model, ids[:-resp_len][m], resp, temperature)
+                          for ids, m, resp in zip(mb["input_ids"], prompt_mask, mb["responses"])])
     if remove_padding:
         mask = mb["attention_mask"].bool()  # [b, P+R]
         row = torch.full(mask.shape, -1, dtype=torch.long, device=mask.device)

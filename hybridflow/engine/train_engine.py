@@ -86,9 +86,12 @@ class TrainEngine:
     learning-rate schedule when `optim` is given, else frozen (reference, scoring reward model)."""
 
     def __init__(self, model: nn.Module, mesh: TrainMesh, device: str, fsdp: FSDPConfig, *, optim: OptimConfig | None = None,
-                 total_steps: int = 1, grad_clip: float = 1.0, pipeline_schedule: str = "1f1b", remove_padding: bool = False):
+                 total_steps: int = 1, grad_clip: float = 1.0, pipeline_schedule: str = "1f1b", remove_padding: bool = False,
+                 exact: bool = False):
+        """exact: token log-probs run each sequence alone (`model.exact_row_logits`), as the exact
+        rollout mode's sampler does (actor_rollout_ref.rollout.exact)."""
         self.mesh, self.layout, self.device = mesh, mesh.layout, device
-        self.grad_clip, self.remove_padding = grad_clip, remove_padding
+        self.grad_clip, self.remove_padding, self.exact = grad_clip, remove_padding, exact
         # The whole model's parameters (a pipeline stage keeps only its own): the resharding plan's.
         self.full_shapes = {n: (tuple(p.shape), p.element_size()) for n, p in model.named_parameters()}
         self.lora = any(is_adapter_param(n) for n in self.full_shapes)  # LoRA adapters injected (models/lora.py)
@@ -130,7 +133,7 @@ class TrainEngine:
             return (None, None) if out is None else (out[..., 0], out[..., 1] if with_entropy else None)
         logps, ents = [], []
         for mb in micro_batches(batch, micro_batch_size, max_tokens):
-            logits = response_logits(self.module, mb, temperature, self.remove_padding)
+            logits = response_logits(self.module, mb, temperature, self.remove_padding, self.exact)
             logps.append(logprobs_from_logits(logits, mb["responses"]))
             if with_entropy:
                 ents.append(entropy_from_logits(logits))
@@ -198,8 +201,9 @@ class TrainEngine:
                           temperature, loss=loss, target=target)
             return
         packed = self.remove_padding if remove_padding is None else remove_padding
+        exact = self.exact and remove_padding is None  # (an objective with its own layout, SFT's, keeps it)
         for mb in micro_batches(batch, micro_batch_size, max_tokens):
-            logits = response_logits(self.module, mb, temperature, packed)
+            logits = response_logits(self.module, mb, temperature, packed, exact)
             loss_fn(logprobs_from_logits(logits, mb["responses"]), entropy_from_logits(logits), mb).backward()
 
     def forward_backward_module(self, batch: Batch, loss_fn: Callable[[nn.Module, Batch], torch.Tensor], micro_batch_size: int) -> None:

@@ -26,9 +26,11 @@ from hybridflow.rollout.base import RolloutContext, generate_batch, response_len
 
 class HFRollout:
     def __init__(self, model: torch.nn.Module, tokenizer, device: str, tp_index: int = 0, dp_index: int = 0, gen_tp: int = 1,
-                 keep_buffers: bool = True):
+                 keep_buffers: bool = True, exact: bool = False):
         """keep_buffers: keep the weights' memory while asleep (False: `sleep()` frees every storage
-        but the static pieces', `wake()` re-allocates them; the next weight sync fills them)."""
+        but the static pieces', `wake()` re-allocates them; the next weight sync fills them).
+        exact: sample through `exact_row_logits`, the trainer's own computation (`_generate_exact`)."""
+        self.exact = exact
         from hybridflow.parallel.tensor_parallel import gen_shard_dims
 
         self.model, self.tokenizer, self.device = model, tokenizer, device
@@ -90,6 +92,8 @@ class HFRollout:
         for i, r in enumerate(requests):
             groups.setdefault(r.params, []).append(i)
         out: list[Completion | None] = [None] * len(requests)
+        if self.exact:
+            return [self._generate_exact(r, i) for i, r in enumerate(requests)]
         for params, rows in groups.items():
             P = max(len(requests[i].prompt_ids) for i in rows)
             input_ids = torch.full((len(rows), P), pad, dtype=torch.long)
@@ -146,6 +150,50 @@ class HFRollout:
         return completions
 
 
+    def _generate_exact(self, request: Request, position: int) -> Completion:
+        """One request, one token at a time: step t runs `exact_row_logits` on the prompt and the t
+        tokens so far (pads after them) and samples from its row t (temperature, then top-k / top-p,
+        with a generator seeded by the call's seed, this replica and the request's position). Its
+        row t is, bit for bit, what the trainer's pass over the finished response computes there; the
+        untruncated log-probs come from that very pass (one more forward, the trainer's shapes)."""
+        from hybridflow.engine.model import exact_row_logits
+
+        params, tok = request.params, self.tokenizer
+        R, T = params.max_new_tokens, params.effective_temperature
+        stop_ids = {tok.eos_token_id, *params.stop_token_ids}
+        prompt = torch.tensor(request.prompt_ids, device=self.device)
+        response = torch.full((R,), tok.pad_token_id, dtype=torch.long, device=self.device)
+        gen = torch.Generator(device=self.device).manual_seed((params.seed * 1000 + self.dp_index) * 100_003 + position)
+        behaviour, finish, n = [], "length", 0
+        while n < R:
+            logits = exact_row_logits(self.model, prompt, response, T)[0, n]  # [V], already / T
+            scores = _truncate(logits, params) if params.sampling else logits
+            token = int(torch.multinomial(torch.softmax(scores, -1), 1, generator=gen)) if params.sampling else int(logits.argmax())
+            behaviour.append(float(torch.log_softmax(scores, -1)[token]))
+            response[n] = token
+            n += 1
+            if token in stop_ids or (params.stop and tok.decode(response[:n].tolist()).endswith(tuple(params.stop))):
+                finish = "stop"
+                break
+        untruncated = logprobs_from_logits(exact_row_logits(self.model, prompt, response, T), response[None])[0, :n].tolist()
+        truncated = params.sampling and (params.top_p < 1.0 or params.top_k > 0)
+        return Completion(tuple(response[:n].tolist()), tuple(behaviour) if truncated else tuple(untruncated), finish, tuple(untruncated))
+
+
+def _truncate(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [V] with the tokens top-k and top-p cut set to -inf (HF's order: top-k, then top-p;
+    top-p keeps the smallest set whose probability reaches top_p, the most likely always)."""
+    out = logits.clone()
+    if params.top_k > 0 and params.top_k < out.shape[-1]:
+        out[out < out.topk(params.top_k).values[-1]] = float("-inf")
+    if params.top_p < 1.0:
+        sorted_logits, order = out.sort(descending=True)
+        cum = torch.softmax(sorted_logits, -1).cumsum(-1)
+        cut = cum - torch.softmax(sorted_logits, -1) >= params.top_p  # the mass before a token already reaches top_p
+        out[order[cut]] = float("-inf")
+    return out
+
+
 def build_hf_rollout(ctx: RolloutContext) -> HFRollout:
     """The policy's HF model, tensor-parallel over rollout.tensor_model_parallel_size ranks grouped
     as HybridFlow does for the colocated actor's training layout (`gen_coords`)."""
@@ -161,4 +209,5 @@ def build_hf_rollout(ctx: RolloutContext) -> HFRollout:
     model = apply_lora(load_hf_model(mcfg, ctx.device, dtype=ctx.spec.generation_dtype), mcfg).eval().requires_grad_(False)
     if gen_tp > 1:
         apply_tensor_parallel(model, gen_mesh(ctx.device, ctx.world_size, gen_tp, ctx.train_layout)["tp"])
-    return HFRollout(model, ctx.tokenizer, ctx.device, tp_index, dp_index, gen_tp, keep_buffers=ctx.spec.keep_generation_buffers)
+    return HFRollout(model, ctx.tokenizer, ctx.device, tp_index, dp_index, gen_tp, keep_buffers=ctx.spec.keep_generation_buffers,
+                     exact=ctx.spec.rollout.exact)

@@ -107,7 +107,8 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
         self.gen_dims = gen_shard_dims(model)
         self.gen_dtype = DTYPES[self.spec.rollout.generation_dtype]  # what a rollout pool holds (async: publish casts to it)
         self.actor = TrainEngine(model, self.dims, self.device, acfg.fsdp_config, optim=acfg.optim, total_steps=self.total_training_steps,
-                                 grad_clip=acfg.grad_clip, pipeline_schedule=acfg.pipeline_schedule, remove_padding=self.remove_padding)
+                                 grad_clip=acfg.grad_clip, pipeline_schedule=acfg.pipeline_schedule, remove_padding=self.remove_padding,
+                                 exact=self.spec.rollout.rollout.exact)
         # The objectives this worker trains with, built once: PPO (RL), SFT, DPO (`workers/preference.py`).
         self.ppo_loss = PPOLoss.of(acfg)
         self.sft_loss = SFTLoss(self.dp_size, self.dims.dp_group)
