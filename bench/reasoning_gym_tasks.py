@@ -66,11 +66,13 @@ def task_files(name: str, out: str, n_train: int, n_val: int, bias: float) -> di
 
 
 def grpo_config(files: dict, model: str, out: str, steps: int, prompt_len: int, response_len: int, n: int, prompts: int,
-                lr: float) -> HybridFlowConfig:
+                lr: float, micro: int = 16) -> HybridFlowConfig:
+    """micro: sequences per forward (SmolLM2's 49k-token vocabulary makes each one's logits ~50 MB in fp32)."""
     return load_config(None, [
         f"data.train_files=[{files['train']}]", f"data.val_files=[{files['val']}]", f"data.train_batch_size={prompts}",
         f"data.max_prompt_length={prompt_len}", f"data.max_response_length={response_len}", f"actor_rollout_ref.model.path={model}",
-        f"actor_rollout_ref.actor.ppo_mini_batch_size={prompts}", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={prompts}", f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={micro}", f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={micro}",
         f"actor_rollout_ref.actor.optim.lr={lr}", f"actor_rollout_ref.rollout.n={n}", "actor_rollout_ref.rollout.temperature=1.0",
         "algorithm.adv_estimator=grpo", f"trainer.total_training_steps={steps}", f"trainer.test_freq={steps}", "trainer.val_before_train=true",
         f"trainer.default_local_dir={out}", "trainer.resume_mode=disable", "trainer.save_freq=-1", "trainer.logger=[console]",
@@ -124,7 +126,7 @@ def smollm2_row(path: str, root: str, args) -> dict:
     t = time.time()
     files = task_files("chain_sum", f"{root}/smol/data", 2000, 50, args.smollm2_bias)
     model = sft(files, path, f"{root}/smol", args.smollm2_sft_steps, 16, args.smollm2_sft_lr, 256)
-    history = fit(grpo_config(files, model, f"{root}/smol/grpo", args.smollm2_steps, 192, 48, 4, 8, args.smollm2_lr))
+    history = fit(grpo_config(files, model, f"{root}/smol/grpo", args.smollm2_steps, 192, 48, 4, 8, args.smollm2_lr, micro=4))
     before, after = held_out(history, "chain_sum")
     return {"row": "SmolLM2-135M, chain_sum", "before": before, "after": after, "steps": args.smollm2_steps, "wall_s": time.time() - t}
 

@@ -96,7 +96,8 @@ def cmd_rm(args) -> int:
 
 FORWARDED = {"make-model": "hybridflow.models.tiny:main_make_model", "make-data": "hybridflow.data.tasks:main_make_data",
              "plot": "hybridflow.utils.plot:main_plot", "export": "hybridflow.utils.export:main_export",
-             "plan": "hybridflow.planning.cli:main_plan", "prepare": "hybridflow.utils.prepare:main_prepare"}
+             "plan": "hybridflow.planning.cli:main_plan", "prepare": "hybridflow.utils.prepare:main_prepare",
+             "mismatch": "hybridflow.utils.mismatch:main_mismatch"}
 
 
 def main(argv: list[str] | None = None) -> int:

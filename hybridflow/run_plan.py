@@ -254,13 +254,21 @@ class ActorSpec:
         return p
 
     def exact_refused(self) -> list[str]:
-        """actor_rollout_ref.rollout.exact=true holds for: the hf backend at gen_tp 1, single-turn rollouts,
-        one pipeline stage, padded (not packed) sequences. Each miss is one line naming its key."""
+        """actor_rollout_ref.rollout.exact=true holds for: the hf backend at gen_tp 1 (with an actor without TP)
+        or gen_tp = the actor's workers (colocated: it samples with the training engine), single-turn
+        rollouts, one pipeline stage, padded (not packed) sequences. Each miss is one line naming its key."""
         r, key = self.rollout.rollout, f"{R}.exact=true"
         reasons = [(r.name != "hf", f"{key} needs {R}.name=hf: vLLM's kernels are not the trainer's (its mismatch per layer: "
                                     f"`hybridflow mismatch`); got {r.name!r}"),
-                   (r.tensor_model_parallel_size != 1, f"{key} needs {R}.tensor_model_parallel_size=1: a tensor-parallel sampler sums "
-                                                       f"the row-parallel products in other pieces than the trainer's full matmuls"),
+                   (r.tensor_model_parallel_size not in (1, self.world), f"{key} needs {R}.tensor_model_parallel_size=1 or the actor's "
+                                                                         f"{self.world} workers (one replica: it samples with the training "
+                                                                         f"engine's own module), got {r.tensor_model_parallel_size}"),
+                   (self.async_rollout and r.tensor_model_parallel_size > 1, f"{key} with trainer.async_rollout needs "
+                                                                            f"{R}.tensor_model_parallel_size=1 (the rollout pool holds no "
+                                                                            f"training engine to sample with)"),
+                   (r.tensor_model_parallel_size == 1 and self.actor.tensor_model_parallel_size > 1,
+                    f"{key} at {R}.tensor_model_parallel_size=1 needs {A}.tensor_model_parallel_size=1 (the trainer's TP splits its sums; "
+                    f"or set {R}.tensor_model_parallel_size={self.world} to sample with the training engine itself)"),
                    (r.multi_turn.enable, f"{key} is for single-turn rollouts: set {R}.multi_turn.enable=false"),
                    (self.actor.pipeline_model_parallel_size > 1, f"{key} needs {A}.pipeline_model_parallel_size=1"),
                    (self.model.use_remove_padding, f"{key} runs each sequence alone: set actor_rollout_ref.model.use_remove_padding=false")]

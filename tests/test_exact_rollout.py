@@ -56,7 +56,8 @@ def test_the_exact_sampler_samples_from_the_trainers_numbers_and_generate_does_n
 
 def test_exact_mode_refuses_what_it_cannot_hold(tiny_model_dir, task_dir, tmp_path):
     base = rl_overrides(tiny_model_dir, task_dir, tmp_path, "actor_rollout_ref.rollout.exact=true")
-    for extra, expect in [("actor_rollout_ref.rollout.tensor_model_parallel_size=2", r"exact=true needs actor_rollout_ref\.rollout\.tensor_model_parallel_size=1"),
+    for extra, expect in [("actor_rollout_ref.actor.tensor_model_parallel_size=2", r"exact=true at actor_rollout_ref\.rollout\.tensor_model_parallel_size=1 "
+                                                                                r"needs actor_rollout_ref\.actor\.tensor_model_parallel_size=1"),
                           ("actor_rollout_ref.model.use_remove_padding=true", r"exact=true runs each sequence alone: set actor_rollout_ref\.model\.use_remove_padding=false"),
                           ("actor_rollout_ref.rollout.multi_turn.enable=true", r"exact=true is for single-turn rollouts")]:
         with pytest.raises(ConfigError, match=expect):
@@ -64,15 +65,20 @@ def test_exact_mode_refuses_what_it_cannot_hold(tiny_model_dir, task_dir, tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_exact_grpo_has_zero_mismatch_and_zero_first_update_kl(ray_cluster, tiny_model_dir, task_dir, varied_reward, tmp_path, precision):
-    """10 GRPO steps, 2 workers (FSDP2 training, gen_tp 1): rollout/logprob_diff_max is 0.0 every
-    step, and so is actor/ppo_kl (one mini-batch per step: the first update's ratio is exactly 1),
-    while the weights move (the policy loss is not zero)."""
-    extra = ["actor_rollout_ref.actor.fsdp_config.mixed_precision=bf16"] if precision == "bf16" else []
+@pytest.mark.parametrize("precision, gen_tp", [("fp32", 1), ("bf16", 2)])
+def test_exact_grpo_has_zero_mismatch_and_zero_first_update_kl(ray_cluster, tiny_model_dir, task_dir, varied_reward, tmp_path, precision,
+                                                               gen_tp, capsys):
+    """10 GRPO steps, 2 workers (FSDP2 training): rollout/logprob_diff_max is 0.0 every step, and so
+    is actor/ppo_kl (one mini-batch per step: the first update's ratio is exactly 1), while the
+    weights move. gen_tp 1: two replicas sample with the generation model the hybrid engine fills;
+    gen_tp 2: one replica samples with the training engine's module. (fp32 at gen_tp 2 and bf16 at
+    gen_tp 1: bench/exact_rollout.py.) The mismatch doctor replaying the last checkpoint outside the
+    run (plain HF models, the parameters cast as FSDP2 and the weight sync cast them) agrees."""
+    extra = [f"actor_rollout_ref.rollout.tensor_model_parallel_size={gen_tp}"]
+    extra += ["actor_rollout_ref.actor.fsdp_config.mixed_precision=bf16"] if precision == "bf16" else []
     cfg = load_config(None, rl_overrides(tiny_model_dir, task_dir, tmp_path, f"custom_reward_function.path={varied_reward}",
                                          "actor_rollout_ref.rollout.exact=true", "trainer.total_training_steps=10",
-                                         "data.max_response_length=8", *extra), schema=HybridFlowConfig)
+                                         "data.max_response_length=8", "trainer.save_freq=10", *extra), schema=HybridFlowConfig)
     trainer = RLTrainer(cfg)
     try:
         trainer.fit()
@@ -83,3 +89,9 @@ def test_exact_grpo_has_zero_mismatch_and_zero_first_update_kl(ray_cluster, tiny
     assert [r["rollout/logprob_diff_max"] for r in rows] == [0.0] * 10
     assert [r["actor/ppo_kl"] for r in rows] == [0.0] * 10
     assert any(r["actor/pg_loss"] != 0.0 for r in rows) and max(r["actor/grad_norm"] for r in rows) > 0
+    from hybridflow.cli import main
+
+    capsys.readouterr()
+    assert main(["mismatch", str(tmp_path), "--rows", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "step 10" in out and "exact" in out and "no probe differs: the two sides agree bit for bit" in out, out

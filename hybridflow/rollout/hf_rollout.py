@@ -31,6 +31,7 @@ class HFRollout:
         but the static pieces', `wake()` re-allocates them; the next weight sync fills them).
         exact: sample through `exact_row_logits`, the trainer's own computation (`_generate_exact`)."""
         self.exact = exact
+        self.exact_model: torch.nn.Module | None = None  # exact at gen_tp = N: the training engine's module samples
         from hybridflow.parallel.tensor_parallel import gen_shard_dims
 
         self.model, self.tokenizer, self.device = model, tokenizer, device
@@ -93,6 +94,7 @@ class HFRollout:
             groups.setdefault(r.params, []).append(i)
         out: list[Completion | None] = [None] * len(requests)
         if self.exact:
+            (self.exact_model or self.model).eval()
             return [self._generate_exact(r, i) for i, r in enumerate(requests)]
         for params, rows in groups.items():
             P = max(len(requests[i].prompt_ids) for i in rows)
@@ -158,7 +160,7 @@ class HFRollout:
         untruncated log-probs come from that very pass (one more forward, the trainer's shapes)."""
         from hybridflow.engine.model import exact_row_logits
 
-        params, tok = request.params, self.tokenizer
+        params, tok, model = request.params, self.tokenizer, self.exact_model or self.model
         R, T = params.max_new_tokens, params.effective_temperature
         stop_ids = {tok.eos_token_id, *params.stop_token_ids}
         prompt = torch.tensor(request.prompt_ids, device=self.device)
@@ -166,7 +168,7 @@ class HFRollout:
         gen = torch.Generator(device=self.device).manual_seed((params.seed * 1000 + self.dp_index) * 100_003 + position)
         behaviour, finish, n = [], "length", 0
         while n < R:
-            logits = exact_row_logits(self.model, prompt, response, T)[0, n]  # [V], already / T
+            logits = exact_row_logits(model, prompt, response, T)[0, n]  # [V], already / T
             scores = _truncate(logits, params) if params.sampling else logits
             token = int(torch.multinomial(torch.softmax(scores, -1), 1, generator=gen)) if params.sampling else int(logits.argmax())
             behaviour.append(float(torch.log_softmax(scores, -1)[token]))
@@ -175,7 +177,7 @@ class HFRollout:
             if token in stop_ids or (params.stop and tok.decode(response[:n].tolist()).endswith(tuple(params.stop))):
                 finish = "stop"
                 break
-        untruncated = logprobs_from_logits(exact_row_logits(self.model, prompt, response, T), response[None])[0, :n].tolist()
+        untruncated = logprobs_from_logits(exact_row_logits(model, prompt, response, T), response[None])[0, :n].tolist()
         truncated = params.sampling and (params.top_p < 1.0 or params.top_k > 0)
         return Completion(tuple(response[:n].tolist()), tuple(behaviour) if truncated else tuple(untruncated), finish, tuple(untruncated))
 

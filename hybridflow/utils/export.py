@@ -38,6 +38,16 @@ def _is_lora_checkpoint(actor_dir: str) -> bool:
     return any(is_adapter_param(k) for k in FileSystemReader(actor_dir).read_metadata().state_dict_metadata)
 
 
+def load_actor_weights(actor_dir: str, model) -> None:
+    """The actor's DCP shards (a full, non-LoRA checkpoint) into `model`, no process group needed:
+    reads exactly the model's keys, whatever the shard layout that wrote them."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=actor_dir, no_dist=True)
+    model.load_state_dict(state["model"])
+
+
 def export_checkpoint(ckpt_dir: str, out_dir: str, model_path: str | None = None, merge: bool = False) -> str:
     """Load the actor's DCP shards (no process group needed) into the HF model and save it.
 
@@ -69,9 +79,7 @@ def export_checkpoint(ckpt_dir: str, out_dir: str, model_path: str | None = None
         else:
             peft_model.save_pretrained(out_dir)
     else:
-        state = {"model": model.state_dict()}
-        dcp.load(state, checkpoint_id=actor_dir, no_dist=True)  # reads exactly these keys, whatever the shard layout
-        model.load_state_dict(state["model"])
+        load_actor_weights(actor_dir, model)
         model.save_pretrained(out_dir, safe_serialization=True)
     AutoTokenizer.from_pretrained(mcfg.tokenizer_source()).save_pretrained(out_dir)
     return out_dir

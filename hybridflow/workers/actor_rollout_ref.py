@@ -121,6 +121,11 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
         rank's slices for it (vLLM); the worker calls only the backend's interface."""
         ctx = RolloutContext(self.spec.rollout, self.tokenizer, self.device, self.rank, self.world_size, self.train_layout, self.gen_dims)
         self.rollout = make_rollout(self.spec.rollout.name, ctx)
+        if self.spec.rollout.rollout.exact and self.spec.rollout.rollout.tensor_model_parallel_size > 1:
+            # Exact at gen_tp = N: a TP sampler would sum its row-parallel products in other pieces than
+            # the trainer's matmuls, so it samples with the training engine's own module (every rank
+            # in step: one replica, the same requests and seeds) - the trainer's kernels by construction.
+            self.rollout.exact_model = self.actor.module
         lay = self.rollout.layout()
         self.hybrid = self.actor.attach_generation(lay.buffers, lay.shard_dims, lay.gen_tp, self.spec.hybrid_engine, lay.consecutive,
                                                    lay.dtype)

@@ -1,0 +1,264 @@
+"""`hybridflow mismatch RUN_DIR [--step N]`: where the rollout and the trainer part ways, layer by layer.
+
+The mismatch doctor replays a batch of the run's prompts at a checkpoint through the two
+computations the run compares in `rollout/logprob_diff_*`, with a forward hook on every probe
+(the embedding, each decoder layer, the final norm, the LM head):
+
+- the rollout side: the HF backend as the run configures it (`HFRollout`: batched, left-padded,
+  KV-cached `generate`; or the exact sampler with actor_rollout_ref.rollout.exact) on a model in
+  the generation dtype holding the checkpoint's weights cast as the weight sync casts them;
+- the trainer side: the trainer's own forward (`engine/model.py`, the padded or exact layout) on a
+  model whose parameters are in the training compute dtype (FSDP2's mixed precision casts the
+  parameters, not the buffers), over the same prompts and the tokens the rollout sampled.
+
+For every response token, each probe's activation at the position that predicts it is taken from
+the rollout call that produced the token and from the trainer's pass; per probe the max and mean
+|difference| over the batch's response tokens is printed, then the log-prob difference. The layer
+named is where the difference starts: the first probe whose max difference is over `jump` (10)
+times the largest before it and over rounding level (4 x the generation dtype's epsilon x the probe's
+largest activation); a difference that grows gradually from the first layer on, at rounding level,
+is kernels summing in another order, not a layer. In the exact mode both sides compute the same
+numbers, so the first non-zero difference is named.
+
+vLLM runs its own kernels (fused, paged attention, its own sampler): the doctor replays the HF
+backend only; a vLLM run's checkpoint is replayed through HF and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import os
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.nn as nn
+
+from hybridflow.algorithms import logprobs_from_logits
+from hybridflow.protocol import Completion, Request, SamplingParams
+
+
+@dataclass(frozen=True)
+class ProbeDiff:
+    name: str  # module path in the HF model, e.g. "model.layers.3"
+    max: float
+    mean: float
+    scale: float  # max |activation| (the trainer's): what a rounding-level difference is measured against
+
+
+@dataclass(frozen=True)
+class Report:
+    probes: list[ProbeDiff]
+    logprob_max: float
+    logprob_mean: float
+    named: str | None  # where the difference starts (None: no difference at all)
+
+    def table(self) -> str:
+        lines = [f"{'probe':<28} {'max |diff|':>12} {'mean |diff|':>12}"]
+        for p in self.probes:
+            mark = "   <- the difference starts here" if p.name == self.named else ""
+            lines.append(f"{p.name:<28} {p.max:>12.3g} {p.mean:>12.3g}{mark}")
+        lines.append(f"{'log-prob of the sampled token':<28} {self.logprob_max:>12.3g} {self.logprob_mean:>12.3g}")
+        if self.named:
+            lines.append(f"first layer that differs: {self.named}")
+        elif any(p.max > 0 for p in self.probes):
+            lines.append("no layer stands out: the differences stay at rounding level (kernels that sum in another order)")
+        else:
+            lines.append("no probe differs: the two sides agree bit for bit")
+        return "\n".join(lines)
+
+
+def probes(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) in forward order: the embedding, every decoder layer, the final norm, the head."""
+    from hybridflow.parallel.fsdp import decoder_layers
+
+    names = {m: n for n, m in model.named_modules()}
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    out = [base.embed_tokens, *decoder_layers(model), base.norm, model.get_output_embeddings()]
+    return [(names[m], m) for m in out]
+
+
+@contextlib.contextmanager
+def recording(model: nn.Module) -> Iterator[dict[str, list[torch.Tensor]]]:
+    """Every probe's output of every forward call, in call order: {name: [tensor [b, T, H or V]]}."""
+    calls: dict[str, list[torch.Tensor]] = {}
+    handles = []
+    for name, module in probes(model):
+        def hook(_m, _inp, out, name=name):
+            calls.setdefault(name, []).append((out[0] if isinstance(out, tuple) else out).detach().float().clone())
+        handles.append(module.register_forward_hook(hook))
+    try:
+        yield calls
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _rollout_side(gen_model: nn.Module, tokenizer, requests: list[Request], exact: bool) -> tuple[list[Completion], dict[str, list[list[torch.Tensor]]]]:
+    """The backend's completions, and per probe per request the activation [H] that predicted each token."""
+    from hybridflow.rollout.hf_rollout import HFRollout
+
+    backend = HFRollout(gen_model, tokenizer, "cpu", exact=exact)
+    with recording(gen_model) as calls:
+        completions = backend.generate_requests(requests)
+    head = probes(gen_model)[-1][0]
+    out: dict[str, list[list[torch.Tensor]]] = {}
+    for name, outs in calls.items():
+        rows: list[list[torch.Tensor]] = []
+        if exact:  # per request: one call per token (row p - 1 + t of call t), then the scoring pass
+            i = 0
+            for r, c in zip(requests, completions):
+                p = len(r.prompt_ids)
+                # hidden states hold every position (token t's predictor: p - 1 + t); the head the R + 1 last (row t)
+                pos = (lambda t: t) if name == head else (lambda t, p=p: p - 1 + t)
+                rows.append([outs[i + t][0, pos(t)] for t in range(len(c.token_ids))])
+                i += len(c.token_ids) + 1
+        else:  # one generate: the prefill (its last position predicts token 0), then a call per token
+            for b, c in enumerate(completions):
+                rows.append([outs[t][b, -1] for t in range(len(c.token_ids))])
+        out[name] = rows
+    return completions, out
+
+
+def _trainer_side(train_model: nn.Module, pad_id: int, requests: list[Request], completions: list[Completion], R: int,
+                  exact: bool) -> dict[str, list[list[torch.Tensor]]]:
+    head = probes(train_model)[-1][0]
+    """Per probe per request the trainer's activation [H] at each response token's predicting position."""
+    from hybridflow.engine.model import exact_row_logits, response_logits
+    from hybridflow.rollout.base import rollout_batch
+
+    P = max(len(r.prompt_ids) for r in requests)
+    ids = torch.full((len(requests), P), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    responses = torch.full((len(requests), R), pad_id, dtype=torch.long)
+    for i, (r, c) in enumerate(zip(requests, completions)):
+        ids[i, P - len(r.prompt_ids):], mask[i, P - len(r.prompt_ids):] = torch.tensor(r.prompt_ids), 1
+        responses[i, : len(c.token_ids)] = torch.tensor(c.token_ids)
+    lengths = torch.tensor([len(c.token_ids) for c in completions])
+    batch = rollout_batch(ids, mask, responses, torch.zeros(responses.shape), lengths, requests[0].params)
+    T = requests[0].params.effective_temperature
+    out: dict[str, list[list[torch.Tensor]]] = {}
+    with torch.no_grad(), recording(train_model) as calls:
+        if exact:
+            for r, resp in zip(requests, responses):
+                exact_row_logits(train_model, torch.tensor(r.prompt_ids), resp, T)
+        else:
+            response_logits(train_model, batch, T)
+    for name, outs in calls.items():
+        rows = []
+        for i, (r, c) in enumerate(zip(requests, completions)):
+            o, b = (outs[i], 0) if exact else (outs[0], i)
+            start = (len(r.prompt_ids) - 1) if exact else P - 1  # the position predicting token 0
+            if name == head:  # the head keeps the R + 1 last positions: token t's is row t
+                rows.append([o[b, t] for t in range(len(c.token_ids))])
+            else:
+                rows.append([o[b, start + t] for t in range(len(c.token_ids))])
+        out[name] = rows
+    return out
+
+
+def diagnose(train_model: nn.Module, gen_model: nn.Module, tokenizer, prompts: list[list[int]], params: SamplingParams,
+             exact: bool = False, jump: float = 10.0) -> Report:
+    """Replay `prompts` through both sides (module docstring) and compare them probe by probe."""
+    requests = [Request(p, params) for p in prompts]
+    completions, gen = _rollout_side(gen_model, tokenizer, requests, exact)
+    train = _trainer_side(train_model, tokenizer.pad_token_id, requests, completions, params.max_new_tokens, exact)
+    diffs = []
+    for name, _ in probes(gen_model):
+        d = torch.stack([(a - b).abs().max() for ra, rb in zip(gen[name], train[name]) for a, b in zip(ra, rb)])
+        m = torch.cat([(a - b).abs().flatten() for ra, rb in zip(gen[name], train[name]) for a, b in zip(ra, rb)])
+        scale = max(float(a.abs().max()) for rows in train[name] for a in rows)
+        diffs.append(ProbeDiff(name, float(d.max()), float(m.mean()), scale))
+    head = diffs[-1].name
+    lp = []
+    for c, rows_g, rows_t in zip(completions, gen[head], train[head]):
+        toks = torch.tensor(c.token_ids)
+        T = params.effective_temperature
+        lg = logprobs_from_logits(torch.stack(rows_g)[None] / T, toks[None])[0]
+        lt = logprobs_from_logits(torch.stack(rows_t)[None] / T, toks[None])[0]
+        lp.append((lg - lt).abs())
+    lp_all = torch.cat(lp)
+    eps = torch.finfo(next(gen_model.parameters()).dtype).eps
+    return Report(diffs, float(lp_all.max()), float(lp_all.mean()), _named(diffs, jump, 0.0 if exact else eps))
+
+
+def _named(diffs: list[ProbeDiff], jump: float, eps: float) -> str | None:
+    """The first probe over `jump` x every earlier one and over rounding level (4 x eps x its largest
+    activation; the exact mode's eps is 0: any difference is one)."""
+    largest = 0.0
+    for d in diffs:
+        if d.max > jump * largest and d.max > 4 * eps * d.scale:
+            return d.name
+        largest = max(largest, d.max)
+    return None
+
+
+# ---------------------------------------------------------------------- the command
+def _models(run_dir: str, step: int | None):
+    """(config, tokenizer, train model, generation model) of the run's checkpoint."""
+    from transformers import AutoTokenizer
+
+    from hybridflow.config import HybridFlowConfig, load_config
+    from hybridflow.models.hf import load_hf_model
+    from hybridflow.run_plan import resolve
+    from hybridflow.trainer import checkpoints
+    from hybridflow.utils.export import load_actor_weights
+
+    cfg_path = os.path.join(run_dir, "config.yaml")
+    if not os.path.isfile(cfg_path):
+        raise SystemExit(f"error: {cfg_path} not found: RUN_DIR is a run's trainer.default_local_dir")
+    cfg = load_config(cfg_path, schema=HybridFlowConfig)
+    plan = resolve(cfg)
+    if step is None:
+        latest = os.path.join(run_dir, checkpoints.LATEST)
+        if not os.path.isfile(latest):
+            raise SystemExit(f"error: no checkpoint in {run_dir} (trainer.save_freq): pass --step N of a global_step_N directory")
+        step = int(open(latest).read().strip())
+    actor_dir = os.path.join(run_dir, f"global_step_{step}", "actor")
+    if not os.path.isdir(actor_dir):
+        raise SystemExit(f"error: {actor_dir} not found: --step names a global_step_<N> directory of the run")
+    mcfg = plan.actor.model
+    if mcfg.lora_rank > 0:
+        raise SystemExit("error: the doctor replays full-weight checkpoints; merge the LoRA run first (hybridflow export --merge)")
+    weights = load_hf_model(mcfg, "cpu")  # fp32 master weights, as the trainer holds them
+    load_actor_weights(actor_dir, weights)
+    train = copy.deepcopy(weights).eval()
+    mp = plan.actor.actor.fsdp_config.mixed_precision
+    if mp:  # FSDP2's mixed precision: the parameters in the compute dtype, the buffers as they are
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[mp]
+        for p in train.parameters():
+            p.data = p.data.to(dtype)
+    gen = load_hf_model(mcfg, "cpu", dtype=plan.rollout.generation_dtype).eval()
+    with torch.no_grad():  # what the weight sync writes: the trained weights cast to the generation dtype
+        for name, p in gen.named_parameters():
+            p.copy_(dict(weights.named_parameters())[name])
+    return cfg, plan, AutoTokenizer.from_pretrained(mcfg.tokenizer_source()), train, gen, step
+
+
+def main_mismatch(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="hybridflow mismatch", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("run_dir", help="the run's trainer.default_local_dir (config.yaml and global_step_<N>/)")
+    ap.add_argument("--step", type=int, default=None, help="the checkpoint to replay (default: the latest)")
+    ap.add_argument("--rows", type=int, default=8, help="prompts replayed (the first of the run's training files)")
+    ap.add_argument("--jump", type=float, default=10.0, help="a probe names the divergence when its max diff is over this many "
+                                                          "times every earlier probe's")
+    a = ap.parse_args(argv)
+    from hybridflow.data.dataset import RLDataset, collate_rl
+    from hybridflow.rollout.base import batch_requests
+
+    cfg, plan, tok, train, gen, step = _models(a.run_dir, a.step)
+    d = cfg.data
+    ds = RLDataset(d.train_files, tok, d.max_prompt_length, d.prompt_key, d.filter_overlong_prompts, d.truncation)
+    batch = collate_rl([ds[i] for i in range(min(a.rows, len(ds)))], tok.pad_token_id, d.max_prompt_length, d.prompt_padding)
+    params = plan.rollout.sampling_params(seed=step)
+    prompts = [list(r.prompt_ids) for r in batch_requests(batch, params)]
+    r = plan.rollout.rollout
+    if r.name != "hf":
+        print(f"note: the run generates with {r.name}; the doctor replays the HF backend (vLLM's kernels are its own)")
+    report = diagnose(train, gen, tok, prompts, params, exact=r.exact, jump=a.jump)
+    print(f"{a.run_dir} step {step}: {len(prompts)} prompts, rollout ({plan.rollout.generation_dtype}"
+          f"{', exact' if r.exact else ', KV-cached generate'}) vs trainer")
+    print(report.table())
+    return 0
