@@ -100,16 +100,17 @@ os.replace = replace_or_die
 
 @pytest.mark.parametrize("name, extra, kill_inside_save", [
     # killed inside step 4's save (the trainer's own save code runs; it dies at the rename, every part
-    # written to global_step_4.tmp): the latest checkpoint is still step 2, and the run resumes from it
-    ("grpo_overlap_tp2_adaptive_kl", ["actor_rollout_ref.hybrid_engine.resharding_overlap_with_compute=true",
-                                      "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "algorithm.use_kl_in_reward=true",
-                                      "algorithm.kl_ctrl.type=adaptive"], True),
+    # written to global_step_4.tmp): the latest checkpoint is still step 2, and the run resumes from it.
+    # The exact rollout mode: the mismatch is 0.0 before the kill and after the resume (slime's failure)
+    ("grpo_overlap_tp2_adaptive_kl_exact", ["actor_rollout_ref.hybrid_engine.resharding_overlap_with_compute=true",
+                                            "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "algorithm.use_kl_in_reward=true",
+                                            "algorithm.kl_ctrl.type=adaptive", "actor_rollout_ref.rollout.exact=true"], True),
     # killed right after step 2's checkpoint. PPO with a critic, actor and critic training LoRA adapters (their
     # checkpoints: adapters, the critic's value head, and their optimizer state only), the actor with a KL loss
     # against the adapter-free reference
     ("ppo_critic_lora", ["algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.model.lora_rank=4",
                          "actor_rollout_ref.model.lora_alpha=8", "actor_rollout_ref.actor.use_kl_loss=true", "critic.model.lora_rank=4"], False),
-], ids=["grpo_overlap_tp2_adaptive_kl_killed_inside_a_save", "ppo_critic_lora"])
+], ids=["grpo_overlap_tp2_adaptive_kl_exact_killed_inside_a_save", "ppo_critic_lora"])
 def test_sigkill_mid_run_then_resume_equals_the_uninterrupted_run(name, extra, kill_inside_save, tiny_model_dir, task_dir, varied_reward,
                                                                   tmp_path):
     """A driver killed with SIGKILL (after a checkpoint, or inside one's save), restarted with the
@@ -151,6 +152,8 @@ def test_sigkill_mid_run_then_resume_equals_the_uninterrupted_run(name, extra, k
         assert a[step] == b[step], (name, step)
         # the train-rollout mismatch is among them: a resume changes nothing the rollout samples
         assert {"rollout/logprob_diff_max", "rollout/logprob_diff_p99", "rollout/logprob_diff_alarm"} <= a[step].keys()
+    if "exact" in name:
+        assert [b[s]["rollout/logprob_diff_max"] for s in sorted(b)] == [0.0] * 6
 
 
 def test_kill_9_of_hybridflow_train_with_default_settings_and_the_same_command_resumes(tiny_model_dir, task_dir, tmp_path):
