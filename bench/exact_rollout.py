@@ -4,7 +4,7 @@ Per precision (fp32; bf16 mixed precision, generating in bf16) and generation TP
 with the generation model; 2: one replica over both workers) the same GRPO run twice on 2 workers
 (the tiny model, digit_max, 4 prompts x 4 samples, 16-token responses, 10 steps): with the default
 HF `generate` sampler (KV cache, batched) and with actor_rollout_ref.rollout.exact=true
-(engine/model.py `exact_row_logits`: one sequence at a time, a full forward per sampled token; at
+(models/exact.py `exact_row_logits`: one sequence at a time, a full forward per sampled token; at
 gen_tp 2 through the training engine's FSDP2 module).
 
 Columns: the largest train-rollout mismatch over the steps (rollout/logprob_diff_max) and its

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hybridflow.algorithms import logprobs_from_logits
 from hybridflow.config import ConfigError, HybridFlowConfig, load_config, validate_config
-from hybridflow.engine.model import exact_row_logits
+from hybridflow.models.exact import exact_row_logits
 from hybridflow.protocol import Request, SamplingParams
 from hybridflow.rollout.hf_rollout import HFRollout
 from hybridflow.trainer.rl import RLTrainer
@@ -56,10 +56,12 @@ def test_the_exact_sampler_samples_from_the_trainers_numbers_and_generate_does_n
 
 def test_exact_mode_refuses_what_it_cannot_hold(tiny_model_dir, task_dir, tmp_path):
     base = rl_overrides(tiny_model_dir, task_dir, tmp_path, "actor_rollout_ref.rollout.exact=true")
-    for extra, expect in [("actor_rollout_ref.actor.tensor_model_parallel_size=2", r"exact=true at actor_rollout_ref\.rollout\.tensor_model_parallel_size=1 "
-                                                                                r"needs actor_rollout_ref\.actor\.tensor_model_parallel_size=1"),
-                          ("actor_rollout_ref.model.use_remove_padding=true", r"exact=true runs each sequence alone: set actor_rollout_ref\.model\.use_remove_padding=false"),
-                          ("actor_rollout_ref.rollout.multi_turn.enable=true", r"exact=true is for single-turn rollouts")]:
+    cases = [("actor_rollout_ref.actor.tensor_model_parallel_size=2",
+              r"exact=true at actor_rollout_ref\.rollout\.tensor_model_parallel_size=1 needs actor_rollout_ref\.actor\.tensor_model_parallel_size=1"),
+             ("actor_rollout_ref.model.use_remove_padding=true",
+              r"exact=true runs each sequence alone: set actor_rollout_ref\.model\.use_remove_padding=false"),
+             ("actor_rollout_ref.rollout.multi_turn.enable=true", r"exact=true is for single-turn rollouts")]
+    for extra, expect in cases:
         with pytest.raises(ConfigError, match=expect):
             validate_config(load_config(None, [*base, extra], schema=HybridFlowConfig))
 

@@ -219,7 +219,7 @@ class RolloutConfig:
     log_prob_max_token_len_per_gpu: int = 16384
     tensor_model_parallel_size: int = 1
     # Zero train-rollout mismatch (hf, gen_tp 1; docs/hybrid_engine.md "Exact rollout"): the sampler and the
-    # trainer's log-probs run one computation per sequence (engine/model.py exact_row_logits), so the
+    # trainer's log-probs run one computation per sequence (models/exact.py exact_row_logits), so the
     # rollout's log-probs are the trainer's bit for bit; slower (a full forward per sampled token).
     exact: bool = False
     gpu_memory_utilization: float = 0.5  # vllm on CUDA: share of GPU memory for weights + KV cache

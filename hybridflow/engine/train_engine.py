@@ -88,7 +88,7 @@ class TrainEngine:
     def __init__(self, model: nn.Module, mesh: TrainMesh, device: str, fsdp: FSDPConfig, *, optim: OptimConfig | None = None,
                  total_steps: int = 1, grad_clip: float = 1.0, pipeline_schedule: str = "1f1b", remove_padding: bool = False,
                  exact: bool = False):
-        """exact: token log-probs run each sequence alone (`model.exact_row_logits`), as the exact
+        """exact: token log-probs run each sequence alone (`models/exact.py`), as the exact
         rollout mode's sampler does (actor_rollout_ref.rollout.exact)."""
         self.mesh, self.layout, self.device = mesh, mesh.layout, device
         self.grad_clip, self.remove_padding, self.exact = grad_clip, remove_padding, exact

@@ -158,7 +158,7 @@ class HFRollout:
         with a generator seeded by the call's seed, this replica and the request's position). Its
         row t is, bit for bit, what the trainer's pass over the finished response computes there; the
         untruncated log-probs come from that very pass (one more forward, the trainer's shapes)."""
-        from hybridflow.engine.model import exact_row_logits
+        from hybridflow.models.exact import exact_row_logits
 
         params, tok, model = request.params, self.tokenizer, self.exact_model or self.model
         R, T = params.max_new_tokens, params.effective_temperature

@@ -126,7 +126,8 @@ def _trainer_side(train_model: nn.Module, pad_id: int, requests: list[Request], 
                   exact: bool) -> dict[str, list[list[torch.Tensor]]]:
     head = probes(train_model)[-1][0]
     """Per probe per request the trainer's activation [H] at each response token's predicting position."""
-    from hybridflow.engine.model import exact_row_logits, response_logits
+    from hybridflow.engine.model import response_logits
+    from hybridflow.models.exact import exact_row_logits
     from hybridflow.rollout.base import rollout_batch
 
     P = max(len(r.prompt_ids) for r in requests)
