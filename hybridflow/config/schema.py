@@ -260,6 +260,11 @@ class HybridEngineConfig:
     # Keep the generation buffers allocated between steps (no re-allocation and page faults per
     # switch). None = decided by the pre-flight memory plan: kept when they fit next to training.
     keep_generation_buffers: Optional[bool] = None
+    # The cross-pool sync (trainer.async_rollout) sends per piece only the elements that changed since the
+    # last sync (or the whole piece when that is smaller), checked by CRC-32 of the trainer's tensor; a
+    # mismatch is repaired from the whole piece (docs/hybrid_engine.md "Delta weight sync").
+    delta_sync: bool = False
+    delta_full_every: int = 10  # with delta_sync: every k-th sync sends every piece whole (0: only the first)
 
 
 @dataclass

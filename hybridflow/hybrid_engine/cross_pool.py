@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from hybridflow.hybrid_engine.delta import DeltaSender, DeltaStats, apply, bits, encode, payload_bytes
 from hybridflow.hybrid_engine.executor import train_shard_dim
 from hybridflow.hybrid_engine.plan import Box, intersect, layer_of, shard_box, volume
 from hybridflow.hybrid_engine.trace import TraceRecorder
@@ -36,10 +37,12 @@ def need_box(shape: tuple[int, ...], gen_dim: int | None, gen_tp: int, dst_world
 
 @torch.no_grad()
 def publish(train_model: nn.Module, gen_dims: dict[str, int | None], rank: int, world: int, gen_tp: int, dst_world: int,
-            dtype: torch.dtype | None = None) -> list:
+            dtype: torch.dtype | None = None, delta: DeltaSender | None = None) -> list:
     """Training rank `rank`: one object-store ref per generation rank with exactly the pieces of
     this rank's shards that it needs: {name: (whole shape, [(box, tensor)])} (CPU tensors, in the
-    generation dtype `dtype`, None = the training one: bf16 generation ships half the bytes)."""
+    generation dtype `dtype`, None = the training one: bf16 generation ships half the bytes).
+    With `delta` (delta.py): {"delta": {name: (shape, [(box, payload)])}, "full": {name: ref of the
+    whole pieces}}, the whole pieces fetched only to repair."""
     import ray
 
     per_dst: list[dict[str, tuple]] = [{} for _ in range(dst_world)]
@@ -54,7 +57,17 @@ def publish(train_model: nn.Module, gen_dims: dict[str, int | None], rank: int, 
             if box:
                 piece = crop(shard, box, own).detach().to("cpu", dtype=dtype or shard.dtype, copy=True).contiguous()
                 per_dst[d].setdefault(name, (tuple(p.shape), []))[1].append((box, piece))
-    return [ray.put(pieces) for pieces in per_dst]
+    if delta is None:
+        return [ray.put(pieces) for pieces in per_dst]
+    full = delta.next_sync()
+    out = []
+    for d, pieces in enumerate(per_dst):
+        encoded = {}
+        for name, (shape, items) in pieces.items():
+            encoded[name] = (shape, [(box, encode(t, delta.last.get((d, name, box)), full)[0]) for box, t in items])
+            delta.last.update({(d, name, box): t for box, t in items})
+        out.append(ray.put({"delta": encoded, "full": {name: ray.put(whole) for name, whole in pieces.items()}}))
+    return out
 
 
 def whole_pieces(pieces) -> list[WeightPiece]:
@@ -128,6 +141,7 @@ class PoolReceiver:
         self.last_pieces: list[WeightPiece] = []
         self.last_stats: dict = {}
         self.version = 0  # policy version of the weights held (number of syncs)
+        self.mirror: dict[tuple, torch.Tensor] = {}  # delta sync: (name, box) -> the slice held (what deltas apply to)
 
     def stage(self, refs_by_src: list[list]) -> None:
         """refs_by_src[s][d]: source rank s's object for destination rank d; keep ours."""
@@ -142,15 +156,20 @@ class PoolReceiver:
         received = 0
         layers: dict[str, None] = {}
         self.last_pieces = []
+        delta = None
         for objs in ray.get(self._refs):
-            for name, (shape, items) in objs.items():
+            if "delta" in objs:  # delta sync: rebuild each piece on the mirror, check it, repair from the whole one
+                delta = delta or DeltaStats()
+                stream = self._deltas(objs, delta)
+            else:
+                stream = ((name, shape, box, t) for name, (shape, items) in objs.items() for box, t in items)
+            for name, shape, box, t in stream:
                 layers.setdefault(layer_of(name), None)
-                for box, t in items:
-                    piece = WeightPiece(name, shape, box, t)
-                    with self.trace.span(f"copy {layer_of(name)}", "copy"):
-                        yield piece
-                    received += t.numel() * t.element_size()  # the tensor that arrived, not its box
-                    self.last_pieces.append(piece)
+                piece = WeightPiece(name, shape, box, t)
+                with self.trace.span(f"copy {layer_of(name)}", "copy"):
+                    yield piece
+                received += t.numel() * t.element_size()  # the tensor that arrived, not its box
+                self.last_pieces.append(piece)
         covered = {n: 0 for n in self.need}
         for piece in self.last_pieces:
             covered[piece.name] += volume(piece.box)
@@ -161,3 +180,29 @@ class PoolReceiver:
         self.version += 1
         self.last_stats = {"seconds": time.perf_counter() - start, "bytes_received": received, "peak_extra_bytes": 0,
                            "layers": list(layers), "optimized": True, "version": self.version}
+        if delta is not None:
+            self.last_stats.update(delta.as_dict(), bytes_received=delta.sent_bytes)
+
+    def _deltas(self, objs: dict, stats: DeltaStats):
+        """(name, shape, box, slice) of one source's delta object, each rebuilt on the mirror and
+        CRC-checked; a piece that fails (or has no base) comes whole from the source's full object."""
+        import ray
+
+        wholes: dict[str, dict] = {}
+        for name, (shape, items) in objs["delta"].items():
+            for box, payload in items:
+                base = self.mirror.get((name, box))
+                new = apply(payload, base)
+                stats.sent_bytes += payload_bytes(payload)
+                if new is None:  # corrupted in transit, or nothing to apply it to: the whole piece
+                    if name not in wholes:
+                        wholes[name] = dict(ray.get(objs["full"][name])[1])
+                    new = wholes[name][box].clone()
+                    stats.sent_bytes += new.numel() * new.element_size()
+                    stats.repairs += 1
+                    stats.repaired.append(name)
+                stats.elements += new.numel()
+                stats.full_bytes += new.numel() * new.element_size()
+                stats.changed += new.numel() if base is None else int((bits(new) != bits(base)).sum())
+                self.mirror[(name, box)] = new
+                yield name, shape, box, new

@@ -31,6 +31,7 @@ from hybridflow.parallel.process_group import pick_device
 from hybridflow.engine import TrainEngine
 from hybridflow.engine.model import trim_right_padding
 from hybridflow.hybrid_engine import cross_pool
+from hybridflow.hybrid_engine.delta import DeltaSender
 from hybridflow.utils.memory import rss_bytes
 from hybridflow.models.hf import DTYPES, load_hf_model
 from hybridflow.models.lora import adapters_disabled, apply_lora
@@ -105,6 +106,8 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
             if any(fnmatch.fnmatchcase(name, pattern) for pattern in acfg.freeze_modules):
                 p.requires_grad_(False)
         self.gen_dims = gen_shard_dims(model)
+        he = self.spec.hybrid_engine  # delta sync of the cross-pool sync: what this rank sent last (hybrid_engine/delta.py)
+        self.delta_sender = DeltaSender(he.delta_full_every) if he.delta_sync else None
         self.gen_dtype = DTYPES[self.spec.rollout.generation_dtype]  # what a rollout pool holds (async: publish casts to it)
         self.actor = TrainEngine(model, self.dims, self.device, acfg.fsdp_config, optim=acfg.optim, total_steps=self.total_training_steps,
                                  grad_clip=acfg.grad_clip, pipeline_schedule=acfg.pipeline_schedule, remove_padding=self.remove_padding,
@@ -159,7 +162,8 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
     def publish_weights(self, gen_tp: int, dst_world: int) -> list:
         """For a rollout pool of `dst_world` ranks: object refs, one per generation rank, holding
         exactly the pieces of this rank's shards that generation rank needs (`cross_pool`)."""
-        return cross_pool.publish(self.actor.module, self.gen_dims, self.rank, self.world_size, gen_tp, dst_world, self.gen_dtype)
+        return cross_pool.publish(self.actor.module, self.gen_dims, self.rank, self.world_size, gen_tp, dst_world, self.gen_dtype,
+                                  self.delta_sender)
 
     @register(Dispatch.RANK_ZERO)
     def weight_fingerprints(self, gen_tp: int, dst_world: int) -> dict[str, str]:

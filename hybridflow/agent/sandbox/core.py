@@ -201,13 +201,15 @@ class Sandbox:
         self._ro_paths, self._links = _visible_paths(self.python)
         # `show`: more host paths in the view, read-only at their own place (a black-box agent's program
         # and its environment; see openai_agent.py). Absolute, existing; already-shown ones are skipped.
+        # Those under the host's /tmp are bound inside the sandbox's own /tmp, after it is mounted.
+        self._tmp_paths: list[str] = []
         for path in show:
-            if not os.path.isabs(path) or not os.path.exists(path):
-                raise ValueError(f"sandbox paths to show must be absolute and exist, got {path!r}")
-            if path == WORKDIR or path.startswith(WORKDIR + "/"):
-                raise ValueError(f"{path!r} cannot be shown in the sandbox: its {WORKDIR} is its own (move it elsewhere, e.g. /var/tmp)")
-            if not any(path == p or path.startswith(p.rstrip("/") + "/") for p in self._ro_paths):
-                self._ro_paths.append(path)
+            if not os.path.isabs(path) or not os.path.exists(path) or path == WORKDIR:
+                raise ValueError(f"sandbox paths to show must be absolute, exist and not be {WORKDIR} itself, got {path!r}")
+            under_tmp = path.startswith(WORKDIR + "/")
+            shown = self._tmp_paths if under_tmp else self._ro_paths
+            if not any(path == p or path.startswith(p.rstrip("/") + "/") for p in shown):
+                shown.append(path)
         # Host-side tools by absolute path: Popen looks names up in the sandbox's PATH, not ours.
         search = os.pathsep.join([os.environ.get("PATH", ""), "/usr/local/bin", "/usr/bin", "/bin", "/usr/sbin", "/sbin"])
         tools = ("timeout", "setpriv", "bwrap", "unshare", "mount", "pivot_root")
@@ -324,6 +326,8 @@ class Sandbox:
             cmd += ["--ro-bind", host, inside]  # connect() works on a read-only mount (it writes to the socket, not the file)
         cmd += ["--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev",  # /dev/shm stays read-only
                 "--size", str(_mib(lim.tmp_mb)), "--tmpfs", WORKDIR]
+        for path in self._tmp_paths:  # after the sandbox's /tmp: on top of it (bwrap reads the source on the host)
+            cmd += ["--ro-bind", path, path]
         for fd, name in files:
             cmd += ["--file", str(fd), f"{WORKDIR}/{name}"]
         return cmd + ["--chdir", WORKDIR, "--remount-ro", "/"]
@@ -338,11 +342,15 @@ class Sandbox:
         lines = ["set -eu", "export PATH=/usr/sbin:/usr/bin:/sbin:/bin", "R=/tmp"]
         # A socket's host directory may be under /tmp, which the root's tmpfs is about to hide: it is
         # opened first (a descriptor 3-9 the run passes nothing on), bound through /proc/self/fd, closed.
+        # Shown paths under the host's /tmp go the same way, through one descriptor held on the host's /tmp.
         free = [n for n in range(3, 10) if n != status_fd and n not in {fd for fd, _ in files}]
-        if len(sockets) > len(free):
-            raise ValueError(f"at most {len(free)} sockets per sandbox run here, got {len(sockets)}")
+        if len(sockets) + 1 > len(free):
+            raise ValueError(f"at most {len(free) - 1} sockets per sandbox run here, got {len(sockets)}")
         held = dict(zip(sockets, free))
+        host_tmp = free[len(sockets)]
         lines += [f"exec {n}<{q(os.path.dirname(sockets[inside]))}" for inside, n in held.items()]
+        if self._tmp_paths:
+            lines.append(f"exec {host_tmp}<{WORKDIR}")
         lines.append('mount -t tmpfs -o mode=0755,size=4m,nosuid,nodev sandbox-root "$R"')
         for path in self._ro_paths:
             dst = '"$R"' + q(path)
@@ -367,6 +375,13 @@ class Sandbox:
             lines.append(f'cat /dev/fd/{int(fd)} > "$R/tmp/"{q(name)}')  # (sh redirections only take fds 0-9)
         if self._as_nobody:
             lines.append(f'chown -R {NOBODY}:{NOBODY} "$R/tmp"')
+        for path in self._tmp_paths:  # on top of the sandbox's /tmp, read-only, after its files and chown
+            dst = '"$R"' + q(path)
+            make = f"mkdir -p {dst}" if os.path.isdir(path) else f"mkdir -p \"$(dirname {dst})\" && touch {dst}"
+            lines += [make, f"mount --bind /proc/self/fd/{host_tmp}/{q(os.path.relpath(path, WORKDIR))} {dst}",
+                      f"mount -o remount,bind,ro,nosuid,nodev {dst}"]
+        if self._tmp_paths:
+            lines.append(f"exec {host_tmp}<&-")
         lines += ['mkdir "$R/.oldroot"', 'cd "$R"', "pivot_root . .oldroot", "umount -l /.oldroot", "rmdir /.oldroot",
                   "mount -o remount,bind,ro /", f"cd {WORKDIR}", "exec " + " ".join(q(a) for a in init)]
         userns = [] if self._as_nobody else ["--user", "--map-root-user"]  # as root: a mount ns needs no user ns
