@@ -25,3 +25,16 @@ def print_rows(title: str, columns: list[tuple[str, str, str]], rows: list[dict]
         print(" ".join(f"{r[key]:{spec}}" for key, _, spec in columns))
     if json_path:
         write_rows(json_path, rows)
+
+
+def length_parity_task(root: str) -> tuple[str, str]:
+    """(task dir, reward file) under `root`: the digit_max task, and a reward with spread on any model
+    (the response's length parity), so every GRPO update moves the weights."""
+    from hybridflow.data.tasks import make_max_task
+
+    task = os.path.join(root, "task")
+    make_max_task(task)
+    reward = os.path.join(root, "length_parity.py")
+    with open(reward, "w") as f:
+        f.write("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return float(len(solution_str) % 2)\n")
+    return task, reward

@@ -26,7 +26,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.common import write_rows  # noqa: E402
+from bench.common import length_parity_task, write_rows  # noqa: E402
 
 ASYNC = ["trainer.async_rollout=true", "resource_pool.pools.actor_pool.workers_per_node=2", "resource_pool.pools.rollout_pool.workers_per_node=1",
          "resource_pool.mapping.actor_rollout=actor_pool", "resource_pool.mapping.rollout=rollout_pool", "trainer.check_weight_sync=true",
@@ -66,16 +66,11 @@ def main() -> None:
     ap.add_argument("--smollm2", default=None, metavar="DIR")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    from hybridflow.data.tasks import make_max_task
     from hybridflow.models.tiny import make_tiny_model
 
     tables = []
     with tempfile.TemporaryDirectory() as root:
-        task = os.path.join(root, "task")
-        make_max_task(task)
-        reward = os.path.join(root, "length_parity.py")
-        with open(reward, "w") as f:  # spread on any model: every update moves the weights
-            f.write("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return float(len(solution_str) % 2)\n")
+        task, reward = length_parity_task(root)
         models = [("tiny", str(make_tiny_model(os.path.join(root, "tiny"), hidden_size=64, intermediate_size=128)), False)]
         if args.smollm2:
             models.append(("SmolLM2-135M", args.smollm2, True))

@@ -27,7 +27,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.common import print_rows  # noqa: E402
+from bench.common import length_parity_task, print_rows  # noqa: E402
 
 PRECISIONS = {"fp32": [], "bf16": ["actor_rollout_ref.actor.fsdp_config.mixed_precision=bf16"]}
 
@@ -68,17 +68,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    from hybridflow.data.tasks import make_max_task
     from hybridflow.models.tiny import make_tiny_model
 
     rows = []
     with tempfile.TemporaryDirectory() as root:
-        task = os.path.join(root, "task")
-        make_max_task(task)
+        task, reward = length_parity_task(root)
         model = make_tiny_model(os.path.join(root, "tiny"), hidden_size=64, intermediate_size=128)
-        reward = os.path.join(root, "length_parity.py")
-        with open(reward, "w") as f:  # spread on an untrained model: every update moves the weights
-            f.write("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return float(len(solution_str) % 2)\n")
         for precision in PRECISIONS:
             for gen_tp in (1, 2):
                 for exact in (False, True):

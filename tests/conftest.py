@@ -142,6 +142,23 @@ def rl_overrides(model_dir, task_dir, out_dir, *extra: str) -> list[str]:
     ]
 
 
+def train_and_read_metrics(overrides: list[str], out_dir) -> list[dict]:
+    """RLTrainer.fit on `overrides` (trainer.default_local_dir = out_dir, jsonl logger), then the
+    run's metrics.jsonl rows."""
+    import json
+
+    from hybridflow.config import HybridFlowConfig, load_config
+    from hybridflow.trainer.rl import RLTrainer
+
+    trainer = RLTrainer(load_config(None, overrides, schema=HybridFlowConfig))
+    try:
+        trainer.fit()
+    finally:
+        trainer.shutdown()
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
 DEMO_RL_STEPS = 20
 
 

@@ -3,7 +3,6 @@ receiver's result is CRC-checked against the trainer's tensor, a bad delta is re
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
@@ -87,23 +86,14 @@ def test_async_grpo_with_delta_sync_keeps_the_rollout_bit_exact(ray_cluster, tin
     for bit (fingerprints of every generation slice); apart from the first and every 10th sync
     (whole) only the changed elements travel, a fraction of the full sync's bytes; nothing needed a
     repair. (20 steps, fp32 too, and SmolLM2: bench/delta_sync.py.)"""
-    from hybridflow.config import HybridFlowConfig, load_config
-    from hybridflow.trainer.rl import RLTrainer
+    from conftest import rl_overrides, train_and_read_metrics
 
-    from conftest import rl_overrides
-
-    cfg = load_config(None, rl_overrides(
+    rows = train_and_read_metrics(rl_overrides(
         tiny_model_dir, task_dir, tmp_path, f"custom_reward_function.path={varied_reward}", "trainer.total_training_steps=12",
         "trainer.async_rollout=true", "resource_pool.pools.actor_pool.workers_per_node=2", "resource_pool.pools.rollout_pool.workers_per_node=1",
         "resource_pool.mapping.actor_rollout=actor_pool", "resource_pool.mapping.rollout=rollout_pool", "trainer.check_weight_sync=true",
         "actor_rollout_ref.hybrid_engine.delta_sync=true", "actor_rollout_ref.actor.fsdp_config.mixed_precision=bf16",
-        "actor_rollout_ref.actor.optim.lr=1e-6"), schema=HybridFlowConfig)
-    trainer = RLTrainer(cfg)
-    try:
-        trainer.fit()
-    finally:
-        trainer.shutdown()
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+        "actor_rollout_ref.actor.optim.lr=1e-6"), tmp_path)
     syncs = [r for r in rows if "sync/delta_bytes_per_rank" in r]
     assert len(syncs) >= 11 and all(r["reshard/weight_max_diff"] == 0.0 for r in syncs)
     assert all(r["sync/delta_repairs"] == 0 for r in syncs)

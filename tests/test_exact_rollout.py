@@ -7,7 +7,6 @@ end test trains GRPO with the FSDP2 trainer and reads the run's own mismatch met
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
@@ -18,9 +17,8 @@ from hybridflow.config import ConfigError, HybridFlowConfig, load_config, valida
 from hybridflow.models.exact import exact_row_logits
 from hybridflow.protocol import Request, SamplingParams
 from hybridflow.rollout.hf_rollout import HFRollout
-from hybridflow.trainer.rl import RLTrainer
 
-from conftest import rl_overrides
+from conftest import rl_overrides, train_and_read_metrics
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -78,15 +76,9 @@ def test_exact_grpo_has_zero_mismatch_and_zero_first_update_kl(ray_cluster, tiny
     run (plain HF models, the parameters cast as FSDP2 and the weight sync cast them) agrees."""
     extra = [f"actor_rollout_ref.rollout.tensor_model_parallel_size={gen_tp}"]
     extra += ["actor_rollout_ref.actor.fsdp_config.mixed_precision=bf16"] if precision == "bf16" else []
-    cfg = load_config(None, rl_overrides(tiny_model_dir, task_dir, tmp_path, f"custom_reward_function.path={varied_reward}",
-                                         "actor_rollout_ref.rollout.exact=true", "trainer.total_training_steps=10",
-                                         "data.max_response_length=8", "trainer.save_freq=10", *extra), schema=HybridFlowConfig)
-    trainer = RLTrainer(cfg)
-    try:
-        trainer.fit()
-    finally:
-        trainer.shutdown()
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = train_and_read_metrics(rl_overrides(tiny_model_dir, task_dir, tmp_path, f"custom_reward_function.path={varied_reward}",
+                                               "actor_rollout_ref.rollout.exact=true", "trainer.total_training_steps=10",
+                                               "data.max_response_length=8", "trainer.save_freq=10", *extra), tmp_path)
     assert [r["step"] for r in rows] == list(range(1, 11))
     assert [r["rollout/logprob_diff_max"] for r in rows] == [0.0] * 10
     assert [r["actor/ppo_kl"] for r in rows] == [0.0] * 10

@@ -88,14 +88,14 @@ class HFRollout:
         by params.seed and this replica), the groups one after another; completions in order."""
         if not self.awake:
             raise RuntimeError("the rollout is asleep (its weights are stale or freed): sync the weights (reshard) before generating")
+        if self.exact:  # one request at a time, whatever its params
+            (self.exact_model or self.model).eval()
+            return [self._generate_exact(r, i) for i, r in enumerate(requests)]
         pad = self.tokenizer.pad_token_id
         groups: dict[SamplingParams, list[int]] = {}
         for i, r in enumerate(requests):
             groups.setdefault(r.params, []).append(i)
         out: list[Completion | None] = [None] * len(requests)
-        if self.exact:
-            (self.exact_model or self.model).eval()
-            return [self._generate_exact(r, i) for i, r in enumerate(requests)]
         for params, rows in groups.items():
             P = max(len(requests[i].prompt_ids) for i in rows)
             input_ids = torch.full((len(rows), P), pad, dtype=torch.long)

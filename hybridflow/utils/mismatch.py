@@ -232,9 +232,10 @@ def _models(run_dir: str, step: int | None):
         for p in train.parameters():
             p.data = p.data.to(dtype)
     gen = load_hf_model(mcfg, "cpu", dtype=plan.rollout.generation_dtype).eval()
+    trained = dict(weights.named_parameters())
     with torch.no_grad():  # what the weight sync writes: the trained weights cast to the generation dtype
         for name, p in gen.named_parameters():
-            p.copy_(dict(weights.named_parameters())[name])
+            p.copy_(trained[name])
     return cfg, plan, AutoTokenizer.from_pretrained(mcfg.tokenizer_source()), train, gen, step
 
 
