@@ -17,9 +17,10 @@ and the fraction of the switch's time the overlap hid.
 first switch they are skipped, 0 bytes. `optimized` keeps the generation buffers between switches (`keep_generation_buffers`, what the
 trainer picks when memory allows); `released` is the same path freeing them after every rollout
 (so every switch re-allocates and page-faults them), as with `keep_generation_buffers: false`.
-Next to them: a `floor` row per layout -- the raw collectives of the same bytes with pre-allocated
-flat buffers (per layer one all-gather inside the micro-DP group for the TP-sharded weights, one
-over all ranks for the replicated ones, one local copy of the layer's generation slice) -- and the
+Next to them: a `floor` row per layout -- the collectives alone, nothing else: per layer one flat
+all-gather of the layer's moving bytes into a pre-allocated buffer inside the micro-DP group for the
+TP-sharded weights and one over all ranks for the replicated ones (no copy in or out, no Python
+between them; timed before and after the modes, the median of both) -- and the
 `hybridflow plan` prediction from config.json alone: its bytes (must equal the measured ones) and
 its seconds with the bandwidth, latency and copy speed measured in the same processes
 (`planning/calibrate.measure`).
@@ -100,6 +101,7 @@ def worker(rank: int, world: int, port: int, path: str, repeats: int, out_file: 
         for p in actor.parameters():
             p.to_local().add_(torch.randn(p.to_local().shape, generator=gen) * 0.01)
     cfg = actor.config
+    adam = torch.optim.AdamW(actor.parameters(), lr=1e-6)  # the delta rows' real updates
     results = buffer_rows(path, actor, dims, world, rank, repeats, buffer_percents) if buffer_percents else []
     for tp in (1, 2, 4):
         if buffer_only or world % tp or cfg.num_attention_heads % tp or cfg.num_key_value_heads % tp:
@@ -108,8 +110,9 @@ def worker(rank: int, world: int, port: int, path: str, repeats: int, out_file: 
         engine = HybridEngine(actor, rollout, dims, tp, HybridEngineConfig(granularity="layer", keep_generation_buffers=True), "cpu")
         planned = plan_for(load_arch(path), ParallelDims(dp=world), tp, 4)  # from config.json alone
         predicted = predict_switch(planned, cluster)
-        floor_s, floor_bytes = floor_seconds(engine, repeats)
-        results.append(dict(world_size=world, train_layout=f"dp{world}", gen_tp=tp, mode="floor", rank=rank, seconds=floor_s, bytes_received=floor_bytes,
+        floor_times, floor_bytes = floor_seconds(engine, repeats)
+        floor_at = len(results)  # its seconds are filled in after the modes (timed again then)
+        results.append(dict(world_size=world, train_layout=f"dp{world}", gen_tp=tp, mode="floor", rank=rank, seconds=0.0, bytes_received=floor_bytes,
                             peak_extra_bytes=0, theory_extra_bytes=0, min_bytes=engine.plan.min_bytes(rank), naive_bytes=engine.plan.naive_bytes(rank),
                             planner_bytes=planned.min_bytes(rank), predicted_seconds=predicted["optimized"].predicted_seconds))
         for mode in ("optimized", "released", "naive", "frozen"):
@@ -129,10 +132,12 @@ def worker(rank: int, world: int, port: int, path: str, repeats: int, out_file: 
                 predicted_seconds=predicted["naive" if mode == "naive" else "optimized"].predicted_seconds,
             ))
         engine.release()
+        results[floor_at]["seconds"] = statistics.median(floor_times + floor_seconds(engine, repeats)[0])
         actor.requires_grad_(True)
         del engine, rollout
         results.append(bf16_row(path, actor, dims, world, tp, rank, repeats, cluster))
         results.append(overlap_row(path, actor, dims, world, tp, rank, repeats))
+        results.append(delta_row(path, actor, dims, world, tp, rank, adam))
     if lora_rank and not buffer_only:
         results += lora_rows(path, world, rank, repeats, cluster, lora_rank)
     write_gathered(results, world, rank, out_file)
@@ -235,6 +240,54 @@ def bf16_row(path: str, actor, dims: dict, world: int, tp: int, rank: int, repea
                predicted_seconds=predict_switch(planned, cluster)["optimized"].predicted_seconds)
     engine.release()
     return row
+
+
+def delta_row(path: str, actor, dims: dict, world: int, tp: int, rank: int, opt) -> dict:
+    """`delta`: what the delta sync (`hybrid_engine/delta.py`, as the cross-pool sync sends it) would
+    send of this layout's bf16 generation slices across one real AdamW step at lr 1e-6 (`opt`, kept
+    across the layouts, so each is a later step): each slice switched before and after the step,
+    the new one encoded against the old (`delta.encode`), every rebuilt piece checked bit for bit;
+    next to it `hybridflow plan`'s delta bytes at the measured changed fraction."""
+    import torch.distributed as dist
+
+    from hybridflow.config.schema import HybridEngineConfig
+    from hybridflow.hybrid_engine.delta import apply, encode, payload_bytes
+    from hybridflow.hybrid_engine.executor import HybridEngine
+    from hybridflow.parallel.dims import ParallelDims
+    from hybridflow.planning.arch import load_arch
+    from hybridflow.planning.cost import delta_sync_bytes, plan_for
+
+    rollout = gen_model(path, world, tp, torch.bfloat16)
+    engine = HybridEngine(actor, rollout, dims, tp, HybridEngineConfig(granularity="layer", keep_generation_buffers=True), "cpu", dtype=torch.bfloat16)
+    pieces = lambda: {w.name: w.tensor.clone() for w in engine.pieces()}  # noqa: E731
+    before = pieces()
+    ids = torch.randint(3, 250, (2, 32), generator=torch.Generator().manual_seed(tp))
+    actor(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    after = pieces()
+    dist.barrier()
+    start = time.perf_counter()
+    payloads = {n: encode(after[n], before[n], False) for n in after}
+    seconds = time.perf_counter() - start
+    assert all(torch.equal(apply(payloads[n][0], before[n]), after[n]) for n in after)  # rebuilt bit for bit, CRC checked
+    changed, elements = sum(k for _, k in payloads.values()), sum(t.numel() for t in after.values())
+    planned = plan_for(load_arch(path), ParallelDims(dp=world), tp, 2)
+    engine.release()
+    return dict(world_size=world, train_layout=f"dp{world}", gen_tp=tp, mode="delta", rank=rank, changed=changed / elements,
+                full_bytes=sum(t.numel() * 2 for t in after.values()), delta_bytes=sum(payload_bytes(p) for p, _ in payloads.values()),
+                planned_bytes=delta_sync_bytes(planned, changed / elements, rank), seconds=seconds)
+
+
+def print_delta(rows: list[dict]) -> None:
+    print("\ndelta sync of the bf16 generation slices across one AdamW step at lr 1e-6 (worst rank; every piece rebuilt bit for bit)")
+    head = f"{'N':>2} {'gen_tp':>6} {'changed':>8} {'whole MB/rank':>13} {'delta MB/rank':>13} {'delta/whole':>11} {'planned MB':>10} {'encode s':>8}"
+    print(head + "\n" + "-" * len(head))
+    for key in sorted({(r["world_size"], r["gen_tp"]) for r in rows}):
+        rs = [r for r in rows if (r["world_size"], r["gen_tp"]) == key]
+        full, delta = max(r["full_bytes"] for r in rs), max(r["delta_bytes"] for r in rs)
+        print(f"{key[0]:>2} {key[1]:>6} {max(r['changed'] for r in rs):>8.4f} {full / MB:>13.2f} {delta / MB:>13.2f} {delta / full:>11.3f} "
+              f"{max(r['planned_bytes'] for r in rs) / MB:>10.2f} {max(r['seconds'] for r in rs):>8.3f}")
 
 
 PREFILL = (4, 64)  # the generation's first forward: 4 prompts x 64 tokens
@@ -442,42 +495,36 @@ def worker_3d(rank: int, world: int, port: int, path: str, repeats: int, out_fil
     dist.destroy_process_group()
 
 
-def floor_seconds(engine, repeats: int) -> tuple[float, int]:
-    """The raw collectives of the optimized switch's bytes, pre-allocated flat buffers (module docstring)."""
+def floor_seconds(engine, repeats: int) -> tuple[list[float], int]:
+    """The collectives alone (module docstring): `repeats` timed runs after a warm-up, and the bytes
+    a rank receives in them. Independent of the engine's code: the buffers are sized from the
+    plan's boxes here, and nothing but the all-gathers runs between the timer's reads."""
     import torch.distributed as dist
 
     from hybridflow.hybrid_engine.plan import volume
 
-    plan, rank, n, k = engine.plan, engine.rank, engine.world, engine.plan.k
-    layers: dict[str, list[int]] = {}  # layer -> [TP-sharded numel per rank, replicated numel per rank, generation numel]
+    plan, n, k = engine.plan, engine.world, engine.plan.k
+    layers: dict[str, list[int]] = {}  # layer -> [TP-sharded numel per rank, replicated numel per rank]
     for p in plan.params:
-        c = layers.setdefault(p.layer, [0, 0, 0])
-        c[2] += p.gen_bytes(rank) // p.itemsize
+        c = layers.setdefault(p.layer, [0, 0])
         if p.moves:
             c[0 if p.tp_sharded else 1] += max(volume(b) for b in p.own)  # equal pieces (the largest when uneven)
-    bufs = []
-    for sharded, replicated, gen in layers.values():
-        bufs.append((torch.empty(sharded), torch.empty(k * sharded) if k > 1 and sharded else None,
-                     torch.empty(replicated), torch.empty(n * replicated) if replicated else None, torch.empty(gen), torch.empty(gen)))
-    received = (sum((k - 1) * s.numel() * 4 for s, out, *_ in bufs if out is not None)
-                + sum((n - 1) * r.numel() * 4 for _, _, r, out, *_ in bufs if out is not None))
-
-    def once():
-        for s, s_out, r, r_out, src, dst in bufs:
-            if s_out is not None:
-                dist.all_gather_into_tensor(s_out, s, group=engine.micro_group)
-            if r_out is not None:
-                dist.all_gather_into_tensor(r_out, r)
-            dst.copy_(src)
-
+    gathers = []  # (send, receive, group), in layer order
+    for sharded, replicated in layers.values():
+        if k > 1 and sharded:
+            gathers.append((torch.empty(sharded), torch.empty(k * sharded), engine.micro_group))
+        if replicated:
+            gathers.append((torch.empty(replicated), torch.empty(n * replicated), None))
+    received = sum(out.numel() - send.numel() for send, out, _ in gathers) * 4
     times = []
     for i in range(1 + repeats):
         dist.barrier()
         t = time.perf_counter()
-        once()
+        for send, out, group in gathers:
+            dist.all_gather_into_tensor(out, send, group=group)
         if i:
             times.append(time.perf_counter() - t)
-    return statistics.median(times), received
+    return times, received
 
 
 MODES = ("optimized", "released", "frozen", "naive", "floor", "bf16", "lora-first", "lora")
@@ -521,7 +568,6 @@ def print_table(rows: list[dict]) -> None:
               f"{speed:>7} {floor:>8} {r['peak_extra_bytes'] / MB:>13.2f} {r['theory_extra_bytes'] / MB:>9.2f}")
     opt = [r for r in rows if r["mode"] == "optimized"]
     yes = lambda ok: "yes" if ok else "no"  # noqa: E731
-    MINIMAL_MODES = ("optimized", "released", "frozen", "bf16", "lora-first", "lora")  # the modes that move the planner's minimum
     MINIMAL_MODES = ("optimized", "released", "frozen", "bf16", "lora-first", "lora")  # the modes that move the planner's minimum
     print(f"bytes == theoretical minimum in every optimized layout: "
           f"{yes(all(r['bytes_per_rank'] == r['min_bytes_per_rank'] for r in rows if r['mode'] in MINIMAL_MODES))}")
@@ -601,14 +647,17 @@ def main() -> None:
 
     overlap = [r for r in per_rank if r["mode"] == "overlap"]
     buffer = [r for r in per_rank if r["mode"] == "buffer"]
-    rows = rows_from([r for r in per_rank if r["mode"] not in ("overlap", "buffer")])
+    delta = [r for r in per_rank if r["mode"] == "delta"]
+    rows = rows_from([r for r in per_rank if r["mode"] not in ("overlap", "buffer", "delta")])
     if rows:
         print_table(rows)
     if overlap:
         print_overlap(overlap)
+    if delta:
+        print_delta(delta)
     print_buffer(buffer)
     if args.json:
-        write_rows(args.json, rows + overlap + buffer)
+        write_rows(args.json, rows + overlap + buffer + delta)
 
 
 if __name__ == "__main__":

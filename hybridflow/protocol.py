@@ -37,6 +37,7 @@ class WeightPiece(NamedTuple):
     box: Box
     tensor: torch.Tensor
     static: bool = False  # a frozen parameter: the source will not send it again, so the backend keeps it while asleep
+    borrowed: bool = False  # `tensor` is the trainer's own shard (the colocated engine lent it): the backend never frees it
 
 
 @runtime_checkable

@@ -247,9 +247,9 @@ class ActorSpec:
             p.append(f"actor_rollout_ref.hybrid_engine.resharding_buffer_percent must be a fraction in (0, 1] (the layer-wise switch's "
                      f"staging budget as a fraction of the generation weights' memory; null = two layers in flight), got {bp!r}")
         p.enum("actor_rollout_ref.hybrid_engine.granularity", he.granularity, ["layer", "full"])
-        if he.delta_sync and not self.async_rollout:
-            p.append("actor_rollout_ref.hybrid_engine.delta_sync=true is for the cross-pool sync (trainer.async_rollout=true); the "
-                     "colocated switch writes every byte of the generation slices in place: set it to false")
+        if he.delta_sync and not self.async_rollout and (he.granularity != "layer" or not he.enable_resharding_opt):
+            p.append("actor_rollout_ref.hybrid_engine.delta_sync=true needs the layer-wise optimized switch for the colocated "
+                     "rollout (granularity=layer, enable_resharding_opt=true), or the cross-pool sync (trainer.async_rollout=true)")
         if he.delta_full_every < 0:
             p.append(f"actor_rollout_ref.hybrid_engine.delta_full_every must be >= 0 (0: only the first sync is full), got {he.delta_full_every}")
         p.fsdp(f"{A}.fsdp_config", a.fsdp_config, self.process.device)

@@ -291,6 +291,8 @@ def _set(cfg, dotted, value):
     ({"async_training.partial_rollout": True}, "async_training.partial_rollout=true pauses running requests for the weight updates that "
      "reach a rollout pool of its own (trainer.async_rollout=true)"),
     ({"async_training.partial_rollout_chunk": 0}, "async_training.partial_rollout_chunk must be a positive number of tokens"),
+    ({"actor_rollout_ref.hybrid_engine.delta_sync": True, "actor_rollout_ref.hybrid_engine.granularity": "full"},
+     "actor_rollout_ref.hybrid_engine.delta_sync=true needs the layer-wise optimized switch for the colocated rollout"),
     ({"async_training.partial_rollout_chunk": 8}, "async_training.partial_rollout_chunk=8 applies to async_training.partial_rollout=true"),
     ({"actor_rollout_ref.rollout.request_timeout_s": 0}, "actor_rollout_ref.rollout.request_timeout_s must be > 0 seconds, got 0"),
     ({"actor_rollout_ref.actor.loss_agg_mode": "sum"}, "actor_rollout_ref.actor.loss_agg_mode must be one of"),

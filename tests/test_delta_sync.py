@@ -1,5 +1,6 @@
-"""Delta weight sync of the cross-pool sync (hybrid_engine/delta.py): only what changed moves, the
-receiver's result is CRC-checked against the trainer's tensor, a bad delta is repaired whole."""
+"""Delta weight sync (hybrid_engine/delta.py) of the cross-pool sync and of the colocated switch's
+gathers: only what changed moves, the receiver's result is CRC-checked against the trainer's tensor,
+a bad delta is repaired whole."""
 
 from __future__ import annotations
 
@@ -77,6 +78,69 @@ def test_the_receiver_repairs_a_corrupted_delta_from_the_whole_piece(ray_cluster
     assert not torch.equal(second[victim], first[victim])
     assert stats["delta_sent_bytes"] < stats["delta_full_bytes"] / 4  # few elements changed: a fraction of the bytes moved
     assert 0 < stats["delta_changed"] < stats["delta_elements"] / 10
+
+
+def _colocated_worker(rank: int, world: int, port: int, path: str) -> None:
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", HF_HUB_OFFLINE="1")
+    import torch.distributed as dist
+
+    from hybridflow.config.schema import HybridEngineConfig
+    from hybridflow.hybrid_engine import executor
+    from hybridflow.hybrid_engine.executor import HybridEngine
+    from hybridflow.parallel.fsdp import apply_fsdp2, make_mesh
+    from hybridflow.parallel.tensor_parallel import fsdp_shard_placement_fn
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    actor = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    dims = gen_shard_dims(actor)
+    apply_fsdp2(actor, make_mesh("cpu", world), shard_placement_fn=fsdp_shard_placement_fn(actor, world))
+    rollout = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval().requires_grad_(False)
+    engine = HybridEngine(actor, rollout, dims, 1, HybridEngineConfig(delta_sync=True, delta_full_every=4), "cpu", dtype=torch.bfloat16)
+    opt = torch.optim.AdamW(actor.parameters(), lr=1e-6)
+    ids = torch.randint(3, 200, (2, 9))
+    gather, corrupt = executor._all_gather, [False]
+
+    def flipping(out, inp, **kw):  # in transit, on rank 1: the high byte of rank 0's first changed value
+        work = gather(out, inp, **kw)
+        if corrupt[0] and rank == 1 and out.dtype == torch.uint8:
+            work.wait()
+            k = inp.numel() // (4 + 2)  # the payload: k int32 indices, then k bf16 values
+            out[4 * k + 1] ^= 0x40
+            corrupt[0] = False
+        return work
+
+    executor._all_gather = flipping
+    stats = []
+    for step in range(6):
+        engine.release()
+        corrupt[0] = step == 2
+        stats.append(engine.reshard())
+        assert engine.max_abs_diff() == 0.0, step  # bit-exact after every sync, the repaired one included
+        actor(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    executor._all_gather = gather
+    full = [s["delta_sent_bytes"] == s["delta_full_bytes"] for s in stats]
+    assert full == [True, False, False, False, True, False], full  # the first and every 4th whole
+    for s in stats:
+        if s["delta_sent_bytes"] < s["delta_full_bytes"]:
+            assert s["delta_sent_bytes"] < s["delta_full_bytes"] / 3 and 0 < s["delta_changed"] < s["delta_elements"] / 10, s
+    assert [s["delta_repairs"] for s in stats] == [0, 0, 1, 0, 0, 0]  # on both ranks: every rank gathers the unit whole
+    dist.destroy_process_group()
+
+
+def test_colocated_switch_sends_deltas_checks_them_and_repairs_a_corrupted_one(tiny_model_dir):
+    """The colocated switch with delta_sync (2 gloo ranks, FSDP2 fp32 -> bf16 generation, gen_tp 1):
+    six syncs around real AdamW steps at lr 1e-6, each bit-exact against the trained weights; the
+    first and the 4th whole (delta_full_every=4), the others a fraction of the bytes; one payload
+    corrupted in transit on rank 1 fails its CRC-32, and that unit is gathered whole on every rank."""
+    import torch.multiprocessing as mp
+    from conftest import free_port
+
+    mp.spawn(_colocated_worker, args=(2, free_port(), str(tiny_model_dir)), nprocs=2)
 
 
 @pytest.mark.slow

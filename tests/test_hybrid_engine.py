@@ -71,6 +71,7 @@ def _layouts_worker(rank: int, world: int, port: int, models: dict) -> None:
 
     from hybridflow.config.schema import HybridEngineConfig
     from hybridflow.hybrid_engine.executor import HybridEngine, local
+    from hybridflow.hybrid_engine.plan import volume
     from hybridflow.parallel.fsdp import apply_fsdp2, make_mesh
     from hybridflow.parallel.tensor_parallel import apply_tensor_parallel, fsdp_shard_placement_fn, gen_mesh, gen_shard_dims
     from hybridflow.planning.arch import load_arch
@@ -110,6 +111,15 @@ def _layouts_worker(rank: int, world: int, port: int, models: dict) -> None:
                     ref = actor(input_ids=ids).logits
                     got = rollout(input_ids=ids).logits
                 assert (ref - got).abs().max() < 1e-4, f"{label} tp={tp}"
+                # A generation slice that is the rank's training shard is borrowed: the same storage,
+                # so it is never copied (every TP-sharded weight at tp = N, where FSDP2 shards along
+                # the TP dim; the ones that could not be sharded there, uneven, are not).
+                shards = engine._sharded_params()
+                for name in engine.borrowed:
+                    assert local(engine.gen[name]).data_ptr() == local(shards[name]).data_ptr(), where
+                assert engine.borrowed == {p.name for p in engine.plan.params if p.own[rank] == p.need[rank] and volume(p.own[rank])}, where
+                if tp == world and label == "even":
+                    assert {p.name for p in engine.plan.params if p.tp_sharded} <= engine.borrowed, where
                 # generation -> training moves nothing and leaves the training shards as they were.
                 before = [local(p.data).clone() for p in actor.parameters()]
                 pages = [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in engine.gen_buffers()]
@@ -310,10 +320,11 @@ def _by_hand_worker(rank: int, world: int, port: int, path: str, uneven: str) ->
             assert stats["bytes_received"] == want, (dtype, granularity, optimized, rank, stats["bytes_received"], want)
     # The streamed switch behind a prefill: forward pre-hooks complete each layer just before it runs
     # (the buffers start freed, so a module that ran early would fail), with the same logits, weights
-    # and bytes as the switch run to completion first.
+    # and bytes as the switch run to completion first. One unit per layer (min_unit_bytes=0): this
+    # model's layers are small enough to share one collective otherwise.
     rollout = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
     apply_tensor_parallel(rollout, gen_mesh("cpu", world, 2)["tp"])
-    engine = HybridEngine(actor, rollout, dims, 2, HybridEngineConfig(), "cpu")
+    engine = HybridEngine(actor, rollout, dims, 2, HybridEngineConfig(), "cpu", min_unit_bytes=0)
     ids = torch.randint(3, 200, (2, 7))
     engine.reshard()
     with torch.no_grad():

@@ -159,6 +159,34 @@ def test_search_ranks_and_says_why(tmp_path):
     assert any(i.reason.startswith("does not fit: peak") for i in small)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_delta_bytes_prediction_equals_what_the_delta_sync_encodes(tiny_model_dir, dtype):
+    """`hybridflow plan`'s delta bytes against the delta sync's own encoder (`delta.encode`), the
+    oracle: every rank's generation slices (dp2 -> gen tp2 and tp1) with exactly ceil(f x n)
+    elements of each piece changed, encoded against the old piece; the payloads' bytes summed equal
+    the prediction at every fraction, both sides of the sparse/whole crossover (1/3 in bf16, 1/2 in
+    fp32)."""
+    from hybridflow.hybrid_engine.delta import encode, payload_bytes
+    from hybridflow.planning.cost import delta_sync_bytes
+
+    g = torch.Generator().manual_seed(0)
+    for gen_tp in (1, 2):
+        plan = plan_for(load_arch(str(tiny_model_dir)), ParallelDims(dp=2), gen_tp, dtype.itemsize)
+        for f in (0.0, 0.01, 0.3, 0.4, 0.6, 1.0):
+            for r in range(2):
+                sent = 0
+                for p in plan.params:
+                    old = torch.randn([hi - lo for lo, hi in p.need[r]], generator=g).to(dtype)
+                    new = old.clone()
+                    k = math.ceil(f * new.numel())
+                    flat = new.view(-1)
+                    idx = torch.randperm(new.numel(), generator=g)[:k]
+                    flat[idx] = (flat[idx].float() + 1.0).to(dtype)  # a different value (x + 1 != x at these magnitudes)
+                    sent += payload_bytes(encode(new, old, False)[0])
+                assert sent == delta_sync_bytes(plan, f, r), (gen_tp, f, r)
+    assert delta_sync_bytes(plan, 1.0, 0) == plan.gen_buffer_bytes(0)  # all changed: the whole slices
+
+
 def test_plan_cli_json(tmp_path, capsys):
     from hybridflow.planning.cli import main_plan
 
@@ -170,7 +198,16 @@ def test_plan_cli_json(tmp_path, capsys):
         assert {"mode", "bytes_per_rank", "cross_node_bytes", "predicted_seconds", "memory_per_rank_bytes"} <= set(r)
     opt4, naive4 = data[:2]
     assert opt4["bytes_per_rank"] < naive4["bytes_per_rank"] and opt4["predicted_seconds"] < naive4["predicted_seconds"]
-    assert "memory plan per rank" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "memory plan per rank" in printed
+    # the cross-pool sync per generation layout: whole, and as a delta at the measured bf16 default
+    assert opt4["delta_changed_fraction"] == 0.02 and 0 < opt4["delta_bytes_per_rank"] < 0.1 * opt4["full_sync_bytes_per_rank"]
+    assert "cross-pool sync to gen tp4 (async rollout)" in printed and "at 0.02 of the elements changed" in printed
+    main_plan("--preset llama3-8b --nodes 8 --gpus-per-node 8 --train-layout pp2xtp8xdp4 --gen-tp 4 --delta-changed-fraction 1 --json".split() + [str(out)])
+    whole = json.loads(out.read_text())["rows"][0]
+    assert whole["delta_bytes_per_rank"] == whole["full_sync_bytes_per_rank"]  # all changed: pieces sent whole
+    with pytest.raises(SystemExit, match="--delta-changed-fraction must be a fraction"):
+        main_plan("--preset llama3-8b --gen-tp 4 --delta-changed-fraction 2".split())
     with pytest.raises(SystemExit, match="does not divide the 8 KV heads"):
         main_plan("--preset llama3-8b --nodes 8 --gpus-per-node 8 --train-layout pp2xtp8xdp4 --gen-tp 16".split())
     with pytest.raises(SystemExit, match="has 8 ranks but the cluster has 64"):

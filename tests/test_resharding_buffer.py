@@ -6,7 +6,9 @@ worked out from the model's parameter sizes alone, not from the planner: at N = 
 every rank's generation weights are the whole model, and a decoder layer (every tensor splitting
 evenly in two) stages its own half packed to send plus the gathered whole: 1.5 x its bytes. The
 vocabulary tables (259 rows: uneven, the general exchange) stage 1.0 x theirs, less than a decoder
-layer, so a slot is 1.5 decoder layers.
+layer, so a slot is 1.5 decoder layers. A decoder layer stages more than 1 MiB here, so each is a
+switch unit of its own (`staging.switch_units` merges only smaller ones): the units are embed_tokens,
+the 8 layers, and the final norm with lm_head.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from conftest import free_port
 
 F32 = 4
 LAYERS = 8  # decoder layers of the test model; the plan adds embed_tokens, norm and lm_head
-MODEL = dict(hidden_size=64, num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=4, intermediate_size=128)
+UNITS = LAYERS + 2  # embed_tokens, the decoder layers, norm + lm_head (merged: together under one layer's staging)
+MODEL = dict(hidden_size=128, num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=4, intermediate_size=320)
 PERCENTS = (None, 0.1, 0.3, 1.0)
 
 
@@ -37,11 +40,11 @@ def _by_hand(named_shapes: dict[str, tuple[int, ...]]) -> tuple[int, int]:
 
 def _expected_slots(percent: float | None, model: int, slot: int) -> tuple[int, bool]:
     """(W, honoured): unset 2; else the slots p x model holds, at least 1 (not honoured), at most
-    every layer of the plan."""
+    every unit of the plan."""
     if percent is None:
         return 2, True
     fits = int(percent * model) // slot
-    return max(1, min(fits, LAYERS + 3)), fits >= 1
+    return max(1, min(fits, UNITS)), fits >= 1
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +70,7 @@ def test_staging_plan_from_config_json_matches_the_budget_by_hand(model_dir):
     from hybridflow.planning.cost import Cluster, MemoryInputs, plan_for, rows
 
     model, slot = _by_hand(_shapes(model_dir))
-    assert (model, slot) == (1_453_824, 247_680)  # 8 x 165,120 + 2 x 66,304 + 256 bytes; 1.5 x 165,120
+    assert (model, slot) == (6_315_520, 1_134_336)  # 8 x 756,224 + 2 x 132,608 + 512 bytes; 1.5 x 756,224
     plan = plan_for(load_arch(str(model_dir)), ParallelDims(dp=2), 1, F32)  # config.json alone
     seen = {}
     for percent in PERCENTS:
@@ -78,11 +81,11 @@ def test_staging_plan_from_config_json_matches_the_budget_by_hand(model_dir):
         if percent is not None and honoured:
             assert s.staging_bytes(0) <= percent * model  # within the budget
         seen[percent] = s
-    # 0.1 x 1.45 MB = 145 KB < one slot (248 KB): one layer at a time, and the note says so
-    assert seen[0.1].note == ("actor_rollout_ref.hybrid_engine.resharding_buffer_percent=0.1 allows 0.14 MiB of staging per rank "
-                              "(0.1 x 1.39 MiB of generation weights), less than one layer's staging (0.24 MiB): staging 1 layer at a "
-                              "time (0.24 MiB per rank) instead")
-    assert seen[1.0].note.startswith("actor_rollout_ref.hybrid_engine.resharding_buffer_percent=1.0: 5 layer(s) in flight, 1.18 MiB")
+    # 0.1 x 6.3 MB = 632 KB < one slot (1.13 MB): one layer at a time, and the note says so
+    assert seen[0.1].note == ("actor_rollout_ref.hybrid_engine.resharding_buffer_percent=0.1 allows 0.60 MiB of staging per rank "
+                              "(0.1 x 6.02 MiB of generation weights), less than one layer's staging (1.08 MiB): staging 1 layer at a "
+                              "time (1.08 MiB per rank) instead")
+    assert seen[1.0].note.startswith("actor_rollout_ref.hybrid_engine.resharding_buffer_percent=1.0: 5 layer(s) in flight, 5.41 MiB")
     assert seen[None].note == ""  # unset: the default, nothing to say
     # not used at all: said, never silent
     full = staging_plan(plan, 0.3, granularity="full")
@@ -101,8 +104,8 @@ def test_plan_cli_prints_the_staging(model_dir, capsys):
 
     main_plan(["--model", str(model_dir), "--gpus-per-node", "2", "--gen-tp", "1", "--dtype", "fp32", "--resharding-buffer-percent", "0.1"])
     out = capsys.readouterr().out
-    assert "staging (layer granularity, optimized): 1 layer(s) in flight, 0.24 MiB per rank" in out
-    assert "allows 0.14 MiB of staging per rank" in out  # what was used instead, on the plan's own line
+    assert "staging (layer granularity, optimized): 1 layer(s) in flight, 1.08 MiB per rank" in out
+    assert "allows 0.60 MiB of staging per rank" in out  # what was used instead, on the plan's own line
 
 
 # ---------------------------------------------------------------- the engine (2 gloo processes)
@@ -128,7 +131,8 @@ def _engine_worker(rank: int, world: int, port: int, path: str) -> None:
     apply_fsdp2(actor, make_mesh("cpu", world), shard_placement_fn=fsdp_shard_placement_fn(actor, world))
     opt = torch.optim.SGD(actor.parameters(), lr=0.1)
     ids = torch.randint(3, 200, (2, 7))
-    # gen_tp 2: only the replicated norms move, so a slot is tiny and 0.1 holds every layer (W capped)
+    # gen_tp 2: only the replicated norms and the uneven vocabulary tables move, so the whole switch
+    # is one unit, a slot is tiny and 0.1 holds it (W capped at 1)
     for tp, percent in [(1, p) for p in PERCENTS] + [(2, 0.1)]:
         planned = plan_for(load_arch(path), ParallelDims(dp=world), tp, F32)
         where = f"gen_tp={tp} resharding_buffer_percent={percent} rank {rank}"
@@ -141,9 +145,10 @@ def _engine_worker(rank: int, world: int, port: int, path: str) -> None:
         if tp == 1:  # by hand: W slots of 1.5 decoder layers
             slots, _ = _expected_slots(percent, model, slot)
             assert (engine.slots, engine.staging_bytes) == (slots, slots * slot), where
-        layers = len({p.layer for p in engine.plan.params})
-        if tp == 2:  # the budget holds more than every layer: W = all of them, no more slots allocated
-            assert engine.slots == layers == LAYERS + 3 and engine.staging_plan.honoured, where
+        layers = len(engine.units)
+        assert layers == (UNITS if tp == 1 else 1), where
+        if tp == 2:  # the budget holds more than every unit: W = all of them, no more slots allocated
+            assert engine.slots == layers and engine.staging_plan.honoured, where
         for streamed in (False, True):
             actor(input_ids=ids, labels=ids).loss.backward()  # new trained weights for every switch
             opt.step()

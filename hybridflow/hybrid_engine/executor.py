@@ -11,10 +11,17 @@ The naive baseline (`optimized=False`) gathers every full parameter over all ran
 
 Generation buffers are the generation model's parameter storages: `release()` frees them after
 rollout (unless `keep_generation_buffers`) and `acquire()` re-allocates them before the next
-reshard. Layer granularity coalesces each layer's aligned parameters into one all-gather per
-process group (flat send/receive slices of a W-slot staging buffer) and keeps layers i+1 .. i+W-1's
-gathers in flight while layer i is copied into place: W = 2 by default, or what
-`resharding_buffer_percent` allows (staging.py). The training shards are never touched, so the
+reshard. A generation slice that IS this rank's training shard (the same box, dtype and device: at
+gen_tp = N every TP-sharded weight, whose FSDP2 shard dim is its TP dim) is not copied at all: the
+generation parameter is pointed at the training shard's storage (`borrowed`), so the optimizer's
+in-place step updates it and the switch moves and copies nothing for it; every switch re-checks the
+pointer (a `load_state_dict(assign=True)` may have replaced the shard) and nothing frees it.
+
+Layer granularity coalesces each switch unit's aligned parameters into one all-gather per process
+group (flat send/receive slices of a W-slot staging buffer) and keeps units i+1 .. i+W-1's gathers
+in flight while unit i is copied into place: W = 2 by default, or what `resharding_buffer_percent`
+allows. A unit is a layer, or consecutive layers that stage less than 1 MiB together, so small
+layers do not pay a round trip each (`staging.switch_units`). The training shards are never touched, so the
 reverse switch (generation -> training) moves nothing.
 """
 
@@ -32,9 +39,10 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from hybridflow.config.schema import HybridEngineConfig
+from hybridflow.hybrid_engine.delta import bits, crc
 from hybridflow.utils.memory import PeakMemory, allocation_bytes
 from hybridflow.hybrid_engine.plan import ParamPlan, ReshardPlan, fsdp_dim, intersect, volume
-from hybridflow.hybrid_engine.staging import staging_numel, staging_plan
+from hybridflow.hybrid_engine.staging import MIN_UNIT_BYTES, staging_numel, staging_plan, switch_units
 from hybridflow.hybrid_engine.trace import TraceRecorder
 from hybridflow.parallel.dims import ParallelDims
 from hybridflow.parallel.dtensor import crop, free_storage, held_box, local, own_storage, restore_storage  # noqa: F401  (crop, held_box re-exported)
@@ -44,6 +52,12 @@ logger = logging.getLogger("hybridflow")
 
 # torch 2.13 renamed all_gather_into_tensor (same semantics); keep older releases working.
 _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+
+def _piece(t: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of `t`: `dtensor.local` without DTensor's dispatch (the switch asks for
+    hundreds per step; the same storage either way)."""
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def _received(recv: torch.Tensor, own: torch.Tensor) -> int:
@@ -80,7 +94,7 @@ def build_plan(train_model: nn.Module, gen_shard_dims: dict[str, int | None], di
 class HybridEngine:
     def __init__(self, train_model: nn.Module, gen_model: nn.Module | dict | None, gen_shard_dims: dict[str, int | None], gen_tp: int, cfg: HybridEngineConfig,
                  device: str, procs_per_node: int | None = None, layout: ParallelDims | None = None, full_shapes: dict | None = None,
-                 consecutive: bool | None = None, dtype: torch.dtype | None = None):
+                 consecutive: bool | None = None, dtype: torch.dtype | None = None, min_unit_bytes: int = MIN_UNIT_BYTES):
         """gen_model: the generation model, or its {name: parameter} (the backend's own storages: the
         switch writes there in place), or None: the engine keeps this rank's generation slices in
         buffers of its own and `pieces()` hands them to the backend. dtype: the generation weights'
@@ -88,7 +102,8 @@ class HybridEngine:
         shard once before it is sent, so the switch moves half the bytes. layout: the `ParallelDims` of
         the group (None = FSDP over it), with gen_tp, procs_per_node and consecutive (generation TP
         groups of consecutive ranks, vLLM's launcher, instead of HybridFlow's strided grouping) set
-        on it, None keeping the layout's; full_shapes: see `build_plan`."""
+        on it, None keeping the layout's; full_shapes: see `build_plan`; min_unit_bytes: smaller
+        consecutive layers share a collective (`staging.switch_units`; 0: one unit per layer)."""
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.layout = (layout or ParallelDims(dp=self.world)).with_gen(gen_tp, consecutive, procs_per_node)
         self.cfg = cfg
@@ -112,6 +127,11 @@ class HybridEngine:
         self.staged = gen_model is None
         for p in self.gen.values():
             own_storage(p)
+        # Generation slices that are this rank's training shard: borrowed, never copied (module doc).
+        r = self.rank
+        self.borrowed = frozenset() if self.dtype != self.train_dtype else frozenset(
+            p.name for p in self.plan.params if p.own[r] == p.need[r] and volume(p.own[r]) and p.name in self.train)
+        self._borrow()
         k = self.plan.k
         # Every rank creates every micro-DP group, in the same order (a torch.distributed rule).
         self.micro_group = None
@@ -127,23 +147,34 @@ class HybridEngine:
         self.trace = TraceRecorder(self.rank)
         self.last_stats: dict = {}  # the last switch's measured stats (`pieces()`; WeightSource)
         self.acquired = True
-        # The reusable staging buffer: `slots` slots of the largest layer's staging need, so layer
-        # granularity never allocates. Layers i+1 .. i+slots-1 gather into their slots while layer i
-        # is copied out of its own: 2 by default, or what resharding_buffer_percent allows (the same
-        # on every rank; staging.py, whose `note` says what was used).
+        # The reusable staging buffer: `slots` slots of the largest unit's staging need (a unit: one
+        # layer, or consecutive small ones merged, `staging.switch_units`), so layer granularity never
+        # allocates. Units i+1 .. i+slots-1 gather into their slots while unit i is copied out of
+        # its own: 2 by default, or what resharding_buffer_percent allows (the same on every rank;
+        # staging.py, whose `note` says what was used).
         itemsize = torch.empty(0, dtype=self.dtype).element_size()
         per_layer = {}
         for p in self.plan.params:
             per_layer[p.layer] = per_layer.get(p.layer, 0) + self._staging_numel(p)
-        self.staging_plan = staging_plan(self.plan, cfg.resharding_buffer_percent, cfg.granularity, cfg.enable_resharding_opt)
+        self.units = switch_units(self.plan, cfg.granularity, min_unit_bytes)
+        self.staging_plan = staging_plan(self.plan, cfg.resharding_buffer_percent, cfg.granularity, cfg.enable_resharding_opt, min_unit_bytes)
         self.slots = self.staging_plan.slots
-        self.slot_numel = max([1, *per_layer.values()])
-        self.layer_staging_bytes = (self.slots if cfg.granularity == "layer" else 1) * max(per_layer.values()) * itemsize
-        self.gen_allocation_bytes = sum(allocation_bytes(p.gen_bytes(self.rank), device) for p in self.plan.params)
+        self.slot_numel = max([1, *(sum(per_layer[layer] for layer in unit) for unit in self.units)])
+        self.layer_staging_bytes = (self.slots * self.slot_numel if cfg.granularity == "layer" else max(per_layer.values())) * itemsize
+        self.gen_allocation_bytes = sum(allocation_bytes(p.gen_bytes(self.rank), device) for p in self.plan.params if p.name not in self.borrowed)
         # Only layer granularity uses it; full granularity allocates its temporaries per switch.
         size = self.slots * self.slot_numel if cfg.granularity == "layer" else 1
         self.staging = torch.empty(size, dtype=self.dtype, device=device)
         self.staging_bytes = size * itemsize if cfg.granularity == "layer" else 0
+        # Delta sync (cfg.delta_sync, layer granularity): per coalesced gather, a mirror of what the
+        # group holds ([size * c], the last sync's gathered shards; this rank's row is what it sent
+        # last), the base every delta applies to; see `_launch_delta`.
+        self.delta = bool(cfg.delta_sync) and cfg.granularity == "layer"
+        self.mirrors: dict[tuple, torch.Tensor] = {}
+        self.delta_units: dict[tuple, tuple[list[ParamPlan], bool]] = {}  # key -> (params, tp_sharded), for repairs
+        self.delta_syncs = 0
+        self.delta_full = False  # this switch sends every gather whole (the first, and every delta_full_every-th)
+        self.delta_stats: dict = {}
 
     def _sharded_params(self) -> dict[str, nn.Parameter]:
         """The training parameters in their sharded form. FSDP2 leaves the unsharded ones registered
@@ -155,8 +186,25 @@ class HybridEngine:
         return dict(self.train_model.named_parameters())
 
     # ------------------------------------------------------------------ buffers
+    def _borrow(self) -> None:
+        """Point every borrowed generation parameter at this rank's training shard (a no-op when it
+        already is: one pointer compare per parameter)."""
+        for name in self.borrowed:
+            train, g = _piece(self.train[name]), self.gen[name]
+            gen = _piece(g)
+            if gen.data_ptr() == train.data_ptr() and gen.stride() == train.stride() and gen.device == train.device:
+                continue
+            if gen.shape != train.shape or gen.device != train.device:
+                raise ValueError(f"{name}: the generation slice {tuple(gen.shape)} on {gen.device} is not the training shard "
+                                 f"{tuple(train.shape)} on {train.device} the plan says it is")
+            if isinstance(g, DTensor):  # its local tensor, as FSDP2 re-points its own (`.data =` keeps a DTensor's old one)
+                g._local_tensor = train
+            else:
+                g.data = train
+
     def gen_buffers(self) -> list[torch.Tensor]:
-        return [local(p.data) for p in self.gen.values()]
+        """The generation slices this engine holds (not the borrowed ones: those are training shards)."""
+        return [local(p.data) for name, p in self.gen.items() if name not in self.borrowed]
 
     def release(self) -> int:
         """After rollout: the generation weights are stale until the next reshard. Their buffers are
@@ -164,14 +212,16 @@ class HybridEngine:
         re-allocation, no page faults). Moves nothing: returns bytes moved (0)."""
         if not self.cfg.keep_generation_buffers:
             for name, p in self.gen.items():
-                if name not in self.frozen or not self.frozen_synced:  # frozen slices stay: they never change
+                # frozen slices stay (they never change); borrowed ones are the training shards
+                if name not in self.borrowed and (name not in self.frozen or not self.frozen_synced):
                     free_storage(p)
         self.acquired = False
         return 0
 
     def acquire(self) -> None:
-        for p in self.gen.values():
-            restore_storage(p)
+        for name, p in self.gen.items():
+            if name not in self.borrowed:
+                restore_storage(p)
         self.acquired = True
 
     # ------------------------------------------------------------------ staging
@@ -214,20 +264,104 @@ class HybridEngine:
         all_to_all for the others (`_launch_exchange`). Returns (pending, next offset)."""
         r = self.rank
         by_group: dict[bool, list[ParamPlan]] = {}
+        pending, offset = [], base
         for p in params:
             if p.moves and p.aligned and len(p.group[r]) > 1:
                 by_group.setdefault(p.tp_sharded, []).append(p)
-        pending, offset = [], base
         for tp_sharded, ps in by_group.items():
             size, c = len(ps[0].group[r]), sum(volume(p.own[r]) for p in ps)
             send, recv = self.staging[offset : offset + c], self.staging[offset + c : offset + (1 + size) * c]
             offset += (1 + size) * c
             torch.cat([local(self.train[p.name].data).reshape(-1) for p in ps], out=send)
+            if self.delta:
+                pending.append(self._launch_delta(ps, tp_sharded, size, c, send))
+                continue
             work = _all_gather(recv, send, group=self.micro_group if tp_sharded else None, async_op=True)
             pending.append(("gather", (ps, size, c, recv, send), work))
         pool = [offset]
         exchange = self._launch_exchange([p for p in params if p.moves and not p.aligned], pool)
         return pending + exchange, pool[0]
+
+    # ------------------------------------------------------------------ delta sync
+    def _launch_delta(self, ps: list[ParamPlan], tp_sharded: bool, size: int, c: int, send: torch.Tensor) -> tuple:
+        """One coalesced gather as a delta: this rank's packed shards `send` [c] against its row of
+        the mirror (what it sent last), the changed elements as int32 index + value pairs. One small
+        all-gather of (changed count, CRC-32 of `send`) per rank first, so every rank knows every
+        payload's size and makes the same choice: the payloads (padded to the largest) when the
+        largest costs less than the whole shards, else the whole shards, gathered straight into the
+        mirror (also the first sync and every delta_full_every-th). `_finish_layer` applies them."""
+        key = (ps[0].name, tp_sharded)
+        group = self.micro_group if tp_sharded else None
+        self.delta_units.setdefault(key, (ps, tp_sharded))
+        mirror = self.mirrors.get(key)
+        me = ps[0].group[self.rank].index(self.rank)
+        s = send.element_size()
+        st = self.delta_stats
+        st["delta_elements"] = st.get("delta_elements", 0) + size * c
+        st["delta_full_bytes"] = st.get("delta_full_bytes", 0) + (size - 1) * c * s
+        changed = None if mirror is None or self.delta_full else (bits(send) != bits(mirror.view(size, c)[me])).nonzero().flatten()
+        meta = torch.tensor([-1 if changed is None else changed.numel(), crc(send)], dtype=torch.int64)
+        metas = torch.empty(2 * size, dtype=torch.int64)
+        _all_gather(metas, meta, group=group)
+        metas = metas.view(size, 2)
+        ks = metas[:, 0].tolist()
+        if min(ks) < 0 or max(ks) * (4 + s) >= c * s:  # a rank has no base (or must send whole), or a delta costs more: whole
+            if mirror is None:
+                mirror = self.mirrors[key] = torch.empty(size * c, dtype=self.dtype, device=self.device)
+            st["delta_changed"] = st.get("delta_changed", 0) + size * c
+            st["delta_sent_bytes"] = st.get("delta_sent_bytes", 0) + (size - 1) * c * s
+            return ("gather", (ps, size, c, mirror, send), _all_gather(mirror, send, group=group, async_op=True))
+        k = max(ks)
+        payload = torch.zeros(k * (4 + s), dtype=torch.uint8, device=self.device)
+        payload[: 4 * changed.numel()] = changed.to(torch.int32).view(torch.uint8)
+        payload[4 * k : 4 * k + s * changed.numel()] = send[changed].view(torch.uint8)
+        received = torch.empty(size * payload.numel(), dtype=torch.uint8, device=self.device)
+        st["delta_changed"] = st.get("delta_changed", 0) + sum(ks)
+        st["delta_sent_bytes"] = st.get("delta_sent_bytes", 0) + (size - 1) * payload.numel()
+        work = _all_gather(received, payload, group=group, async_op=True) if k else None
+        return ("delta", (ps, size, c, mirror, send, received, ks, metas[:, 1].tolist(), k, key), work)
+
+    def _apply_delta(self, item: tuple) -> tuple[torch.Tensor, int]:
+        """Rebuild the group's shards on the mirror from the gathered payloads; a row whose CRC-32
+        is not its sender's marks the unit for repair (`_repair`). Returns (mirror as [size, c],
+        bytes received)."""
+        ps, size, c, mirror, send, received, ks, crcs, k, key = item
+        s, me = send.element_size(), ps[0].group[self.rank].index(self.rank)
+        rows, flat = received.view(size, -1), mirror.view(size, c)
+        for j in range(size):
+            if j == me:
+                flat[j].copy_(send)
+                continue
+            if ks[j]:  # .clone(): an aligned copy before the dtype view (a row may start at any byte)
+                idx = rows[j, : 4 * ks[j]].clone().view(torch.int32).long()
+                flat[j][idx] = rows[j, 4 * k : 4 * k + s * ks[j]].clone().view(self.dtype)
+            if crc(flat[j]) != crcs[j]:
+                self.delta_bad.add(key)
+        return flat, (size - 1) * (k * (4 + s)) + (size - 1) * 16
+
+    def _repair(self) -> int:
+        """After the switch: every rank learns which units failed a checksum anywhere (one
+        all-reduce), and those are gathered whole into the mirror and copied into place. Returns
+        bytes received."""
+        keys = sorted(self.delta_units)
+        flags = torch.tensor([float(k in self.delta_bad) for k in keys])
+        if keys:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        received, names = 0, []
+        for key, bad in zip(keys, flags.tolist()):
+            if not bad:
+                continue
+            ps, tp_sharded = self.delta_units[key]
+            size, c = len(ps[0].group[self.rank]), sum(volume(p.own[self.rank]) for p in ps)
+            send = torch.cat([local(self.train[p.name].data).reshape(-1).to(self.dtype) for p in ps])
+            mirror = self.mirrors[key]
+            _all_gather(mirror, send, group=self.micro_group if tp_sharded else None)
+            self._copy_out(ps, size, c, mirror.view(size, c))
+            received += _received(mirror, send)
+            names.append(ps[0].layer)
+        self.delta_stats["delta_repairs"] = len(names)
+        self.delta_stats["delta_repaired"] = names
+        return received
 
     def _launch_exchange(self, ps: list[ParamPlan], pool: list[int]) -> list:
         """General case, ONE all_to_all for every parameter in `ps` (the same list on every rank):
@@ -262,7 +396,7 @@ class HybridEngine:
             offset += n
         for p in ps:
             mine = intersect(p.own[r], p.need[r])
-            if mine:
+            if mine and p.name not in self.borrowed:
                 copies.append((crop(local(self.gen[p.name].data), mine, p.need[r]), crop(self._train_local(p), mine, p.own[r])))
         return recv.numel() * recv.element_size()
 
@@ -272,28 +406,39 @@ class HybridEngine:
         shard dim; an exchange's pieces land at their boxes, next to the rank's own part."""
         received = 0
         for kind, item, work in pending:
-            work.wait()
+            if work is not None:  # None: a delta whose every payload is empty (nothing changed in the unit)
+                work.wait()
             if kind == "exchange":
                 copies: list = []
                 received += self._exchange_copies(item, copies)
                 for dst, src in copies:
                     dst.copy_(src)
                 continue
+            if kind == "delta":
+                flat, nbytes = self._apply_delta(item)
+                received += nbytes
+                self._copy_out(item[0], item[1], item[2], flat)
+                continue
             ps, size, c, recv, send = item
             received += _received(recv, send)
-            flat, offset = recv.view(size, c), 0
-            for p in ps:
-                shape = tuple(hi - lo for lo, hi in p.own[self.rank])
-                n, d = math.prod(shape), p.train_dim
-                gen = local(self.gen[p.name].data)
-                gen.unflatten(d, (size, shape[d])).copy_(flat[:, offset : offset + n].unflatten(1, shape).movedim(0, d))
-                offset += n
+            self._copy_out(ps, size, c, recv.view(size, c))
         return received
+
+    def _copy_out(self, ps: list[ParamPlan], size: int, c: int, flat: torch.Tensor) -> None:
+        """A coalesced gather's [size, c] rows into the generation buffers: piece j of every
+        parameter came from group rank j and lands at slot j of its shard dim."""
+        offset = 0
+        for p in ps:
+            shape = tuple(hi - lo for lo, hi in p.own[self.rank])
+            n, d = math.prod(shape), p.train_dim
+            gen = local(self.gen[p.name].data)
+            gen.unflatten(d, (size, shape[d])).copy_(flat[:, offset : offset + n].unflatten(1, shape).movedim(0, d))
+            offset += n
 
     def _train_local(self, p: ParamPlan) -> torch.Tensor | None:
         """This rank's training shard of `p` (None: a pipeline stage that does not hold it)."""
         t = self.train.get(p.name)
-        return None if t is None else local(t.data)
+        return None if t is None else _piece(t.data)
 
     def _full(self, p: ParamPlan) -> torch.Tensor:
         """The whole trained tensor on every rank (a collective): DTensor's gather over the owning
@@ -325,6 +470,7 @@ class HybridEngine:
         from the plan, so comparing them with `plan.min_bytes` checks the plan against the wire."""
         start = time.perf_counter()
         self.train = self._sharded_params()
+        self._borrow()
         received, in_flight = 0, 0
         skip = self.frozen if optimized and self.frozen_synced else frozenset()
         by_layer = self._by_layer(skip)
@@ -334,13 +480,20 @@ class HybridEngine:
             copies: list = []
             keep: list = []
             if optimized and self.cfg.granularity == "layer":
-                received, in_flight = self._reshard_layers(list(by_layer.items()), optimized)
+                self._start_delta()
+                received, in_flight = self._reshard_layers(self._by_unit(skip), optimized)
+                if self.delta:
+                    received += self._repair()
                 by_layer = {}
             for layer, params in by_layer.items():
                 pool = [0]  # staging offset, reset per layer
                 with self.trace.span(f"gather {layer}", "gather", optimized=optimized):
                     for p in params:
                         train, gen = self._train_local(p), local(self.gen[p.name].data)
+                        if p.name in self.borrowed:  # gen IS train: nothing to write
+                            if not optimized:
+                                received += self._naive(p, gen, [], keep)  # the baseline still gathers it (a collective)
+                            continue
                         if not optimized:
                             received += self._naive(p, gen, copies, keep)
                         elif not p.moves:  # e.g. gen_tp = N, or replicated training weights
@@ -364,7 +517,9 @@ class HybridEngine:
             copies.clear()
             keep.clear()
         self.frozen_synced = True
+        delta = dict(self.delta_stats) if self.delta and optimized and self.cfg.granularity == "layer" else {}
         return {
+            **delta,  # delta sync: delta_changed / delta_elements / delta_full_bytes / delta_sent_bytes / delta_repairs
             "seconds": time.perf_counter() - start,
             "layers": layers,
             "skipped_params": len(skip),
@@ -374,7 +529,8 @@ class HybridEngine:
             # Theory: the generation slices themselves, plus (optimized) the staging slots (layer
             # granularity) or one layer's temporaries (full), or (naive) the full tensors gathered at
             # once: one layer's, or the whole model's.
-            "theory_extra_bytes": self.gen_allocation_bytes + (self.layer_staging_bytes if optimized else self._naive_transient_bytes()),
+            "theory_extra_bytes": self.gen_allocation_bytes + (self.layer_staging_bytes if optimized else self._naive_transient_bytes())
+            + sum(m.numel() * m.element_size() for m in self.mirrors.values()),  # delta sync's mirrors (kept)
             "optimized": optimized,
             # Layer granularity, optimized: the most layers whose collectives were in flight at once
             # (the staging slots, unless fewer layers move), in a staging buffer of staging_bytes.
@@ -389,14 +545,23 @@ class HybridEngine:
         the engine's own buffers are freed once the backend has taken every piece."""
         self.last_stats = self.reshard(optimized=optimized)
         for p in self.plan.params:
-            yield WeightPiece(p.name, p.shape, p.need[self.rank], local(self.gen[p.name].data), p.name in self.frozen)
+            yield WeightPiece(p.name, p.shape, p.need[self.rank], local(self.gen[p.name].data), p.name in self.frozen, p.name in self.borrowed)
         if self.staged:
             self.release()
 
+    def _start_delta(self) -> None:
+        """Per switch: whether this one sends every gather whole (the first, every
+        delta_full_every-th; 0: only the first), and fresh statistics."""
+        every = self.cfg.delta_full_every
+        self.delta_full = self.delta_syncs == 0 or (every > 0 and self.delta_syncs % every == 0)
+        self.delta_syncs += 1 if self.delta else 0
+        self.delta_bad: set[tuple] = set()
+        self.delta_stats = {"delta_changed": 0, "delta_elements": 0, "delta_full_bytes": 0, "delta_sent_bytes": 0, "delta_repairs": 0, "delta_repaired": []}
+
     def _reshard_layers(self, layers: list[tuple[str, list[ParamPlan]]], optimized: bool) -> tuple[int, int]:
-        """Layer granularity, optimized: layers i+1 .. i+W-1's coalesced collectives (all-gathers
-        and the exchange) are in flight while layer i is copied into place (W = `self.slots`
-        staging slots, layer j in slot j % W). Returns (bytes received, most layers in flight)."""
+        """Layer granularity, optimized: units i+1 .. i+W-1's coalesced collectives (all-gathers
+        and the exchange) are in flight while unit i is copied into place (W = `self.slots`
+        staging slots, unit j in slot j % W). Returns (bytes received, most units in flight)."""
         received, launched, most = 0, 0, 0
         pending: dict[int, list] = {}
         for i, (layer, params) in enumerate(layers):
@@ -420,18 +585,31 @@ class HybridEngine:
                 by_layer.setdefault(p.layer, []).append(p)
         return by_layer
 
+    def _by_unit(self, skip: frozenset) -> list[tuple[str, list[ParamPlan]]]:
+        """The plan's parameters but `skip`, by switch unit (`self.units`) in plan order, named by
+        their first and last layer; units left empty are dropped."""
+        by_layer = self._by_layer(skip)
+        out = []
+        for unit in self.units:
+            params = [p for layer in unit for p in by_layer.get(layer, ())]
+            if params:
+                out.append((unit[0] if len(unit) == 1 else f"{unit[0]}..{unit[-1]}", params))
+        return out
+
     def _own_slice_copies(self, params: list[ParamPlan]) -> list:
         """(destination, source) copies of the parameters with nothing to fetch (a size-1 group, or
         gen_tp = N): the rank's own slice; the others arrive through `_launch_layer`."""
         r = self.rank
-        return [(local(self.gen[p.name].data), crop(self._train_local(p), p.need[r], p.own[r]))
-                for p in params if not p.moves or (p.aligned and len(p.group[r]) == 1)]
+        return [(_piece(self.gen[p.name].data), crop(self._train_local(p), p.need[r], p.own[r]))
+                for p in params if p.name not in self.borrowed and (not p.moves or (p.aligned and len(p.group[r]) == 1))]
 
     def stream(self) -> "SwitchStream":
         """The optimized layer-granularity switch, driven by its consumer (see `SwitchStream`): the
         first `slots` layers' collectives start now, the rest as `ensure` completes layers."""
         if self.cfg.granularity != "layer":
             raise ValueError("a streamed switch needs actor_rollout_ref.hybrid_engine.granularity=layer")
+        if self.delta:  # a repair comes after the last layer, when the forward has already used the layer
+            raise ValueError("a streamed switch cannot run with actor_rollout_ref.hybrid_engine.delta_sync=true")
         return SwitchStream(self)
 
     def _naive_transient_bytes(self) -> int:
@@ -482,9 +660,10 @@ class SwitchStream:
         e = self.engine = engine
         self.start = time.perf_counter()
         e.train = e._sharded_params()
+        e._borrow()
         skip = e.frozen if e.frozen_synced else frozenset()
-        self.layers = list(e._by_layer(skip).items())
-        self.index = {name: i for i, (name, _) in enumerate(self.layers)}
+        self.layers = e._by_unit(skip)  # units: one layer, or small consecutive ones merged
+        self.index = {p.layer: i for i, (_, params) in enumerate(self.layers) for p in params}
         self.skipped = len(skip)
         self.done, self.received, self.pending, self.most = 0, 0, {}, 0
         e.acquire()
@@ -498,7 +677,10 @@ class SwitchStream:
 
     def ensure(self, layer: str) -> None:
         """Complete every layer up to `layer` (a layer not in the switch: nothing)."""
-        target = self.index.get(layer, -1)
+        self._complete(self.index.get(layer, -1))
+
+    def _complete(self, target: int) -> None:
+        """Complete units 0 .. target (already complete ones: nothing)."""
         e = self.engine
         while self.done <= target:
             i = self.done
@@ -522,9 +704,9 @@ class SwitchStream:
         return handles
 
     def finish(self) -> dict:
-        if self.layers:
-            self.ensure(self.layers[-1][0])
+        self._complete(len(self.layers) - 1)
         e = self.engine
         e.frozen_synced = True
-        return {"seconds": time.perf_counter() - self.start, "layers": [n for n, _ in self.layers], "skipped_params": self.skipped,
+        layers = list(dict.fromkeys(p.layer for _, ps in self.layers for p in ps))
+        return {"seconds": time.perf_counter() - self.start, "layers": layers, "skipped_params": self.skipped,
                 "bytes_received": self.received, "optimized": True, "layers_in_flight": self.most, "staging_bytes": e.staging_bytes}

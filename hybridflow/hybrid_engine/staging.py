@@ -1,10 +1,14 @@
 """The layer-wise switch's staging: how many layers are in flight at once, and its memory.
 
-Layer granularity (the optimized path) gathers each layer's moving parameters into one slot of a
-reusable staging buffer, allocated once: a slot holds the largest layer's staging need on the rank
-(per process group the rank's own shards packed to send plus the gathered receive; for the general
-exchange, what it sends plus what it receives). While layer i is copied into place, layers i+1 ..
-i+W-1 are in flight, each in its own slot, so the buffer is W slots and W layers are in flight.
+Layer granularity (the optimized path) gathers each switch unit's moving parameters into one slot
+of a reusable staging buffer, allocated once. A unit is one layer, or consecutive layers merged
+while together they stage at most max(the largest layer's need, 1 MiB) (`switch_units`): small
+layers (the norms, the only thing that moves at gen_tp = N) then share one collective instead of
+paying a round trip each. A slot holds the largest unit's staging need on the rank (per process
+group the rank's own shards packed to send plus the gathered receive; for the general exchange,
+what it sends plus what it receives). While unit i is copied into place, units i+1 .. i+W-1 are in
+flight, each in its own slot, so the buffer is W slots and W units ("layers" in the notes) are in
+flight.
 
 W comes from `actor_rollout_ref.hybrid_engine.resharding_buffer_percent` p (the parallel config's
 key and the `RLTrainer` / `PPOTrainer` keyword land there):
@@ -30,6 +34,7 @@ from hybridflow.hybrid_engine.plan import ParamPlan, ReshardPlan, volume
 
 KEY = "actor_rollout_ref.hybrid_engine.resharding_buffer_percent"
 DEFAULT_SLOTS = 2  # unset: layer i+1 in flight while layer i is copied into place
+MIN_UNIT_BYTES = 1 << 20  # smaller consecutive layers share one collective (`switch_units`)
 
 
 def staging_numel(plan: ReshardPlan, p: ParamPlan, r: int, granularity: str = "layer") -> int:
@@ -58,10 +63,10 @@ def layer_staging(plan: ReshardPlan, r: int, granularity: str = "layer") -> dict
     return per_layer
 
 
-def largest_layer_numel(plan: ReshardPlan, granularity: str = "layer") -> list[int]:
-    """Per rank, the largest layer's staging elements (at least 1: one slot). Parameters of the
-    same shape and layout share their box lists (`ReshardPlan.build`), and layers of one stage
-    their composition, so each distinct one is computed once (a 64-rank plan of 80 layers stays fast)."""
+def _layer_needs(plan: ReshardPlan, granularity: str) -> dict[str, list[int]]:
+    """{layer: staging elements per rank}, in plan order. Parameters of the same shape and layout
+    share their box lists (`ReshardPlan.build`), and layers of one stage their composition, so each
+    distinct one is computed once (a 64-rank plan of 80 layers stays fast)."""
     n = plan.world_size
     per_param: dict[tuple, list[int]] = {}
     by_layer: dict[str, list[tuple]] = {}
@@ -70,9 +75,38 @@ def largest_layer_numel(plan: ReshardPlan, granularity: str = "layer") -> list[i
         if key not in per_param:
             per_param[key] = [staging_numel(plan, p, r, granularity) for r in range(n)]
         by_layer.setdefault(p.layer, []).append(key)
-    best = [1] * n
+    memo: dict[tuple, list[int]] = {}
     for keys in {tuple(ks) for ks in by_layer.values()}:
-        best = [max(b, sum(per_param[k][r] for k in keys)) for r, b in enumerate(best)]
+        memo[keys] = [sum(per_param[k][r] for k in keys) for r in range(n)]
+    return {layer: memo[tuple(keys)] for layer, keys in by_layer.items()}
+
+
+def switch_units(plan: ReshardPlan, granularity: str = "layer", min_unit_bytes: int = MIN_UNIT_BYTES) -> list[tuple[str, ...]]:
+    """The layer-wise switch's units in plan (= forward) order: consecutive layers merged while
+    their summed staging need (the largest rank's) stays within max(the largest layer's,
+    min_unit_bytes), so small layers share one collective per process group instead of paying a
+    round trip each (at gen_tp = N every TP-sharded weight is borrowed and only the norms move: the
+    whole switch is then one all-gather). Deterministic: the same on every rank."""
+    needs = _layer_needs(plan, granularity)
+    itemsize = plan.params[0].itemsize if plan.params else 1
+    cap = max([min_unit_bytes // itemsize, *(max(v) for v in needs.values())])
+    units: list[list[str]] = []
+    total = cap + 1
+    for layer, need in needs.items():
+        if total + max(need) > cap:
+            units.append([])
+            total = 0
+        units[-1].append(layer)
+        total += max(need)
+    return [tuple(u) for u in units]
+
+
+def largest_layer_numel(plan: ReshardPlan, granularity: str = "layer", min_unit_bytes: int = MIN_UNIT_BYTES) -> list[int]:
+    """Per rank, the largest unit's staging elements (`switch_units`; at least 1: one slot)."""
+    needs = _layer_needs(plan, granularity)
+    best = [1] * plan.world_size
+    for unit in switch_units(plan, granularity, min_unit_bytes):
+        best = [max(b, sum(needs[layer][r] for layer in unit)) for r, b in enumerate(best)]
     return best
 
 
@@ -94,7 +128,8 @@ class StagingPlan:
         return self.slots * self.slot_bytes[r]
 
 
-def staging_plan(plan: ReshardPlan, percent: float | None, granularity: str = "layer", optimized: bool = True) -> StagingPlan:
+def staging_plan(plan: ReshardPlan, percent: float | None, granularity: str = "layer", optimized: bool = True,
+                 min_unit_bytes: int = MIN_UNIT_BYTES) -> StagingPlan:
     """W and the staging bytes per rank for `plan` (its itemsize is the switch's dtype), as the
     module docstring states; deterministic, the same on every rank."""
     n = plan.world_size
@@ -104,14 +139,14 @@ def staging_plan(plan: ReshardPlan, percent: float | None, granularity: str = "l
             f"{KEY}={percent} is not used: granularity=full gathers parameter by parameter into temporaries of its own "
             f"(no staging buffer); set actor_rollout_ref.hybrid_engine.granularity=layer for a staging budget")
         return StagingPlan(percent, 0, [0] * n, None, percent is None, note)
-    slot = [numel * itemsize for numel in largest_layer_numel(plan, granularity)]
+    slot = [numel * itemsize for numel in largest_layer_numel(plan, granularity, min_unit_bytes)]
     if percent is None:
         return StagingPlan(None, DEFAULT_SLOTS, slot, None, True, "")
     gen = [plan.gen_buffer_bytes(r) for r in range(n)]
     budget = [int(percent * g) for g in gen]
     fits = [b // s for b, s in zip(budget, slot)]
     r = min(range(n), key=lambda i: (fits[i], -slot[i]))  # the rank that limits W
-    layers = len({p.layer for p in plan.params})
+    layers = len(switch_units(plan, granularity, min_unit_bytes))
     share = f"{percent:g} x {_mib(gen[r])} of generation weights"
     if fits[r] < 1:
         slots, honoured = 1, False
@@ -119,7 +154,7 @@ def staging_plan(plan: ReshardPlan, percent: float | None, granularity: str = "l
                 f"staging ({_mib(slot[r])}): staging 1 layer at a time ({_mib(slot[r])} per rank) instead")
     else:
         slots, honoured = min(fits[r], layers), True
-        capped = f"; all {layers} layers fit, so only {slots} slots are allocated" if fits[r] > layers else ""
+        capped = f"; all {layers} switch unit(s) fit (small consecutive layers share one), so only {slots} slots are allocated" if fits[r] > layers else ""
         note = (f"{KEY}={percent}: {slots} layer(s) in flight, {_mib(slots * slot[r])} of staging per rank "
                 f"(budget {_mib(budget[r])} = {share}; one layer's staging {_mib(slot[r])}){capped}")
     if not optimized:  # the buffer is sized as asked, but the naive switch never uses it

@@ -51,8 +51,7 @@ def restore_storage(p: torch.nn.Parameter) -> None:
 def own_storage(p: torch.nn.Parameter) -> None:
     """Give a parameter a private, resizable storage (HF may load it as a view of a memory-mapped
     file), so its memory can be freed and re-allocated (`untyped_storage().resize_`)."""
-    if isinstance(p.data, DTensor):
-        d = p.data
-        p.data = DTensor.from_local(d.to_local().clone(), d.device_mesh, d.placements, run_check=False, shape=d.shape, stride=d.stride())
+    if isinstance(p, DTensor):  # its local tensor, as FSDP2 re-points its own: `p.data = ...` keeps a DTensor's old one
+        p._local_tensor = p._local_tensor.clone()
     else:
         p.data = p.data.clone()

@@ -5,11 +5,13 @@ Stated model (docs/planning.md explains it and its limits):
 - Bytes are exact: the resharding planner's boxes (`hybrid_engine/plan.py`) for the training layout
   pp x tp x dp and the generation layout gen_tp x gen_dp; a parameter's FSDP shard dim is the one
   `fsdp_shard_placement_fn` picks, so on layouts the engine runs the bytes equal what it measures.
-- Seconds: the optimized switch runs, per layer (layer granularity), one coalesced collective per
-  process group (the micro-DP groups for TP-sharded parameters, all holders for replicated ones);
-  a collective costs max over ranks of (bytes the rank receives in it / the bandwidth of the
-  slowest link those bytes cross) + latency x (number of ranks it receives from); then every rank
-  copies its generation slice once (bytes / copy_bw). The naive switch gathers every full parameter over its holders
+- Seconds: the optimized switch runs, per switch unit (a layer, or consecutive small layers
+  merged: `staging.switch_units`), one coalesced collective per process group (the micro-DP groups
+  for TP-sharded parameters, all holders for replicated ones); a collective costs max over ranks of
+  (bytes the rank receives in it / the bandwidth of the slowest link those bytes cross) + latency x
+  (number of ranks it receives from); then every rank copies its generation slice once (bytes /
+  copy_bw), but for the slices it borrows (its own training shard, when `borrow`: the switch's dtype
+  is the training shards'). The naive switch gathers every full parameter over its holders
   (one collective per parameter, same per-link formula), then slices.
 - Memory per rank (bytes): training shards, gradients, AdamW state, activations of the micro-batch
   (Korthikanti et al. 2022 without the attention-score term, i.e. flash/SDPA attention, no
@@ -30,7 +32,7 @@ from dataclasses import asdict, dataclass
 from hybridflow.hybrid_engine.plan import ParamPlan, ReshardPlan, layer_stage, volume
 from hybridflow.parallel.dims import ParallelDims
 from hybridflow.hybrid_engine.plan import fsdp_dim as _fsdp_dim
-from hybridflow.hybrid_engine.staging import staging_plan
+from hybridflow.hybrid_engine.staging import staging_plan, switch_units
 from hybridflow.models.lora import is_adapter_param
 from hybridflow.parallel.tensor_parallel import gen_shard_dim
 from hybridflow.planning.arch import Arch
@@ -129,15 +131,19 @@ def _collective_seconds(plan: ReshardPlan, cluster: Cluster, params: list[ParamP
     return worst + cluster.latency_s * sources
 
 
-def predict_switch(plan: ReshardPlan, cluster: Cluster, frozen: frozenset[str] = frozenset()) -> dict[str, SwitchCost]:
+def predict_switch(plan: ReshardPlan, cluster: Cluster, frozen: frozenset[str] = frozenset(), borrow: bool = True) -> dict[str, SwitchCost]:
     """The optimized and the naive switch; `frozen` parameters (LoRA's base) moved on the first switch
-    and cost nothing in the optimized (steady) one, while the naive one moves the whole model."""
+    and cost nothing in the optimized (steady) one, while the naive one moves the whole model.
+    borrow: the switch's dtype is the training shards', so a generation slice that is the rank's own
+    shard is borrowed, not copied (the engine's `borrowed`)."""
     n = plan.world_size
-    copy = max(plan.gen_buffer_bytes(r) for r in range(n)) / cluster.copy_bw
-    by_layer: dict[str, list[ParamPlan]] = {}
+    lent = [sum(p.gen_bytes(r) for p in plan.params if borrow and p.own[r] == p.need[r]) for r in range(n)]
+    copy = max(plan.gen_buffer_bytes(r) - lent[r] for r in range(n)) / cluster.copy_bw
+    unit_of = {layer: unit for unit in switch_units(plan) for layer in unit}
+    by_layer: dict[tuple, list[ParamPlan]] = {}
     for p in plan.params:
-        by_layer.setdefault(p.layer, []).append(p)
-    memo: dict[tuple, float] = {}  # layers of one stage cost the same: compute each composition once
+        by_layer.setdefault(unit_of[p.layer], []).append(p)
+    memo: dict[tuple, float] = {}  # units of one stage cost the same: compute each composition once
 
     def seconds(params: list[ParamPlan], naive: bool) -> float:
         key = (naive, *((id(p.own), id(p.need), p.itemsize) for p in params))
@@ -146,7 +152,7 @@ def predict_switch(plan: ReshardPlan, cluster: Cluster, frozen: frozenset[str] =
         return memo[key]
 
     def collectives(params: list[ParamPlan]) -> list[list[ParamPlan]]:
-        """A layer's parameters by process group (TP-sharded ones in the micro-DP groups, replicated
+        """A unit's parameters by process group (TP-sharded ones in the micro-DP groups, replicated
         ones over their holders): one coalesced collective each."""
         groups: dict[tuple, list[ParamPlan]] = {}
         for p in params:
@@ -161,6 +167,23 @@ def predict_switch(plan: ReshardPlan, cluster: Cluster, frozen: frozenset[str] =
                                 sum(1 for ps in moving.values() if ps)),
         "naive": SwitchCost("naive", [plan.naive_bytes(r) for r in range(n)], plan.cross_node_bytes(naive=True), naive + copy, len(plan.params)),
     }
+
+
+# Measured by bench/delta_sync.py (docs/hybrid_engine.md, "Delta weight sync"): async GRPO at lr 1e-6
+# changed 0.4-4.4% of SmolLM2-135M's bf16 elements per step (1.3-2.9% of the tiny model's); in fp32
+# nearly every element moves (91-99.7%). The `hybridflow plan` default per switch dtype.
+MEASURED_CHANGED_FRACTION = {2: 0.02, 4: 1.0}
+
+
+def delta_sync_bytes(plan: ReshardPlan, changed_fraction: float, r: int) -> int:
+    """Bytes generation rank r fetches in a delta sync (`hybrid_engine/delta.py`) when a fraction
+    `changed_fraction` of every piece's elements changed: per parameter piece the cheaper of the
+    changed elements as int32 index + value pairs and the whole piece (what `delta.encode` picks)."""
+    out = 0
+    for p in plan.params:
+        n = volume(p.need[r])
+        out += min(n * p.itemsize, math.ceil(changed_fraction * n) * (4 + p.itemsize))
+    return out
 
 
 def memory_plan(plan: ReshardPlan, arch: Arch, layout: ParallelDims, m: MemoryInputs, rank: int) -> dict[str, int]:
@@ -213,14 +236,21 @@ def naive_transient_bytes(plan: ReshardPlan) -> int:
     return max(per_layer.values())
 
 
-def rows(arch: Arch, layout: ParallelDims, gen_tp: int, cluster: Cluster, m: MemoryInputs, switch_dtype: str = "bf16") -> list[dict]:
-    """The `hybridflow plan` rows for one (training layout, gen_tp): one per mode."""
+def rows(arch: Arch, layout: ParallelDims, gen_tp: int, cluster: Cluster, m: MemoryInputs, switch_dtype: str = "bf16",
+         changed_fraction: float | None = None) -> list[dict]:
+    """The `hybridflow plan` rows for one (training layout, gen_tp): one per mode. changed_fraction:
+    of the elements between two syncs, for the delta sync's bytes (None: the measured default of the
+    switch dtype, `MEASURED_CHANGED_FRACTION`)."""
     plan = plan_for(arch, layout, gen_tp, DTYPE_BYTES[switch_dtype], m.strategy, cluster.gpus_per_node, m.lora_rank)
+    f = MEASURED_CHANGED_FRACTION.get(DTYPE_BYTES[switch_dtype], 1.0) if changed_fraction is None else changed_fraction
+    delta = dict(delta_changed_fraction=f, full_sync_bytes_per_rank=max(plan.gen_buffer_bytes(r) for r in range(plan.world_size)),
+                 delta_bytes_per_rank=max(delta_sync_bytes(plan, f, r) for r in range(plan.world_size)))
     mem = worst_memory(plan, arch, layout, m)
     first_switch = max(plan.min_bytes(r) for r in range(plan.world_size))
     staging = staging_plan(plan, m.buffer_percent)  # layer granularity, as the engine decides it
     out = []
-    for mode, cost in predict_switch(plan, cluster, frozen_params(plan, m)).items():
+    borrow = DTYPE_BYTES[switch_dtype] == m.param_bytes  # no cast: the own slices are the training shards
+    for mode, cost in predict_switch(plan, cluster, frozen_params(plan, m), borrow).items():
         peak = mem["peak"] if mode == "optimized" else max(mem["train_peak"], mem["gen_peak"] + naive_transient_bytes(plan))
         out.append(dict(
             model=arch.name, train_layout=layout.label, gen_tp=gen_tp, gen_dp=layout.world // gen_tp, mode=mode,
@@ -231,5 +261,6 @@ def rows(arch: Arch, layout: ParallelDims, gen_tp: int, cluster: Cluster, m: Mem
             # the optimized switch's staging (the naive one has none): layers in flight, its bytes on the worst rank
             layers_in_flight=staging.slots if mode == "optimized" else 0, buffer_percent=m.buffer_percent, staging_note=staging.note,
             staging_bytes_per_rank=max(staging.staging_bytes(r) for r in range(plan.world_size)) if mode == "optimized" else 0,
+            **delta,  # the cross-pool (async rollout) sync of these generation slices, whole and as a delta
         ))
     return out

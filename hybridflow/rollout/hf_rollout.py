@@ -43,6 +43,7 @@ class HFRollout:
             for p in self.params.values():
                 own_storage(p)
         self.static: set[str] = set()  # parameters whose (static) pieces arrived: kept while asleep, never sent again
+        self.borrowed: set[str] = set()  # parameters that are the trainer's own shards (colocated, gen_tp = N): never freed here
         self.awake = True
 
     def layout(self) -> GenLayout:
@@ -56,6 +57,8 @@ class HFRollout:
         for piece in pieces:
             if piece.static:
                 self.static.add(piece.name)
+            if piece.borrowed:
+                self.borrowed.add(piece.name)
             dst = held_slice(self.params[piece.name].data, piece.box)
             if dst.data_ptr() == piece.tensor.data_ptr() and dst.shape == piece.tensor.shape and dst.stride() == piece.tensor.stride():
                 aliased += 1
@@ -69,14 +72,15 @@ class HFRollout:
         storages are freed (the static ones stay: they never change and are not sent again)."""
         if not self.keep_buffers:
             for name, p in self.params.items():
-                if name not in self.static:
+                if name not in self.static and name not in self.borrowed:
                     free_storage(p)
         self.awake = False
 
     def wake(self) -> None:
         """Before a weight sync: re-allocate what `sleep()` freed (the sync writes every byte of it)."""
-        for p in self.params.values():
-            restore_storage(p)
+        for name, p in self.params.items():
+            if name not in self.borrowed:
+                restore_storage(p)
         self.awake = True
 
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:

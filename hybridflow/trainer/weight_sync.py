@@ -93,6 +93,7 @@ class WeightSync:
             "reshard/staging_gb": max(r.get("staging_bytes", 0) for r in per_rank) / 2**30,
             "perf/max_memory_rss_gb": max(r["rss_bytes"] for r in per_rank) / 2**30,
         }
+        delta_metrics(per_rank, m)
         if "max_diff" in per_rank[0]:
             diff = max(r["max_diff"] for r in per_rank)
             if diff != 0.0:
@@ -152,6 +153,20 @@ class WeightSync:
             self.logged = True
 
 
+def delta_metrics(per_rank: list[dict], m: dict) -> None:
+    """Delta sync (hybrid_engine/delta.py, the cross-pool sync; the colocated switch's gathers):
+    what changed, what moved, what was repaired, into `m` as sync/delta_* (nothing without it)."""
+    if "delta_full_bytes" not in per_rank[0]:
+        return
+    m["sync/delta_changed_fraction"] = sum(x["delta_changed"] for x in per_rank) / max(1, sum(x["delta_elements"] for x in per_rank))
+    m["sync/full_bytes_per_rank"] = float(max(x["delta_full_bytes"] for x in per_rank))
+    m["sync/delta_bytes_per_rank"] = float(max(x["delta_sent_bytes"] for x in per_rank))
+    m["sync/delta_repairs"] = float(sum(x["delta_repairs"] for x in per_rank))
+    if m["sync/delta_repairs"]:
+        logger.warning("delta weight sync: %d piece(s) failed their checksum or had no base and were sent whole (%s)",
+                       m["sync/delta_repairs"], sorted({n for x in per_rank for n in x["delta_repaired"]})[:4])
+
+
 class RolloutSync:
     """One cross-pool weight sync in flight: its receipt on the rollout pool (and, with
     trainer.check_weight_sync, the pool's fingerprints right after it and the trained ones)."""
@@ -166,14 +181,7 @@ class RolloutSync:
         per_rank = self.receive.result(timeout_s, "a weight sync to the rollout pool", REQUEST_TIMEOUT_KEY)
         m = {"timing_s/sync_weights": time.perf_counter() - self.started,
              "reshard/bytes_per_rank": float(max(x["bytes_received"] for x in per_rank))}
-        if "delta_full_bytes" in per_rank[0]:  # delta sync (hybrid_engine/delta.py): what changed, what moved, what was repaired
-            m["sync/delta_changed_fraction"] = sum(x["delta_changed"] for x in per_rank) / max(1, sum(x["delta_elements"] for x in per_rank))
-            m["sync/full_bytes_per_rank"] = float(max(x["delta_full_bytes"] for x in per_rank))
-            m["sync/delta_bytes_per_rank"] = float(max(x["delta_sent_bytes"] for x in per_rank))
-            m["sync/delta_repairs"] = float(sum(x["delta_repairs"] for x in per_rank))
-            if m["sync/delta_repairs"]:
-                logger.warning("delta weight sync: %d piece(s) failed their checksum or had no base on a rollout rank and were sent "
-                               "whole (%s)", m["sync/delta_repairs"], sorted({n for x in per_rank for n in x["delta_repaired"]})[:4])
+        delta_metrics(per_rank, m)
         if self.fingerprints is not None:
             held = self.fingerprints.result(timeout_s, "the rollout pool's weight fingerprints", REQUEST_TIMEOUT_KEY)
             mismatched = [k for fp in held for k, v in fp.items() if self.trained.get(k) != v]
