@@ -330,3 +330,33 @@ def test_openai_endpoint_on_vllm_records_what_vllm_samples_for_the_same_seed(tmp
     for t, lp, top in zip(want.token_ids, want.log_probs, want.top_logprobs):  # the sampled token, where listed, has its own log-prob
         assert lp <= top[0][1] and all(v == lp for i, v in top if i == t)
     assert session.trajectory().response_ids == list(want.token_ids) and session.trajectory().log_probs == list(want.log_probs)
+
+
+def test_mismatch_doctor_on_vllm_shows_the_difference_per_layer(vllm_model_dir):
+    """`hybridflow mismatch` on a vLLM run replays through vLLM itself: per probe (embedding, every
+    decoder layer, the final norm, the head) vLLM's activation against the trainer's forward on the
+    tokens vLLM sampled. The same fp32 weights on both sides: the embedding is a lookup (equal bit for
+    bit), the layers differ at rounding level (vLLM's own kernels) and no layer is named; with only
+    vLLM's copy of layer 1 nudged the doctor names layer 1."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hybridflow.protocol import SamplingParams
+    from hybridflow.utils.mismatch import diagnose_vllm
+
+    tok = AutoTokenizer.from_pretrained(vllm_model_dir)
+    train = AutoModelForCausalLM.from_pretrained(vllm_model_dir, dtype=torch.float32).eval()
+    gen = AutoModelForCausalLM.from_pretrained(vllm_model_dir, dtype=torch.float32).eval()
+    prompts = [tok.encode(t) for t in ("max 3 8 1", "max 9 2 7", "max 1 1 4")]
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, seed=3)
+    report = diagnose_vllm(train, gen, tok, prompts, params, max_model_len=64)
+    print(report.table())
+    names = [p.name for p in report.probes]
+    assert names[0] == "model.embed_tokens" and names[-1] == "lm_head" and len(names) == train.config.num_hidden_layers + 3
+    assert report.probes[0].max == 0.0  # the same rows of the same table
+    assert all(0 <= p.max < 1e-3 * max(1.0, p.scale) for p in report.probes)  # rounding level, not a wrong weight
+    assert report.named is None and report.logprob_max < 1e-3
+    with torch.no_grad():
+        gen.model.layers[1].mlp.down_proj.weight.mul_(1.05)
+    nudged = diagnose_vllm(train, gen, tok, prompts, params, max_model_len=64)
+    print(nudged.table())
+    assert nudged.named == "model.layers.1", nudged.table()

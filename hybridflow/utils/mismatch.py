@@ -20,8 +20,14 @@ largest activation); a difference that grows gradually from the first layer on, 
 is kernels summing in another order, not a layer. In the exact mode both sides compute the same
 numbers, so the first non-zero difference is named.
 
-vLLM runs its own kernels (fused, paged attention, its own sampler): the doctor replays the HF
-backend only; a vLLM run's checkpoint is replayed through HF and says so.
+A vLLM run (where vLLM is installed) replays through vLLM itself (`diagnose_vllm`): the engine in
+this process on an HF checkpoint of the cast weights, one request at a time (the prefix cache reset
+before each, so its prefill computes every prompt token), with the same hooks on vLLM's modules: a
+decoder layer's output is its (hidden, residual) pair summed (vLLM fuses the residual add into the
+next norm), the final norm's its normalised output, the head's the logits processor's. vLLM runs
+its own kernels (paged attention, fused norm + residual, its own GEMMs and sampler), so its
+difference is not zero: the table shows it per layer. Without vLLM the run is replayed through the
+HF backend and says so.
 """
 
 from __future__ import annotations
@@ -166,8 +172,83 @@ def diagnose(train_model: nn.Module, gen_model: nn.Module, tokenizer, prompts: l
     requests = [Request(p, params) for p in prompts]
     completions, gen = _rollout_side(gen_model, tokenizer, requests, exact)
     train = _trainer_side(train_model, tokenizer.pad_token_id, requests, completions, params.max_new_tokens, exact)
+    eps = torch.finfo(next(gen_model.parameters()).dtype).eps
+    return _compare([n for n, _ in probes(gen_model)], gen, train, completions, params, 0.0 if exact else eps, jump)
+
+
+def _vllm_probes(model: nn.Module, names: list[str]) -> list[tuple[str, nn.Module, object]]:
+    """vLLM's modules under the HF probe names `names` (embedding, layers, norm, head), each with
+    what turns its output into the HF module's: a layer's (hidden, residual) summed, the norm's
+    normalised output, the logits processor's logits for the head."""
+    base = model.model
+    mods = [base.embed_tokens, *base.layers, base.norm, model.logits_processor]
+    if len(mods) != len(names):
+        raise ValueError(f"vLLM's model has {len(mods)} probes, the HF model {len(names)}")
+    same = lambda out: out  # noqa: E731
+    layer = lambda out: out[0] + out[1] if isinstance(out, tuple) and out[1] is not None else (out[0] if isinstance(out, tuple) else out)  # noqa: E731
+    first = lambda out: out[0] if isinstance(out, tuple) else out  # noqa: E731
+    return [(names[0], mods[0], same), *((n, m, layer) for n, m in zip(names[1:-2], mods[1:-2])), (names[-2], mods[-2], first), (names[-1], mods[-1], same)]
+
+
+def _vllm_side(backend, names: list[str], vocab: int, requests: list[Request]) -> tuple[list[Completion], dict[str, list[list[torch.Tensor]]]]:
+    """`backend` (a `VLLMRollout`, in this process) generating one request at a time, and per probe
+    per request the activation [H] (the head: logits [V]) that predicted each token: the prefill's
+    last row for token 0, decode step t's row for token t (later calls, e.g. a scoring pass, unused)."""
+    (model,) = backend.llm.collective_rpc(lambda worker: worker.model_runner.model)
+    calls: dict[str, list[torch.Tensor]] = {}
+    handles = []
+    for name, module, fix in _vllm_probes(model, names):
+        def hook(_m, _inp, out, name=name, fix=fix):
+            calls.setdefault(name, []).append(fix(out).detach().float().clone())
+        handles.append(module.register_forward_hook(hook))
+    completions, out = [], {n: [] for n in names}
+    try:
+        for r in requests:
+            backend.llm.reset_prefix_cache()  # the prefill computes the whole prompt, not a cached prefix
+            calls.clear()
+            (c,) = backend.generate_requests([r])
+            completions.append(c)
+            p = len(r.prompt_ids)
+            for name in names:
+                outs = calls[name]
+                if name == names[-1]:  # the logits of the sampled positions only: row 0 of call t (vocab padded per partition)
+                    out[name].append([outs[t][0, :vocab] for t in range(len(c.token_ids))])
+                else:  # the prefill's row p - 1 predicts token 0; decode call t's row 0 token t
+                    out[name].append([outs[0][p - 1] if t == 0 else outs[t][0] for t in range(len(c.token_ids))])
+    finally:
+        for h in handles:
+            h.remove()
+    return completions, out
+
+
+def diagnose_vllm(train_model: nn.Module, gen_model: nn.Module, tokenizer, prompts: list[list[int]], params: SamplingParams,
+                  jump: float = 10.0, max_model_len: int = 512) -> Report:
+    """The doctor against vLLM: `gen_model`'s weights (the generation dtype, cast as the sync casts
+    them) saved as an HF checkpoint, served by a `VLLMRollout` in this process, compared with the
+    trainer's padded forward probe by probe (module docstring)."""
+    import tempfile
+
+    from hybridflow.rollout.vllm_rollout import VLLMRollout
+
+    names = [n for n, _ in probes(gen_model)]
+    dtype = next(gen_model.parameters()).dtype
+    with tempfile.TemporaryDirectory(prefix="hybridflow_mismatch_") as d:
+        gen_model.save_pretrained(d)
+        tokenizer.save_pretrained(d)
+        backend = VLLMRollout(d, {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype], max_model_len, 0, "cpu",
+                              0.5, 1, tokenizer=tokenizer)
+        requests = [Request(p, params) for p in prompts]
+        completions, gen = _vllm_side(backend, names, gen_model.config.vocab_size, requests)
+        del backend
+    train = _trainer_side(train_model, tokenizer.pad_token_id, requests, completions, params.max_new_tokens, False)
+    return _compare(names, gen, train, completions, params, torch.finfo(dtype).eps, jump)
+
+
+def _compare(names: list[str], gen: dict, train: dict, completions: list[Completion], params: SamplingParams, eps: float, jump: float) -> Report:
+    """Per probe max / mean |rollout - trainer| over every response token, the log-prob difference,
+    and the probe where the difference starts (`_named`)."""
     diffs = []
-    for name, _ in probes(gen_model):
+    for name in names:
         d = torch.stack([(a - b).abs().max() for ra, rb in zip(gen[name], train[name]) for a, b in zip(ra, rb)])
         m = torch.cat([(a - b).abs().flatten() for ra, rb in zip(gen[name], train[name]) for a, b in zip(ra, rb)])
         scale = max(float(a.abs().max()) for rows in train[name] for a in rows)
@@ -181,8 +262,7 @@ def diagnose(train_model: nn.Module, gen_model: nn.Module, tokenizer, prompts: l
         lt = logprobs_from_logits(torch.stack(rows_t)[None] / T, toks[None])[0]
         lp.append((lg - lt).abs())
     lp_all = torch.cat(lp)
-    eps = torch.finfo(next(gen_model.parameters()).dtype).eps
-    return Report(diffs, float(lp_all.max()), float(lp_all.mean()), _named(diffs, jump, 0.0 if exact else eps))
+    return Report(diffs, float(lp_all.max()), float(lp_all.mean()), _named(diffs, jump, eps))
 
 
 def _named(diffs: list[ProbeDiff], jump: float, eps: float) -> str | None:
@@ -257,10 +337,16 @@ def main_mismatch(argv=None) -> int:
     params = plan.rollout.sampling_params(seed=step)
     prompts = [list(r.prompt_ids) for r in batch_requests(batch, params)]
     r = plan.rollout.rollout
-    if r.name != "hf":
-        print(f"note: the run generates with {r.name}; the doctor replays the HF backend (vLLM's kernels are its own)")
-    report = diagnose(train, gen, tok, prompts, params, exact=r.exact, jump=a.jump)
-    print(f"{a.run_dir} step {step}: {len(prompts)} prompts, rollout ({plan.rollout.generation_dtype}"
-          f"{', exact' if r.exact else ', KV-cached generate'}) vs trainer")
+    from hybridflow.rollout.vllm_rollout import vllm_available
+
+    if r.name == "vllm" and vllm_available():
+        report = diagnose_vllm(train, gen, tok, prompts, params, a.jump, plan.rollout.max_model_len)
+        how = "vLLM"
+    else:
+        if r.name != "hf":
+            print(f"note: the run generates with {r.name}, not installed here; the doctor replays the HF backend instead")
+        report = diagnose(train, gen, tok, prompts, params, exact=r.exact, jump=a.jump)
+        how = "exact" if r.exact else "KV-cached generate"
+    print(f"{a.run_dir} step {step}: {len(prompts)} prompts, rollout ({plan.rollout.generation_dtype}, {how}) vs trainer")
     print(report.table())
     return 0
