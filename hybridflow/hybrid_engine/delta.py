@@ -27,8 +27,8 @@ INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def crc(t: torch.Tensor) -> int:
-    """CRC-32 of the exact bytes of `t` (a contiguous CPU tensor)."""
-    return zlib.crc32(t.view(torch.uint8).numpy())
+    """CRC-32 of the exact bytes of `t` (contiguous; a device tensor is copied to the host first)."""
+    return zlib.crc32(t.view(torch.uint8).cpu().numpy())
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

@@ -290,7 +290,7 @@ class HybridEngine:
         payload's size and makes the same choice: the payloads (padded to the largest) when the
         largest costs less than the whole shards, else the whole shards, gathered straight into the
         mirror (also the first sync and every delta_full_every-th). `_finish_layer` applies them."""
-        key = (ps[0].name, tp_sharded)
+        key = (tuple(p.name for p in ps), tp_sharded)  # the composition: frozen parameters drop out after the first switch
         group = self.micro_group if tp_sharded else None
         self.delta_units.setdefault(key, (ps, tp_sharded))
         mirror = self.mirrors.get(key)
@@ -300,8 +300,8 @@ class HybridEngine:
         st["delta_elements"] = st.get("delta_elements", 0) + size * c
         st["delta_full_bytes"] = st.get("delta_full_bytes", 0) + (size - 1) * c * s
         changed = None if mirror is None or self.delta_full else (bits(send) != bits(mirror.view(size, c)[me])).nonzero().flatten()
-        meta = torch.tensor([-1 if changed is None else changed.numel(), crc(send)], dtype=torch.int64)
-        metas = torch.empty(2 * size, dtype=torch.int64)
+        meta = torch.tensor([-1 if changed is None else changed.numel(), crc(send)], dtype=torch.int64, device=self.device)
+        metas = torch.empty(2 * size, dtype=torch.int64, device=self.device)
         _all_gather(metas, meta, group=group)
         metas = metas.view(size, 2)
         ks = metas[:, 0].tolist()
@@ -344,7 +344,7 @@ class HybridEngine:
         all-reduce), and those are gathered whole into the mirror and copied into place. Returns
         bytes received."""
         keys = sorted(self.delta_units)
-        flags = torch.tensor([float(k in self.delta_bad) for k in keys])
+        flags = torch.tensor([float(k in self.delta_bad) for k in keys], device=self.device)
         if keys:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         received, names = 0, []
