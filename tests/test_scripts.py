@@ -15,7 +15,7 @@ def test_gpu_check_dry_run_prints_every_step_and_runs_nothing(tmp_path):
                           env={**os.environ, "GPU_CHECK_OUT": str(tmp_path / "out")})
     assert proc.returncode == 0, proc.stderr
     steps = re.findall(r"^== \[([\w-]+)\]", proc.stdout, re.M)
-    assert steps == ["device", "venv-cuda", "venv-vllm", "demo-bf16-nccl", "switch-bit-exact", "bench-reshard", "vllm-grpo", "tables"]
+    assert steps == ["device", "venv-cuda", "venv-vllm", "exact-cuda", "demo-bf16-nccl", "switch-bit-exact", "bench-reshard", "vllm-grpo", "tables"]
     assert proc.stdout.rstrip().endswith("dry run: nothing executed") and not (tmp_path / "out").exists()
 
 
