@@ -341,14 +341,15 @@ def test_mismatch_doctor_on_vllm_shows_the_difference_per_layer(vllm_model_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hybridflow.protocol import SamplingParams
-    from hybridflow.utils.mismatch import diagnose_vllm
+    from hybridflow.utils.mismatch import diagnose_vllm, vllm_backend
 
     tok = AutoTokenizer.from_pretrained(vllm_model_dir)
     train = AutoModelForCausalLM.from_pretrained(vllm_model_dir, dtype=torch.float32).eval()
     gen = AutoModelForCausalLM.from_pretrained(vllm_model_dir, dtype=torch.float32).eval()
     prompts = [tok.encode(t) for t in ("max 3 8 1", "max 9 2 7", "max 1 1 4")]
     params = SamplingParams(max_new_tokens=6, temperature=1.0, seed=3)
-    report = diagnose_vllm(train, gen, tok, prompts, params, max_model_len=64)
+    backend = vllm_backend(gen, tok, max_model_len=64)  # one engine for both replays (vLLM's state is process-global)
+    report = diagnose_vllm(train, gen, tok, prompts, params, backend=backend)
     print(report.table())
     names = [p.name for p in report.probes]
     assert names[0] == "model.embed_tokens" and names[-1] == "lm_head" and len(names) == train.config.num_hidden_layers + 3
@@ -357,6 +358,6 @@ def test_mismatch_doctor_on_vllm_shows_the_difference_per_layer(vllm_model_dir):
     assert report.named is None and report.logprob_max < 1e-3
     with torch.no_grad():
         gen.model.layers[1].mlp.down_proj.weight.mul_(1.05)
-    nudged = diagnose_vllm(train, gen, tok, prompts, params, max_model_len=64)
+    nudged = diagnose_vllm(train, gen, tok, prompts, params, backend=backend)  # the nudged weights loaded into it
     print(nudged.table())
     assert nudged.named == "model.layers.1", nudged.table()

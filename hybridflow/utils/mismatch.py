@@ -221,25 +221,38 @@ def _vllm_side(backend, names: list[str], vocab: int, requests: list[Request]) -
     return completions, out
 
 
-def diagnose_vllm(train_model: nn.Module, gen_model: nn.Module, tokenizer, prompts: list[list[int]], params: SamplingParams,
-                  jump: float = 10.0, max_model_len: int = 512) -> Report:
-    """The doctor against vLLM: `gen_model`'s weights (the generation dtype, cast as the sync casts
-    them) saved as an HF checkpoint, served by a `VLLMRollout` in this process, compared with the
-    trainer's padded forward probe by probe (module docstring)."""
+def vllm_backend(gen_model: nn.Module, tokenizer, max_model_len: int = 512):
+    """A `VLLMRollout` in this process serving `gen_model`'s architecture in its dtype (its weights
+    saved as an HF checkpoint to start from). Build one per process and pass it to every
+    `diagnose_vllm`: vLLM's parallel state is process-global, and an engine collected after a
+    newer one started tears the newer one's down."""
+    import gc
     import tempfile
 
     from hybridflow.rollout.vllm_rollout import VLLMRollout
 
-    names = [n for n, _ in probes(gen_model)]
-    dtype = next(gen_model.parameters()).dtype
+    gc.collect()  # an unreachable engine of this process shuts down now, not after ours has started
+    dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[next(gen_model.parameters()).dtype]
     with tempfile.TemporaryDirectory(prefix="hybridflow_mismatch_") as d:
         gen_model.save_pretrained(d)
         tokenizer.save_pretrained(d)
-        backend = VLLMRollout(d, {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype], max_model_len, 0, "cpu",
-                              0.5, 1, tokenizer=tokenizer)
-        requests = [Request(p, params) for p in prompts]
-        completions, gen = _vllm_side(backend, names, gen_model.config.vocab_size, requests)
-        del backend
+        return VLLMRollout(d, dtype, max_model_len, 0, "cpu", 0.5, 1, tokenizer=tokenizer)
+
+
+def diagnose_vllm(train_model: nn.Module, gen_model: nn.Module, tokenizer, prompts: list[list[int]], params: SamplingParams,
+                  jump: float = 10.0, max_model_len: int = 512, backend=None) -> Report:
+    """The doctor against vLLM: `gen_model`'s weights (the generation dtype, cast as the sync casts
+    them) served by `backend` (a `vllm_backend` of the same architecture and dtype; None: one is
+    built), loaded into it first, compared with the trainer's padded forward probe by probe
+    (module docstring)."""
+    names = [n for n, _ in probes(gen_model)]
+    dtype = next(gen_model.parameters()).dtype
+    if backend is None:
+        backend = vllm_backend(gen_model, tokenizer, max_model_len)
+    else:  # what this call compares: gen_model's weights, whatever the engine held before
+        backend.load_weights((n, p.detach()) for n, p in gen_model.named_parameters())
+    requests = [Request(p, params) for p in prompts]
+    completions, gen = _vllm_side(backend, names, gen_model.config.vocab_size, requests)
     train = _trainer_side(train_model, tokenizer.pad_token_id, requests, completions, params.max_new_tokens, False)
     return _compare(names, gen, train, completions, params, torch.finfo(dtype).eps, jump)
 
