@@ -179,7 +179,10 @@ def test_partial_rollout_pauses_responses_for_weight_updates_within_the_bound(k)
     every token's recorded version is the one the pool ran it with, versions only grow along a
     response, and the oldest token is never more than k updates behind the step that trains it."""
     rng = random.Random(10 + k)
-    pool = FifoPool(rng, slow=0.002)
+    # segments of >= 10 ms: a batch ahead takes >= 120 ms, so the sync queued after each step lands
+    # between segments of a running response even when a loaded machine slows the driver loop
+    # (at 2 ms, one CI run under load saw no mixed row in 8 steps)
+    pool = FifoPool(rng, slow=0.01)
     sync = FakeWeightSync(pool)
     from hybridflow.protocol import SamplingParams
 
