@@ -192,11 +192,11 @@ class HybridEngine:
         for name in self.borrowed:
             train, g = _piece(self.train[name]), self.gen[name]
             gen = _piece(g)
-            if gen.data_ptr() == train.data_ptr() and gen.stride() == train.stride() and gen.device == train.device:
-                continue
-            if gen.shape != train.shape or gen.device != train.device:
+            if gen.device != train.device or gen.shape != train.shape:
                 raise ValueError(f"{name}: the generation slice {tuple(gen.shape)} on {gen.device} is not the training shard "
                                  f"{tuple(train.shape)} on {train.device} the plan says it is")
+            if gen.data_ptr() == train.data_ptr() and gen.stride() == train.stride():
+                continue
             if isinstance(g, DTensor):  # its local tensor, as FSDP2 re-points its own (`.data =` keeps a DTensor's old one)
                 g._local_tensor = train
             else:
@@ -272,7 +272,7 @@ class HybridEngine:
             size, c = len(ps[0].group[r]), sum(volume(p.own[r]) for p in ps)
             send, recv = self.staging[offset : offset + c], self.staging[offset + c : offset + (1 + size) * c]
             offset += (1 + size) * c
-            torch.cat([local(self.train[p.name].data).reshape(-1) for p in ps], out=send)
+            self._pack(ps, send)
             if self.delta:
                 pending.append(self._launch_delta(ps, tp_sharded, size, c, send))
                 continue
@@ -281,6 +281,11 @@ class HybridEngine:
         pool = [offset]
         exchange = self._launch_exchange([p for p in params if p.moves and not p.aligned], pool)
         return pending + exchange, pool[0]
+
+    def _pack(self, ps: list[ParamPlan], out: torch.Tensor) -> torch.Tensor:
+        """This rank's shards of `ps`, flat and in order, into `out` (cast to its dtype): what one
+        coalesced gather sends."""
+        return torch.cat([_piece(self.train[p.name].data).reshape(-1) for p in ps], out=out)
 
     # ------------------------------------------------------------------ delta sync
     def _launch_delta(self, ps: list[ParamPlan], tp_sharded: bool, size: int, c: int, send: torch.Tensor) -> tuple:
@@ -297,8 +302,8 @@ class HybridEngine:
         me = ps[0].group[self.rank].index(self.rank)
         s = send.element_size()
         st = self.delta_stats
-        st["delta_elements"] = st.get("delta_elements", 0) + size * c
-        st["delta_full_bytes"] = st.get("delta_full_bytes", 0) + (size - 1) * c * s
+        st["delta_elements"] += size * c
+        st["delta_full_bytes"] += (size - 1) * c * s
         changed = None if mirror is None or self.delta_full else (bits(send) != bits(mirror.view(size, c)[me])).nonzero().flatten()
         meta = torch.tensor([-1 if changed is None else changed.numel(), crc(send)], dtype=torch.int64, device=self.device)
         metas = torch.empty(2 * size, dtype=torch.int64, device=self.device)
@@ -308,16 +313,16 @@ class HybridEngine:
         if min(ks) < 0 or max(ks) * (4 + s) >= c * s:  # a rank has no base (or must send whole), or a delta costs more: whole
             if mirror is None:
                 mirror = self.mirrors[key] = torch.empty(size * c, dtype=self.dtype, device=self.device)
-            st["delta_changed"] = st.get("delta_changed", 0) + size * c
-            st["delta_sent_bytes"] = st.get("delta_sent_bytes", 0) + (size - 1) * c * s
+            st["delta_changed"] += size * c
+            st["delta_sent_bytes"] += (size - 1) * c * s
             return ("gather", (ps, size, c, mirror, send), _all_gather(mirror, send, group=group, async_op=True))
         k = max(ks)
         payload = torch.zeros(k * (4 + s), dtype=torch.uint8, device=self.device)
         payload[: 4 * changed.numel()] = changed.to(torch.int32).view(torch.uint8)
         payload[4 * k : 4 * k + s * changed.numel()] = send[changed].view(torch.uint8)
         received = torch.empty(size * payload.numel(), dtype=torch.uint8, device=self.device)
-        st["delta_changed"] = st.get("delta_changed", 0) + sum(ks)
-        st["delta_sent_bytes"] = st.get("delta_sent_bytes", 0) + (size - 1) * payload.numel()
+        st["delta_changed"] += sum(ks)
+        st["delta_sent_bytes"] += (size - 1) * payload.numel()
         work = _all_gather(received, payload, group=group, async_op=True) if k else None
         return ("delta", (ps, size, c, mirror, send, received, ks, metas[:, 1].tolist(), k, key), work)
 
@@ -353,7 +358,7 @@ class HybridEngine:
                 continue
             ps, tp_sharded = self.delta_units[key]
             size, c = len(ps[0].group[self.rank]), sum(volume(p.own[self.rank]) for p in ps)
-            send = torch.cat([local(self.train[p.name].data).reshape(-1).to(self.dtype) for p in ps])
+            send = self._pack(ps, torch.empty(c, dtype=self.dtype, device=self.device))
             mirror = self.mirrors[key]
             _all_gather(mirror, send, group=self.micro_group if tp_sharded else None)
             self._copy_out(ps, size, c, mirror.view(size, c))
