@@ -30,7 +30,8 @@ builtins, audit hooks) are escapable, so containment is done by the kernel, with
   open files, no core files). Where no cgroup can be made, only the rlimits hold, and every
   result says so (``SandboxResult.enforcement``; a warning once per process).
 - **System calls and keys**: the code runs under a seccomp filter (``seccomp.py``: no keyrings,
-  ptrace, new namespaces, mounts, bpf, userfaultfd, ...) in a fresh anonymous session keyring.
+  ptrace, new namespaces, mounts, bpf, userfaultfd, sockets other than unix and IP, ...) in a fresh
+  anonymous session keyring.
 - **The init** of the pid namespace is a small program of ours (``init.py``, run by the system
   Python) that sets up the program's process, reaps orphans and reports the program's real wait
   status on a pipe only it holds: an ``exit(152)`` is reported as exit 152, not as "killed by

@@ -6,9 +6,17 @@ management facility: a session keyring is reachable from any namespace), and som
 usual first step of a kernel exploit or a way around the other limits (``ptrace`` of the sandbox's
 own init to outlive the wall time, ``unshare(CLONE_NEWUSER)`` to gain capabilities over a private
 tmpfs, ``userfaultfd``, ``bpf``, ``perf_event_open``). Programs that grade answers or run a tool
-need none of them. A refused call fails with ``EPERM`` (``ENOSYS`` for ``clone3``, so the C
-library falls back to ``clone``, whose flags the filter can inspect), never by killing the process:
-the program sees an ordinary error.
+need none of them. Sockets are allow-listed by family (``SOCKET_FAMILIES``): ``AF_UNIX``,
+``AF_INET`` and ``AF_INET6`` for ``socket``, ``AF_UNIX`` for ``socketpair``. The network namespace
+isolates those (its own loopback only), but not every family: ``AF_VSOCK`` is not namespaced and
+on a VM reaches the hypervisor's host, and ``AF_PACKET``, ``AF_NETLINK``, ``AF_ALG``, ``AF_TIPC``,
+... are kernel surface with a long CVE record that no graded program or agent needs. (glibc's
+``getaddrinfo`` with ``AI_ADDRCONFIG`` asks NETLINK which address families are configured and,
+refused, assumes both; ``socket.if_nameindex()`` and ``getifaddrs`` do fail.)
+
+A refused call fails with ``EPERM`` (``ENOSYS`` for ``clone3``, so the C library falls back to
+``clone``, whose flags the filter can inspect), never by killing the process: the program sees an
+ordinary error.
 
 The host builds the program once (:func:`filter_bpf`) and hands it to the sandbox's init
 (``init.py``) as hex on its command line; the init loads it in the child right before ``execve``,
@@ -43,6 +51,11 @@ DENIED = (
 # NEWUSER, NEWPID, NEWNET): refused. Plain fork / thread creation passes.
 CLONE_NEW_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000)
 TIOCSTI, TIOCLINUX = 0x5412, 0x541C  # push bytes into a terminal's input / console tricks
+# The socket families sandboxed code may open: AF_UNIX, AF_INET, AF_INET6 (socket); AF_UNIX (socketpair).
+# Every other value of the family argument gets EPERM.
+AF_UNIX, AF_INET, AF_INET6 = 1, 2, 10
+SOCKET_FAMILIES = (AF_UNIX, AF_INET, AF_INET6)
+SOCKETPAIR_FAMILIES = (AF_UNIX,)
 
 
 class SeccompUnavailable(RuntimeError):
@@ -69,6 +82,9 @@ def filter_bpf() -> bytes:
         f.add_rule(eperm, "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
     for req in (TIOCSTI, TIOCLINUX):
         f.add_rule(eperm, "ioctl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, req))
+    for call, allowed in (("socket", SOCKET_FAMILIES), ("socketpair", SOCKETPAIR_FAMILIES)):
+        for rule in _deny_all_but(sc, allowed):
+            f.add_rule(eperm, call, rule)
     try:
         f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")  # its flags live in memory the filter cannot read
     except Exception:  # noqa: BLE001 - a libseccomp too old to know clone3: the kernel may still have it
@@ -76,6 +92,19 @@ def filter_bpf() -> bytes:
     if skipped:
         log.debug("seccomp: not on this architecture or libseccomp: %s", ", ".join(skipped))
     return _export(f)
+
+
+def _deny_all_but(sc, allowed: tuple[int, ...]) -> list:
+    """Comparisons on argument 0 that together match every value except those in ``allowed``.
+
+    The default action is ALLOW and libseccomp ORs rules (one rule may not compare an argument twice),
+    so the deny set is spelled out: ``> max(allowed)``, plus ``== k`` for each gap below it. libseccomp
+    compares all 64 bits of the register on a 64-bit architecture, while the kernel truncates the
+    family to an int: a raw ``syscall(SYS_socket, (1 << 32) | AF_VSOCK, ...)`` is ``> 10`` and refused,
+    and so is any value with upper bits set (``(1 << 32) | AF_INET`` too: no program passes one). Were
+    the comparison on the low 32 bits only, the same rules refuse every denied family as well."""
+    top = max(allowed)
+    return [sc.Arg(0, sc.GT, top)] + [sc.Arg(0, sc.EQ, k) for k in range(top) if k not in allowed]
 
 
 def _export(f) -> bytes:
