@@ -542,16 +542,23 @@ def test_extract_code():
 def test_code_reward_is_the_fraction_of_cases_passed():
     io = [{"input": "2\n", "output": "4\n"}, {"input": "3", "output": "6"}, {"input": "5", "output": "11"}]
     assert code_score(SOLUTION, io) == pytest.approx(2 / 3)
-    assert compute_score("code", SOLUTION, json.dumps({"inputs": ["1", "7"], "outputs": ["2\n", "14  \n\n"]})) == 1.0
+
+    def score(solution, gt):
+        return compute_score("code", solution, gt)["score"]
+
+    assert compute_score("code", SOLUTION, json.dumps({"inputs": ["1", "7"], "outputs": ["2\n", "14  \n\n"]})) == \
+        {"score": 1.0, "code_inprocess_checks": 0.0}
     fn = "```python\ndef add(a, b):\n    return a + b\n```"
     asserts = ["assert add(1, 2) == 3", "assert add(2, 2) == 5", "assert add(-1, 1) == 0"]
-    assert compute_score("code", fn, asserts) == pytest.approx(2 / 3)
-    assert compute_score("code", "```python\nwhile True: pass\n```", io[:1]) == 0.0  # a hang scores 0
-    assert compute_score("code", "```python\nimport sys; print(4); sys.exit(1)\n```", io[:1]) == 0.0  # so does a crash
-    assert compute_score("code", "```python\ndef add(a, b):\n    return 1 / 0\n```", asserts) == 0.0
+    assert score(fn, asserts) == pytest.approx(2 / 3)
+    assert score("```python\nwhile True: pass\n```", io[:1]) == 0.0  # a hang scores 0
+    assert score("```python\nimport sys; print(4); sys.exit(1)\n```", io[:1]) == 0.0  # so does a crash
+    assert score("```python\ndef add(a, b):\n    return 1 / 0\n```", asserts) == 0.0
     assert parse_test_cases("assert f() == 1")[0].check == "assert f() == 1"
     with pytest.raises(ValueError, match="fn_name"):
-        parse_test_cases({"inputs": [[1]], "outputs": [2], "fn_name": "f"})
+        parse_test_cases({"inputs": [[1]], "outputs": [2], "fn_name": "f(x)"})
+    with pytest.raises(ValueError, match="same non-zero length"):
+        parse_test_cases({"inputs": [[1]], "outputs": [2, 3], "fn_name": "f"})
 
 
 WRONG_ADD = "def add(a, b):\n    return a - b\n"

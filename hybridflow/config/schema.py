@@ -341,6 +341,9 @@ class CustomRewardFunctionConfig:
     path: Optional[str] = None  # a .py file defining `name`
     name: str = "compute_score"
     timeout_s: Optional[float] = None  # per-call limit; a call that takes longer scores 0 and counts in reward/timeouts
+    # The built-in code reward (data_source "code"): true fails an assert-style check that cannot be graded
+    # outside the solution's process (rewards/code.py) instead of grading it in-process (reward/code_inprocess_checks).
+    code_strict: bool = False
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import numbers
 import threading
@@ -13,6 +14,8 @@ from hybridflow.protocol import Batch
 from hybridflow.rewards.scorers import compute_score as default_compute_score
 
 logger = logging.getLogger(__name__)
+# Per-sample counts whose batch sum is a metric of its own (reward/<key>), next to the mean.
+SUMMED_EXTRAS = ("code_inprocess_checks",)
 
 
 def last_token_index(response_mask: torch.Tensor) -> torch.Tensor:
@@ -28,7 +31,8 @@ class RewardManager:
     The batch needs tensors ``responses`` [B, T] and ``response_mask`` [B, T], and non-tensors
     ``data_source``, ``reward_model`` (dict with ``ground_truth``) and optionally ``extra_info``.
     ``compute_score(data_source=, solution_str=, ground_truth=, extra_info=)`` may return a number
-    or a dict with key ``"score"`` (other numeric keys become ``reward/<key>/mean`` metrics; a
+    or a dict with key ``"score"`` (other numeric keys become ``reward/<key>/mean`` metrics, and
+    the counts in ``SUMMED_EXTRAS`` also ``reward/<key>``, their sum over the batch; a
     ``"pred"``, the extracted answer, is kept in ``last_preds`` for validation's maj@N). A
     sample whose scoring raises (or returns something else) scores 0.0 and is counted in
     ``reward/errors``; one warning per call is logged. ``NotImplementedError`` (no scorer for a
@@ -39,9 +43,12 @@ class RewardManager:
     thread is abandoned, a daemon that cannot keep the process alive).
     """
 
-    def __init__(self, tokenizer, compute_score: Callable | None = None, timeout_s: float | None = None):
+    def __init__(self, tokenizer, compute_score: Callable | None = None, timeout_s: float | None = None,
+                 code_strict: bool = False):
         self.tokenizer = tokenizer
         self.compute_score = compute_score or default_compute_score
+        if compute_score is None and code_strict:  # custom_reward_function.code_strict reaches the built-in code reward
+            self.compute_score = functools.partial(default_compute_score, code_strict=True)
         self.timeout_s = timeout_s
         self.last_decoded: list[str] = []
         self.last_scores: list[float] = []
@@ -126,6 +133,8 @@ class RewardManager:
             metrics.update({"reward/mean": t.mean().item(), "reward/max": t.max().item(), "reward/min": t.min().item()})
         for k, v in extras.items():
             metrics[f"reward/{k}/mean"] = sum(v) / len(v)
+            if k in SUMMED_EXTRAS:
+                metrics[f"reward/{k}"] = sum(v)
         return scores.to(responses.device), metrics
 
 

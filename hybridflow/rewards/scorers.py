@@ -63,9 +63,12 @@ _CODE = ("code",)
 _ENVIRONMENT = ("guess", "agent", "verifiers", "openenv")
 
 
-def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float | dict:
+def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None,
+                  code_strict: bool = False) -> float | dict:
     """Default reward dispatcher by ``data_source``. Sources with an answer return
-    ``{"score": ..., "pred": <the extracted answer>}`` (validation's maj@N votes on ``pred``)."""
+    ``{"score": ..., "pred": <the extracted answer>}`` (validation's maj@N votes on ``pred``).
+    ``code_strict`` (custom_reward_function.code_strict): code checks that cannot be graded out of
+    the solution's process fail instead of being graded in it (rewards/code.py)."""
     if data_source in _EXACT_ANSWER:
         found = _INT_RE.findall(solution_str or "")
         return {"score": exact_answer_score(solution_str, ground_truth), "pred": found[-1] if found else None}
@@ -78,9 +81,9 @@ def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_
     if data_source in _ENVIRONMENT:
         return 0.0
     if data_source in _CODE:
-        from hybridflow.rewards.code import code_score  # lazy: only code rewards need the sandbox
+        from hybridflow.rewards.code import code_reward  # lazy: only code rewards need the sandbox
 
-        return code_score(solution_str, ground_truth)
+        return code_reward(solution_str, ground_truth, strict=code_strict)
     if data_source.startswith("reasoning_gym/"):  # hybridflow prepare --reasoning-gym: the task's own verifier
         from hybridflow.data.reasoning_gym import reasoning_gym_score
 
