@@ -132,7 +132,7 @@ class RolloutSpec:
                 p.extend(component_check("tool_config")(mt.tool_config_path))  # hybridflow.agent.tools
         p.enum(f"{R}.multi_turn.format", mt.format, literal_choices(type(mt), "format"))
         a = r.agent
-        p.extend(component_check("black_box_agent")(a.function, a.command, mt.enable, a.sandbox))  # hybridflow.agent.openai_agent
+        p.extend(component_check("black_box_agent")(a.function, a.command, mt.enable, a.sandbox, a.sandbox_paths))  # hybridflow.agent.openai_agent
         if a.function or a.command:
             if not a.timeout_s > 0:
                 p.append(f"{R}.agent.timeout_s must be > 0 (seconds one trajectory's agent may run), got {a.timeout_s}")

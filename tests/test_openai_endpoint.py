@@ -376,11 +376,16 @@ try:
 except OSError:
     checks["reaches a host service on 127.0.0.1"] = False
 try:
-    open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "planted"), "w").close()
-    checks["writes next to its script"] = True
+    open(os.path.abspath(__file__), "a").close()
+    checks["writes its own script"] = True
 except OSError:
-    checks["writes next to its script"] = False
+    checks["writes its own script"] = False
+try:  # its script's directory: the host's checks nothing lands there (inside, it may be the sandbox's own /tmp)
+    open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "planted"), "w").close()
+except OSError:
+    pass
 checks["sees the host's environment"] = "HYBRIDFLOW_TEST_SECRET" in os.environ
+checks["sees a file next to its script"] = os.path.exists(os.path.join(os.path.dirname(os.path.abspath(__file__)), "answers.txt"))
 
 
 def post(url, body):
@@ -402,16 +407,17 @@ served = status == 200 and reply["choices"][0]["message"]["content"] == "yes"
 # One number: 1 when served and contained; each breach adds its bit (the test names them).
 print(json.dumps({"reward": float(served) + sum(2 ** (i + 1) for i, v in enumerate(checks.values()) if v)}))
 '''
-BREACHES = ["sees the project", "reaches a host service on 127.0.0.1", "writes next to its script", "sees the host's environment",
-            "serves another session's id"]
+BREACHES = ["sees the project", "reaches a host service on 127.0.0.1", "writes its own script", "sees the host's environment",
+            "sees a file next to its script", "serves another session's id"]
 
 
 @pytest.mark.parametrize("python", ["venv", "system"])
 def test_sandboxed_agent_command_reaches_its_session_and_nothing_else(tok, python, monkeypatch):
     """agent.sandbox=true: a hostile command (stdlib only) looks for the project, a service on the
-    host's 127.0.0.1, a writable script directory, the host's environment and another session; it
-    reaches only its own session, through the bridge. The venv's interpreter (its base lives under
-    /root, which `nobody` cannot read) runs on the unshare backend; the system's on bwrap."""
+    host's 127.0.0.1, a writable script, the host's environment, a file next to its script and another
+    session, and plants a file next to its script; it reaches only its own session, through the bridge,
+    and nothing lands on the host. The venv's interpreter (its base lives under /root, which `nobody`
+    cannot read) runs on the unshare backend; the system's on bwrap."""
     import os
     import shutil
     import socket
@@ -430,6 +436,8 @@ def test_sandboxed_agent_command_reaches_its_session_and_nothing_else(tok, pytho
     script = os.path.join(folder, "agent.py")
     with open(script, "w") as f:
         f.write(HOSTILE_AGENT)
+    with open(os.path.join(folder, "answers.txt"), "w") as f:  # what a command run next to it must not see
+        f.write("42")
     monkeypatch.setenv("HYBRIDFLOW_TEST_SECRET", "1")
     host_service = socket.create_server(("127.0.0.1", 0))
     try:
@@ -443,9 +451,11 @@ def test_sandboxed_agent_command_reaches_its_session_and_nothing_else(tok, pytho
         rows = [{"raw_prompt": [{"role": "user", "content": "ok?"}],
                  "extra_info": {"project": os.path.join(project, "pyproject.toml"), "host_port": host_service.getsockname()[1]}}]
         (t,), _ = asyncio.run(run_trajectories(rows, backend, tok, settings, SamplingParams(max_new_tokens=64)))
+        planted = sorted(os.listdir(folder))
     finally:
         host_service.close()
         shutil.rmtree(folder)
+    assert planted == ["agent.py", "answers.txt"]  # nothing written next to its script on the host
     assert not t.agent_error, t.agent_error
     breached = [name for i, name in enumerate(BREACHES) if int(t.reward) >> (i + 1) & 1]
     assert t.reward == 1.0 and not breached, breached
@@ -454,9 +464,20 @@ def test_sandboxed_agent_command_reaches_its_session_and_nothing_else(tok, pytho
 
 def test_agent_sandbox_config_errors_name_the_key():
     """agent.sandbox=true is for a command: with a function it is refused before any worker starts,
-    naming the key."""
+    naming the key; so are sandbox_paths that are not absolute existing paths, or set without the sandbox."""
+    import os
+    import sys
+
     from hybridflow.config import ConfigError, load_config, validate_config
 
     base = ["actor_rollout_ref.model.path=x", "actor_rollout_ref.rollout.multi_turn.enable=true", "actor_rollout_ref.rollout.agent.sandbox=true"]
     with pytest.raises(ConfigError, match=r"agent\.sandbox=true applies to actor_rollout_ref\.rollout\.agent\.command"):
         validate_config(load_config(None, [*base, f"actor_rollout_ref.rollout.agent.function={__file__}:_agent_ok"]))
+    # sandbox_paths: absolute, existing paths, for a sandboxed command; each wrong one is named with the key
+    command = f"actor_rollout_ref.rollout.agent.command={sys.executable} {__file__}"
+    with pytest.raises(ConfigError) as e:
+        validate_config(load_config(None, [*base, command, "actor_rollout_ref.rollout.agent.sandbox_paths=[relative/dir,/nonexistent-hf-path]"]))
+    assert "agent.sandbox_paths: 'relative/dir' is not an absolute path that exists" in str(e.value)
+    assert "agent.sandbox_paths: '/nonexistent-hf-path' is not an absolute path that exists" in str(e.value)
+    with pytest.raises(ConfigError, match=r"agent\.sandbox_paths is set but actor_rollout_ref\.rollout\.agent\.sandbox is not"):
+        validate_config(load_config(None, [base[0], base[1], command, f"actor_rollout_ref.rollout.agent.sandbox_paths=[{os.path.dirname(__file__)}]"]))

@@ -15,6 +15,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import uuid
 
 import pytest
@@ -476,6 +477,89 @@ except OSError as e:
     res = py(sb, code)
     assert res.ok, res.stderr
     assert res.stdout.split() == ["True", "connected", "loop", "ok", "1"]  # the last: NETLINK was refused (EPERM)
+
+
+# ------------------------------------------------------------------ a black-box agent's view (openai_agent.sandboxed_command)
+VIEW_PROBE = """import json, os, sys
+here = os.path.dirname(os.path.abspath(__file__))
+def read(path):
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError as e:
+        return type(e).__name__
+print(json.dumps({"prefix": sys.prefix, "script": read(__file__).startswith("import json"), "answers": read(os.path.join(here, "answers.txt")),
+                  "asked": [read(p) for p in json.loads(sys.stdin.read() or "[]")]}))
+"""
+
+
+@pytest.fixture
+def shared_dir():
+    """Directories `nobody` can read (pytest's tmp_path has 0700 parents), removed afterwards."""
+    made = []
+
+    def make(parent: str = "/var/tmp") -> str:
+        made.append(tempfile.mkdtemp(prefix="hf-agent-view-", dir=parent))
+        os.chmod(made[-1], 0o755)
+        return made[-1]
+
+    yield make
+    for d in made:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def agent_view(sb: Sandbox, command: str, paths: tuple[str, ...] = (), asked: list[str] | None = None) -> tuple[dict, dict]:
+    """(what VIEW_PROBE sees run as a sandboxed agent command on sb's backend, what it sees run on the host)."""
+    from hybridflow.agent.openai_agent import sandboxed_command
+
+    argv, show = sandboxed_command(command, paths)
+    res = Sandbox(backend=sb.backend, show=show).run(argv, QUICK, stdin=json.dumps(asked or []))
+    assert res.ok, (res, show)
+    host = subprocess.run(argv, input=json.dumps(asked or []), capture_output=True, text=True, timeout=60, check=True)
+    return json.loads(res.stdout), json.loads(host.stdout)
+
+
+def write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+    os.chmod(path, 0o644)
+
+
+def test_agent_command_sees_its_script_not_the_files_next_to_it(sb, shared_dir, monkeypatch):
+    # `python run.py` at the root of a checkout that also holds the answers (a relative argument, as typed there)
+    folder = shared_dir()
+    write(os.path.join(folder, "run.py"), VIEW_PROBE)
+    write(os.path.join(folder, "answers.txt"), "42")
+    monkeypatch.chdir(folder)
+    inside, host = agent_view(sb, f"{sb.python} run.py")
+    assert host["script"] and host["answers"] == "42"  # control: outside the sandbox the probe reads them
+    assert inside["script"] and inside["answers"] == "FileNotFoundError"
+
+
+def test_agent_sandbox_paths_show_a_listed_directory(sb, shared_dir):
+    folder, data = shared_dir(), shared_dir()
+    write(os.path.join(folder, "run.py"), VIEW_PROBE)
+    write(os.path.join(data, "lib.py"), "listed")
+    command, asked = f"{sb.python} {folder}/run.py", [os.path.join(data, "lib.py")]
+    inside, host = agent_view(sb, command, asked=asked)
+    assert host["asked"] == ["listed"] and inside["asked"] == ["FileNotFoundError"]  # control: not shown unless listed
+    inside, _ = agent_view(sb, command, paths=(data,), asked=asked)
+    assert inside["asked"] == ["listed"] and inside["script"]
+
+
+@pytest.mark.parametrize("where", ["/var/tmp", "/tmp"])
+def test_agent_venv_reached_through_a_symlink_runs(sb, shared_dir, where):
+    """A checkout whose `.venv` is a symbolic link to a venv elsewhere (under the host's /tmp too, which the
+    sandbox's own /tmp covers): the link is kept and its target shown, so the venv's interpreter, its
+    pyvenv.cfg and its base Python resolve inside as outside."""
+    venv = os.path.join(shared_dir(where), "venv")
+    subprocess.run([sb.python, "-m", "venv", "--without-pip", venv], check=True, timeout=60)
+    checkout = shared_dir()
+    os.symlink(venv, os.path.join(checkout, ".venv"))
+    write(os.path.join(checkout, "run.py"), VIEW_PROBE)
+    inside, host = agent_view(sb, f"{checkout}/.venv/bin/python {checkout}/run.py")
+    assert host["prefix"] == os.path.join(checkout, ".venv")  # control: the host runs it in the venv
+    assert inside == host
 
 
 def test_file_names_cannot_inject_commands(sb, monkeypatch):

@@ -10,8 +10,11 @@ the run's OpenAI-compatible endpoint (`openai_server.py`); its session's tokens 
                but its session's endpoint, which it reaches through a bridge on the sandbox's own
                127.0.0.1 (sandbox/bridge.py) and a Unix socket of the endpoint bound in; a read-only
                view of /usr, its program's installation (``<prefix>`` of ``<prefix>/bin/program`` and of
-               the file that links to, e.g. a venv and its base Python) and the directory of each
-               argument that is a file; a private writable /tmp; the limits of `sandbox_limits`.
+               the file that links to, e.g. a venv and its base Python), each argument that names an
+               existing path (that file itself, not its directory) and the paths in `sandbox_paths`;
+               a private writable /tmp; the limits of `sandbox_limits`.
+    sandbox_paths  (with sandbox) more host paths the sandboxed command sees, read-only: e.g. the
+               directory of modules its script imports.
 
 `row`: {"messages": the row's prompt, "extra_info": ..., "model": the served model name}. The reward
 is the trajectory's agent reward (added to the data_source's rule reward, as an environment's is).
@@ -36,7 +39,7 @@ import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 from hybridflow.agent.loop import AgentLoop, RequestBatcher, Trajectory, register_agent_loop
 from hybridflow.agent.format import apply_chat_template_with_tools
@@ -60,6 +63,7 @@ class BlackBoxAgent:
     command: str | None = None
     timeout_s: float = 300.0
     sandbox: bool = False
+    sandbox_paths: tuple[str, ...] = ()  # more host paths a sandboxed command sees (absolute, existing)
 
 
 def sandbox_limits(timeout_s: float) -> SandboxLimits:
@@ -68,31 +72,58 @@ def sandbox_limits(timeout_s: float) -> SandboxLimits:
     return SandboxLimits(cpu_s=timeout_s, wall_s=timeout_s, memory_mb=1024, max_procs=64, output_bytes=STDOUT_KEEP, open_files=256)
 
 
-def sandboxed_command(command: str) -> tuple[list[str], list[str]]:
+def sandboxed_command(command: str, paths: tuple[str, ...] = ()) -> tuple[list[str], list[str]]:
     """(argv with its host paths made absolute, the host paths a sandboxed run of it must see).
 
-    The program's installation is `<prefix>` when it lives in `<prefix>/bin` (a venv, /usr/local), else
-    its own directory; the same for the file it links to (a venv's python -> its base interpreter).
-    An argument that names an existing file shows that file's directory (a script and its modules)."""
+    What the program needs and nothing near it: a command run at a checkout's root must not show the
+    checkout (the answers, the reward code) because its script lives there. So the view holds
+    - the program's installation: `<prefix>` when it lives in `<prefix>/bin` (a venv, /usr/local), else
+      the program file itself; the same for the file it links to (a venv's python -> its base
+      interpreter), and for a venv the prefix of its pyvenv.cfg `home`, where Python looks for the
+      base's standard library;
+    - each argument that names an existing path: that path itself (a script file, not its directory);
+    - `paths` (actor_rollout_ref.rollout.agent.sandbox_paths): anything else, e.g. the modules a script imports.
+    Symbolic links on the way are kept and their targets shown (Sandbox resolves `show`)."""
     argv = shlex.split(command)
     program = os.path.abspath(shutil.which(argv[0]) or argv[0])
     show: list[str] = []
     for path in dict.fromkeys([program, os.path.realpath(program)]):
         folder = os.path.dirname(path)
-        show.append(os.path.dirname(folder) if os.path.basename(folder) == "bin" else folder)
+        if os.path.basename(folder) != "bin":
+            show.append(path)
+            continue
+        prefix = os.path.dirname(folder)
+        show.append(prefix)
+        home = venv_home(prefix)
+        if home:
+            show.append(os.path.dirname(home) if os.path.basename(home.rstrip("/")) == "bin" else home)
     args = []
     for a in argv[1:]:
         if os.path.exists(a):
             a = os.path.abspath(a)
-            show.append(os.path.dirname(a) if os.path.isfile(a) else a)
+            show.append(a)
         args.append(a)
+    show += paths
     return [program, *args], [p for p in dict.fromkeys(show) if p != "/"]
 
 
+def venv_home(prefix: str) -> str | None:
+    """The `home` of `<prefix>/pyvenv.cfg` (the base interpreter's directory), when prefix is a venv."""
+    try:
+        with open(os.path.join(prefix, "pyvenv.cfg")) as f:
+            for line in f:
+                key, eq, value = line.partition("=")
+                if eq and key.strip() == "home" and os.path.isabs(value.strip()) and os.path.exists(value.strip()):
+                    return value.strip()
+    except OSError:
+        pass
+    return None
+
+
 @functools.lru_cache(maxsize=4)
-def agent_sandbox(command: str) -> tuple[Sandbox, list[str]]:
+def agent_sandbox(command: str, paths: tuple[str, ...] = ()) -> tuple[Sandbox, list[str]]:
     """The sandbox a command runs in (made and tried once per process) and its argv."""
-    argv, show = sandboxed_command(command)
+    argv, show = sandboxed_command(command, paths)
     return Sandbox(show=show), argv
 
 
@@ -121,12 +152,23 @@ def load_function(spec: str) -> Callable[..., Awaitable[Any]]:
 
 
 @register_check("black_box_agent")
-def agent_problems(function: str | None, command: str | None, multi_turn: bool, sandbox: bool = False) -> list[str]:
+def agent_problems(function: str | None, command: str | None, multi_turn: bool, sandbox: bool = False,
+                   sandbox_paths: Sequence[str] = ()) -> list[str]:
     """Config checks before any worker starts."""
     key = "actor_rollout_ref.rollout.agent"
-    if not function and not command:
-        return []
     out = []
+    paths_ok = True
+    for path in sandbox_paths or ():
+        if not isinstance(path, str) or not os.path.isabs(path) or not os.path.exists(path):
+            out.append(f"{key}.sandbox_paths: {path!r} is not an absolute path that exists (the sandboxed command sees them read-only)")
+            paths_ok = False
+        elif os.path.realpath(path) == "/":
+            out.append(f"{key}.sandbox_paths: {path!r} would show the whole file system to the sandboxed command")
+            paths_ok = False
+    if sandbox_paths and not sandbox:
+        out.append(f"{key}.sandbox_paths is set but {key}.sandbox is not: the paths are for a sandboxed command")
+    if not function and not command:
+        return out
     if function and command:
         out.append(f"{key}.function and {key}.command are both set; an agent is one or the other")
     if not multi_turn:
@@ -145,9 +187,9 @@ def agent_problems(function: str | None, command: str | None, multi_turn: bool, 
             out.append(f"{key}.command={command!r}: {e}")
         if argv and not (os.path.isfile(argv[0]) or shutil.which(argv[0])):
             out.append(f"{key}.command={command!r}: {argv[0]!r} is not a file or a program on PATH")
-        elif argv and sandbox:
+        elif argv and sandbox and paths_ok:
             try:
-                agent_sandbox(command)
+                agent_sandbox(command, tuple(sandbox_paths or ()))
             except (SandboxUnavailable, ValueError) as e:
                 out.append(f"{key}.sandbox=true: no sandbox for {command!r} here: {e}")
     if sandbox and function:
@@ -191,10 +233,12 @@ def last_reward(stdout: str) -> float:
     return parse_reward(lines[-1])
 
 
-async def run_sandboxed(command: str, row: Mapping[str, Any], env: Mapping[str, str], socket_path: str, timeout_s: float) -> float:
+async def run_sandboxed(command: str, row: Mapping[str, Any], env: Mapping[str, str], socket_path: str, timeout_s: float,
+                        paths: tuple[str, ...] = ()) -> float:
     """`run_command` in the sandbox: the bridge (sandbox/bridge.py) runs the command and forwards
-    127.0.0.1:BRIDGE_PORT to the endpoint's socket; OPENAI_BASE_URL points at the bridge."""
-    sandbox, argv = agent_sandbox(command)
+    127.0.0.1:BRIDGE_PORT to the endpoint's socket; OPENAI_BASE_URL points at the bridge. `paths`:
+    more host paths the command sees (sandbox_paths)."""
+    sandbox, argv = agent_sandbox(command, tuple(paths))
     bridge = [sandbox.python, "-I", "-S", "-B", "bridge.py", SOCKET_INSIDE, str(BRIDGE_PORT), "--", *argv]
     res = await asyncio.to_thread(sandbox.run, bridge, sandbox_limits(timeout_s), stdin=json.dumps(jsonable(row)),
                                   files={"bridge.py": BRIDGE_SOURCE}, env=env, sockets={SOCKET_INSIDE: socket_path})
@@ -263,7 +307,8 @@ class OpenAIAgentLoop(AgentLoop):
                 env = {"OPENAI_API_KEY": session.key, "OPENAI_MODEL": endpoint.s.model_name, "PYTHONUNBUFFERED": "1"}
                 if agent.sandbox:
                     env["OPENAI_BASE_URL"] = endpoint.url(session, f"http://127.0.0.1:{BRIDGE_PORT}")
-                    reward = await run_sandboxed(agent.command, agent_row, env, endpoint.socket_path, agent.timeout_s)
+                    reward = await run_sandboxed(agent.command, agent_row, env, endpoint.socket_path, agent.timeout_s,
+                                                 agent.sandbox_paths)
                 else:
                     env["OPENAI_BASE_URL"] = endpoint.url(session)
                     reward = await run_command(agent.command, agent_row, env, agent.timeout_s)

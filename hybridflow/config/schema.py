@@ -194,8 +194,11 @@ class AgentConfig:
     command: Optional[str] = None
     timeout_s: float = 300.0  # one trajectory's agent; past it the agent is stopped and its trajectory scored 0 (counted)
     # Run the command in the OS sandbox (docs/agents.md "Black-box agents"): no network but its session's endpoint,
-    # a read-only view of its program's installation and of its file arguments' directories, limits per trajectory.
+    # a read-only view of its program's installation and of the files its arguments name, limits per trajectory.
     sandbox: bool = False
+    # More host paths the sandboxed command sees, read-only (absolute, existing): e.g. the directory of the
+    # modules its script imports. Nothing else next to its files is shown.
+    sandbox_paths: list[str] = field(default_factory=list)
     host: str = "127.0.0.1"  # where the endpoint listens (another address is the user's explicit choice)
     port: int = 0  # 0 = a free port per step
     max_request_bytes: int = 1_048_576  # a larger body gets 413

@@ -45,8 +45,8 @@ CHECKS = {
     "policy_losses": "() -> the registered policy losses' names",
     "freeze_modules": "(model_path, patterns) -> problems: actor.freeze_modules against the model's parameter names",
     "tool_config": "(path) -> problems: the multi-turn tool YAML loads, with every tool's options (e.g. sandbox limits)",
-    "black_box_agent": "(function, command, multi_turn_enabled, sandbox) -> problems: actor_rollout_ref.rollout.agent loads "
-                       "(a function) or names a program (a command), sandboxed if asked",
+    "black_box_agent": "(function, command, multi_turn_enabled, sandbox, sandbox_paths) -> problems: actor_rollout_ref.rollout.agent "
+                       "loads (a function) or names a program (a command), sandboxed if asked, with the extra paths it sees",
     "rollout_backend": "(name, spec) -> problems: rollout.name names a registered (or importable) backend, and the backend's own checks of its RolloutSpec",
 }
 _REGISTERED: dict[str, Callable] = {}

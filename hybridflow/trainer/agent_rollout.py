@@ -37,7 +37,7 @@ def agent_settings(mt: MultiTurnConfig, max_response_length: int, agent: AgentCo
         from hybridflow.agent.openai_agent import BlackBoxAgent
         from hybridflow.agent.openai_server import EndpointSettings
 
-        black_box = BlackBoxAgent(agent.function, agent.command, agent.timeout_s, agent.sandbox)
+        black_box = BlackBoxAgent(agent.function, agent.command, agent.timeout_s, agent.sandbox, tuple(agent.sandbox_paths or ()))
         endpoint = EndpointSettings(model_name, max_response_length, max_prompt_length, mt.format, agent.host, agent.port,
                                     agent.max_request_bytes, agent.max_messages, unix_socket=agent.sandbox)
     return AgentSettings(mt.max_assistant_turns, mt.max_tool_response_length, mt.format, max_response_length, mt.default_agent, black_box, endpoint)

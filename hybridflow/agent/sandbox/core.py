@@ -200,17 +200,10 @@ class Sandbox:
         self.python = python or _default_python()
         self._as_nobody = os.geteuid() == 0
         self._ro_paths, self._links = _visible_paths(self.python)
-        # `show`: more host paths in the view, read-only at their own place (a black-box agent's program
-        # and its environment; see openai_agent.py). Absolute, existing; already-shown ones are skipped.
-        # Those under the host's /tmp are bound inside the sandbox's own /tmp, after it is mounted.
-        self._tmp_paths: list[str] = []
-        for path in show:
-            if not os.path.isabs(path) or not os.path.exists(path) or path == WORKDIR:
-                raise ValueError(f"sandbox paths to show must be absolute, exist and not be {WORKDIR} itself, got {path!r}")
-            under_tmp = path.startswith(WORKDIR + "/")
-            shown = self._tmp_paths if under_tmp else self._ro_paths
-            if not any(path == p or path.startswith(p.rstrip("/") + "/") for p in shown):
-                shown.append(path)
+        # `show`: more host paths in the view, read-only at their own place (a black-box agent's program,
+        # its environment and its files; see openai_agent.py). Absolute and existing; each path is shown as
+        # itself (a file is a file, not its directory).
+        self._tmp_paths, self._tmp_links = self._add_shown(show)
         # Host-side tools by absolute path: Popen looks names up in the sandbox's PATH, not ours.
         search = os.pathsep.join([os.environ.get("PATH", ""), "/usr/local/bin", "/usr/bin", "/bin", "/usr/sbin", "/sbin"])
         tools = ("timeout", "setpriv", "bwrap", "unshare", "mount", "pivot_root")
@@ -235,6 +228,40 @@ class Sandbox:
             failures.append(f"{name}: {why}")
         else:
             raise SandboxUnavailable(f"no working sandbox ({'; '.join(failures)}): {_INSTALL_HINT}")
+
+    def _add_shown(self, show: Sequence[str]) -> tuple[list[str], list[tuple[str, str]]]:
+        """Put ``show`` in the view: each path's real location is bound, and every symbolic link met on
+        the way there is made again at its own place with its own target, so a path reaches the same
+        file inside as on the host (a checkout's ``.venv`` linking to a venv elsewhere: the program's
+        path, its ``pyvenv.cfg`` and its site-packages resolve). Binding only real paths also keeps a
+        link from being followed in the wrong root: bwrap resolves a source's absolute link inside the
+        new root, and unshare's setup runs after its tmpfs hides the host's ``/tmp``. Paths already in
+        the view are skipped, and links inside a bound directory are there already. Returns (paths,
+        links) under the host's ``/tmp``: those are made inside the sandbox's own ``/tmp``, after it is
+        mounted; the rest join ``_ro_paths`` and ``_links``."""
+        binds: list[str] = []
+        links: list[tuple[str, str]] = []
+        for path in show:
+            if not os.path.isabs(path) or not os.path.exists(path):
+                raise ValueError(f"sandbox paths to show must be absolute and exist, got {path!r}")
+            real, hops = _resolve(path)
+            if real in ("/", WORKDIR):  # the whole host, or the sandbox's own /tmp
+                raise ValueError(f"sandbox paths to show must not be / or {WORKDIR} itself, got {path!r} (real path {real!r})")
+            binds.append(real)
+            links += hops
+        tmp_paths: list[str] = []
+        for real in dict.fromkeys(binds):
+            if any(_within(real, p) for p in self._ro_paths) or any(p != real and _within(real, p) for p in binds):
+                continue
+            (tmp_paths if _within(real, WORKDIR) else self._ro_paths).append(real)
+        tmp_links: list[tuple[str, str]] = []
+        made = {link for link, _ in self._links}
+        for link, target in dict.fromkeys(links):
+            if link in made or any(_within(link, p) for p in self._ro_paths + tmp_paths):
+                continue
+            made.add(link)
+            (tmp_links if _within(link, WORKDIR) else self._links).append((link, target))
+        return tmp_paths, tmp_links
 
     # ------------------------------------------------------------------ running
     def run_python(self, code: str, limits: SandboxLimits | None = None, *, stdin: str | bytes = "",
@@ -329,6 +356,8 @@ class Sandbox:
                 "--size", str(_mib(lim.tmp_mb)), "--tmpfs", WORKDIR]
         for path in self._tmp_paths:  # after the sandbox's /tmp: on top of it (bwrap reads the source on the host)
             cmd += ["--ro-bind", path, path]
+        for path, target in self._tmp_links:
+            cmd += ["--symlink", target, path]
         for fd, name in files:
             cmd += ["--file", str(fd), f"{WORKDIR}/{name}"]
         return cmd + ["--chdir", WORKDIR, "--remount-ro", "/"]
@@ -358,7 +387,8 @@ class Sandbox:
             make = f"mkdir -p {dst}" if os.path.isdir(path) else f"mkdir -p \"$(dirname {dst})\" && touch {dst}"
             lines += [make, f"mount --bind {q(path)} {dst}", f"mount -o remount,bind,ro,nosuid,nodev {dst}"]
         for path, target in self._links:
-            lines.append(f'ln -s {q(target)} "$R"{q(path)}')
+            dst = '"$R"' + q(path)
+            lines.append(f"mkdir -p \"$(dirname {dst})\" && ln -s {q(target)} {dst}")
         for inside, n in held.items():
             dst = '"$R"' + q(inside)
             lines += [f"mkdir -p \"$(dirname {dst})\" && touch {dst}",
@@ -383,6 +413,9 @@ class Sandbox:
                       f"mount -o remount,bind,ro,nosuid,nodev {dst}"]
         if self._tmp_paths:
             lines.append(f"exec {host_tmp}<&-")
+        for path, target in self._tmp_links:
+            dst = '"$R"' + q(path)
+            lines.append(f"mkdir -p \"$(dirname {dst})\" && ln -s {q(target)} {dst}")
         lines += ['mkdir "$R/.oldroot"', 'cd "$R"', "pivot_root . .oldroot", "umount -l /.oldroot", "rmdir /.oldroot",
                   "mount -o remount,bind,ro /", f"cd {WORKDIR}", "exec " + " ".join(q(a) for a in init)]
         userns = [] if self._as_nobody else ["--user", "--map-root-user"]  # as root: a mount ns needs no user ns
@@ -462,6 +495,37 @@ def _visible_paths(python: str) -> tuple[list[str], list[tuple[str, str]]]:
     if not any(prefix == p or prefix.startswith(p + "/") for p in ro) and prefix != "/":
         ro.append(prefix)
     return ro, links
+
+
+def _resolve(path: str) -> tuple[str, list[tuple[str, str]]]:
+    """(the real path of an existing absolute ``path``, the symbolic links met on the way there as (link,
+    its target as written)), walking it component by component as the kernel does."""
+    links: list[tuple[str, str]] = []
+    todo = path.split("/")[::-1]  # a stack: a link's target is pushed in front of what is left
+    real = "/"
+    while todo:
+        name = todo.pop()
+        if name in ("", "."):
+            continue
+        if name == "..":
+            real = os.path.dirname(real)
+            continue
+        here = os.path.join(real, name)
+        if not os.path.islink(here):
+            real = here
+            continue
+        if len(links) >= 40:  # the kernel's own limit (ELOOP)
+            raise ValueError(f"too many symbolic links on the way to {path!r}")
+        target = os.readlink(here)
+        links.append((here, target))
+        todo += target.split("/")[::-1]
+        if target.startswith("/"):
+            real = "/"
+    return real, links
+
+
+def _within(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip("/") + "/")
 
 
 def _mib(n: float) -> int:
