@@ -9,6 +9,8 @@ HumanEval (``def check(candidate)`` + ``check(fn)``, ``abs(...) < tol``), APPS /
 
 from __future__ import annotations
 
+import collections
+import json
 import math
 import os
 
@@ -55,6 +57,10 @@ SHAPES = {
                  "        for i, n in enumerate(nums):\n            if target - n in seen:\n"
                  "                return [seen[target - n], i]\n            seen[n] = i\n",
                  ["assert Solution().twoSum([2, 7, 11, 15], 9) == [0, 1]", "assert Solution().twoSum([3, 3], 6) == [1, 0]"]),
+    "collections": ("import collections\ndef count(s):\n    return collections.Counter(s)\n"
+                    "P = collections.namedtuple('P', 'x y')\ndef point():\n    return P(1, 2)\n",
+                    ["assert count('aab') == {'a': 2, 'b': 1}", "assert point() == (1, 2)", "assert point().x == 1",
+                     "assert count('ab') == {'a': 2}"]),  # fails
     "containers": ("def stats(xs):\n    return {'min': min(xs), 'max': max(xs), 'pair': (xs[0], xs[-1]), 'set': frozenset(xs),"
                    " 'c': complex(1, 2), 'b': bytes([65])}\n",
                    ["assert stats([3, 1, 2]) == {'min': 1, 'max': 3, 'pair': (3, 2), 'set': frozenset({1, 2, 3}), "
@@ -169,12 +175,18 @@ def test_values_round_trip_as_plain_data_and_nothing_else_passes():
     values = [None, True, 0, -(10 ** 40), 1.5, float("inf"), float("nan"), -0.0, 1 + 2j, "x\n\u00e9", b"\x00\xff",
               [1, [2.0, "3"]], (1, (2,)), {1: "a", "b": (2, None), (1, 2): [3]}, {1, 2}, frozenset({"a"}), [], ()]
     for v in values:
-        assert _same(decode_value(__import__("json").loads(__import__("json").dumps(encode(v)))), v), v
+        assert _same(decode_value(json.loads(json.dumps(encode(v)))), v), v
 
     class Sub(int):
-        pass
+        def __eq__(self, other):
+            return True
+        __hash__ = int.__hash__
 
-    for bad in (Sub(1), object(), [Sub(1)], range(3), iter([1]), {"k": object()}):
+    # a subclass of a plain type crosses as its base type's value, without its __eq__
+    for v, plain in ((Sub(1), 1), ([Sub(2)], [2]), (collections.Counter("aab"), {"a": 2, "b": 1}),
+                     (collections.namedtuple("P", "x y")(1, 2), (1, 2)), (collections.OrderedDict(a=1), {"a": 1})):
+        assert _same(decode_value(json.loads(json.dumps(encode(v)))), plain)
+    for bad in (object(), range(3), iter([1]), {"k": object()}, collections.deque([1])):
         with pytest.raises(TypeError, match="not plain data"):
             encode(bad)
     deep = 1

@@ -23,7 +23,7 @@ class SolutionExit(BaseException):
 
 
 def encode(v, depth=0):
-    """A value as tagged JSON with exact built-in types (a subclass of int is not an int here)."""
+    """A value as tagged JSON with exact built-in types (a subclass of int is sent as the int it holds)."""
     if depth > MAX_DEPTH:
         raise ValueError(f"nested deeper than {MAX_DEPTH}")
     t = type(v)
@@ -43,6 +43,11 @@ def encode(v, depth=0):
         return {t.__name__: [encode(x, depth + 1) for x in v]}
     if t is dict:
         return {"dict": [[encode(k, depth + 1), encode(x, depth + 1)] for k, x in v.items()]}
+    # A subclass of a plain type (Counter, OrderedDict, namedtuple, IntEnum, ...) crosses as its base
+    # type's value: whatever its __eq__ says, the host compares the plain value.
+    for base in (int, float, complex, str, bytes, list, tuple, dict, set, frozenset):
+        if isinstance(v, base):
+            return encode(base(v), depth + 1)
     raise TypeError(f"a {t.__module__}.{t.__qualname__} is not plain data (None, bool, int, float, complex, str, "
                     "bytes, list, tuple, dict, set, frozenset)")
 

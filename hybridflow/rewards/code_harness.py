@@ -1,4 +1,7 @@
-"""The grading harness for assert-style code tests: run in the sandbox as ``main.py``, never imported.
+"""The in-process grading harness: run in the sandbox as ``main.py``, never imported. Since the
+out-of-process grader (``code_checks.py`` + ``code_eval_harness.py``) it grades only the checks
+that grader cannot split (loops, ``try``, ...): each such case is marked ``inprocess``, counted in
+``reward/code_inprocess_checks`` and refused under ``custom_reward_function.code_strict``.
 
 Why not "the program, then the asserts, pass if it exits 0": the program decides its own exit
 status. ``raise SystemExit(0)`` before the asserts, ``os._exit(0)``, or
@@ -16,8 +19,9 @@ Protocol (stdin, a memfd the host wrote): one line with a per-run random sentine
 The host passes a case only on that line with its verdict: a program that ends the grader early
 leaves its remaining checks without a verdict, and one that prints its own line cannot know the
 sentinel. What it does not stop: a solution that inspects and rewrites the grader in-process
-(monkeypatching the check's names, objects whose ``__eq__`` is always true); docs/agents.md
-(threat model) says so.
+(frames, monkeypatched builtins, objects whose ``__eq__`` is always true, pass lines on the verdict
+pipe before it kills itself: tests/test_code_redteam.py shows each); docs/agents.md (threat model)
+says so.
 """
 
 import json
