@@ -53,6 +53,13 @@ SHAPES = {
                    ["s = Stack()\ns.push(1)\ns.push(2)\nassert s.pop() == 2\nassert s.pop() == 1",
                     "x = [1, 2]\ny = x + [3]\ns = Stack()\ns.push(y)\nassert s.pop() == [1, 2, 3]",
                     "s = Stack()\nassert s.pop() == 1"]),  # raises IndexError: fails
+    "lru_cache": ("class LRUCache:\n    def __init__(self, n):\n        self.n, self.d = n, {}\n"
+                  "    def get(self, k):\n        if k not in self.d:\n            return -1\n"
+                  "        self.d[k] = self.d.pop(k)\n        return self.d[k]\n"
+                  "    def put(self, k, v):\n        self.d.pop(k, None)\n        self.d[k] = v\n"
+                  "        if len(self.d) > self.n:\n            self.d.pop(next(iter(self.d)))\n",
+                  ["c = LRUCache(2)\nc.put(1, 1)\nc.put(2, 2)\nassert c.get(1) == 1\nc.put(3, 3)\nassert c.get(2) == -1",
+                   "c = LRUCache(1)\nc.put(1, 1)\nc.put(2, 2)\nassert c.get(1) == 1"]),  # fails
     "leetcode": ("class Solution:\n    def twoSum(self, nums, target):\n        seen = {}\n"
                  "        for i, n in enumerate(nums):\n            if target - n in seen:\n"
                  "                return [seen[target - n], i]\n            seen[n] = i\n",
@@ -96,7 +103,8 @@ def test_the_sandbox_never_sees_the_checks_own_values():
         "assert abs(f(3.5) - 0.5) < 1e-6": ["f(3.5)"],
         "assert math.isclose(area(5), 78.5, rel_tol=0.001)": ["area(5)"],
         "assert isinstance(f(2), int)": ["f(2)"],
-        "assert f('ab').startswith('xy')": ["f('ab')"],
+        "assert f('ab').startswith('xy')": ["f('ab')"],  # a predicate method: called here, on the plain value
+        "assert f('ab').count('a') == 2": ["f('ab').count('a')"],  # another method: the solution's call, 2 stays here
         "assert sorted(f([3, 1]), reverse=True) == [3, 1]": ["f([3, 1])"],
         "expected = 6\nx = [1, 2]\nassert f(x) == expected": ["x = [1, 2]", "f(x)"],
         "assert str(Node(1)) == '1'": ["str(Node(1))"],  # no value of the check's own inside: evaluated whole

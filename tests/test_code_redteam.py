@@ -139,6 +139,9 @@ builtins.type = lambda *a: int if len(a) == 1 and _type(a[0]) is I else _type(*a
 def add(a, b):
     return I(a - b)
 ''', "old"),
+    Attempt("look-alike value: startswith/endswith always true", "class S:\n    def startswith(self, p):\n        return True\n"
+            "    endswith = startswith\ndef add(a, b):\n    return S()\n", "old",
+            ("assert add('a', 'b').startswith('ab')", "assert add('x', 'y').endswith('xy')")),
     Attempt("lookup: read the expected value out of the grader's memory", LOOKUP, "old"),
     Attempt("finalizer: __del__ writes pass lines, then SIGKILL", FORGE + '''
 class Bomb:
@@ -190,7 +193,9 @@ def add(a, b):
     Attempt("exit early: os._exit(0)", WRONG + "import os\nos._exit(0)\n", "naive"),
     Attempt("exit early: atexit.register(os._exit, 0)", WRONG + "import atexit, os\natexit.register(os._exit, 0)\n", "naive"),
 ]
-ISSUE_FOUR = [ATTEMPTS[0], ATTEMPTS[3], ATTEMPTS[4], ATTEMPTS[9]]  # the four attacks of the issue that scored 1.0 on b4554a1
+# the four attacks of the issue that scored 1.0 on b4554a1
+ISSUE_FOUR = [a for a in ATTEMPTS if a.name.startswith(("verdict descriptor", "frames", "stdlib: json.dumps", "always-equal object"))]
+assert len(ISSUE_FOUR) == 4
 
 
 def old_score(sb: Sandbox, solution: str, checks) -> float:

@@ -113,6 +113,11 @@ HOST_METHODS = {
     frozenset: {"union", "intersection", "difference", "symmetric_difference", "issubset", "issuperset", "isdisjoint"},
 }
 ALL_HOST_METHODS = set().union(*HOST_METHODS.values())
+# Methods whose answer is a verdict about the value (``f(x).startswith("ab")``): always called here,
+# on the plain value, so a look-alike object cannot answer them. Other methods on the solution's
+# values are the solution's calls (``cache.get(1)``, ``f(x).count("a")``): their arguments are inputs
+# and their results are claims the host compares further.
+PREDICATE_METHODS = {m for m in ALL_HOST_METHODS if m.startswith("is") or m in ("startswith", "endswith")}
 _ALWAYS_HOST_CALLS = {"isinstance", "type"}  # their answer is about the value's type: never the solution's to give
 
 
@@ -257,7 +262,7 @@ def _is_solution_call(node: ast.Call, is_host_name) -> bool:
     if isinstance(f, ast.Attribute):
         if isinstance(f.value, ast.Name) and (is_host_name(f.value.id) or f.value.id in FOREIGN_MODULES):
             return False  # math.sqrt(...), np.allclose(...)
-        return f.attr not in ALL_HOST_METHODS and _uses_solution(f.value, is_host_name)
+        return f.attr not in PREDICATE_METHODS and _uses_solution(f.value, is_host_name)
     return _uses_solution(f, is_host_name)
 
 
