@@ -17,18 +17,45 @@ import os
 import time
 from typing import Any
 
-# Read by Ray at import time: without it Ray swaps a 127.0.0.1 node address for the machine's
-# routable IP and its servers listen on every interface. With it, a local cluster stays on loopback.
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-
-import ray  # noqa: E402
-from ray.util.placement_group import placement_group, remove_placement_group  # noqa: E402
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: E402
-
 from hybridflow.config.schema import DEFAULT_WORKER_ENV, PoolSpec
 from hybridflow.controller.decorator import LAYOUT_ATTR, Dispatch, collect_results, dispatch_args
 from hybridflow.config.pools import bundle, missing_resources
 from hybridflow.controller.worker import colocated_worker_cls, registered_methods
+
+# Read by Ray at import time: without it Ray swaps a 127.0.0.1 node address for the machine's
+# routable IP and its servers listen on every interface. With it, a local cluster stays on loopback.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+
+class _LazyRay:
+    """`ray`, imported at its first use: importing this module (and the trainer above it) needs no
+    Ray, so a torchrun-only install (trainer.launcher=torchrun: one node, no Ray) works without it."""
+
+    def __getattr__(self, name: str) -> Any:
+        import ray
+
+        return getattr(ray, name)
+
+
+ray = _LazyRay()
+
+
+def placement_group(*args, **kwargs):
+    from ray.util.placement_group import placement_group as make
+
+    return make(*args, **kwargs)
+
+
+def remove_placement_group(pg) -> None:
+    from ray.util.placement_group import remove_placement_group as remove
+
+    remove(pg)
+
+
+def PlacementGroupSchedulingStrategy(pg, **kwargs):  # noqa: N802  (Ray's class, built lazily)
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy as strategy
+
+    return strategy(pg, **kwargs)
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None, resources: dict[str, float] | None = None) -> None:

@@ -32,8 +32,6 @@ import logging
 import threading
 from typing import Any
 
-import ray
-
 from hybridflow.controller.worker_group import Pending, WorkerCallError, WorkerDiedError, WorkerTimeoutError
 from hybridflow.protocol import Batch
 
@@ -104,6 +102,8 @@ class ReplicaSet:
         """Requests routed to each replica whose part has not finished (a part that finished, or
         failed, no longer loads its replica)."""
         if self.outstanding:
+            import ray
+
             done, _ = ray.wait([ref for ref, _, _ in self.outstanding], num_returns=len(self.outstanding), timeout=0)
             finished = set(done)
             self.outstanding = [o for o in self.outstanding if o[0] not in finished]
@@ -179,4 +179,6 @@ class _Recovering:
             return self.owner.submit(self.method, *self.args, **self.kwargs).result(timeout_s, waiting_for, key)
 
     def _received(self, rank: int, failed: tuple[int, ...]) -> dict:
+        import ray
+
         return self.owner.receipts[rank] if rank in failed else ray.get(self.pending.refs[rank])
