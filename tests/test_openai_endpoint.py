@@ -240,6 +240,10 @@ def _hostile(url: str, key: str, other_key: str, other_url: str, big: bytes) -> 
         ("assistant tool call not json", "POST", ok,
          chat(messages=msgs + [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function",
                                                                                        "function": {"name": "calculator", "arguments": "{oops"}}]}]), 400),
+        ("20,000 levels of nesting", "POST", ok, b'{"model": "tiny", "messages": ' + b"[" * 20000 + b"]" * 20000 + b"}", 400),
+        ("a lone surrogate", "POST", ok, chat(messages=[{"role": "user", "content": "hi \ud800"}]), 400),
+        ("response_format json schema", "POST", ok, chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), 400),
+        ("echo", "POST", ok, {"model": "tiny", "prompt": "hi", "echo": True}, 400),  # sent to /completions (below)
         ("unknown session", "POST", ok, chat(), 404),  # sent to a made-up session id (below)
         ("unknown route", "POST", ok, chat(), 404),
     ]
@@ -252,12 +256,12 @@ def test_hostile_requests_get_their_status_and_change_nothing(tok):
         s, other = ep.open_session(), ep.open_session()
         url = ep.url(s)
         cases = _hostile(url, s.key, other.key, ep.url(other), b'{"model": "tiny", "messages": [' + b"x" * (10 << 20) + b"]}")
-        assert len(cases) == 32
+        assert len(cases) == 36
         got = []
         async with httpx.AsyncClient(timeout=30) as http:
             for name, method, headers, payload, want in cases:
                 target = {"unknown session": f"{ep.base_url}/sessions/{'0' * 32}/v1/chat/completions",
-                          "unknown route": f"{url}/admin/weights"}.get(name, f"{url}/chat/completions")
+                          "unknown route": f"{url}/admin/weights", "echo": f"{url}/completions"}.get(name, f"{url}/chat/completions")
                 if payload == "chunked":
                     async def chunks():
                         for _ in range(4):

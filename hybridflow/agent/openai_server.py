@@ -17,8 +17,9 @@ bodies are capped (413), JSON parsed by us (400 on anything malformed), every fi
 range-checked, max_tokens bounded by the trajectory's remaining token budget (400 past it),
 unknown models / sessions / routes 404; every error is an OpenAI-style body
 `{"error": {"message", "type", "param", "code"}}`, and no request can raise into the run.
-Streaming is not served (400 naming `stream`); `top_logprobs` > 0 neither (the sampled token's
-log-prob is what the backends record).
+Streaming is not served (400 naming `stream`), nor `response_format` other than text or `echo`
+(400 naming the field: refused rather than ignored); a body nested too deeply or holding a lone
+UTF-16 surrogate is a 400 too.
 
 Sampling during training: temperature / top_p / top_k are the run's (`rollout.*`, or val_kwargs
 in validation), since the trainer's log-probs are computed under them; a request asking for
@@ -250,8 +251,19 @@ class LiveEndpoint:
             body = json.loads(b"".join(chunks))
         except (ValueError, UnicodeDecodeError) as e:
             raise APIError(400, f"the body is not valid JSON ({e})"[:300], code="invalid_json") from None
+        except RecursionError:  # e.g. 20,000 nested arrays: the parser's recursion limit, not a server fault
+            raise APIError(400, "the body's JSON is nested too deeply", code="invalid_json") from None
         if not isinstance(body, dict):
             raise APIError(400, "the body must be a JSON object", code="invalid_json")
+        where = _lone_surrogate(body)
+        if where is not None:  # valid JSON ("\ud800"), but no UTF-8 text: the tokenizer and every log would fail on it
+            raise APIError(400, f"{where} holds a lone UTF-16 surrogate (\\ud800-\\udfff): not text", param=where,
+                           code="invalid_json")
+        for field_name, honoured in (("response_format", lambda v: v in (None, {"type": "text"})),
+                                     ("echo", lambda v: v in (None, False))):
+            if not honoured(body.get(field_name)):  # refused, not silently ignored: the client would trust it
+                raise APIError(400, f"{field_name}={str(body.get(field_name))[:60]} is not supported by this endpoint "
+                               "(no constrained decoding, no echo)", param=field_name, code="unsupported")
         if body.get("model") != self.s.model_name:
             raise APIError(404, f"model {str(body.get('model'))[:80]!r} does not exist; this endpoint serves {self.s.model_name!r}",
                            param="model", code="model_not_found")
@@ -446,6 +458,22 @@ def _messages(messages: Any, limit: int) -> list[dict]:
                     raise APIError(400, f"{where}.tool_calls: each needs function.name and function.arguments (a JSON object string)",
                                    param=f"{where}.tool_calls")
     return messages
+
+
+def _lone_surrogate(value: Any, where: str = "body") -> str | None:
+    """The path of the first string in a parsed body that holds a lone surrogate, else None."""
+    todo = [(value, where)]
+    while todo:
+        v, path = todo.pop()
+        if isinstance(v, str):
+            if any("\ud800" <= c <= "\udfff" for c in v):
+                return path
+        elif isinstance(v, dict):
+            todo += [(x, f"{path}.{k}" if path != "body" else str(k)) for k, x in v.items()]
+            todo += [(k, path) for k in v if isinstance(k, str)]
+        elif isinstance(v, list):
+            todo += [(x, f"{path}[{i}]") for i, x in enumerate(v)]
+    return None
 
 
 def _is_json_object(s: str) -> bool:
