@@ -14,6 +14,10 @@ Other recipes (`--recipe`) replace step 4, from the same SFT model and the same 
 - rm-grpo: train a reward model on those pairs (from the SFT model's backbone; its held-out
   pairwise accuracy is `rm_val_pair_acc`), then GRPO with the reward model as the only reward.
 - online-dpo: sample 4 answers per prompt, rank them with the rule scorer, DPO on best vs worst.
+- code: the same triples with a program as the answer ("max 3 8 1" -> `f=lambda:max(3,8,1)`, the
+  wrong rule's `f=lambda:min(3,8,1)` in 75% of the SFT demonstrations), GRPO with the built-in code
+  reward (data_source "code": the program runs in the sandbox against `assert f() == 8`); its
+  held-out pass rate is `val-core/code/acc/mean@1`.
 - distill: on-policy distillation without any reward: a larger tiny model (3 layers, hidden 192)
   trained by SFT on correct answers is the teacher; the student samples, the teacher scores each
   sampled token, and the student's per-token advantage is teacher - student log-prob.
@@ -29,8 +33,8 @@ from hybridflow.config import HybridFlowConfig, RewardTrainConfig, SFTConfig, lo
 from hybridflow.run_plan import resolve
 
 DATA_SOURCE = "digit_max"
-# The held-out accuracy of a recipe's task (the tool recipe has its own task; the others share digit_max).
-RECIPE_TASK = {"tool": "multiply", "guess": "guess", "agent": "agent"}
+# The data_source of a recipe's held-out accuracy (tool, guess, agent and code have their own tasks; the others share digit_max).
+RECIPE_TASK = {"tool": "multiply", "guess": "guess", "agent": "agent", "code": "code"}
 
 
 def val_key(recipe: str) -> str:
@@ -42,7 +46,7 @@ VAL_KEY = val_key("grpo")
 
 SFT_STEPS = 300
 RL_STEPS = 60
-RECIPE_STEPS = {"grpo": RL_STEPS, "dpo": 40, "rm-grpo": 40, "online-dpo": 40, "tool": 20, "guess": 40, "distill": 40, "agent": 10}
+RECIPE_STEPS = {"grpo": RL_STEPS, "dpo": 40, "rm-grpo": 40, "online-dpo": 40, "tool": 20, "guess": 40, "distill": 40, "agent": 10, "code": 30}
 RM_STEPS = 100
 # the tool recipe's SFT in two stages from the random model: the copy stage (every call exact) then the biased mix
 TOOL_COPY_STEPS, TOOL_SFT_STEPS, TOOL_LAYERS = 450, 250, 2
@@ -50,6 +54,8 @@ GUESS_SFT_STEPS = 300
 GUESS_MAX_PROMPT, GUESS_MAX_RESPONSE = 56, 448  # the prompt is 48 tokens; 10 guesses and 9 replies of <= 45 tokens
 # the agent recipe's black-box agent (a plain openai program; the repo's examples/)
 EXAMPLE_AGENT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "openai_agent", "agent.py")
+CODE_MAX_RESPONSE = 24  # f=lambda:max(3,8,1) is 19 tokens, then <|im_end|>
+CODE_SFT_MAX_LENGTH = 56  # the 28-token prompt and the program
 TOOL_MAX_PROMPT, TOOL_MAX_RESPONSE = 160, 160  # the compact tool prompt is 147 tokens; call (78) + result (34) + answer (22) = 134
 
 
@@ -73,13 +79,19 @@ def demo_rl_config(files: dict, model_dir: str, out_dir: str, steps: int, *overr
                        "actor_rollout_ref.rollout.temperature=1.0", "algorithm.adv_estimator=grpo", *overrides)
 
 
-def demo_sft_config(sft_file: str, base_model: str, out: str, steps: int = SFT_STEPS) -> SFTConfig:
+def demo_sft_config(sft_file: str, base_model: str, out: str, steps: int = SFT_STEPS, max_length: int = 32) -> SFTConfig:
     """The demo's SFT warm start on biased demonstrations."""
     return load_config(None, [
-        f"train_files=[{sft_file}]", "max_length=32", "train_batch_size=64", "micro_batch_size_per_gpu=32",
+        f"train_files=[{sft_file}]", f"max_length={max_length}", "train_batch_size=64", "micro_batch_size_per_gpu=32",
         f"total_steps={steps}", f"model.path={base_model}", "optim.lr=1e-3",
         f"save_dir={out}/sft_model", f"trainer.default_local_dir={out}/sft", "trainer.logger=[console,jsonl]",
     ], schema=SFTConfig)
+
+
+def demo_code_rl_config(files: dict, model_dir: str, out_dir: str, steps: int, *overrides: str) -> HybridFlowConfig:
+    """The demo's GRPO run on the code task (`make_code_task`): responses up to CODE_MAX_RESPONSE tokens,
+    scored by the built-in code reward (one sandbox run per sample and check)."""
+    return demo_rl_config(files, model_dir, out_dir, steps, f"data.max_response_length={CODE_MAX_RESPONSE}", *overrides)
 
 
 def demo_multi_turn_sft_config(sft_file, base_model: str, out: str, steps: int, max_length: int, name: str = "sft") -> SFTConfig:
@@ -171,6 +183,11 @@ def run_recipe(recipe: str, files: dict, sft_dir: str, out: str, steps: int, *ov
         cfg = demo_rl_config(files, sft_dir, f"{out}/grpo", steps, *overrides)
         print(f"[demo] GRPO: {steps} steps, {cfg.data.train_batch_size} prompts x {resolve(cfg).rollout.rollout.n} samples, {_workers(cfg)}", flush=True)
         result = _fit(RLTrainer(cfg))
+    elif recipe == "code":
+        cfg = demo_code_rl_config(files, sft_dir, f"{out}/code_grpo", steps, *overrides)
+        print(f"[demo] GRPO with the code reward (programs run in the sandbox against an assert): {steps} steps, "
+              f"{cfg.data.train_batch_size} prompts x {resolve(cfg).rollout.rollout.n} samples, {_workers(cfg)}", flush=True)
+        result = _fit(RLTrainer(cfg))
     elif recipe == "dpo":
         cfg = demo_dpo_config(files, sft_dir, f"{out}/dpo", steps, *overrides)
         print(f"[demo] offline DPO: {steps} steps of {cfg.data.train_batch_size} preference pairs, 2 FSDP2 workers", flush=True)
@@ -249,7 +266,7 @@ def prepare_recipe(recipe: str, out: str, seed: int | None = None, sft_steps: in
     defaults, 0 for data and model, 1 for the trainers) seeds the data, the model's initialisation and
     the SFT's batches; `sft_steps` replaces the last stage's step count."""
     from hybridflow.agent.tasks import make_guess_task
-    from hybridflow.data.tasks import make_max_task, make_multiply_task
+    from hybridflow.data.tasks import make_code_task, make_max_task, make_multiply_task
     from hybridflow.models.tiny import make_tiny_model
 
     data_seed = {} if seed is None else {"seed": seed}
@@ -265,6 +282,10 @@ def prepare_recipe(recipe: str, out: str, seed: int | None = None, sft_steps: in
         base = make_tiny_model(os.path.join(out, "tiny_model"), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                max_position_embeddings=1024, **data_seed)
         stages = [demo_multi_turn_sft_config(files["sft"], base, out, sft_steps or GUESS_SFT_STEPS, GUESS_MAX_PROMPT + GUESS_MAX_RESPONSE)]
+    elif recipe == "code":  # digit_max's triples and split, a program as the answer
+        files = make_code_task(os.path.join(out, "data"), **data_seed)
+        base = make_tiny_model(os.path.join(out, "tiny_model"), hidden_size=128, intermediate_size=256, num_hidden_layers=2, **data_seed)
+        stages = [demo_sft_config(files["sft"], base, out, sft_steps or SFT_STEPS, CODE_SFT_MAX_LENGTH)]
     else:
         files = make_max_task(os.path.join(out, "data"), **data_seed)
         base = make_tiny_model(os.path.join(out, "tiny_model"), hidden_size=128, intermediate_size=256, num_hidden_layers=2, **data_seed)

@@ -1,7 +1,8 @@
 """Rebuild the SFT warm starts that CI's recipe tests start from (tests/fixtures/recipes/<recipe>/).
 
 Why fixtures: the tool and guess recipes' SFTs (450 + 250 and 300 steps) are most of those tests' time
-(~4 and ~2.5 minutes on 2 cores) and they teach nothing the RL part of a test checks. The fixture
+(~4 and ~2.5 minutes on 2 cores) and they teach nothing the RL part of a test checks; the code recipe's
+(300 steps, ~35 s) would be a third of its short test's. The fixture
 is exactly what `hybridflow demo --recipe R` trains before its RL (same data, base model, configs
 and seeds; the tool recipe's two SFT stages), saved with `sft_record.json`: the SFT's step count,
 each stage's losses, the first stage's first losses and the final loss, and where it was built. `tests/test_e2e_agent.py` checks
@@ -11,7 +12,7 @@ it), then runs the recipe's RL from the fixture (`hybridflow demo --sft-model DI
 
 Run after changing a recipe's task, tiny model, tokenizer or SFT config (~5 minutes each here):
 
-    .venv/bin/python scripts/build_recipe_fixtures.py --recipe tool guess
+    .venv/bin/python scripts/build_recipe_fixtures.py --recipe tool guess code
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def build(recipe: str) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--recipe", nargs="+", choices=["tool", "guess"], required=True)
+    ap.add_argument("--recipe", nargs="+", choices=["tool", "guess", "code"], required=True)
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     for recipe in args.recipe:

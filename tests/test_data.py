@@ -309,3 +309,44 @@ def test_max_task_preference_pairs_prefer_the_maximum(max_task):
         for _, r in pairs.iterrows():
             d = _digits(r["prompt"])
             assert r["chosen"] == str(max(d)) and r["rejected"] != r["chosen"] and r["rejected"].isdigit()
+
+
+# ----------------------------------------------------------------------------------- code task
+from hybridflow.data.tasks import CODE_DATA_SOURCE, code_answer, make_code_task  # noqa: E402
+
+
+def test_code_task_is_digit_max_with_a_program_for_the_answer(tmp_path, max_task, tok):
+    """The code recipe's task: digit_max's prompts and held-out split (same order), one assert per
+    row for the sandboxed code reward, SFT programs over the train triples, the minimum's in ~75%;
+    every row fits the recipe's lengths untruncated."""
+    from hybridflow.demo import CODE_MAX_RESPONSE, CODE_SFT_MAX_LENGTH
+
+    files = make_code_task(tmp_path, seed=0)
+    assert set(files) == {"train", "val", "sft"}
+    for split in ("train", "val"):
+        rows, plain = pq.read_table(files[split]).to_pylist(), pq.read_table(max_task[split]).to_pylist()
+        assert [r["prompt"] for r in rows] == [r["prompt"] for r in plain]
+        for r in rows:
+            d = _digits(r["prompt"])
+            assert r["data_source"] == CODE_DATA_SOURCE == "code" and r["extra_info"]["split"] == split
+            assert r["reward_model"] == {"style": "rule", "ground_truth": [f"assert f() == {max(d)}"]}
+        ds = RLDataset([str(files[split])], tok, max_prompt_length=32)
+        assert len(ds) == len(rows) and ds.num_truncated == 0 and ds[0]["reward_model"]["ground_truth"] == rows[0]["reward_model"]["ground_truth"]
+    train_triples = {_digits(r["prompt"]) for r in pq.read_table(files["train"]).to_pylist()}
+    sft = pq.read_table(files["sft"]).to_pylist()
+    assert {_digits(r["prompt"]) for r in sft} == train_triples and len(sft) == 2 * len(train_triples)
+    wrong = 0
+    for r in sft:
+        d = _digits(r["prompt"])
+        assert r["response"] in (code_answer(d, "max"), code_answer(d, "min"))
+        wrong += r["response"] == code_answer(d, "min")
+    assert abs(wrong / len(sft) - 0.75) < 0.05
+    assert SFTDataset([str(files["sft"])], tok, max_length=CODE_SFT_MAX_LENGTH).num_truncated == 0
+    assert len(tok(code_answer((9, 8, 7)))["input_ids"]) + 1 <= CODE_MAX_RESPONSE  # + eos
+    # the reward the recipe trains with: the right rule's program passes its row's check, the wrong one's fails
+    row = pq.read_table(files["val"]).to_pylist()[0]
+    d, gt = _digits(row["prompt"]), row["reward_model"]["ground_truth"]
+    assert compute_score("code", code_answer(d), gt)["score"] == 1.0
+    assert compute_score("code", code_answer(d, "min"), gt)["score"] == 0.0
+    with pytest.raises(ValueError, match="bias_prob"):
+        make_code_task(tmp_path / "bad", bias_prob=2.0)

@@ -244,13 +244,13 @@ def _validate(sub: str, ns: argparse.Namespace, venv: str, task_dir) -> None:
     keys_only = venv == ".venv-vllm" or "trainer.device=cuda" in overrides or placeholders
     if sub in ("train", "dpo"):
         cfg = load_config(config, overrides, schema=HybridFlowConfig)
-    elif sub == "demo":  # the overrides go to the recipe's run (the grpo and DPO recipes are validated; others: keys)
+    elif sub == "demo":  # the overrides go to the recipe's run (the grpo, code and DPO recipes are validated; others: keys)
         from hybridflow import demo
 
         files = {k: f"{task_dir}/{k}.parquet" for k in ("train", "val", "pref_train")}
-        make = {"dpo": demo.demo_dpo_config, "online-dpo": demo.demo_online_dpo_config}.get(ns.recipe, demo.demo_rl_config)
+        make = {"dpo": demo.demo_dpo_config, "online-dpo": demo.demo_online_dpo_config, "code": demo.demo_code_rl_config}.get(ns.recipe, demo.demo_rl_config)
         cfg = make(files, "runs/tiny_model", "runs/demo/run", ns.rl_steps or 60, *overrides)
-        keys_only = keys_only or ns.recipe not in ("grpo", "dpo", "online-dpo")
+        keys_only = keys_only or ns.recipe not in ("grpo", "dpo", "online-dpo", "code")
     elif sub == "sft":
         cfg = derive_sft_defaults(load_config(config, overrides, schema=SFTConfig))
         if not keys_only:

@@ -127,7 +127,7 @@ def test_async_multi_turn_survives_a_rollout_replica_killed_mid_step(ray_cluster
 FIXTURES = __import__("pathlib").Path(__file__).parent / "fixtures" / "recipes"
 
 
-@pytest.mark.parametrize("recipe", ["tool", "guess"])
+@pytest.mark.parametrize("recipe", ["tool", "guess", "code"])
 def test_recipe_fixture_is_what_the_recipe_trains(ray_cluster, tmp_path, recipe):
     """The committed warm start (scripts/build_recipe_fixtures.py) came from today's recipe: a fresh
     SFT of it (same data, base model, config and seeds; its first stage) reproduces the first recorded losses. Its

@@ -152,3 +152,26 @@ def test_hybridflow_sft_as_a_command_line(tiny_model_dir, task_dir, tmp_path):
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["steps"] == 20 and result["final_loss"] < result["first_loss"]
     AutoModelForCausalLM.from_pretrained(result["model_dir"])
+
+
+CODE_FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "recipes", "code")
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_code_recipe_learns_with_the_sandboxed_code_reward(tmp_path):
+    """`hybridflow demo --recipe code`, short: from the committed warm start (the recipe's 300-step SFT,
+    tests/fixtures/recipes/code: programs `f=lambda:min(...)` in 75% of the demonstrations), 6 GRPO steps
+    instead of 30, every sample's program run in the sandbox against `assert f() == <max>` (the built-in
+    code reward). Measured (docs/results.md): held-out pass rate 0.000 -> 1.000 at step 10 of the full recipe."""
+    from hybridflow.cli import main as cli_main
+
+    out = tmp_path / "code"
+    assert cli_main(["demo", "--recipe", "code", "--output-dir", str(out), "--sft-model", CODE_FIXTURE, "--rl-steps", "6",
+                     "trainer.test_freq=6", "trainer.progress_bar=false", "trainer.logger=[jsonl]"]) == 0
+    s = json.loads((out / "summary.json").read_text())
+    steps = [json.loads(line) for line in (out / "code_grpo" / "metrics.jsonl").read_text().splitlines()]
+    assert s["val_acc_after_sft"] < 0.3  # greedy: the minimum's program, which fails the check
+    assert s["val_acc_final"] >= 0.8, s["val_curve"]
+    assert s["train_score_last"] > s["train_score_first"]
+    # every check was graded out of the program's reach (none fell back to the in-process harness), none errored
+    assert all(h["reward/code_inprocess_checks"] == 0.0 and h["reward/errors"] == 0.0 for h in steps if "reward/errors" in h)

@@ -26,6 +26,15 @@ model's greedy answer is a guess in the head (never right) and sampling calls th
 time; GRPO with the exact-answer reward (the last integer of the model's own tokens) moves it to
 the tool (docs/agents.md has what else was tried).
 
+``code`` (the code recipe's task): ``digit_max``'s prompts, triples and held-out split with a
+program as the answer: "max 3 8 1" -> ``f=lambda:max(3,8,1)``, graded by the built-in code reward
+(``data_source="code"``: hybridflow/rewards/code.py runs the response in the sandbox against
+``ground_truth``, a list with one assert-style check, ``assert f() == 8``; the score is the fraction
+of checks passed). SFT demonstrations write the wrong rule's program (``min(...)``) with probability
+``bias_prob``, so the SFT model's greedy program returns the minimum and fails the check; GRPO with
+the code reward switches it to ``max``. One check per row keeps a step cheap: each check is one
+sandbox run (~50 ms), scored one sample after another.
+
 ``arith_add``: single-digit addition ``a+b`` (a, b in 0..9). The RL files hold the 100 pairs split
 into train / val (val is held out from RL training); the SFT file holds biased demonstrations over
 all 100 pairs: with probability ``bias_prob`` the demonstrated answer is ``a+b+bias_offset``. An SFT
@@ -43,6 +52,7 @@ import random
 ARITH_DATA_SOURCE = "arith_add"
 MAX_DATA_SOURCE = "digit_max"
 MULTIPLY_DATA_SOURCE = "multiply"
+CODE_DATA_SOURCE = "code"
 # The tool demo's calculator: the schema the RL prompt renders (tool_config.yaml) and the SFT rows carry.
 CALCULATOR_SCHEMA = {"type": "function", "function": {
     "name": "calculator", "description": "Evaluate arithmetic.",
@@ -179,6 +189,54 @@ def make_max_task(out_dir, num_digits: int = 3, val_fraction: float = 0.2, sft_c
     }
 
 
+def code_answer(digits: tuple[int, ...], rule: str = "max") -> str:
+    """The code task's program for ``digits``: ``f=lambda:max(3,8,1)`` (``rule="min"``: the wrong rule's)."""
+    return f"f=lambda:{rule}({','.join(map(str, digits))})"
+
+
+def make_code_task(out_dir, num_digits: int = 3, val_fraction: float = 0.2, sft_copies: int = 2, bias_prob: float = 0.75,
+                   seed: int = 0) -> dict[str, pathlib.Path]:
+    """Write ``train.parquet``, ``val.parquet`` (RL rows scored by the code reward) and ``sft.parquet``
+    (programs over the train triples only, the wrong rule's with ``bias_prob``) for the ``code`` task.
+    The triples, their order and the train / held-out split are ``make_max_task``'s for the same arguments."""
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    if not 0.0 <= bias_prob <= 1.0:
+        raise ValueError(f"bias_prob must be in [0, 1], got {bias_prob}")
+    if not 2 <= num_digits <= 10:
+        raise ValueError(f"num_digits must be in [2, 10], got {num_digits}")
+    out = pathlib.Path(out_dir)
+    rng = random.Random(seed)
+    combos = list(itertools.permutations(range(10), num_digits))
+    rng.shuffle(combos)
+    n_val = max(1, round(len(combos) * val_fraction))
+    val, train = combos[:n_val], combos[n_val:]
+
+    def rl_rows(split: str, split_combos):
+        return [
+            {
+                "data_source": CODE_DATA_SOURCE,
+                "prompt": max_prompt(c),
+                "ability": "code",
+                "reward_model": {"style": "rule", "ground_truth": [f"assert f() == {max(c)}"]},
+                "extra_info": {"split": split, "index": i, "digits": list(c)},
+            }
+            for i, c in enumerate(split_combos)
+        ]
+
+    sft_rows = [
+        {"prompt": max_prompt(c), "response": code_answer(c, "min" if rng.random() < bias_prob else "max")}
+        for c in train
+        for _ in range(sft_copies)
+    ]
+    rng.shuffle(sft_rows)
+    return {
+        "train": write_parquet(rl_rows("train", train), out / "train.parquet"),
+        "val": write_parquet(rl_rows("val", val), out / "val.parquet"),
+        "sft": write_parquet(sft_rows, out / "sft.parquet"),
+    }
+
+
 def multiply_prompt(a: int, b: int) -> list[dict]:
     return [{"role": "user", "content": f"What is {a}*{b}?"}]
 
@@ -258,12 +316,12 @@ def main_make_data(argv=None) -> int:
     p = argparse.ArgumentParser(prog="hybridflow make-data",
                                 description="Write a built-in task's train/val/sft parquet files (digit_max also writes preference pairs: pref_train/pref_val)")
     p.add_argument("out_dir")
-    p.add_argument("--task", default="digit_max", choices=["digit_max", "arith_add"])
+    p.add_argument("--task", default="digit_max", choices=["digit_max", "arith_add", "code"])
     p.add_argument("--val-fraction", type=float, default=None)
     p.add_argument("--sft-copies", type=int, default=None)
     p.add_argument("--bias-prob", type=float, default=0.75)
     p.add_argument("--bias-offset", type=int, default=1, help="arith_add only")
-    p.add_argument("--num-digits", type=int, default=3, help="digit_max only")
+    p.add_argument("--num-digits", type=int, default=3, help="digit_max and code only")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     common = {"bias_prob": a.bias_prob, "seed": a.seed}
@@ -273,6 +331,8 @@ def main_make_data(argv=None) -> int:
         common["sft_copies"] = a.sft_copies
     if a.task == "digit_max":
         files = make_max_task(a.out_dir, num_digits=a.num_digits, **common)
+    elif a.task == "code":
+        files = make_code_task(a.out_dir, num_digits=a.num_digits, **common)
     else:
         files = make_addition_task(a.out_dir, bias_offset=a.bias_offset, **common)
     print(json.dumps({k: str(v) for k, v in files.items()}))
