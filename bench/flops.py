@@ -46,25 +46,41 @@ def generation_flops(arch, prompt_lengths: list[int], response_lengths: list[int
     return total
 
 
-def matmul_peak(dtype: torch.dtype, threads: int, size: tuple[int, int, int] = (2048, 576, 1536), seconds: float = 1.0) -> float:
+def matmul_peak(dtype: torch.dtype, threads: int, size: tuple[int, int, int] = (2048, 576, 1536), seconds: float = 1.0,
+                device: str = "cpu") -> float:
     """FLOP/s of [m, k] activations through a [n, k] weight (`F.linear`, the layout of every
     nn.Linear) on `threads` threads (the best of repeated timings). The layout matters on CPUs
     without bf16 units: there a bf16 `a @ b` with b [k, n] contiguous measured 1.1 GFLOP/s and the
-    same product through `F.linear` 7.2, so a peak taken the other way made bf16 MFU exceed 1."""
+    same product through `F.linear` 7.2, so a peak taken the other way made bf16 MFU exceed 1.
+    device="cuda": on the current GPU (threads ignored; each timing synchronized), where a peak
+    needs large products: pass e.g. size=(8192, 8192, 8192) (`device_peak`)."""
     import torch.nn.functional as F
 
     m, k, n = size
     before = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    if device == "cpu":
+        torch.set_num_threads(threads)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     try:
-        x, w = torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
+        x, w = torch.randn(m, k, dtype=dtype, device=device), torch.randn(n, k, dtype=dtype, device=device)
         for _ in range(3):
             F.linear(x, w)
+        sync()
         best, end = float("inf"), time.perf_counter() + seconds
         while time.perf_counter() < end:
             t = time.perf_counter()
             F.linear(x, w)
+            sync()
             best = min(best, time.perf_counter() - t)
     finally:
         torch.set_num_threads(before)
     return 2 * m * k * n / best
+
+
+def device_peak(dtype: torch.dtype, device: str, threads: int = 1) -> float:
+    """The matmul peak a stage on `device` can reach: on a GPU the best of a few large products
+    (8192^3 and 4096^3: the card's, measured, not its datasheet's); on a CPU `matmul_peak`'s
+    default product on `threads` threads."""
+    if device.startswith("cuda"):
+        return max(matmul_peak(dtype, 1, size, seconds=1.0, device=device) for size in ((8192, 8192, 8192), (4096, 4096, 4096)))
+    return matmul_peak(dtype, threads)

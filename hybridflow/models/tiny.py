@@ -135,6 +135,7 @@ def make_tiny_model(
     head_dim: int | None = None,
     reward: bool = False,
     tools_template: bool = False,
+    vocab_size: int | None = None,
 ) -> pathlib.Path:
     """Build a randomly initialised fp32 causal LM + char tokenizer and save both to ``out_dir``.
 
@@ -145,6 +146,9 @@ def make_tiny_model(
     one that does not divide by the number of workers.
 
     tools_template=True saves ``TOOLS_CHAT_TEMPLATE`` (a compact tool block) as the chat template.
+
+    vocab_size (default: the tokenizer's 259) gives the embedding and LM head a real model's shape
+    (e.g. 151936 for a Qwen2.5-shaped one: bench/grpo_device.py); ids past the tokenizer's decode to nothing.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig, LlamaConfig, Qwen2Config
@@ -154,8 +158,10 @@ def make_tiny_model(
     tok = build_char_tokenizer()
     pad_id = tok.convert_tokens_to_ids(PAD_TOKEN)
     eos_id = tok.convert_tokens_to_ids(IM_END)
+    if vocab_size is not None and vocab_size < len(tok):
+        raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer's {len(tok)}")
     common = dict(
-        vocab_size=len(tok),
+        vocab_size=vocab_size or len(tok),
         hidden_size=hidden_size,
         num_hidden_layers=num_hidden_layers,
         num_attention_heads=num_attention_heads,
