@@ -466,6 +466,48 @@ def test_sandboxed_agent_command_reaches_its_session_and_nothing_else(tok, pytho
     assert t.response_ids == tok.encode("yes", add_special_tokens=False) + [tok.eos_token_id]
 
 
+YES_AGENT = r'''
+import json, os, sys, urllib.request
+
+row = json.load(sys.stdin)
+req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions",
+                             json.dumps({"model": os.environ["OPENAI_MODEL"], "messages": row["messages"]}).encode(),
+                             {"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"], "Content-Type": "application/json"})
+with urllib.request.urlopen(req, timeout=60) as r:
+    print(json.dumps({"reward": float(json.load(r)["choices"][0]["message"]["content"] == "yes")}))
+'''
+
+
+def test_more_sandboxed_agents_in_flight_than_executor_threads_all_finish(tok):
+    """Each sandboxed agent's run blocks a thread until its program ends, and its program waits for
+    a reply that the batcher's generate call (another thread) must produce. With the loop's default
+    executor at 2 threads and 5 agents in flight, b4554a1 deadlocked (every thread an agent waiting;
+    each timed out at agent.timeout_s, reward 0); each blocking call now has a thread of its own."""
+    import concurrent.futures
+    import os
+    import shutil
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="yes-agent-", dir="/var/tmp")
+    os.chmod(folder, 0o755)
+    script = os.path.join(folder, "agent.py")
+    with open(script, "w") as f:
+        f.write(YES_AGENT)
+    settings = AgentSettings(response_budget=64, black_box=BlackBoxAgent(command=f"/usr/bin/python3 {script}", timeout_s=30, sandbox=True),
+                             endpoint=EndpointSettings("tiny", 64, 200, unix_socket=True))
+    rows = [{"raw_prompt": [{"role": "user", "content": "ok?"}], "extra_info": {}} for _ in range(5)]
+
+    async def main():
+        asyncio.get_running_loop().set_default_executor(concurrent.futures.ThreadPoolExecutor(2))
+        return await run_trajectories(rows, Scripted(tok, lambda prompt: "yes"), tok, settings, SamplingParams(max_new_tokens=64))
+
+    try:
+        trajs, _ = asyncio.run(main())
+    finally:
+        shutil.rmtree(folder)
+    assert [(t.reward, bool(t.agent_timeout), t.agent_error) for t in trajs] == [(1.0, False, "")] * 5
+
+
 def test_agent_sandbox_config_errors_name_the_key():
     """agent.sandbox=true is for a command: with a function it is refused before any worker starts,
     naming the key; so are sandbox_paths that are not absolute existing paths, or set without the sandbox."""

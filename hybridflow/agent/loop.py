@@ -33,6 +33,7 @@ from typing import Any, Callable, Mapping, Sequence
 from hybridflow.agent.registry import class_registry
 from hybridflow.agent.envs import Environment, env_name_for_row, make_env_for_row
 from hybridflow.agent.format import apply_chat_template_with_tools, get_format, message_delta_ids
+from hybridflow.agent.threads import in_own_thread
 from hybridflow.agent.tools import Tool, ToolResult, ToolSession, truncate_middle
 from hybridflow.protocol import Completion, Request, SamplingParams
 
@@ -132,7 +133,7 @@ class RequestBatcher:
                 longest[k] = max(longest.get(k, 0), n)
             requests = [Request(ids, k.with_(max_new_tokens=longest[k]), session) for k, (ids, _, session, *_) in zip(keys, batch)]
             try:
-                out = await asyncio.to_thread(self.generate_fn, requests)
+                out = await in_own_thread(self.generate_fn, requests)
             except Exception as e:  # noqa: BLE001 - every waiting trajectory gets the backend's error
                 for *_, f in batch:
                     if not f.done():

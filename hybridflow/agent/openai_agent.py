@@ -45,6 +45,7 @@ from hybridflow.agent.loop import AgentLoop, RequestBatcher, Trajectory, registe
 from hybridflow.agent.format import apply_chat_template_with_tools
 from hybridflow.agent.openai_server import LiveEndpoint
 from hybridflow.agent.sandbox import Sandbox, SandboxLimits, SandboxUnavailable
+from hybridflow.agent.threads import in_own_thread
 from hybridflow.config.validate import register_check
 
 STDOUT_KEEP = 65536  # bytes of a command's stdout kept (the reward is its last line)
@@ -240,7 +241,7 @@ async def run_sandboxed(command: str, row: Mapping[str, Any], env: Mapping[str, 
     more host paths the command sees (sandbox_paths)."""
     sandbox, argv = agent_sandbox(command, tuple(paths))
     bridge = [sandbox.python, "-I", "-S", "-B", "bridge.py", SOCKET_INSIDE, str(BRIDGE_PORT), "--", *argv]
-    res = await asyncio.to_thread(sandbox.run, bridge, sandbox_limits(timeout_s), stdin=json.dumps(jsonable(row)),
+    res = await in_own_thread(sandbox.run, bridge, sandbox_limits(timeout_s), stdin=json.dumps(jsonable(row)),
                                   files={"bridge.py": BRIDGE_SOURCE}, env=env, sockets={SOCKET_INSIDE: socket_path})
     if res.timed_out:
         raise TimeoutError(res.killed_reason)

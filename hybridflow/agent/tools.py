@@ -25,7 +25,6 @@ verl-style tuple from a user's tool is still accepted by ``ToolSession``).
 from __future__ import annotations
 
 import ast
-import asyncio
 import dataclasses
 import difflib
 import hashlib
@@ -41,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from hybridflow.agent.registry import class_registry
+from hybridflow.agent.threads import in_own_thread
 from hybridflow.config.validate import register_check
 
 __all__ = [
@@ -559,7 +559,7 @@ class PythonTool(Tool):
 
         limits = _sandbox_limits(sandbox, {**self.config.limits, **dict(kwargs.get("limits") or {})})
         try:
-            res = await asyncio.to_thread(sandbox.run_python, code, limits)
+            res = await in_own_thread(sandbox.run_python, code, limits)
         except getattr(sandbox, "SandboxUnavailable", ()) as e:
             raise ToolSetupError(f"python tool: no sandbox on this machine: {e}") from e
         return sandbox_result_to_tool_result(res, self.config.max_output_chars)
