@@ -133,22 +133,28 @@ def max_prompt(digits: tuple[int, ...]) -> list[dict]:
     return [{"role": "user", "content": "max " + " ".join(map(str, digits))}]
 
 
-def make_max_task(out_dir, num_digits: int = 3, val_fraction: float = 0.2, sft_copies: int = 2, bias_prob: float = 0.75,
-                  seed: int = 0) -> dict[str, pathlib.Path]:
-    """Write ``train.parquet``, ``val.parquet`` (RL), ``sft.parquet`` and the preference pairs
-    ``pref_train.parquet`` / ``pref_val.parquet`` (the same train / held-out split) for ``digit_max``."""
+def _digit_split(num_digits: int, val_fraction: float, bias_prob: float, seed: int):
+    """(rng, train triples, held-out triples) shared by digit_max and the code task: the same
+    arguments give the same triples, order and split (the rng continues into the SFT draws)."""
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
     if not 0.0 <= bias_prob <= 1.0:
         raise ValueError(f"bias_prob must be in [0, 1], got {bias_prob}")
     if not 2 <= num_digits <= 10:
         raise ValueError(f"num_digits must be in [2, 10], got {num_digits}")
-    out = pathlib.Path(out_dir)
     rng = random.Random(seed)
     combos = list(itertools.permutations(range(10), num_digits))
     rng.shuffle(combos)
     n_val = max(1, round(len(combos) * val_fraction))
-    val, train = combos[:n_val], combos[n_val:]
+    return rng, combos[n_val:], combos[:n_val]
+
+
+def make_max_task(out_dir, num_digits: int = 3, val_fraction: float = 0.2, sft_copies: int = 2, bias_prob: float = 0.75,
+                  seed: int = 0) -> dict[str, pathlib.Path]:
+    """Write ``train.parquet``, ``val.parquet`` (RL), ``sft.parquet`` and the preference pairs
+    ``pref_train.parquet`` / ``pref_val.parquet`` (the same train / held-out split) for ``digit_max``."""
+    out = pathlib.Path(out_dir)
+    rng, train, val = _digit_split(num_digits, val_fraction, bias_prob, seed)
 
     def rl_rows(split: str, split_combos):
         return [
@@ -199,18 +205,8 @@ def make_code_task(out_dir, num_digits: int = 3, val_fraction: float = 0.2, sft_
     """Write ``train.parquet``, ``val.parquet`` (RL rows scored by the code reward) and ``sft.parquet``
     (programs over the train triples only, the wrong rule's with ``bias_prob``) for the ``code`` task.
     The triples, their order and the train / held-out split are ``make_max_task``'s for the same arguments."""
-    if not 0.0 < val_fraction < 1.0:
-        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
-    if not 0.0 <= bias_prob <= 1.0:
-        raise ValueError(f"bias_prob must be in [0, 1], got {bias_prob}")
-    if not 2 <= num_digits <= 10:
-        raise ValueError(f"num_digits must be in [2, 10], got {num_digits}")
     out = pathlib.Path(out_dir)
-    rng = random.Random(seed)
-    combos = list(itertools.permutations(range(10), num_digits))
-    rng.shuffle(combos)
-    n_val = max(1, round(len(combos) * val_fraction))
-    val, train = combos[:n_val], combos[n_val:]
+    rng, train, val = _digit_split(num_digits, val_fraction, bias_prob, seed)
 
     def rl_rows(split: str, split_combos):
         return [
