@@ -58,10 +58,15 @@ def test_exact_mode_refuses_what_it_cannot_hold(tiny_model_dir, task_dir, tmp_pa
               r"exact=true at actor_rollout_ref\.rollout\.tensor_model_parallel_size=1 needs actor_rollout_ref\.actor\.tensor_model_parallel_size=1"),
              ("actor_rollout_ref.model.use_remove_padding=true",
               r"exact=true runs each sequence alone: set actor_rollout_ref\.model\.use_remove_padding=false"),
-             ("actor_rollout_ref.rollout.multi_turn.enable=true", r"exact=true is for single-turn rollouts")]
+             ("actor_rollout_ref.rollout.multi_turn.enable=true", r"exact=true is for single-turn rollouts"),
+             # on b4554a1 accepted, and the run's logprob_diff_max was 4.8e-7 to 1.2e-6 instead of 0.0
+             (["trainer.async_rollout=true", "async_training.partial_rollout=true", "async_training.partial_rollout_chunk=2",
+               "resource_pool.pools.actor_pool.workers_per_node=2", "resource_pool.pools.rollout_pool.workers_per_node=1",
+               "resource_pool.mapping.actor_rollout=actor_pool", "resource_pool.mapping.rollout=rollout_pool"],
+              r"exact=true samples each response in one pass; async_training\.partial_rollout=true splits responses")]
     for extra, expect in cases:
         with pytest.raises(ConfigError, match=expect):
-            validate_config(load_config(None, [*base, extra], schema=HybridFlowConfig))
+            validate_config(load_config(None, [*base, *([extra] if isinstance(extra, str) else extra)], schema=HybridFlowConfig))
 
 
 @pytest.mark.slow

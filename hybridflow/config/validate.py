@@ -276,6 +276,12 @@ def _async_problems(p: Problems, cfg: HybridFlowConfig) -> None:
     elif a.partial_rollout and positive_int(budget) and chunk >= budget:
         p.append(f"async_training.partial_rollout_chunk={chunk} >= data.max_response_length={budget}: no response would ever pause "
                  f"for a weight update; set it below (e.g. {max(1, budget // 4)})")
+    if a.partial_rollout and cfg.actor_rollout_ref.rollout.exact:
+        # A segment continues from the prefix re-sent as a prompt: its log-probs are computed on other
+        # shapes than the trainer's one-sequence pass, so exact's promise (zero difference) would not hold.
+        p.append("actor_rollout_ref.rollout.exact=true samples each response in one pass; async_training.partial_rollout=true "
+                 "splits responses into segments sampled on other shapes than the trainer's (the difference is no longer 0): "
+                 "set one of them to false")
 
 
 def _dpo_problems(p: Problems, cfg: HybridFlowConfig) -> None:
