@@ -186,6 +186,23 @@ def test_a_slow_tool_delays_only_its_own_trajectory():
     assert m["agent/tool_seconds/mean"] >= 0.25
 
 
+def test_a_backend_that_drops_completions_fails_its_requests_instead_of_hanging():
+    """A backend returning fewer completions than requests: every waiting request gets the error (on
+    b4554a1 the requests past the last completion waited forever)."""
+    from hybridflow.agent.loop import RequestBatcher
+
+    def short(requests):
+        return [Completion((1,), (-0.1,), "stop")] * (len(requests) - 1)
+
+    async def main():
+        batcher = RequestBatcher(short, SamplingParams(max_new_tokens=4))
+        calls = [batcher.generate([5, 6], 4, f"s{i}") for i in range(3)]
+        return await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), timeout=10)
+
+    out = asyncio.run(main())
+    assert [type(o) for o in out] == [RuntimeError] * 3 and "2 completions for 3 requests" in str(out[0])
+
+
 def test_multi_turn_config_errors_name_the_key(tmp_path):
     from hybridflow.config import ConfigError, load_config, validate_config
 

@@ -134,6 +134,8 @@ class RequestBatcher:
             requests = [Request(ids, k.with_(max_new_tokens=longest[k]), session) for k, (ids, _, session, *_) in zip(keys, batch)]
             try:
                 out = await in_own_thread(self.generate_fn, requests)
+                if len(out) != len(requests):  # a request without its completion would wait forever
+                    raise RuntimeError(f"the rollout backend returned {len(out)} completions for {len(requests)} requests")
             except Exception as e:  # noqa: BLE001 - every waiting trajectory gets the backend's error
                 for *_, f in batch:
                     if not f.done():
