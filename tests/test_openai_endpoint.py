@@ -199,6 +199,47 @@ def test_a_rewritten_history_starts_a_new_segment_and_the_latest_is_trained(tok)
     assert s.trajectory() is s.segments[1] and s.trajectory().response_ids == tok.encode("three", add_special_tokens=False) + [tok.eos_token_id]
 
 
+def test_requests_in_flight_together_on_one_segment_keep_each_reply_after_its_own_prompt(tok):
+    """Two /v1/completions requests in flight at once, the second's prompt extending the first's (an
+    agent that does not wait): each reply must follow its own prompt, within the budget. On b4554a1
+    both were placed on one segment, so the first reply sat after the second's prompt (a context it
+    was not sampled in)."""
+    import time
+
+    replies = iter(["zero", "alpha", "beta"])
+
+    def slow(requests):  # the first reply of each call takes a while: the next request arrives meanwhile
+        time.sleep(0.3)
+        return Scripted(tok, [next(replies) for _ in requests])(requests)
+
+    def ids(text):
+        return tok.encode(text, add_special_tokens=False)
+
+    async def body(ep, batcher):
+        s = ep.open_session()
+        async with httpx.AsyncClient(timeout=30, headers={"Authorization": f"Bearer {s.key}"}) as http:
+            async def complete(prompt):
+                r = await http.post(f"{ep.url(s)}/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 8})
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]["token_ids"]
+
+            p0 = ids("hello")
+            r0 = await complete(p0)
+            pa = p0 + r0 + ids(" more")
+            pb = pa + ids(" and more")
+            task_a = asyncio.create_task(complete(pa))
+            await asyncio.sleep(0.1)  # A is placed and generating
+            rb = await complete(pb)
+            ra = await task_a
+        return s, [(p0, r0), (pa, ra), (pb, rb)]
+
+    s, sent = asyncio.run(_serve(tok, slow, body, budget=40))
+    tokens = [seg.prompt_ids + seg.response_ids for seg in s.segments]
+    for prompt, reply in sent:
+        assert any(t[: len(prompt) + len(reply)] == prompt + reply for t in tokens), (prompt, reply)
+    assert all(len(seg.response_ids) <= 40 for seg in s.segments) and not s.in_flight
+
+
 def _hostile(url: str, key: str, other_key: str, other_url: str, big: bytes) -> list[tuple[str, str, dict, object, int]]:
     """(name, method, headers, body, expected status): what a policy-written or broken client may send."""
     ok = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}

@@ -284,7 +284,18 @@ class LiveEndpoint:
             raise APIError(400, str(e), param="messages", code="context_length_exceeded") from None
         params, seeded, n, want_logprobs = self._params(body, plan.left, session, chat=True)
         prompt, seg = plan.ids, session.place(plan)  # every check passed: the request is recorded from here on
-        completions = await asyncio.gather(*(self.batcher.generate(prompt, params.max_new_tokens, session.id, params, seeded) for _ in range(n)))
+        try:
+            completions, choices = await self._chat_choices(session, seg, messages, tools, choice, prompt, params, seeded, n, want_logprobs)
+        finally:
+            session.release(seg)
+        return self._reply("chat.completion", prompt, completions, choices)
+
+    async def _chat_choices(self, session: Session, seg: int, messages, tools, choice, prompt, params: SamplingParams, seeded: bool,
+                            n: int, want_logprobs: bool) -> tuple[list, list]:
+        """Generate the n choices of a placed chat request and record them in its segment (the first)
+        and branches of it (the others)."""
+        completions = await asyncio.gather(*(self.batcher.generate(prompt, params.max_new_tokens, session.id, params, seeded)
+                                             for _ in range(n)))
         fmt = get_format(self.s.fmt)
         choices = []
         base_len = len(session.segments[seg].response_ids)  # the segment before any choice: choices after the first branch from here
@@ -303,7 +314,7 @@ class LiveEndpoint:
                 session.tool_calls += len(message.get("tool_calls") or ())
             choices.insert(0, {"index": i, "message": message, "finish_reason": finish, "token_ids": list(c.token_ids),
                                "logprobs": self._logprobs(c) if want_logprobs else None})
-        return self._reply("chat.completion", prompt, completions, choices)
+        return completions, choices
 
     async def _completions(self, request, sid: str) -> dict:
         session = self._session(request, sid)
@@ -330,8 +341,11 @@ class LiveEndpoint:
         if n != 1:
             raise APIError(400, "n > 1 is not supported on /v1/completions (one continuation per segment)", param="n")
         ids, seg = plan.ids, session.place(plan)
-        c = await self.batcher.generate(ids, params.max_new_tokens, session.id, params, seeded)
-        session.record(seg, None, c, None, self.stop_ids)
+        try:
+            c = await self.batcher.generate(ids, params.max_new_tokens, session.id, params, seeded)
+            session.record(seg, None, c, None, self.stop_ids)
+        finally:
+            session.release(seg)
         choices = [{"index": 0, "text": self._text(c, params), "finish_reason": c.finish_reason, "token_ids": list(c.token_ids),
                     "logprobs": {"tokens": [self.tok.decode([t]) for t in c.token_ids], "token_logprobs": list(c.log_probs),
                                  "top_logprobs": [{self.tok.decode([t]): v for t, v in top} for top in c.top_logprobs]

@@ -116,6 +116,8 @@ class Session:
     sampling_overridden: int = 0  # requests that asked for another temperature / top_p than the run's (served with the run's)
     last: int = -1  # the segment the latest reply went to: the trained one
     closed: bool = False
+    # segments with a request placed and its reply not yet recorded: their end belongs to that reply
+    in_flight: dict[int, int] = field(default_factory=dict)
 
     def plan(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None) -> "Placement":
         """Where a chat request goes, without changing the session (`place` commits it): continues the
@@ -156,16 +158,29 @@ class Session:
         return Placement(ids, self.response_budget)
 
     def place(self, p: "Placement") -> int:
-        """Commit a plan: the segment index its reply goes to (a branch when the recorded point is
-        not the segment's end: a retry, another of n choices)."""
+        """Commit a plan: the segment index its reply goes to, reserved until ``release``. A branch
+        when the recorded point is not the segment's end (a retry, another of n choices) or when the
+        segment awaits another request's reply: that reply goes right after its own prompt, and this
+        request's prompt and reply go to a copy (requests in flight together never interleave)."""
         self.requests += 1
         self.mismatches += int(p.mismatch)
         if p.segment is None:
             self.segments.append(Trajectory(prompt_ids=p.ids, session=self.id))
-            return len(self.segments) - 1
-        at = p.segment if len(self.segments[p.segment].response_ids) == p.length else self.branch(p.segment, p.length)
-        self.segments[at].append(p.delta, model=False)
+            at = len(self.segments) - 1
+        else:
+            free = len(self.segments[p.segment].response_ids) == p.length and not self.in_flight.get(p.segment)
+            at = p.segment if free else self.branch(p.segment, p.length)
+            self.segments[at].append(p.delta, model=False)
+        self.in_flight[at] = self.in_flight.get(at, 0) + 1
         return at
+
+    def release(self, segment: int) -> None:
+        """The request placed in ``segment`` is done (its reply recorded, or it failed)."""
+        left = self.in_flight.get(segment, 0) - 1
+        if left > 0:
+            self.in_flight[segment] = left
+        else:
+            self.in_flight.pop(segment, None)
 
     def branch(self, segment: int, length: int) -> int:
         """A new segment holding the first `length` response tokens of `segment`; its index."""
