@@ -36,8 +36,8 @@ def main() -> None:
     print("\n[grpo] " + ("\n".join(peak + grpo) if grpo else "no table"))
     rows = json.loads((out / "grpo.json").read_text()) if (out / "grpo.json").exists() else []
     for r in rows:
-        print(f"[switch] {r['model']}: {r['backend']} world size 1, {r['switch_s']:.4f} s ({r['switch_gbs']:.1f} GB/s of bf16 weights), max |generation - trained| {r['switch_max_diff']:g} "
-              f"over {r['steps_timed'] + 1} steps")
+        print(f"[switch] {r['model']}: {r['backend']} world size 1, {r['switch_s']:.4f} s ({r['switch_gbs']:.1f} GB/s of bf16 weights), "
+              f"max |generation - trained| {r['switch_max_diff']:g} over {r['steps_timed'] + 1} steps")
     exact = section(out / "logs" / "exact.log", "model ")
     print("\n[exact] " + ("\n".join(exact) if exact else "no table"))
 
