@@ -138,6 +138,11 @@ class RolloutSpec:
                 p.append(f"{R}.agent.timeout_s must be > 0 (seconds one trajectory's agent may run), got {a.timeout_s}")
             p.positive(f"{R}.agent.max_request_bytes", a.max_request_bytes)
             p.positive(f"{R}.agent.max_messages", a.max_messages)
+            for key in ("max_session_concurrency", "max_session_requests", "max_session_segments"):
+                p.positive(f"{R}.agent.{key}", getattr(a, key))
+            if not (isinstance(a.max_session_tokens, int) and a.max_session_tokens >= 0):
+                p.append(f"{R}.agent.max_session_tokens must be an integer >= 0 (0 = 4 x data.max_response_length), "
+                         f"got {a.max_session_tokens!r}")
             if not 0 <= a.port < 65536:
                 p.append(f"{R}.agent.port must be in [0, 65535] (0 = a free port), got {a.port}")
         p.token_budget(f"{R}.log_prob_max_token_len_per_gpu", r.log_prob_use_dynamic_bsz, r.log_prob_max_token_len_per_gpu, self.max_model_len)

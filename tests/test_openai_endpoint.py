@@ -240,6 +240,60 @@ def test_requests_in_flight_together_on_one_segment_keep_each_reply_after_its_ow
     assert all(len(seg.response_ids) <= 40 for seg in s.segments) and not s.in_flight
 
 
+def test_per_session_limits_hold_and_an_ended_sessions_waiting_requests_are_dropped(tok):
+    """Each session is bounded (actor_rollout_ref.rollout.agent.max_session_*): requests in flight,
+    requests in all, segments, sampled tokens (each new segment no longer brings a whole new budget);
+    and a request still waiting for the backend when its session ends (its agent timed out) is dropped
+    with 410, never generated. On b4554a1 none of these limits existed and the dropped request ran."""
+    import time
+
+    seen = []
+
+    def slow(requests):
+        seen.extend(requests)
+        time.sleep(0.3)
+        return Scripted(tok, ["ok"] * len(requests))(requests)
+
+    async def body(ep, batcher):
+        s, busy_session, ended = ep.open_session(), ep.open_session(), ep.open_session()
+        out = {}
+
+        def post(session, messages, **kw):
+            return http.post(f"{ep.url(session)}/chat/completions", headers={"Authorization": f"Bearer {session.key}"},
+                             json={"model": "tiny", "messages": messages, **kw})
+
+        def user(text):
+            return [{"role": "user", "content": text}]
+
+        async with httpx.AsyncClient(timeout=30) as http:
+            first = asyncio.create_task(post(s, user("a")))
+            await asyncio.sleep(0.1)
+            out["a second request while the first runs"] = (await post(s, user("b"))).status_code  # concurrency 1
+            reply = (await first).json()["choices"][0]["message"]["content"]
+            out["a second conversation"] = (await post(s, user("c"))).status_code
+            out["a third conversation"] = (await post(s, user("x"))).status_code  # segments: 2
+            more = user("a") + [{"role": "assistant", "content": reply}] + user("d")
+            out["max_tokens past the session's tokens"] = (await post(s, more, max_tokens=5)).status_code  # 8 - 6 sampled
+            out["within them"] = (await post(s, more, max_tokens=1)).status_code
+            out["a fourth request"] = (await post(s, more, max_tokens=1)).status_code  # requests: 3
+            busy = asyncio.create_task(post(busy_session, user("f")))  # occupies the backend ...
+            await asyncio.sleep(0.05)
+            waiting = asyncio.create_task(post(ended, user("never")))
+            await asyncio.sleep(0.05)  # ... so this one waits in the batcher when its session ends
+            ep.close_session(ended)
+            out["a waiting request of a session that ended"] = (await waiting).status_code
+            await busy
+        return out, s
+
+    out, s = asyncio.run(_serve(tok, slow, body, max_session_concurrency=1, max_session_requests=3, max_session_segments=2,
+                                max_session_tokens=8))
+    assert out == {"a second request while the first runs": 429, "a second conversation": 200, "a third conversation": 400,
+                   "max_tokens past the session's tokens": 400, "within them": 200, "a fourth request": 429,
+                   "a waiting request of a session that ended": 410}, out
+    assert not any(tok.decode(list(r.prompt_ids)).endswith("never<|im_end|>\n<|im_start|>assistant\n") for r in seen)
+    assert s.sampled <= 8 and s.reserved == 0
+
+
 def _hostile(url: str, key: str, other_key: str, other_url: str, big: bytes) -> list[tuple[str, str, dict, object, int]]:
     """(name, method, headers, body, expected status): what a policy-written or broken client may send."""
     ok = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}

@@ -96,6 +96,10 @@ class AgentSettings:
     endpoint: Any = None  # openai_server.EndpointSettings (with black_box)
 
 
+class SessionClosed(RuntimeError):
+    """A request of a session that ended (its agent finished or timed out) before it was generated."""
+
+
 class RequestBatcher:
     """Gathers the requests of every trajectory in flight; one backend call at a time takes all
     that are pending (the backend is a serial resource), run in a thread so tools go on meanwhile.
@@ -118,6 +122,18 @@ class RequestBatcher:
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._drain())
         return await fut
+
+    def drop_session(self, session: str) -> None:
+        """A session's requests still waiting for the backend are not sent: their callers get
+        SessionClosed (a call already running is not stopped; its replies are not recorded)."""
+        keep = []
+        for entry in self.pending:
+            if entry[2] == session:
+                if not entry[-1].done():
+                    entry[-1].set_exception(SessionClosed(f"session {session} ended before its request was generated"))
+            else:
+                keep.append(entry)
+        self.pending = keep
 
     async def _drain(self) -> None:
         while self.pending:

@@ -47,6 +47,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from hybridflow.agent.format import get_format
+from hybridflow.agent.loop import SessionClosed
 from hybridflow.agent.sessions import Session
 from hybridflow.protocol import Completion, SamplingParams
 
@@ -83,6 +84,11 @@ class EndpointSettings:
     max_messages: int = 256
     sampling: Literal["run", "request"] = "run"
     unix_socket: bool = False  # serve on a Unix socket as well (`socket_path`): sandboxed agents reach it through it
+    # per session (actor_rollout_ref.rollout.agent.max_session_*): in flight at once, in all, segments, sampled tokens
+    max_session_concurrency: int = 8
+    max_session_requests: int = 256
+    max_session_segments: int = 32
+    max_session_tokens: int = 1 << 30
 
 
 @dataclass
@@ -112,7 +118,10 @@ class LiveEndpoint:
         return s
 
     def close_session(self, session: Session) -> None:
+        """The trajectory is done (its agent ended or timed out): its requests still waiting for the
+        backend are dropped (they get 410), later ones are refused."""
         session.closed = True
+        self.batcher.drop_session(session.id)
 
     def url(self, session: Session, base: str | None = None) -> str:
         """The session's OpenAI base URL (on `base` instead of where this serves: a sandbox's bridge)."""
@@ -176,6 +185,8 @@ class LiveEndpoint:
                 return JSONResponse(await work())
             except APIError as e:
                 return error(e)
+            except SessionClosed as e:  # its agent ended while the request waited for the backend
+                return error(APIError(410, str(e), code="session_closed"))
             except Exception as e:  # noqa: BLE001 - a request never raises into the run
                 return error(APIError(500, f"{type(e).__name__}: {e}"[:500], code="internal_error"))
 
@@ -224,6 +235,26 @@ class LiveEndpoint:
         if s.closed:
             raise APIError(410, f"session {sid} has ended (its trajectory is done)", code="session_closed")
         return s
+
+    def _admit(self, session: Session, plan) -> None:
+        """The session's own limits (EndpointSettings.max_session_*), before anything is recorded."""
+        s = self.s
+        if sum(session.in_flight.values()) >= s.max_session_concurrency:
+            raise APIError(429, f"this session has {s.max_session_concurrency} requests in flight "
+                                "(actor_rollout_ref.rollout.agent.max_session_concurrency)", code="rate_limit_exceeded")
+        if session.requests >= s.max_session_requests:
+            raise APIError(429, f"this session has made its {s.max_session_requests} requests "
+                                "(actor_rollout_ref.rollout.agent.max_session_requests)", code="rate_limit_exceeded")
+        if plan.segment is None and len(session.segments) >= s.max_session_segments:
+            raise APIError(400, f"this session has opened {s.max_session_segments} conversations (segments); a request that "
+                                "extends none of them would open another (actor_rollout_ref.rollout.agent.max_session_segments)",
+                           param="messages", code="context_length_exceeded")
+        if self._tokens_left(session) <= 0:
+            raise APIError(400, f"this session has used its {s.max_session_tokens} sampled tokens "
+                                "(actor_rollout_ref.rollout.agent.max_session_tokens)", param="max_tokens", code="context_length_exceeded")
+
+    def _tokens_left(self, session: Session) -> int:
+        return self.s.max_session_tokens - session.sampled - session.reserved
 
     def _known_key(self, key: str) -> bool:
         return any(secrets.compare_digest(key, s.key) for s in self.sessions.values())
@@ -282,8 +313,9 @@ class LiveEndpoint:
             plan = session.plan(messages, tools)
         except ValueError as e:
             raise APIError(400, str(e), param="messages", code="context_length_exceeded") from None
-        params, seeded, n, want_logprobs = self._params(body, plan.left, session, chat=True)
-        prompt, seg = plan.ids, session.place(plan)  # every check passed: the request is recorded from here on
+        self._admit(session, plan)
+        params, seeded, n, want_logprobs = self._params(body, min(plan.left, self._tokens_left(session)), session, chat=True)
+        prompt, seg = plan.ids, session.place(plan, params.max_new_tokens * n)  # every check passed: recorded from here on
         try:
             completions, choices = await self._chat_choices(session, seg, messages, tools, choice, prompt, params, seeded, n, want_logprobs)
         finally:
@@ -337,10 +369,11 @@ class LiveEndpoint:
             plan = session.plan_ids(ids)
         except ValueError as e:
             raise APIError(400, str(e), param="prompt", code="context_length_exceeded") from None
-        params, seeded, n, want_logprobs = self._params(body, plan.left, session, chat=False)
+        self._admit(session, plan)
+        params, seeded, n, want_logprobs = self._params(body, min(plan.left, self._tokens_left(session)), session, chat=False)
         if n != 1:
             raise APIError(400, "n > 1 is not supported on /v1/completions (one continuation per segment)", param="n")
-        ids, seg = plan.ids, session.place(plan)
+        ids, seg = plan.ids, session.place(plan, params.max_new_tokens)
         try:
             c = await self.batcher.generate(ids, params.max_new_tokens, session.id, params, seeded)
             session.record(seg, None, c, None, self.stop_ids)

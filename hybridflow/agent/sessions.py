@@ -118,6 +118,9 @@ class Session:
     closed: bool = False
     # segments with a request placed and its reply not yet recorded: their end belongs to that reply
     in_flight: dict[int, int] = field(default_factory=dict)
+    sampled: int = 0  # tokens the backend sampled for this session, over all its segments
+    reserved: int = 0  # max new tokens of the requests in flight (counted against the session's token limit)
+    _reservations: dict[int, list[int]] = field(default_factory=dict)
 
     def plan(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None) -> "Placement":
         """Where a chat request goes, without changing the session (`place` commits it): continues the
@@ -157,7 +160,7 @@ class Session:
                              f"(data.max_prompt_length)")
         return Placement(ids, self.response_budget)
 
-    def place(self, p: "Placement") -> int:
+    def place(self, p: "Placement", max_new_tokens: int = 0) -> int:
         """Commit a plan: the segment index its reply goes to, reserved until ``release``. A branch
         when the recorded point is not the segment's end (a retry, another of n choices) or when the
         segment awaits another request's reply: that reply goes right after its own prompt, and this
@@ -172,6 +175,8 @@ class Session:
             at = p.segment if free else self.branch(p.segment, p.length)
             self.segments[at].append(p.delta, model=False)
         self.in_flight[at] = self.in_flight.get(at, 0) + 1
+        self.reserved += max_new_tokens
+        self._reservations.setdefault(at, []).append(max_new_tokens)
         return at
 
     def release(self, segment: int) -> None:
@@ -181,6 +186,9 @@ class Session:
             self.in_flight[segment] = left
         else:
             self.in_flight.pop(segment, None)
+        held = self._reservations.get(segment)
+        if held:
+            self.reserved -= held.pop()
 
     def branch(self, segment: int, length: int) -> int:
         """A new segment holding the first `length` response tokens of `segment`; its index."""
@@ -195,6 +203,7 @@ class Session:
         if self.closed:  # a reply that arrived after its agent ended (timed out): the trajectory is already taken
             return
         seg = self.segments[segment]
+        self.sampled += len(completion.token_ids)
         seg.append(completion.token_ids, model=True, log_probs=completion.log_probs,
                    untruncated_log_probs=completion.untruncated, versions=completion.versions)
         seg.num_turns += 1

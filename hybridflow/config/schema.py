@@ -203,6 +203,13 @@ class AgentConfig:
     port: int = 0  # 0 = a free port per step
     max_request_bytes: int = 1_048_576  # a larger body gets 413
     max_messages: int = 256  # a longer conversation gets 400
+    # Per session (one trajectory's agent): requests in flight at once (more get 429), requests in all (429),
+    # segments (a rewritten history opens one; 400 past the limit), and tokens sampled over all its segments
+    # (0 = 4 x data.max_response_length; a request's max_tokens is bounded by what is left).
+    max_session_concurrency: int = 8
+    max_session_requests: int = 256
+    max_session_segments: int = 32
+    max_session_tokens: int = 0
 
 
 @dataclass

@@ -39,7 +39,11 @@ def agent_settings(mt: MultiTurnConfig, max_response_length: int, agent: AgentCo
 
         black_box = BlackBoxAgent(agent.function, agent.command, agent.timeout_s, agent.sandbox, tuple(agent.sandbox_paths or ()))
         endpoint = EndpointSettings(model_name, max_response_length, max_prompt_length, mt.format, agent.host, agent.port,
-                                    agent.max_request_bytes, agent.max_messages, unix_socket=agent.sandbox)
+                                    agent.max_request_bytes, agent.max_messages, unix_socket=agent.sandbox,
+                                    max_session_concurrency=agent.max_session_concurrency,
+                                    max_session_requests=agent.max_session_requests,
+                                    max_session_segments=agent.max_session_segments,
+                                    max_session_tokens=agent.max_session_tokens or 4 * max_response_length)
     return AgentSettings(mt.max_assistant_turns, mt.max_tool_response_length, mt.format, max_response_length, mt.default_agent, black_box, endpoint)
 
 
