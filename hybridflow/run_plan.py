@@ -261,6 +261,11 @@ class ActorSpec:
         self._model_problems(p)
         if self.rollout.rollout.exact:
             p.extend(self.exact_refused())
+        agent = self.rollout.rollout.agent
+        if self.async_rollout and (agent.function or agent.command) and agent.port:
+            p.append(f"{R}.agent.port={agent.port} with trainer.async_rollout=true: each batch in flight (up to "
+                     f"async_training.max_staleness + 1) and validation serve an endpoint of their own, and only one "
+                     f"can bind a fixed port; set {R}.agent.port=0 (a free port each)")
         return p
 
     def exact_refused(self) -> list[str]:

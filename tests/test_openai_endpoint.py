@@ -603,6 +603,24 @@ def test_more_sandboxed_agents_in_flight_than_executor_threads_all_finish(tok):
     assert [(t.reward, bool(t.agent_timeout), t.agent_error) for t in trajs] == [(1.0, False, "")] * 5
 
 
+def test_a_fixed_agent_port_with_async_rollout_is_refused_naming_the_key():
+    """Each batch in flight and validation serve an endpoint of their own: with a fixed port all but
+    one failed with EADDRINUSE mid-run on b4554a1 (accepted at start); now refused before any worker starts."""
+    from hybridflow.config import ConfigError, load_config, validate_config
+
+    base = ["actor_rollout_ref.model.path=x", "actor_rollout_ref.rollout.multi_turn.enable=true",
+            f"actor_rollout_ref.rollout.agent.function={__file__}:_agent_ok", "actor_rollout_ref.rollout.agent.port=8765"]
+    pools = ["trainer.async_rollout=true", "resource_pool.pools.actor_pool.workers_per_node=2",
+             "resource_pool.pools.rollout_pool.workers_per_node=1", "resource_pool.mapping.actor_rollout=actor_pool",
+             "resource_pool.mapping.rollout=rollout_pool"]
+    with pytest.raises(ConfigError, match=r"agent\.port=8765 with trainer\.async_rollout=true: .* set actor_rollout_ref\.rollout\.agent\.port=0"):
+        validate_config(load_config(None, [*base, *pools]))
+    try:  # the colocated rollout serves one endpoint at a time: a fixed port is fine there
+        validate_config(load_config(None, base))
+    except ConfigError as e:
+        assert "agent.port" not in str(e)
+
+
 def test_agent_sandbox_config_errors_name_the_key():
     """agent.sandbox=true is for a command: with a function it is refused before any worker starts,
     naming the key; so are sandbox_paths that are not absolute existing paths, or set without the sandbox."""
