@@ -86,10 +86,10 @@ step() {  # step NAME TIMEOUT_S COMMAND: run it under its timeout (cut to the bu
     echo "!! [$name] skipped: ${left}s left of the ${BUDGET}s budget"; results+=("$name|skipped|0|$limit"); failed+=("$name"); return 0
   fi
   [ "$limit" -gt "$left" ] && limit=$left
-  local t0 rc; t0=$(date +%s.%N)
+  local t0 rc ms secs; t0=$(date +%s%N)
   timeout --kill-after=10 "$limit" bash -c "$cmd" 2>&1 | tee "$OUT/logs/$name.log"
   rc=${PIPESTATUS[0]}
-  local secs; secs=$(awk "BEGIN {printf \"%.1f\", $(date +%s.%N) - $t0}")
+  ms=$(( ($(date +%s%N) - t0) / 1000000 )); secs="$((ms / 1000)).$(( (ms % 1000) / 100 ))"
   if [ "$rc" = 0 ]; then results+=("$name|ok|$secs|$limit")
   else
     local why="exit $rc"; [ "$rc" = 124 ] || [ "$rc" = 137 ] && why="timeout"
@@ -106,7 +106,8 @@ else
   step device 20 "$PY -c 'import os, torch; print(\"CPU:\", os.cpu_count(), \"cores; torch\", torch.__version__, \"threads\", torch.get_num_threads())'"
 fi
 if [ "$MODE" = image ]; then
-  step wheels 60 "rm -rf '$SITE' && mkdir -p '$SITE' && ls -l '$WHEELS'/*.whl && $PY -m pip install -q --no-index --no-deps --disable-pip-version-check --target '$SITE' '$WHEELS'/*.whl && echo installed into $SITE"
+  # pip from no index; where the image's Python has no pip, the wheels (no .data parts) are unzipped instead
+  step wheels 60 "rm -rf '$SITE' && mkdir -p '$SITE' && ls -l '$WHEELS'/*.whl && { $PY -m pip install -q --no-index --no-deps --disable-pip-version-check --target '$SITE' '$WHEELS'/*.whl || $PY -c 'import sys, zipfile; [zipfile.ZipFile(w).extractall(sys.argv[1]) for w in sys.argv[2:]]' '$SITE' '$WHEELS'/*.whl; } && echo installed into $SITE"
 else
   # the same install for the image's Python 3.12 (manylinux x86_64), into a folder that is not imported here
   step wheels 60 "if ls '$WHEELS'/*.whl >/dev/null 2>&1; then ls -l '$WHEELS'/*.whl && rm -rf '$SITE' && $PY -m pip install -q --no-index --no-deps --disable-pip-version-check --target '$SITE' --python-version 3.12 --implementation cp --abi cp312 --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --only-binary=:all: '$WHEELS'/*.whl && echo installed for Python 3.12: \$(ls '$SITE' | wc -l) entries; else echo 'no $WHEELS/ here (bash scripts/gpu_wheels.sh makes it): the install is not rehearsed, the package set is (scripts/gpu_check/)'; fi"

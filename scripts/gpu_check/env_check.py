@@ -40,8 +40,9 @@ def main() -> None:
     if a.device == "cuda":
         assert torch.cuda.is_available(), "torch sees no GPU"
         p = torch.cuda.get_device_properties(0)
+        nccl = torch.cuda.nccl.version()
         print(f"GPU: {p.name}, {p.total_memory / 2**30:.1f} GiB, capability {p.major}.{p.minor}, bf16 {torch.cuda.is_bf16_supported()}, "
-              f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}")
+              f"NCCL {'.'.join(map(str, nccl)) if isinstance(nccl, tuple) else nccl}")
     sys.path.insert(0, ROOT)
     from hybridflow.config.validate import CHECK_MODULES  # what validating a config imports (each component's checks)
 
