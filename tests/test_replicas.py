@@ -103,8 +103,8 @@ def pool_group(tmp_path_factory):
     pool.release()
 
 
-def _run(replicas: ReplicaSet, k: int, steps: int, partial: bool, fault=lambda step: None) -> list[dict]:
-    sync = VersionSync(replicas)
+def _run(replicas: ReplicaSet, k: int, steps: int, partial: bool, fault=lambda step: None, sync_type=None) -> list[dict]:
+    sync = (sync_type or VersionSync)(replicas)
     replicas.submit("receive_weights", 0).result()
     drawn = []
 
@@ -142,6 +142,25 @@ def test_a_replica_killed_mid_run_is_restarted_and_its_calls_run_again(pool_grou
     history = _run(replicas, k=2, steps=8, partial=partial, fault=kill)
     assert history[-1]["rollout/replica_restarts"] == 1.0 and replicas.incarnation == [0, 1]
     assert history[-1]["rollout/resubmitted_calls"] >= 1.0
+
+
+def test_two_replicas_killed_together_during_a_sync_are_both_restarted(pool_group):
+    """Both replicas SIGKILLed while a weight sync is in flight: the sync's failure names one rank first;
+    the other's receipt must not be waited for without a deadline or raise raw (on b4554a1: Ray's own
+    RayActorError for the second rank stopped the run)."""
+    group, _ = pool_group
+    replicas = ReplicaSet(group, "rollout", max_restarts=2, timeout_s=60.0)
+
+    class KillingSync(VersionSync):
+        def start_rollout_sync(self):
+            if self.version == 3:
+                for pid in group.pids():
+                    os.kill(pid, signal.SIGKILL)
+                time.sleep(0.5)  # both are gone before the sync reaches them
+            return super().start_rollout_sync()
+
+    history = _run(replicas, k=1, steps=5, partial=False, sync_type=KillingSync)
+    assert history[-1]["rollout/replica_restarts"] == 2.0 and replicas.incarnation == [1, 1]
 
 
 def test_a_hung_replica_is_named_within_its_deadline_and_replaced(pool_group, caplog):

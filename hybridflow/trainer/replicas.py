@@ -175,10 +175,18 @@ class _Recovering:
             if self.method not in SYNC_METHODS:
                 raise ReplicaRestarted(f"{self.method}: rollout replica(s) {list(e.ranks)} restarted", e.ranks) from e
             if self.method == "receive_weights":  # the restarted replicas hold the latest weights; the others received these
-                return [self._received(r, e.ranks) for r in range(len(self.pending.refs))]
+                return [self._received(r, e.ranks, timeout_s) for r in range(len(self.pending.refs))]
             return self.owner.submit(self.method, *self.args, **self.kwargs).result(timeout_s, waiting_for, key)
 
-    def _received(self, rank: int, failed: tuple[int, ...]) -> dict:
-        import ray
-
-        return self.owner.receipts[rank] if rank in failed else ray.get(self.pending.refs[rank])
+    def _received(self, rank: int, failed: tuple[int, ...], timeout_s: float | None) -> dict:
+        """A rank's receipt of this sync. A restarted rank holds the latest weights (its restart's
+        receipt); another rank's result is collected under the call's deadline, and a rank found dead
+        (or past the deadline) now is restarted as well (replicas that die together)."""
+        if rank in failed:
+            return self.owner.receipts[rank]
+        one = Pending([self.pending.refs[rank]], lambda results: results[0], self.method, self.owner.pool.name, ranks=[rank])
+        try:
+            return one.result(timeout_s, f"rollout replica {rank}'s receipt of the weights", "actor_rollout_ref.rollout.request_timeout_s")
+        except (WorkerDiedError, WorkerTimeoutError) as e:
+            self.owner.recover(e, self.seen)
+            return self.owner.receipts[rank]
