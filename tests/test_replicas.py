@@ -64,7 +64,7 @@ class VersionReplica(Worker):
         return Batch.from_dict(non_tensors={"completion": [Completion((self.held,) * k, (float(self.rank),) * k, "length") for k in n]})
 
     @register(Dispatch.DP_COMPUTE)
-    def generate_sequences(self, prompts: Batch, params: SamplingParams) -> Batch:
+    def generate_sequences(self, prompts: Batch, params: SamplingParams, release_after: bool = False) -> Batch:
         self._nap()
         b = len(prompts)
         out = {k: torch.zeros(b, 3, dtype=torch.long) for k in GEN_OUTPUTS}
@@ -161,6 +161,27 @@ def test_two_replicas_killed_together_during_a_sync_are_both_restarted(pool_grou
 
     history = _run(replicas, k=1, steps=5, partial=False, sync_type=KillingSync)
     assert history[-1]["rollout/replica_restarts"] == 2.0 and replicas.incarnation == [1, 1]
+
+
+def test_validation_on_the_rollout_pool_survives_a_replica_restart(pool_group):
+    """Validation generates on the rollout pool (RLTrainer._rollout_on with the replicas): a replica
+    SIGKILLed before the call is restarted and the batch generated again (on b4554a1 ReplicaRestarted
+    reached the trainer and stopped the run)."""
+    from types import SimpleNamespace
+
+    from hybridflow.trainer.rl import RLTrainer
+
+    group, _ = pool_group
+    replicas = ReplicaSet(group, "rollout", max_restarts=2, timeout_s=60.0)
+    replicas.submit("receive_weights", 7).result()
+    trainer = SimpleNamespace(agent=None, global_step=3, run_plan=SimpleNamespace(rollout=SimpleNamespace(rollout=SimpleNamespace(
+        request_timeout_s=60.0))))
+    prompts = Batch.from_dict(tensors={"input_ids": torch.ones(4, 2, dtype=torch.long), "attention_mask": torch.ones(4, 2, dtype=torch.long),
+                                       "position_ids": torch.zeros(4, 2, dtype=torch.long)})
+    os.kill(group.pids()[1], signal.SIGKILL)
+    out = RLTrainer._rollout_on(trainer, replicas, prompts, SamplingParams(max_new_tokens=3, do_sample=False))
+    assert replicas.restarts == 1 and out["responses"].shape == (4, 3)
+    assert bool((out["responses"] == 7).all())  # the restarted replica got the latest weights before generating again
 
 
 def test_a_hung_replica_is_named_within_its_deadline_and_replaced(pool_group, caplog):

@@ -49,7 +49,7 @@ from hybridflow.run_plan import resolve
 from hybridflow.trainer import checkpoints, driver_stages, validation
 from hybridflow.trainer.agent_rollout import AgentRollout, served_model_name
 from hybridflow.trainer.async_rollout import AsyncRollout
-from hybridflow.trainer.replicas import ReplicaSet
+from hybridflow.trainer.replicas import ReplicaRestarted, ReplicaSet
 from hybridflow.trainer.dataflow import DataFlow, Stage
 from hybridflow.trainer.keys import GEN_OUTPUTS, PROMPT_KEYS, REWARD_KEYS, SAMPLE_INFO_KEYS, TRAIN_KEYS, with_sample_info
 from hybridflow.trainer.loader import PromptLoader
@@ -234,8 +234,13 @@ class RLTrainer:
     def _rollout_on(self, group, batch: Batch, params: SamplingParams, release_after: bool = False) -> Batch:
         """One response (single-turn) or one trajectory (multi-turn: the agent loop) per row."""
         if self.agent is None:
-            call = group.submit("generate_sequences", batch.select(PROMPT_KEYS), params, release_after=release_after)
-            return call.result(self.run_plan.rollout.rollout.request_timeout_s, f"step {self.global_step}'s generation", REQUEST_TIMEOUT_KEY)
+            while True:
+                call = group.submit("generate_sequences", batch.select(PROMPT_KEYS), params, release_after=release_after)
+                try:
+                    return call.result(self.run_plan.rollout.rollout.request_timeout_s, f"step {self.global_step}'s generation",
+                                       REQUEST_TIMEOUT_KEY)
+                except ReplicaRestarted:  # validation on the rollout pool: a replica died and was restarted; generate again
+                    continue
         out = self.agent.generate(group, batch, params)
         if release_after:
             group.sleep_rollout()
