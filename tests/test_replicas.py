@@ -33,7 +33,7 @@ class VersionReplica(Worker):
 
     def __init__(self, hang_file: str = ""):
         super().__init__()
-        self.held, self.hang_file, self.rng, self.slowdown = -1, hang_file, random.Random(self.rank), 1.0
+        self.held, self.hang_file, self.rng, self.slowdown, self.delay = -1, hang_file, random.Random(self.rank), 1.0, 0.0
 
     def dispatch_layout(self, layout):
         return self.rank, self.world_size, True
@@ -51,7 +51,12 @@ class VersionReplica(Worker):
         self.held = version
         return {"bytes_received": 1.0}
 
+    @register(Dispatch.ONE_TO_ALL)
+    def delay_calls(self, rank: int, seconds: float) -> None:
+        self.delay = seconds if self.rank == rank else 0.0
+
     def _nap(self) -> None:
+        time.sleep(self.delay)
         if self.hang_file and os.path.exists(self.hang_file):
             os.remove(self.hang_file)
             time.sleep(3600)
@@ -182,6 +187,24 @@ def test_validation_on_the_rollout_pool_survives_a_replica_restart(pool_group):
     out = RLTrainer._rollout_on(trainer, replicas, prompts, SamplingParams(max_new_tokens=3, do_sample=False))
     assert replicas.restarts == 1 and out["responses"].shape == (4, 3)
     assert bool((out["responses"] == 7).all())  # the restarted replica got the latest weights before generating again
+
+
+def test_a_replica_slower_than_the_others_is_not_a_straggler(pool_group, monkeypatch):
+    """Replicas share no collective: one that finishes 2 s after the other is not restarted, even with
+    the group's straggler rule (trainer.collective_timeout_s) at 0.5 s. On b4554a1 replica calls
+    inherited that rule: the slower replica was restarted (and the restarts ran out)."""
+    group, _ = pool_group
+    replicas = ReplicaSet(group, "rollout", max_restarts=2, timeout_s=60.0)
+    replicas.submit("receive_weights", 5).result()
+    monkeypatch.setattr(group, "straggler_timeout_s", 0.5)
+    group.role("rollout").delay_calls(1, 2.0)
+    try:
+        prompts = Batch.from_dict(tensors={"input_ids": torch.ones(4, 2, dtype=torch.long), "attention_mask": torch.ones(4, 2, dtype=torch.long),
+                                           "position_ids": torch.zeros(4, 2, dtype=torch.long)})
+        out = replicas.submit("generate_sequences", prompts, SamplingParams(max_new_tokens=3)).result(60.0)
+    finally:
+        group.role("rollout").delay_calls(1, 0.0)
+    assert replicas.restarts == 0 and bool((out["responses"] == 5).all())
 
 
 def test_a_hung_replica_is_named_within_its_deadline_and_replaced(pool_group, caplog):

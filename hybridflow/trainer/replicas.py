@@ -68,7 +68,11 @@ class ReplicaSet:
                 return _Recovering(self, method, args, kwargs, self._route(args[0]), list(self.incarnation))
             if method == "receive_weights":
                 self.latest = (args, kwargs)
-            return _Recovering(self, method, args, kwargs, self.view.submit(method, *args, **kwargs), list(self.incarnation))
+            pending = self.view.submit(method, *args, **kwargs)
+            # Replicas share no collective: one that finishes later than another on a long tail is not a
+            # straggler (trainer.collective_timeout_s); only the caller's deadline (request_timeout_s) holds.
+            pending.straggler_timeout_s = None
+            return _Recovering(self, method, args, kwargs, pending, list(self.incarnation))
 
     def _route(self, data: Batch) -> Pending:
         """One call per replica with the requests routed to it; the completions come back in order."""
