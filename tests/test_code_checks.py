@@ -1,4 +1,4 @@
-"""Out-of-process grading of assert-style checks (rewards/code_checks.py, code_eval_harness.py).
+"""Out-of-process grading of assert-style checks (rewards/code_checks.py, code_host.py, code_eval_harness.py).
 
 The oracle is Python itself: for honest solutions (ours, trusted), a check passes under the grader
 exactly when ``exec(solution + check)`` runs without an exception. The shapes are the test
@@ -17,9 +17,10 @@ import os
 import pytest
 import torch
 
-from hybridflow.rewards import code_checks
+from hybridflow.rewards import code_host
 from hybridflow.rewards.code import _EVAL_HARNESS, code_case_results, code_reward, code_score
-from hybridflow.rewards.code_checks import CheckFailed, NotGradable, Step, decode_value, parse_answers, plan_check
+from hybridflow.rewards.code_checks import NotGradable, Step, plan_check
+from hybridflow.rewards.code_host import CheckFailed, decode_value, parse_answers
 from hybridflow.rewards.manager import RewardManager
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/ns/user"), reason="needs Linux namespaces")
@@ -219,14 +220,14 @@ def test_answers_are_read_once_per_step():
 def test_host_side_evaluation_is_bounded():
     """The host computes with the solution's claimed values: its own work stays bounded."""
     plan = plan_check("assert f(1) * 10 ** 9 == 'x'")
-    ok, why = code_checks.grade(plan, {0: (True, "x" * 1000)}, "missing")
+    ok, why = code_host.grade(plan, {0: (True, "x" * 1000)}, "missing")
     assert not ok and "bound" in why
     plan = plan_check("assert list(range(f(0), 10 ** 12)) == []")
-    ok, why = code_checks.grade(plan, {0: (True, 0)}, "missing")
+    ok, why = code_host.grade(plan, {0: (True, 0)}, "missing")
     assert not ok and "bound" in why
     assert [s.source for s in plan_check("assert math.factorial(f(1)) == 1").steps] == ["math.factorial(f(1))"]  # all sandbox-side
     plan = plan_check("assert math.factorial(f(1) + 0) == 1")  # the 0 keeps factorial here, where it is not offered
-    ok, why = code_checks.grade(plan, {0: (True, 10 ** 6)}, "missing")
+    ok, why = code_host.grade(plan, {0: (True, 10 ** 6)}, "missing")
     assert not ok and "math.factorial is not available" in why
     with pytest.raises(CheckFailed):
-        code_checks._eval(plan.host_ops[0][2], {}, {})  # a hole with no answer
+        code_host._eval(plan.host_ops[0][2], {}, {})  # a hole with no answer

@@ -9,9 +9,9 @@ The score is the fraction of test cases passed. A test case is either
   here with the output, as verl's prime-code grader does (a tuple counts as a list; a one-item list
   output also matches its item); or
 - assert-style: a string of Python (``"assert add(1, 2) == 3"``, MBPP / HumanEval style). It is
-  graded **out of the solution's reach** (``code_checks.py``): the sandbox gets only the parts of
-  the check that call the solution's code, answers with their values as plain data
-  (``code_eval_harness.py``), and the check's own values and the comparison stay here. A check of a
+  graded **out of the solution's reach**: the sandbox gets only the parts of the check that call
+  the solution's code (``code_checks.py``), answers with their values as plain data
+  (``code_eval_harness.py``), and the check's own values and the comparison stay here (``code_host.py``). A check of a
   shape that cannot be split that way (a loop, ``try``, ...) runs inside the solution's process
   through ``code_harness.py`` as before: its result says ``inprocess=True``, it is counted in
   ``reward/code_inprocess_checks``, and ``strict`` grading fails it instead.
@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from hybridflow.agent.sandbox import SandboxLimits, run_python
-from hybridflow.rewards.code_checks import NotGradable, Plan, Step, grade, parse_answers, plan_check
+from hybridflow.rewards.code_checks import NotGradable, Plan, Step, plan_check
+from hybridflow.rewards.code_host import grade, parse_answers
 
 _PY_FENCE = re.compile(r"```[ \t]*(?:python3?|py)[ \t]*\n(.*?)```", re.S | re.I)
 _ANY_FENCE = re.compile(r"```[^\n`]*\n(.*?)```", re.S)
@@ -146,7 +147,7 @@ def run_test_case(code: str, case: CodeTest, limits: SandboxLimits | None = None
 
 
 def _run_plan(code: str, plan: Plan, limits: SandboxLimits) -> CaseResult:
-    """A planned check: the sandbox evaluates the steps, this process decides (code_checks.grade)."""
+    """A planned check: the sandbox evaluates the steps, this process decides (code_host.grade)."""
     job = json.dumps({"solution": code, "steps": [[s.kind, s.source] for s in plan.steps]})
     res = run_python(_EVAL_HARNESS, limits, stdin=job)
     answers = parse_answers(res.stdout, plan.steps)
