@@ -43,7 +43,6 @@ from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 from hybridflow.agent.loop import AgentLoop, RequestBatcher, Trajectory, register_agent_loop
 from hybridflow.agent.format import apply_chat_template_with_tools
-from hybridflow.agent.openai_server import LiveEndpoint
 from hybridflow.agent.sandbox import Sandbox, SandboxLimits, SandboxUnavailable
 from hybridflow.agent.threads import in_own_thread
 from hybridflow.config.validate import register_check
@@ -288,6 +287,10 @@ class OpenAIAgentLoop(AgentLoop):
         """The step's endpoint, served on this event loop while the step's trajectories run."""
         if settings.black_box is None or settings.endpoint is None:
             raise ValueError("openai_agent needs actor_rollout_ref.rollout.agent.function or .command")
+        # imported here: the server (FastAPI on uvicorn) is needed by runs with a black-box agent only,
+        # not by validating a config (which imports this module's checks) or a torchrun-only install
+        from hybridflow.agent.openai_server import LiveEndpoint
+
         return LiveEndpoint(settings.endpoint, tokenizer, batcher).serve()
 
     async def run(self, row: Mapping[str, Any], batcher: RequestBatcher) -> Trajectory:
