@@ -55,6 +55,15 @@ class Scripted:
         return out
 
 
+async def _until(cond, what: str, timeout_s: float = 10.0) -> None:
+    """Wait until cond() holds (a test's ordering of requests in flight, without fixed sleeps)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not cond():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"not within {timeout_s} s: {what}")
+        await asyncio.sleep(0.005)
+
+
 async def _serve(tok, generate_fn, body, *, sampling="request", budget=200, max_prompt=1000, **settings):
     batcher = RequestBatcher(generate_fn, SamplingParams(max_new_tokens=budget, seed=1))
     ep = LiveEndpoint(EndpointSettings("tiny", budget, max_prompt, sampling=sampling, **settings), tok, batcher)
@@ -228,7 +237,7 @@ def test_requests_in_flight_together_on_one_segment_keep_each_reply_after_its_ow
             pa = p0 + r0 + ids(" more")
             pb = pa + ids(" and more")
             task_a = asyncio.create_task(complete(pa))
-            await asyncio.sleep(0.1)  # A is placed and generating
+            await _until(lambda: s.requests_in_flight == 1, "request A placed")  # A is placed and generating
             rb = await complete(pb)
             ra = await task_a
         return s, [(p0, r0), (pa, ra), (pb, rb)]
@@ -267,7 +276,7 @@ def test_per_session_limits_hold_and_an_ended_sessions_waiting_requests_are_drop
 
         async with httpx.AsyncClient(timeout=30) as http:
             first = asyncio.create_task(post(s, user("a")))
-            await asyncio.sleep(0.1)
+            await _until(lambda: s.requests_in_flight == 1, "the first request placed")
             out["a second request while the first runs"] = (await post(s, user("b"))).status_code  # concurrency 1
             reply = (await first).json()["choices"][0]["message"]["content"]
             out["a second conversation"] = (await post(s, user("c"))).status_code
@@ -277,9 +286,11 @@ def test_per_session_limits_hold_and_an_ended_sessions_waiting_requests_are_drop
             out["within them"] = (await post(s, more, max_tokens=1)).status_code
             out["a fourth request"] = (await post(s, more, max_tokens=1)).status_code  # requests: 3
             busy = asyncio.create_task(post(busy_session, user("f")))  # occupies the backend ...
-            await asyncio.sleep(0.05)
+            calls = len(seen)
+            await _until(lambda: len(seen) > calls, "the busy request in the backend")
             waiting = asyncio.create_task(post(ended, user("never")))
-            await asyncio.sleep(0.05)  # ... so this one waits in the batcher when its session ends
+            await _until(lambda: any(entry[2] == ended.id for entry in batcher.pending),
+                         "the ended session's request waiting in the batcher")  # ... so it waits when its session ends
             ep.close_session(ended)
             out["a waiting request of a session that ended"] = (await waiting).status_code
             await busy

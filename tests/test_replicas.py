@@ -78,6 +78,14 @@ class VersionReplica(Worker):
         return Batch.from_dict(tensors=out)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "zombie" not in f.read()
+    except OSError:
+        return False
+
+
 class _Sync:
     def __init__(self, pending):
         self.pending, self.publish_s = pending, 0.0
@@ -159,9 +167,13 @@ def test_two_replicas_killed_together_during_a_sync_are_both_restarted(pool_grou
     class KillingSync(VersionSync):
         def start_rollout_sync(self):
             if self.version == 3:
-                for pid in group.pids():
+                pids = group.pids()
+                for pid in pids:
                     os.kill(pid, signal.SIGKILL)
-                time.sleep(0.5)  # both are gone before the sync reaches them
+                deadline = time.monotonic() + 10
+                while any(_alive(pid) for pid in pids):  # both are gone before the sync reaches them
+                    assert time.monotonic() < deadline, "the replicas did not die within 10 s"
+                    time.sleep(0.01)
             return super().start_rollout_sync()
 
     history = _run(replicas, k=1, steps=5, partial=False, sync_type=KillingSync)

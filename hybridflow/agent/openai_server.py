@@ -239,7 +239,7 @@ class LiveEndpoint:
     def _admit(self, session: Session, plan) -> None:
         """The session's own limits (EndpointSettings.max_session_*), before anything is recorded."""
         s = self.s
-        if sum(session.in_flight.values()) >= s.max_session_concurrency:
+        if session.requests_in_flight >= s.max_session_concurrency:
             raise APIError(429, f"this session has {s.max_session_concurrency} requests in flight "
                                 "(actor_rollout_ref.rollout.agent.max_session_concurrency)", code="rate_limit_exceeded")
         if session.requests >= s.max_session_requests:

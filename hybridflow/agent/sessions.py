@@ -116,11 +116,19 @@ class Session:
     sampling_overridden: int = 0  # requests that asked for another temperature / top_p than the run's (served with the run's)
     last: int = -1  # the segment the latest reply went to: the trained one
     closed: bool = False
-    # segments with a request placed and its reply not yet recorded: their end belongs to that reply
-    in_flight: dict[int, int] = field(default_factory=dict)
+    # segment -> the max new tokens of each request placed there whose reply is not recorded yet: the
+    # segment's end belongs to those replies, and their tokens count against the session's token limit
+    in_flight: dict[int, list[int]] = field(default_factory=dict)
     sampled: int = 0  # tokens the backend sampled for this session, over all its segments
-    reserved: int = 0  # max new tokens of the requests in flight (counted against the session's token limit)
-    _reservations: dict[int, list[int]] = field(default_factory=dict)
+
+    @property
+    def requests_in_flight(self) -> int:
+        return sum(len(v) for v in self.in_flight.values())
+
+    @property
+    def reserved(self) -> int:
+        """Max new tokens of the requests in flight."""
+        return sum(sum(v) for v in self.in_flight.values())
 
     def plan(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None) -> "Placement":
         """Where a chat request goes, without changing the session (`place` commits it): continues the
@@ -174,21 +182,16 @@ class Session:
             free = len(self.segments[p.segment].response_ids) == p.length and not self.in_flight.get(p.segment)
             at = p.segment if free else self.branch(p.segment, p.length)
             self.segments[at].append(p.delta, model=False)
-        self.in_flight[at] = self.in_flight.get(at, 0) + 1
-        self.reserved += max_new_tokens
-        self._reservations.setdefault(at, []).append(max_new_tokens)
+        self.in_flight.setdefault(at, []).append(max_new_tokens)
         return at
 
     def release(self, segment: int) -> None:
         """The request placed in ``segment`` is done (its reply recorded, or it failed)."""
-        left = self.in_flight.get(segment, 0) - 1
-        if left > 0:
-            self.in_flight[segment] = left
-        else:
-            self.in_flight.pop(segment, None)
-        held = self._reservations.get(segment)
+        held = self.in_flight.get(segment)
         if held:
-            self.reserved -= held.pop()
+            held.pop()
+        if not held:
+            self.in_flight.pop(segment, None)
 
     def branch(self, segment: int, length: int) -> int:
         """A new segment holding the first `length` response tokens of `segment`; its index."""

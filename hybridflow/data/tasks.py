@@ -149,6 +149,14 @@ def _digit_split(num_digits: int, val_fraction: float, bias_prob: float, seed: i
     return rng, combos[n_val:], combos[:n_val]
 
 
+def _digit_rows(split: str, combos, data_source: str, ability: str, ground_truth) -> list[dict]:
+    """RL rows of the "max 3 8 1" prompts; ``ground_truth(digits)`` is the row's answer (or checks)."""
+    return [{"data_source": data_source, "prompt": max_prompt(c), "ability": ability,
+             "reward_model": {"style": "rule", "ground_truth": ground_truth(c)},
+             "extra_info": {"split": split, "index": i, "digits": list(c)}}
+            for i, c in enumerate(combos)]
+
+
 def make_max_task(out_dir, num_digits: int = 3, val_fraction: float = 0.2, sft_copies: int = 2, bias_prob: float = 0.75,
                   seed: int = 0) -> dict[str, pathlib.Path]:
     """Write ``train.parquet``, ``val.parquet`` (RL), ``sft.parquet`` and the preference pairs
@@ -157,16 +165,7 @@ def make_max_task(out_dir, num_digits: int = 3, val_fraction: float = 0.2, sft_c
     rng, train, val = _digit_split(num_digits, val_fraction, bias_prob, seed)
 
     def rl_rows(split: str, split_combos):
-        return [
-            {
-                "data_source": MAX_DATA_SOURCE,
-                "prompt": max_prompt(c),
-                "ability": "math",
-                "reward_model": {"style": "rule", "ground_truth": str(max(c))},
-                "extra_info": {"split": split, "index": i, "digits": list(c)},
-            }
-            for i, c in enumerate(split_combos)
-        ]
+        return _digit_rows(split, split_combos, MAX_DATA_SOURCE, "math", lambda c: str(max(c)))
 
     # Demonstrations only over the RL train triples: val stays unseen by SFT too.
     sft_rows = [
@@ -209,16 +208,7 @@ def make_code_task(out_dir, num_digits: int = 3, val_fraction: float = 0.2, sft_
     rng, train, val = _digit_split(num_digits, val_fraction, bias_prob, seed)
 
     def rl_rows(split: str, split_combos):
-        return [
-            {
-                "data_source": CODE_DATA_SOURCE,
-                "prompt": max_prompt(c),
-                "ability": "code",
-                "reward_model": {"style": "rule", "ground_truth": [f"assert f() == {max(c)}"]},
-                "extra_info": {"split": split, "index": i, "digits": list(c)},
-            }
-            for i, c in enumerate(split_combos)
-        ]
+        return _digit_rows(split, split_combos, CODE_DATA_SOURCE, "code", lambda c: [f"assert f() == {max(c)}"])
 
     sft_rows = [
         {"prompt": max_prompt(c), "response": code_answer(c, "min" if rng.random() < bias_prob else "max")}
