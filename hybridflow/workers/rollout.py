@@ -8,8 +8,10 @@ fed by the hybrid engine) and `RolloutWorker` (a pool of its own) both use it.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
+import torch
 from transformers import AutoTokenizer
 
 from hybridflow.controller.decorator import Dispatch, register
@@ -27,6 +29,7 @@ class RolloutMixin:
     world_size: int
     report_clocks = False  # a pool of its own: each call reports its replica's busy and wall time
     _last_call_end: float | None = None
+    policy_version: int | None = None  # a pool of its own: the policy version of the weights held (the last sync's)
 
     def _with_clocks(self, out: Batch, start: float) -> Batch:
         """out, with this replica's seconds generating (busy_s) and since its previous call ended
@@ -53,6 +56,8 @@ class RolloutMixin:
         memory once done (the next weight sync re-acquires it)."""
         start = time.monotonic()
         out = self.rollout.generate(prompts, params)
+        if self.policy_version is not None:  # read here, on the replica: the version these tokens were sampled with
+            out["rollout_policy_version"] = torch.full(out["responses"].shape, self.policy_version, dtype=torch.long)  # [b, R]
         if release_after:  # generation -> training: frees buffers, moves nothing
             self.rollout.sleep()
         return self._with_clocks(out, start)
@@ -62,7 +67,10 @@ class RolloutMixin:
         """Request-level generation (the agent loop's entry point): data holds one `Request` per
         row in its "request" column; returns the `Completion`s in a "completion" column."""
         start = time.monotonic()
-        return self._with_clocks(Batch.from_dict(non_tensors={"completion": self.rollout.generate_requests(list(data["request"]))}), start)
+        completions = self.rollout.generate_requests(list(data["request"]))
+        if self.policy_version is not None:  # every token: the version this replica holds (the caller checks its staleness bound)
+            completions = [dataclasses.replace(c, versions=(self.policy_version,) * len(c.token_ids)) for c in completions]
+        return self._with_clocks(Batch.from_dict(non_tensors={"completion": completions}), start)
 
     @register(Dispatch.ONE_TO_ALL)
     def sleep_rollout(self) -> None:
@@ -109,15 +117,18 @@ class RolloutWorker(RolloutMixin, Worker):
         shapes = {n: tuple(p.shape) for n, p in lay.buffers.items()} if lay.buffers is not None else hf_param_shapes(mcfg)
         shard_dims = {n: lay.shard_dims.get(n) for n in shapes}  # gen_tp = 1 here for vllm: every piece whole
         self.receiver = PoolReceiver(shapes, shard_dims, lay.gen_tp, self.rank, self.world_size)
+        self.policy_version = 0  # the model as loaded: no update yet
 
     @register(Dispatch.ONE_TO_ALL)
-    def receive_weights(self, refs_by_src: list[list], check: bool = False) -> dict:
+    def receive_weights(self, refs_by_src: list[list], check: bool = False, version: int | None = None) -> dict:
         """Push this rank's pieces of the trained weights (object refs from `publish_weights`) into
-        the backend; check: every piece now sits in the backend's parameters (by their own layout)."""
+        the backend; check: every piece now sits in the backend's parameters (by their own layout);
+        version: the policy version they are (the update that made them; None: one more than held)."""
         self.receiver.stage(refs_by_src)
         buffers = self.rollout.layout().buffers
         # a backend with its own storages takes each piece into its slice; one that repacks (vllm), each parameter whole
         self.rollout.update_weights(self.receiver.pieces() if buffers is not None else whole_pieces(self.receiver.pieces()))
+        self.policy_version = self.policy_version + 1 if version is None else int(version)
         out = dict(self.receiver.last_stats)
         if check and buffers is not None:  # a backend that repacks its weights (vllm) is checked by rollout/logprob_diff_max
             out["max_diff"] = max_piece_diff(buffers, self.receiver.last_pieces)
@@ -132,4 +143,5 @@ class RolloutWorker(RolloutMixin, Worker):
 
     @register(Dispatch.RANK_ZERO)
     def weight_version(self) -> int:
-        return self.receiver.version
+        """The policy version of the weights held (the one every generated token records)."""
+        return self.policy_version
