@@ -5,8 +5,9 @@ Each segment is one call to the rollout pool for every request still running: th
 prompt plus the tokens it has so far, at most `chunk` new tokens. A weight sync queued on the pool
 between two segments therefore pauses every running request at a segment boundary; the pool loads
 the new weights and the requests continue from the tokens they have (kept, each with the policy
-version that sampled it), instead of restarting. The caller says which version each call sampled
-with (`Call`), so a completion's `versions` are per token.
+version that sampled it), instead of restarting. Each segment's tokens record the version the
+replica that sampled them held (the completion's `versions`; else the one the caller gives with
+the call, `Call`), so a completion's `versions` are per token.
 
 What a pause costs: the HF backend keeps no KV cache between calls, so every segment re-runs the
 prefill of its prefix (bench/async.py measures it); a backend with a prefix cache (vLLM) reuses it.
@@ -57,7 +58,7 @@ def generate_in_segments(requests: Sequence[Request], call: Call, chunk: int) ->
             tokens[i] += c.token_ids
             logps[i] += c.log_probs
             untruncated[i] += c.untruncated
-            versions[i] += [version] * len(c.token_ids)
+            versions[i] += list(c.versions) if c.versions is not None else [version] * len(c.token_ids)  # the replica's own record first
             top[i] += c.top_logprobs or ()
             if c.finish_reason == "stop" or len(tokens[i]) >= requests[i].params.max_new_tokens:
                 finish[i] = c.finish_reason
