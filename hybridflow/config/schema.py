@@ -180,6 +180,9 @@ class MultiTurnConfig:
     tool_config_path: Optional[str] = None  # verl's tool YAML: tools: [{class_name, config, tool_schema}]
     format: Literal["hermes"] = "hermes"  # how tool calls are written: <tool_call>{"name": ..., "arguments": {...}}</tool_call>
     default_agent: Optional[str] = None  # rows without agent_name: tool_agent | env_agent | single_turn_agent (None: by the row)
+    # One tool call or environment turn: past it the tool's answer is an error the model reads (an environment's
+    # trajectory ends), counted in agent/tool_timeouts. Bounds a tool or environment with no deadline of its own.
+    tool_timeout_s: float = 120.0
 
 
 @dataclass
@@ -210,6 +213,11 @@ class AgentConfig:
     max_session_requests: int = 256
     max_session_segments: int = 32
     max_session_tokens: int = 0
+    # Rollout managers (verl's name): Ray actors that run the agent loops, the endpoint (one per manager, one URL for
+    # the whole run), sessions, tools and environments off the driver, each sending its requests to the replicas
+    # itself. Used with trainer.async_rollout and replicas of one process (rollout.tensor_model_parallel_size=1);
+    # None = chosen from the machine (one per 8 CPUs, at least 1, at most 8); 0 = the agent loops on the driver.
+    num_workers: Optional[int] = None
 
 
 @dataclass
