@@ -262,10 +262,16 @@ class ActorSpec:
         if self.rollout.rollout.exact:
             p.extend(self.exact_refused())
         agent = self.rollout.rollout.agent
-        if self.async_rollout and (agent.function or agent.command) and agent.port:
+        from hybridflow.trainer.rollout_managers import manager_count, manager_problems  # the trainer's module: imported when checked
+
+        r = self.rollout.rollout
+        p.extend(manager_problems(agent, r.multi_turn.enable, self.async_rollout, r.tensor_model_parallel_size))
+        managers = manager_count(agent, r.multi_turn.enable, self.async_rollout, r.tensor_model_parallel_size)
+        if self.async_rollout and (agent.function or agent.command) and agent.port and not managers:
             p.append(f"{R}.agent.port={agent.port} with trainer.async_rollout=true: each batch in flight (up to "
                      f"async_training.max_staleness + 1) and validation serve an endpoint of their own, and only one "
-                     f"can bind a fixed port; set {R}.agent.port=0 (a free port each)")
+                     f"can bind a fixed port; set {R}.agent.port=0 (a free port each), or run the agents on rollout managers "
+                     f"({R}.agent.num_workers >= 1 with {R}.tensor_model_parallel_size=1: manager i listens on port + i)")
         return p
 
     def exact_refused(self) -> list[str]:

@@ -8,6 +8,7 @@ import queue
 import random
 import threading
 import time
+import types
 
 import pytest
 import torch
@@ -31,6 +32,7 @@ class FifoPool:
     a weight version that `receive_weights` replaces; a generation reports the version it ran with."""
 
     world_size = 1
+    stamps = False
 
     def __init__(self, rng: random.Random, slow: float):
         self.rng, self.slow, self.held, self.calls = rng, slow, 0, queue.Queue()
@@ -60,6 +62,8 @@ class FifoPool:
                 out = {k: torch.zeros(b, 3, dtype=torch.long) for k in GEN_OUTPUTS}
                 out["response_mask"] = torch.ones(b, 3, dtype=torch.long)
                 out["responses"] = torch.full((b, 3), self.held)  # the weights this generation ran with, as its "tokens"
+                if self.stamps:  # as a rollout worker of its own pool does: the version it holds, per token
+                    out["rollout_policy_version"] = torch.full((b, 3), self.held)
                 call.value = Batch.from_dict(tensors=out)
             call.event.set()
 
@@ -78,6 +82,10 @@ class FakeWeightSync:
 
     def __init__(self, pool: FifoPool):
         self.pool, self.version = pool, 0
+
+    def publish_for_rollout(self, version: int):
+        """The trainer's two halves of a sync: publishing (nothing to do here), then submitting the receipt."""
+        return types.SimpleNamespace(submit=self.start_rollout_sync)
 
     def start_rollout_sync(self) -> _Sync:
         return _Sync(self.pool.submit("receive_weights", self.version))
@@ -207,3 +215,94 @@ def test_partial_rollout_pauses_responses_for_weight_updates_within_the_bound(k)
         gen.sync_weights(step)
     gen.drain()
     assert pool.held == steps and mixed > 0
+
+
+class LosingSync(FakeWeightSync):
+    """Syncs after the second are lost on their way (the pool never receives them)."""
+
+    def start_rollout_sync(self) -> _Sync:
+        if self.version <= 2:
+            return super().start_rollout_sync()
+        call = types.SimpleNamespace(result=lambda timeout_s=None: [{"bytes_received": 1}])
+        return _Sync(call)
+
+
+def test_a_batch_staler_than_k_stops_the_run_naming_it():
+    """The bound is asserted on the pool's own record, not the scheduler's count of syncs submitted: a
+    pool that lost the syncs after the second serves step 5 with version 2 at k = 1 (on b4554a1 the
+    batch was trained, its rollout/staleness reported as 2)."""
+    from hybridflow.trainer.async_rollout import StalenessError
+
+    pool = FifoPool(random.Random(0), slow=0.001)
+    pool.stamps = True
+    sync = LosingSync(pool)
+
+    def prompts() -> Batch:
+        return Batch.from_dict(tensors={"input_ids": torch.ones(2, 2, dtype=torch.long), "attention_mask": torch.ones(2, 2),
+                                        "position_ids": torch.zeros(2, 2)})
+
+    gen = AsyncRollout(pool, sync, prompts, lambda step: step, 8, max_staleness=1)
+    with pytest.raises(StalenessError, match=r"step 5's batch has tokens sampled with policy version 2, 2 updates behind .*max_staleness=1"):
+        for step in range(1, 9):
+            gen.take(step)
+            sync.version = step
+            gen.sync_weights(step)
+
+
+def test_a_multi_turn_batch_that_never_finishes_stops_at_its_deadline():
+    """A batch on a driver thread whose trajectories wait on something with no deadline of its own:
+    take() names it once the batch's deadline passes (on b4554a1 it waited forever)."""
+    from hybridflow.controller.worker_group import WorkerTimeoutError
+
+    release = threading.Event()
+
+    class StuckAgent:
+        def generate(self, group, prompts, params):
+            release.wait(30)
+            raise RuntimeError("released")
+
+    pool = FifoPool(random.Random(0), slow=0.001)
+    gen = AsyncRollout(pool, FakeWeightSync(pool), lambda: Batch.from_dict(non_tensors={"raw_prompt": [[]]}), lambda step: step, 2,
+                       max_staleness=0, agent=StuckAgent(), thread_deadline_s=0.5)
+    start = time.monotonic()
+    try:
+        with pytest.raises(WorkerTimeoutError, match=r"step 1's batch .* did not finish within 0 s|did not finish within"):
+            gen.take(1)
+        assert time.monotonic() - start < 10
+    finally:
+        release.set()
+
+
+def test_publishing_the_weights_holds_no_lock_a_batch_needs():
+    """A sync's slow half (crop, cast, checksums, ray.put) runs while a batch thread's requests are
+    submitted and answered: on b4554a1 the publish ran under the version lock that every agent turn
+    and partial-rollout segment takes to submit, so the turn below waited for the whole publish."""
+    from hybridflow.protocol import Request, SamplingParams
+    from hybridflow.trainer.async_rollout import _VersionedPool
+
+    pool = FifoPool(random.Random(0), slow=0.001)
+    publishing, published = threading.Event(), threading.Event()
+
+    class SlowPublish(FakeWeightSync):
+        def publish_for_rollout(self, version):
+            publishing.set()
+            assert published.wait(30)
+            return super().publish_for_rollout(version)
+
+        def start_rollout_sync(self):  # b4554a1's one-step sync: the publish inside it
+            if not publishing.is_set():
+                publishing.set()
+                assert published.wait(30)
+            return super().start_rollout_sync()
+
+    gen = AsyncRollout(pool, SlowPublish(pool), lambda: None, lambda step: step, 4, max_staleness=1)
+    syncer = threading.Thread(target=gen.sync_weights, args=(1,), daemon=True)
+    syncer.start()
+    assert publishing.wait(10)
+    answered = []
+    turn = threading.Thread(target=lambda: answered.append(_VersionedPool(gen).complete([Request((1, 2), SamplingParams(max_new_tokens=2))])))
+    turn.start()
+    turn.join(10)
+    published.set()
+    syncer.join(10)
+    assert answered and answered[0][0].token_ids == (0, 0), "a turn waited for the weight publish"

@@ -615,8 +615,9 @@ def test_more_sandboxed_agents_in_flight_than_executor_threads_all_finish(tok):
 
 
 def test_a_fixed_agent_port_with_async_rollout_is_refused_naming_the_key():
-    """Each batch in flight and validation serve an endpoint of their own: with a fixed port all but
-    one failed with EADDRINUSE mid-run on b4554a1 (accepted at start); now refused before any worker starts."""
+    """With the agent loops on the driver, each batch in flight and validation serve an endpoint of their
+    own: with a fixed port all but one failed with EADDRINUSE mid-run on b4554a1 (accepted at start); now
+    refused before any worker starts. On rollout managers each serves one endpoint for the whole run."""
     from hybridflow.config import ConfigError, load_config, validate_config
 
     base = ["actor_rollout_ref.model.path=x", "actor_rollout_ref.rollout.multi_turn.enable=true",
@@ -625,11 +626,12 @@ def test_a_fixed_agent_port_with_async_rollout_is_refused_naming_the_key():
              "resource_pool.pools.rollout_pool.workers_per_node=1", "resource_pool.mapping.actor_rollout=actor_pool",
              "resource_pool.mapping.rollout=rollout_pool"]
     with pytest.raises(ConfigError, match=r"agent\.port=8765 with trainer\.async_rollout=true: .* set actor_rollout_ref\.rollout\.agent\.port=0"):
-        validate_config(load_config(None, [*base, *pools]))
-    try:  # the colocated rollout serves one endpoint at a time: a fixed port is fine there
-        validate_config(load_config(None, base))
-    except ConfigError as e:
-        assert "agent.port" not in str(e)
+        validate_config(load_config(None, [*base, *pools, "actor_rollout_ref.rollout.agent.num_workers=0"]))
+    for accepted in ([*base, *pools], base):  # on rollout managers (the default here) manager i listens on port + i for the whole run;
+        try:  # the colocated rollout serves one endpoint at a time: a fixed port is fine there too
+            validate_config(load_config(None, accepted))
+        except ConfigError as e:
+            assert "agent.port" not in str(e)
 
 
 def test_agent_sandbox_config_errors_name_the_key():

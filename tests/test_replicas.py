@@ -10,6 +10,7 @@ import os
 import random
 import signal
 import time
+import types
 
 import pytest
 import ray
@@ -98,6 +99,10 @@ class _Sync:
 class VersionSync:
     def __init__(self, replicas: ReplicaSet):
         self.replicas, self.version = replicas, 0
+
+    def publish_for_rollout(self, version: int):
+        """The trainer's two halves of a sync: publishing (nothing to do here), then submitting the receipt."""
+        return types.SimpleNamespace(submit=self.start_rollout_sync)
 
     def start_rollout_sync(self) -> _Sync:
         return _Sync(self.replicas.submit("receive_weights", self.version))

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
+import inspect
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -37,7 +38,8 @@ from hybridflow.agent.threads import in_own_thread
 from hybridflow.agent.tools import Tool, ToolResult, ToolSession, truncate_middle
 from hybridflow.protocol import Completion, Request, SamplingParams
 
-GenerateFn = Callable[[list[Request]], list[Completion]]  # one backend call (blocking), completions in order
+# one backend call, completions in order: blocking (run in a thread of its own) or a coroutine function (awaited)
+GenerateFn = Callable[[list[Request]], Any]
 
 
 @dataclass
@@ -54,6 +56,7 @@ class Trajectory:
     tool_calls: int = 0
     tool_errors: int = 0
     tool_seconds: float = 0.0
+    tool_timeouts: int = 0  # tool calls / environment turns stopped at multi_turn.tool_timeout_s
     sandbox_kills: int = 0
     sandbox_weaker: int = 0  # sandbox runs without the full protections (no cgroup, seccomp or keyring)
     tool_control_chars: int = 0  # control characters removed from tool output before the model read it
@@ -94,6 +97,7 @@ class AgentSettings:
     default_agent: str | None = None  # rows without agent_name: "tool_agent" (or "env_agent" for env rows)
     black_box: Any = None  # openai_agent.BlackBoxAgent: rows without agent_name play through the endpoint
     endpoint: Any = None  # openai_server.EndpointSettings (with black_box)
+    tool_timeout_s: float | None = 120.0  # one tool call / environment turn (awaited); past it the model reads an error
 
 
 class SessionClosed(RuntimeError):
@@ -149,7 +153,10 @@ class RequestBatcher:
                 longest[k] = max(longest.get(k, 0), n)
             requests = [Request(ids, k.with_(max_new_tokens=longest[k]), session) for k, (ids, _, session, *_) in zip(keys, batch)]
             try:
-                out = await in_own_thread(self.generate_fn, requests)
+                if inspect.iscoroutinefunction(self.generate_fn):  # a backend that awaits its replicas (a rollout manager's)
+                    out = await self.generate_fn(requests)
+                else:
+                    out = await in_own_thread(self.generate_fn, requests)
                 if len(out) != len(requests):  # a request without its completion would wait forever
                     raise RuntimeError(f"the rollout backend returned {len(out)} completions for {len(requests)} requests")
             except Exception as e:  # noqa: BLE001 - every waiting trajectory gets the backend's error
@@ -260,7 +267,11 @@ class ToolAgentLoop(AgentLoop):
         replies = []
         for call in parsed.calls:
             t0 = time.monotonic()
-            result: ToolResult = await self.session.call(call)
+            try:
+                result: ToolResult = await asyncio.wait_for(self.session.call(call), self.s.tool_timeout_s)
+            except (asyncio.TimeoutError, TimeoutError):  # a tool with no deadline of its own: the trajectory goes on
+                traj.tool_timeouts += 1
+                result = ToolResult(f"Error: tool {call.name!r} ran past multi_turn.tool_timeout_s={self.s.tool_timeout_s}", error=True)
             traj.tool_seconds += time.monotonic() - t0
             traj.tool_calls += 1
             traj.tool_errors += int(result.error)
@@ -297,7 +308,12 @@ class EnvAgentLoop(AgentLoop):
             await env.aclose()
 
     async def after_turn(self, traj: Trajectory, text: str) -> list[dict] | None:
-        message, reward, done = await self.env.astep(text)
+        try:
+            message, reward, done = await asyncio.wait_for(self.env.astep(text), self.s.tool_timeout_s)
+        except (asyncio.TimeoutError, TimeoutError):  # an environment that stopped answering ends its trajectory
+            traj.tool_timeouts += 1
+            traj.finish = "env_timeout"
+            return None
         traj.reward += float(reward)
         if done:
             traj.finish = "env_done"
@@ -322,20 +338,28 @@ def agent_name_for(row: Mapping[str, Any], settings: AgentSettings, has_tools: b
 
 
 async def run_trajectories(rows: Sequence[Mapping[str, Any]], generate_fn: GenerateFn, tokenizer, settings: AgentSettings,
-                           params: SamplingParams, tools: Sequence[Tool] = ()) -> tuple[list[Trajectory], RequestBatcher]:
-    """Every row's trajectory, all in flight at once; in row order."""
+                           params: SamplingParams, tools: Sequence[Tool] = (),
+                           resources: Mapping[str, Any] | None = None) -> tuple[list[Trajectory], RequestBatcher]:
+    """Every row's trajectory, all in flight at once; in row order. resources: per agent loop name,
+    what its trajectories share instead of `step_resources` (a rollout manager's endpoint, served
+    for the whole run)."""
     batcher = RequestBatcher(generate_fn, params)
-    classes = [AGENT_LOOPS[agent_name_for(row, settings, bool(tools))] for row in rows]
+    names = [agent_name_for(row, settings, bool(tools)) for row in rows]
+    classes = [AGENT_LOOPS[name] for name in names]
+    given = dict(resources or {})
     async with contextlib.AsyncExitStack() as stack:
         shared = {}  # per loop class: what its trajectories of this step share (e.g. openai_agent's endpoint)
-        for cls in dict.fromkeys(classes):
+        for name, cls in dict(zip(names, classes)).items():
+            if name in given:
+                shared[cls] = given[name]
+                continue
             cm = cls.step_resources(tokenizer, settings, batcher)
             shared[cls] = None if cm is None else await stack.enter_async_context(cm)
         trajs = await asyncio.gather(*(cls(tokenizer, settings, tools, shared[cls]).run(row, batcher) for row, cls in zip(rows, classes)))
     return list(trajs), batcher
 
 
-def trajectory_metrics(trajs: Sequence[Trajectory], batcher: RequestBatcher | None = None) -> dict[str, float]:
+def trajectory_metrics(trajs: Sequence[Trajectory], batcher: RequestBatcher | None = None, generate_calls: int | None = None) -> dict[str, float]:
     """verl-style agent/* metrics of one step's trajectories."""
     n = max(len(trajs), 1)
     turns = [t.num_turns for t in trajs]
@@ -344,6 +368,7 @@ def trajectory_metrics(trajs: Sequence[Trajectory], batcher: RequestBatcher | No
         "agent/tool_calls/mean": sum(t.tool_calls for t in trajs) / n,
         "agent/tool_errors": float(sum(t.tool_errors for t in trajs)),
         "agent/tool_seconds/mean": sum(t.tool_seconds for t in trajs) / n,
+        "agent/tool_timeouts": float(sum(t.tool_timeouts for t in trajs)),
         "agent/sandbox_kills": float(sum(t.sandbox_kills for t in trajs)),
         "agent/sandbox_weaker": float(sum(t.sandbox_weaker for t in trajs)),
         "agent/tool_control_chars": float(sum(t.tool_control_chars for t in trajs)),
@@ -353,8 +378,8 @@ def trajectory_metrics(trajs: Sequence[Trajectory], batcher: RequestBatcher | No
     solved = [t.num_turns for t in trajs if t.reward > 0]  # trajectories a tool / environment rewarded
     if solved:
         out["agent/num_turns/solved_mean"] = sum(solved) / len(solved)
-    if batcher is not None:
-        out["agent/generate_calls"] = float(batcher.calls)
+    if batcher is not None or generate_calls is not None:
+        out["agent/generate_calls"] = float(batcher.calls if batcher is not None else generate_calls)
     if any(t.session_kind == "openai" for t in trajs):
         out["agent/retokenization_mismatch"] = float(sum(t.retokenization_mismatch for t in trajs))
         out["agent/dropped_segments"] = float(sum(t.dropped_segments for t in trajs))

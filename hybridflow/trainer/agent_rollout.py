@@ -44,7 +44,8 @@ def agent_settings(mt: MultiTurnConfig, max_response_length: int, agent: AgentCo
                                     max_session_requests=agent.max_session_requests,
                                     max_session_segments=agent.max_session_segments,
                                     max_session_tokens=agent.max_session_tokens or 4 * max_response_length)
-    return AgentSettings(mt.max_assistant_turns, mt.max_tool_response_length, mt.format, max_response_length, mt.default_agent, black_box, endpoint)
+    return AgentSettings(mt.max_assistant_turns, mt.max_tool_response_length, mt.format, max_response_length, mt.default_agent, black_box, endpoint,
+                         mt.tool_timeout_s)
 
 
 def trajectories_to_batch(trajs: list[Trajectory], pad_id: int, params: SamplingParams) -> Batch:
@@ -89,18 +90,26 @@ class AgentRollout:
 
     def generate(self, group: Any, prompts: Batch, params: SamplingParams) -> Batch:
         """prompts: the rows' raw_prompt (chat messages) and extra_info (tools_kwargs, env, agent_name)."""
-        rows = [{"raw_prompt": list(prompts["raw_prompt"][i]), "extra_info": dict(prompts["extra_info"][i] or {})} for i in range(len(prompts))]
 
         def generate_fn(requests: list) -> list:
             out = group.generate_requests(Batch.from_dict(non_tensors={"request": requests}))
             return list(out["completion"])
 
-        trajs, batcher = asyncio.run(run_trajectories(rows, generate_fn, self.tokenizer, self.settings, params, self.tools))
+        trajs, batcher = asyncio.run(run_trajectories(agent_rows(prompts), generate_fn, self.tokenizer, self.settings, params, self.tools))
+        return self.to_batch(trajs, params, batcher.calls)
+
+    def to_batch(self, trajs: list[Trajectory], params: SamplingParams, generate_calls: int) -> Batch:
+        """The rollout batch of the step's trajectories (in row order), their rewards and agent/* metrics."""
         self.last = trajs
         out = trajectories_to_batch(trajs, int(self.tokenizer.pad_token_id), params.with_(max_new_tokens=self.settings.response_budget))
         out["agent_reward"] = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
-        out.meta["metrics"] = trajectory_metrics(trajs, batcher)
+        out.meta["metrics"] = trajectory_metrics(trajs, generate_calls=generate_calls)
         return out
+
+
+def agent_rows(prompts: Batch) -> list[dict]:
+    """The rows a batch's trajectories start from: raw_prompt (chat messages) and extra_info (tools_kwargs, env, agent_name)."""
+    return [{"raw_prompt": list(prompts["raw_prompt"][i]), "extra_info": dict(prompts["extra_info"][i] or {})} for i in range(len(prompts))]
 
 
 def served_model_name(path: str) -> str:

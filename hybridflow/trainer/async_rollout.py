@@ -48,6 +48,7 @@ from typing import Any, Callable
 
 import torch
 
+from hybridflow.controller.worker_group import WorkerTimeoutError
 from hybridflow.protocol import Batch, Completion, Request, SamplingParams
 from hybridflow.rollout.base import generate_batch
 from hybridflow.rollout.partial import generate_in_segments
@@ -74,7 +75,8 @@ class _InFlight:
 class AsyncRollout:
     def __init__(self, rollout: Any, weight_sync: Any, prompts: Callable[[], Batch], sampling: Callable[[int], SamplingParams],
                  total_steps: int, max_staleness: int = 1, timeout_s: float | None = None, loader_state: Callable[[], Any] = lambda: None,
-                 agent: Any = None, partial_chunk: int | None = None, pad_id: int = 0):
+                 agent: Any = None, partial_chunk: int | None = None, pad_id: int = 0, thread_deadline_s: float | None = None,
+                 managers: Any = None):
         """rollout: the rollout pool's view (`submit(method, ...) -> Pending`); weight_sync:
         `start_rollout_sync() -> RolloutSync` (`trainer/weight_sync.py`); prompts(): the next batch
         of prompts (drawn from the loader); sampling(step): that step's sampling parameters;
@@ -83,13 +85,16 @@ class AsyncRollout:
         each turn a request to the pool tagged with the policy version it samples with (tool time
         overlaps the other batches' generation and the update); partial_chunk: partial rollout's
         segment length in tokens (None: off; on, single-turn batches run on driver threads too, and
-        pad_id pads their responses)."""
+        pad_id pads their responses); thread_deadline_s: the most a multi-turn or partial batch may take;
+        managers: the rollout managers (`rollout_managers.ManagerPool`) that run the agent's
+        trajectories off the driver (None: on a driver thread per batch)."""
         self.rollout, self.weight_sync, self.prompts, self.sampling = rollout, weight_sync, prompts, sampling
         self.total_steps, self.k, self.timeout_s, self.loader_state = total_steps, max_staleness, timeout_s, loader_state
-        self.agent, self.partial_chunk, self.pad_id = agent, partial_chunk, pad_id
-        threaded = agent is not None or partial_chunk is not None  # each batch's requests driven from a driver thread
+        self.agent, self.partial_chunk, self.pad_id, self.thread_deadline_s = agent, partial_chunk, pad_id, thread_deadline_s
+        self.managers = managers
+        threaded = managers is None and (agent is not None or partial_chunk is not None)  # each batch's requests driven from a driver thread
         self.threads = concurrent.futures.ThreadPoolExecutor(max_staleness + 1, "async-rollout") if threaded else None
-        self.lock = threading.Lock()  # a call's submission and the version it samples with, vs a sync's submission
+        self.lock = threading.Lock()  # the version and counters, read by the batch threads' pool calls (bookkeeping only)
         self.queue: collections.deque[_InFlight] = collections.deque()  # submitted, not yet trained: oldest first
         self.syncs: collections.deque[tuple[int, Any]] = collections.deque()  # (batches submitted before it, RolloutSync) not collected
         self.next_step = 1  # the step whose batch is submitted next
@@ -113,14 +118,17 @@ class AsyncRollout:
         while self.next_step <= self.total_steps and (self.next_step - 1) - self.version <= self.k:
             state = self.loader_state()
             prompts, params = self.prompts(), self.sampling(self.next_step)
-            with self.lock:
-                if self.agent is not None:
-                    pending = _ThreadCall(self.threads.submit(self.agent.generate, _VersionedPool(self), prompts, params))
-                elif self.partial_chunk is not None:
-                    pending = _ThreadCall(self.threads.submit(generate_batch, _VersionedPool(self), prompts.select(PROMPT_KEYS), params, self.pad_id))
-                else:
-                    pending = self.rollout.submit("generate_sequences", prompts.select(PROMPT_KEYS), params)
-                self.queue.append(_InFlight(self.next_step, prompts, params, pending, self.version, state))
+            floor = max(0, (self.next_step - 1) - self.k)  # the oldest version this batch may hold (syncs up to it are submitted)
+            if self.managers is not None:  # the trajectories run on the rollout managers, off the driver
+                pending = self.managers.submit(prompts, params, floor, self.thread_deadline_s)
+            elif self.agent is not None:
+                pending = _ThreadCall(self.threads.submit(self.agent.generate, _VersionedPool(self), prompts, params), self.thread_deadline_s)
+            elif self.partial_chunk is not None:
+                pending = _ThreadCall(self.threads.submit(generate_batch, _VersionedPool(self), prompts.select(PROMPT_KEYS), params, self.pad_id),
+                                      self.thread_deadline_s)
+            else:  # submitted from this thread, as the syncs are: the pool runs them in this order
+                pending = self.rollout.submit("generate_sequences", prompts.select(PROMPT_KEYS), params)
+            self.queue.append(_InFlight(self.next_step, prompts, params, pending, self.version, state))
             self.next_step += 1
             self.submitted += 1
 
@@ -159,6 +167,11 @@ class AsyncRollout:
         if "rollout_policy_version" not in out:  # one pool call: every token sampled with the version it was submitted with
             batch["rollout_policy_version"] = torch.full(mask.shape, item.version, dtype=torch.long)  # [b, R]
         metrics.update(staleness_metrics(step, batch["rollout_policy_version"], mask))
+        if metrics["rollout/staleness_max"] > self.k:  # read from the replicas' own record: asserted, not assumed
+            raise StalenessError(f"async rollout: step {step}'s batch has tokens sampled with policy version "
+                                 f"{step - 1 - int(metrics['rollout/staleness_max'])}, {int(metrics['rollout/staleness_max'])} updates behind the "
+                                 f"update that trains on it; async_training.max_staleness={self.k} allows at most {self.k}. A replica served "
+                                 f"this batch with weights older than the syncs submitted before it: the rollout pool lost a sync")
         metrics.update(self._collect_syncs(self.submitted - len(self.queue)))  # syncs queued before a batch taken have run
         return batch, metrics
 
@@ -167,8 +180,9 @@ class AsyncRollout:
         pool, queued behind the batches it is generating. The driver waits for the sync only when
         no later batch than the next step's is queued before it (then waiting costs nothing: the
         next step needs that batch first); otherwise it collects it once a batch after it is taken."""
-        with self.lock:
-            sync = self.weight_sync.start_rollout_sync()
+        published = self.weight_sync.publish_for_rollout(step)  # the slow half (crop, cast, checksums, ray.put): no lock held
+        with self.lock:  # the receipt queued and the version counted as one step: a call submitted after it samples with these weights
+            sync = published.submit()
             self.syncs.append((self.submitted, sync))
             self.version = step
         metrics = {"timing_s/sync_publish": sync.publish_s}
@@ -220,9 +234,9 @@ class _VersionedPool:
         o = self.owner
         data = Batch.from_dict(non_tensors={"request": requests})
         while True:
-            with o.lock:
+            with o.lock:  # bookkeeping only: the version of the syncs submitted so far (a replica that stamps none is taken to hold it)
                 version = o.version
-                pending = o.rollout.submit("generate_requests", data)
+            pending = o.rollout.submit("generate_requests", data)  # submitted (pickled) outside the lock
             try:
                 out = pending.result(o.timeout_s, f"{len(requests)} generation requests (policy version {version})", REQUEST_TIMEOUT_KEY)
                 break
@@ -231,13 +245,12 @@ class _VersionedPool:
                     o.resubmitted += 1
         with o.lock:
             o.clocks.add(out.meta.get("metrics", {}))
-        return list(out["completion"]), version
+        return [c if c.versions is not None else dataclasses.replace(c, versions=(version,) * len(c.token_ids)) for c in out["completion"]], version
 
     def complete(self, requests: list[Request]) -> list[Completion]:
         if self.owner.partial_chunk is not None:
             return generate_in_segments(requests, self.call, self.owner.partial_chunk)
-        completions, version = self.call(requests)
-        return [dataclasses.replace(c, versions=(version,) * len(c.token_ids)) for c in completions]
+        return self.call(requests)[0]
 
     def generate_requests(self, data: Batch | list[Request]) -> Batch | list[Completion]:
         """The agent loop's group call (a Batch with a "request" column -> one with "completion"),
@@ -281,12 +294,24 @@ class ReplicaClocks:
         return out
 
 
-class _ThreadCall:
-    """A batch's rollout on a driver thread (multi-turn, or partial). Its wait has no deadline of its
-    own: every pool call inside it has one (actor_rollout_ref.rollout.request_timeout_s), and tools theirs."""
+class StalenessError(RuntimeError):
+    """A trained batch holds tokens older than async_training.max_staleness allows."""
 
-    def __init__(self, future: concurrent.futures.Future):
-        self.future = future
+
+class _ThreadCall:
+    """A batch's rollout on a driver thread (multi-turn, or partial). Every pool call inside it has
+    a deadline (actor_rollout_ref.rollout.request_timeout_s), tools and environments theirs
+    (multi_turn.tool_timeout_s), black-box agents theirs (agent.timeout_s); the batch as a whole
+    has `deadline_s`, what those allow its longest trajectory (None: no limit)."""
+
+    def __init__(self, future: concurrent.futures.Future, deadline_s: float | None):
+        self.future, self.deadline_s = future, deadline_s
 
     def result(self, timeout_s: float | None = None, waiting_for: str = "", key: str = "") -> Batch:
-        return self.future.result()
+        try:
+            return self.future.result(timeout=self.deadline_s)
+        except concurrent.futures.TimeoutError:
+            raise WorkerTimeoutError(f"{waiting_for or 'a batch'}: its rollout on a driver thread did not finish within {self.deadline_s:.0f} s, "
+                                     "what its longest trajectory may take (multi_turn.max_assistant_turns x (request_timeout_s + "
+                                     "multi_turn.tool_timeout_s), or agent.timeout_s): something it waits for has no deadline of its own",
+                                     ()) from None

@@ -30,7 +30,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from hybridflow.controller.worker_group import Pending, WorkerCallError, WorkerDiedError, WorkerTimeoutError
 from hybridflow.protocol import Batch
@@ -54,66 +54,102 @@ class ReplicaSet:
         self.view = group.role(role)
         self.world_size = group.world_size
         self.pool = group.pool
+        # Guards the bookkeeping below, held for it alone: never across a submission (pickling), a
+        # restart (a process start, a model load, a weight receipt) or a wait for results.
+        self.cond = threading.Condition()
         self.incarnation = [0] * self.world_size  # restarts so far, per replica
+        self.restarting: set[int] = set()  # replicas being restarted: calls to them wait, routed requests go elsewhere
         self.latest: tuple[tuple, dict] | None = None  # the last receive_weights call's arguments
-        self.lock = threading.Lock()  # submissions vs a restart: a call goes to the replica's current process
         self.restarts = 0
         self.receipts: dict[int, dict] = {}  # a restarted replica's receipt of the latest weights
         self.outstanding: list[tuple[Any, int, int]] = []  # (object ref, replica, requests) of routed parts not finished yet
         self.sessions: collections.OrderedDict[str, int] = collections.OrderedDict()  # session -> the replica that served it
+        self.listeners: list[Callable[[int, Any], None]] = []  # told (replica, its new actor handle) after a restart
 
     def submit(self, method: str, *args, **kwargs) -> "_Recovering":
-        with self.lock:
-            if method == "generate_requests":
-                return _Recovering(self, method, args, kwargs, self._route(args[0]), list(self.incarnation))
+        if method == "generate_requests":
+            seen, pending = self._route(args[0])
+            return _Recovering(self, method, args, kwargs, pending, seen)
+        with self.cond:
+            self._wait_for_restarts(range(self.world_size), f"{method} on every rollout replica")
             if method == "receive_weights":
                 self.latest = (args, kwargs)
-            pending = self.view.submit(method, *args, **kwargs)
-            # Replicas share no collective: one that finishes later than another on a long tail is not a
-            # straggler (trainer.collective_timeout_s); only the caller's deadline (request_timeout_s) holds.
-            pending.straggler_timeout_s = None
-            return _Recovering(self, method, args, kwargs, pending, list(self.incarnation))
+            seen = list(self.incarnation)
+        # A call that reaches a replica restarted since `seen` fails or is superseded; `recover` then
+        # restarts nothing more, and the caller submits it again.
+        pending = self.view.submit(method, *args, **kwargs)
+        # Replicas share no collective: one that finishes later than another on a long tail is not a
+        # straggler (trainer.collective_timeout_s); only the caller's deadline (request_timeout_s) holds.
+        pending.straggler_timeout_s = None
+        return _Recovering(self, method, args, kwargs, pending, seen)
 
-    def _route(self, data: Batch) -> Pending:
-        """One call per replica with the requests routed to it; the completions come back in order."""
+    def _wait_for_restarts(self, ranks, what: str) -> None:
+        """Under self.cond: until none of `ranks` is being restarted (at most timeout_s)."""
+        wanted = set(ranks)
+        if not self.cond.wait_for(lambda: not (self.restarting & wanted), self.timeout_s):
+            raise WorkerTimeoutError(f"{what}: rollout replica(s) {sorted(self.restarting & wanted)} (pool {self.pool.name!r}) did not "
+                                     f"restart within {self.timeout_s} s (actor_rollout_ref.rollout.request_timeout_s)",
+                                     tuple(sorted(self.restarting & wanted)))
+
+    def _route(self, data: Batch) -> tuple[list[int], Pending]:
+        """One call per replica with the requests routed to it; the completions come back in order.
+        A replica being restarted gets none (unless every one is: then they wait for it)."""
         requests = list(data["request"])
-        load = self.load()
-        routed = []
-        for r in requests:
-            replica = self.sessions.get(r.session) if r.session is not None else None
-            if replica is None:
-                replica = min(range(self.world_size), key=lambda d: (load[d], d))
-            if r.session is not None:
-                self.sessions[r.session] = replica
-                self.sessions.move_to_end(r.session)
-                if len(self.sessions) > MAX_SESSIONS:
-                    self.sessions.popitem(last=False)
-            load[replica] += 1
-            routed.append(replica)
-        ranks = sorted(set(routed))
-        refs = [getattr(self.group.workers[d], f"{self.role}__generate_requests").remote(
-            Batch.from_dict(non_tensors={"request": [r for r, to in zip(requests, routed) if to == d]})) for d in ranks]
-        self.outstanding += [(ref, d, routed.count(d)) for ref, d in zip(refs, ranks)]
+        finished = self._finished_parts()
+        with self.cond:
+            self.outstanding = [o for o in self.outstanding if o[0] not in finished]
+            if len(self.restarting) == self.world_size:
+                self._wait_for_restarts(range(self.world_size), "generation requests")
+            live = [d for d in range(self.world_size) if d not in self.restarting]
+            load = [0] * self.world_size
+            for _, d, n in self.outstanding:
+                load[d] += n
+            routed = []
+            for r in requests:
+                replica = self.sessions.get(r.session) if r.session is not None else None
+                if replica is None or replica in self.restarting:
+                    replica = min(live, key=lambda d: (load[d], d))
+                if r.session is not None:
+                    self.sessions[r.session] = replica
+                    self.sessions.move_to_end(r.session)
+                    if len(self.sessions) > MAX_SESSIONS:
+                        self.sessions.popitem(last=False)
+                load[replica] += 1
+                routed.append(replica)
+            ranks = sorted(set(routed))
+            seen = list(self.incarnation)
+            workers = [self.group.workers[d] for d in ranks]
+        refs = [getattr(w, f"{self.role}__generate_requests").remote(  # pickled here, outside the lock
+            Batch.from_dict(non_tensors={"request": [r for r, to in zip(requests, routed) if to == d]})) for w, d in zip(workers, ranks)]
+        with self.cond:
+            self.outstanding += [(ref, d, routed.count(d)) for ref, d in zip(refs, ranks)]
 
         def collect(results: list[Batch]) -> Batch:
             parts = {d: iter(out["completion"]) for d, out in zip(ranks, results)}
             metrics = {k: v for out in results for k, v in out.meta.get("metrics", {}).items()}  # per-replica keys
             return Batch.from_dict(non_tensors={"completion": [next(parts[d]) for d in routed]}, meta={"metrics": metrics})
 
-        return Pending(refs, collect, f"{self.role}__generate_requests", self.pool.name, ranks=ranks)
+        return seen, Pending(refs, collect, f"{self.role}__generate_requests", self.pool.name, ranks=ranks)
+
+    def _finished_parts(self) -> set:
+        """The routed parts that finished (or failed): they no longer load their replica."""
+        with self.cond:
+            refs = [ref for ref, _, _ in self.outstanding]
+        if not refs:
+            return set()
+        import ray
+
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        return set(done)
 
     def load(self) -> list[int]:
-        """Requests routed to each replica whose part has not finished (a part that finished, or
-        failed, no longer loads its replica)."""
-        if self.outstanding:
-            import ray
-
-            done, _ = ray.wait([ref for ref, _, _ in self.outstanding], num_returns=len(self.outstanding), timeout=0)
-            finished = set(done)
+        """Requests routed to each replica whose part has not finished."""
+        finished = self._finished_parts()
+        with self.cond:
             self.outstanding = [o for o in self.outstanding if o[0] not in finished]
-        load = [0] * self.world_size
-        for _, d, n in self.outstanding:
-            load[d] += n
+            load = [0] * self.world_size
+            for _, d, n in self.outstanding:
+                load[d] += n
         return load
 
     def __getattr__(self, method: str):
@@ -134,33 +170,55 @@ class ReplicaSet:
     def metrics(self) -> dict[str, float]:
         return {"rollout/replica_restarts": float(self.restarts)}
 
+    def handles(self) -> tuple[list[Any], list[int]]:
+        """The replicas' actor handles and incarnations now (what a rollout manager calls)."""
+        with self.cond:
+            return list(self.group.workers), list(self.incarnation)
+
     def recover(self, error: WorkerCallError, seen: list[int]) -> None:
         """Restart every replica in `error.ranks` still in the incarnation the failed call was
-        submitted to (`seen`); one restarted since by another failed call is not restarted again."""
-        with self.lock:
+        submitted to (`seen`); one restarted since by another failed call is not restarted again,
+        and one being restarted by another caller is waited for. The lock is held for the
+        bookkeeping only: the healthy replicas serve on while a replica restarts."""
+        mine = []
+        with self.cond:
             for rank in error.ranks:
-                if self.incarnation[rank] != seen[rank]:
+                if self.incarnation[rank] != seen[rank] or rank in self.restarting:
                     continue
                 if self.incarnation[rank] >= self.max_restarts:
                     raise WorkerCallError(f"rollout replica {rank} (pool {self.pool.name!r}) failed after {self.incarnation[rank]} restart(s), "
                                           f"the most async_training.max_replica_restarts allows: {error}", (rank,)) from None
                 self.incarnation[rank] += 1
                 self.restarts += 1
-                logger.warning("rollout replica %d (pool %r): %s; restarting it (restart %d of at most %d) with the latest weights",
-                               rank, self.pool.name, str(error).split("; re-run")[0], self.incarnation[rank], self.max_restarts)
-                self._restart(rank)
+                self.restarting.add(rank)
+                mine.append(rank)
+            latest = self.latest
+        for rank in mine:
+            logger.warning("rollout replica %d (pool %r): %s; restarting it (restart %d of at most %d) with the latest weights",
+                           rank, self.pool.name, str(error).split("; re-run")[0], self.incarnation[rank], self.max_restarts)
+            try:
+                handle = self._restart(rank, latest)
+            finally:
+                with self.cond:
+                    self.restarting.discard(rank)
+                    self.cond.notify_all()
+            for tell in list(self.listeners):
+                tell(rank, handle)
+        with self.cond:
+            self._wait_for_restarts(error.ranks, "a rollout replica's restart")
 
-    def _restart(self, rank: int) -> None:
+    def _restart(self, rank: int, latest: tuple[tuple, dict] | None) -> Any:
         """A new process in the replica's slot: the model, then the latest weights (in call order)."""
         self.group.replace_worker(rank)
         worker = self.group.workers[rank]
         calls = [getattr(worker, f"{self.role}__init_model").remote()]
-        if self.latest is not None:
-            args, kwargs = self.latest
+        if latest is not None:
+            args, kwargs = latest
             calls.append(getattr(worker, f"{self.role}__receive_weights").remote(*args, **kwargs))
         results = Pending(calls, lambda results: results, "init_model", self.pool.name).result(
             self.timeout_s, f"restarting rollout replica {rank}", "actor_rollout_ref.rollout.request_timeout_s")
         self.receipts[rank] = results[1] if len(results) > 1 else {"bytes_received": 0.0}
+        return worker
 
 
 class _Recovering:

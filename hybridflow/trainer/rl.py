@@ -50,6 +50,7 @@ from hybridflow.trainer import checkpoints, driver_stages, validation
 from hybridflow.trainer.agent_rollout import AgentRollout, served_model_name
 from hybridflow.trainer.async_rollout import AsyncRollout
 from hybridflow.trainer.replicas import ReplicaRestarted, ReplicaSet
+from hybridflow.trainer.rollout_managers import ManagerPool, ManagerSpec, manager_count
 from hybridflow.trainer.dataflow import DataFlow, Stage
 from hybridflow.trainer.keys import GEN_OUTPUTS, PROMPT_KEYS, REWARD_KEYS, SAMPLE_INFO_KEYS, TRAIN_KEYS, with_sample_info
 from hybridflow.trainer.loader import PromptLoader
@@ -119,6 +120,7 @@ class RLTrainer:
         self.wg = None  # the actor's worker group
         self.weight_sync: WeightSync | None = None
         self.async_gen: AsyncRollout | None = None
+        self.managers: ManagerPool | None = None  # the rollout managers (multi-turn with async rollout)
         self._next_batch: Batch | None = None  # prepared while the workers reshard (overlap mode)
         self._loader_state_at_prefetch: dict | None = None  # a checkpoint must not skip a prefetched batch
 
@@ -211,9 +213,38 @@ class RLTrainer:
                                       (self.pool_of(Role.ACTOR_ROLLOUT), roles.pools.get(Role.ROLLOUT, "")))
         if roles.async_rollout:
             at, timeout_s = cfg.async_training, self.run_plan.rollout.rollout.request_timeout_s
+            self.managers = self._start_managers() if isinstance(self.rollout, ReplicaSet) else None
             self.async_gen = AsyncRollout(self.rollout, self.weight_sync, self._prepare_batch, lambda step: self._sampling(step=step), self.total_steps,
                                           at.max_staleness, timeout_s, self.loader.state_dict,
-                                          self.agent, at.partial_rollout_chunk if at.partial_rollout else None, self.tokenizer.pad_token_id)
+                                          self.agent, at.partial_rollout_chunk if at.partial_rollout else None, self.tokenizer.pad_token_id,
+                                          self._batch_deadline_s(), self.managers)
+
+    def _start_managers(self) -> ManagerPool | None:
+        """The rollout managers (rollout_managers.py) that run the agent loops off the driver, if any."""
+        r, d = self.run_plan.rollout.rollout, self.cfg.data
+        n = manager_count(r.agent, self.agent is not None, True, r.tensor_model_parallel_size)
+        if not n:
+            return None
+        mcfg = self.run_plan.rollout.model
+        spec = ManagerSpec(r.multi_turn, r.agent, d.max_response_length, d.max_prompt_length, mcfg.tokenizer_source(), served_model_name(mcfg.path),
+                           "rollout", r.request_timeout_s, self._sampling(step=0),
+                           self.cfg.async_training.partial_rollout_chunk if self.cfg.async_training.partial_rollout else None)
+        pool = ManagerPool(spec, n, self.rollout, self.cfg.async_training.max_replica_restarts, self.agent)
+        logger.info("%d rollout manager(s) run the agent loops off the driver%s", n,
+                    "; agent endpoints: " + ", ".join(pool.urls) if any(pool.urls) else "")
+        return pool
+
+    def _batch_deadline_s(self) -> float | None:
+        """The most one multi-turn or partial batch may take: its longest trajectory's turns, each a request
+        and a tool call under their deadlines (a black-box agent: its own), once more per replica restart."""
+        r = self.run_plan.rollout.rollout
+        if r.request_timeout_s is None:
+            return None
+        mt, agent = r.multi_turn, r.agent
+        longest = mt.max_assistant_turns * (r.request_timeout_s + mt.tool_timeout_s) if mt.enable else r.request_timeout_s
+        if agent.function or agent.command:
+            longest = max(longest, agent.timeout_s + r.request_timeout_s)
+        return longest * (1 + self.cfg.async_training.max_replica_restarts)
 
     @property
     def is_main(self) -> bool:
@@ -221,6 +252,9 @@ class RLTrainer:
         return self.placed is None or self.placed.is_main
 
     def shutdown(self) -> None:
+        if self.managers is not None:
+            self.managers.shutdown()
+            self.managers = None
         if self.placed is not None:
             self.placed.shutdown()  # the groups, then every pool (also one whose group failed to start)
         self.wg = None
@@ -241,6 +275,8 @@ class RLTrainer:
                                        REQUEST_TIMEOUT_KEY)
                 except ReplicaRestarted:  # validation on the rollout pool: a replica died and was restarted; generate again
                     continue
+        if self.managers is not None:  # on the rollout managers (validation): any version the replicas hold
+            return self.managers.submit(batch, params, 0, self._batch_deadline_s()).result(waiting_for=f"step {self.global_step}'s generation")
         out = self.agent.generate(group, batch, params)
         if release_after:
             group.sleep_rollout()

@@ -128,10 +128,16 @@ class WeightSync:
         """Trained weights -> the rollout pool, waiting until it holds them."""
         return self.start_rollout_sync().finish()
 
-    def start_rollout_sync(self) -> "RolloutSync":
+    def start_rollout_sync(self, version: int | None = None) -> "RolloutSync":
+        """Publish the trained weights and queue their receipt on the rollout pool at once."""
+        return self.publish_for_rollout(version).submit()
+
+    def publish_for_rollout(self, version: int | None = None) -> "PublishedWeights":
         """Publish the trained weights (each generation rank's pieces into the object store, so the
-        next update may change the actor's) and queue their receipt on the rollout pool, behind
-        the batches it is generating; `RolloutSync.finish()` collects it."""
+        next update may change the actor's): the slow half of a sync (crop, cast, checksums,
+        `ray.put` per destination), which needs no lock of the caller's. `submit()` then queues
+        their receipt on the rollout pool, behind the batches it is generating. version: the policy
+        version these weights are (the replicas record it and stamp it on what they sample)."""
         r, check = self.spec.rollout.rollout, self.trainer.check_weight_sync
         tp, world = r.tensor_model_parallel_size, self.rollout.world_size
         percent = self.spec.hybrid_engine.resharding_buffer_percent
@@ -141,9 +147,7 @@ class WeightSync:
         start = time.perf_counter()
         refs = self.actor.publish_weights(tp, world)
         trained = self.actor.weight_fingerprints(tp, world) if check else None  # now: the actor trains on before the pool receives
-        receive = self.rollout.submit("receive_weights", refs, check=check)
-        fingerprints = self.rollout.submit("weight_fingerprints") if check else None  # right after the receipt, before any later batch
-        return RolloutSync(self, receive, fingerprints, trained, time.perf_counter() - start, (tp, world))
+        return PublishedWeights(self, refs, trained, version, time.perf_counter() - start, (tp, world))
 
     def log_rollout_sync(self, m: dict[str, float], tp: int, world: int) -> None:
         if not self.logged:
@@ -165,6 +169,21 @@ def delta_metrics(per_rank: list[dict], m: dict) -> None:
     if m["sync/delta_repairs"]:
         logger.warning("delta weight sync: %d piece(s) failed their checksum or had no base and were sent whole (%s)",
                        m["sync/delta_repairs"], sorted({n for x in per_rank for n in x["delta_repaired"]})[:4])
+
+
+class PublishedWeights:
+    """Trained weights in the object store, not yet sent: `submit()` queues their receipt (cheap:
+    object refs), so a caller may hold its lock for that alone."""
+
+    def __init__(self, owner: WeightSync, refs: list, trained: dict | None, version: int | None, publish_s: float, layout: tuple[int, int]):
+        self.owner, self.refs, self.trained, self.version, self.publish_s, self.layout = owner, refs, trained, version, publish_s, layout
+
+    def submit(self) -> "RolloutSync":
+        rollout, check = self.owner.rollout, self.trained is not None
+        extra = {} if self.version is None else {"version": self.version}
+        receive = rollout.submit("receive_weights", self.refs, check=check, **extra)
+        fingerprints = rollout.submit("weight_fingerprints") if check else None  # right after the receipt, before any later batch
+        return RolloutSync(self.owner, receive, fingerprints, self.trained, self.publish_s, self.layout)
 
 
 class RolloutSync:
