@@ -217,3 +217,43 @@ def test_multi_turn_config_errors_name_the_key(tmp_path):
                                            f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tools}"]))
     with pytest.raises(ConfigError, match=r"multi_turn.format must be one of \['hermes'\]"):
         load_config(None, ["actor_rollout_ref.rollout.multi_turn.format=chatml"])
+
+
+@register_env("test_stuck")
+class StuckEnv(Environment):
+    """An environment that talks to a server that never answers its second turn (no deadline of its own)."""
+
+    def reset(self, row):
+        self.turns = 0
+        return "start"
+
+    async def astep(self, model_text):
+        self.turns += 1
+        if self.turns >= 2:
+            await asyncio.Event().wait()
+        return EnvStep("go on", 0.0, False)
+
+
+def test_a_tool_or_environment_without_a_deadline_of_its_own_stops_at_tool_timeout_s():
+    """A tool call that never returns reads as an error to the model and its trajectory goes on; an
+    environment that stops answering ends its trajectory; both counted (on b4554a1 each hung its batch
+    until the trajectory's caller gave up: here, the test's own 10 s)."""
+    tok = _tokenizer("qwen")
+    call = '<tool_call>{"name": "test_sleep", "arguments": {"s": 3600}}</tool_call>'
+    gen = _scripted(tok, lambda prompt: "42" if "tool_timeout_s" in prompt else call)
+    settings = AgentSettings(response_budget=400, tool_timeout_s=0.3)
+    rows = [{"raw_prompt": [{"role": "user", "content": "call"}], "extra_info": {}}]
+    env_rows = [{"raw_prompt": [], "extra_info": {"env": "test_stuck"}}]
+
+    async def main():
+        tools = await asyncio.wait_for(run_trajectories(rows, gen, tok, settings, SamplingParams(max_new_tokens=64), tools=[SleepTool()]), 10)
+        envs = await asyncio.wait_for(run_trajectories(env_rows, _scripted(tok, lambda prompt: "1"), tok, settings,
+                                                       SamplingParams(max_new_tokens=64)), 10)
+        return tools, envs
+
+    (tool_trajs, batcher), (env_trajs, _) = asyncio.run(main())
+    t = tool_trajs[0]
+    assert t.tool_timeouts == 1 and t.tool_errors == 1 and t.num_turns == 2 and t.finish == "answer"  # it read the error, then answered
+    assert "ran past multi_turn.tool_timeout_s=0.3" in tok.decode(t.response_ids)
+    assert env_trajs[0].finish == "env_timeout" and env_trajs[0].tool_timeouts == 1 and env_trajs[0].num_turns == 2
+    assert trajectory_metrics(tool_trajs + env_trajs, batcher)["agent/tool_timeouts"] == 2.0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import threading
 import time
 import types
 
@@ -18,8 +19,8 @@ import torch
 
 from hybridflow.controller.decorator import Dispatch, register
 from hybridflow.controller.worker import Worker
-from hybridflow.controller.worker_group import ColocatedWorkerGroup, ResourcePool, WorkerCallError
-from hybridflow.protocol import Batch, Completion, SamplingParams
+from hybridflow.controller.worker_group import ColocatedWorkerGroup, ResourcePool, WorkerCallError, WorkerDiedError
+from hybridflow.protocol import Batch, Completion, Request, SamplingParams
 from hybridflow.trainer.async_rollout import AsyncRollout
 from hybridflow.trainer.keys import GEN_OUTPUTS
 from hybridflow.trainer.replicas import ReplicaSet
@@ -42,6 +43,8 @@ class VersionReplica(Worker):
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
         self.held = -1  # no weights until a sync
+        if self.hang_file and os.path.exists(self.hang_file + ".slow_start"):  # a restart that takes a while (a large model's load)
+            time.sleep(3)
 
     @register(Dispatch.ONE_TO_ALL)
     def slow_down(self, rank: int, factor: float) -> None:
@@ -296,3 +299,35 @@ def test_a_replica_past_its_restarts_stops_the_run_naming_it(pool_group):
     finally:  # the pool's other tests need replica 0 back
         group.replace_worker(0)
         ray.get(group.workers[0].rollout__init_model.remote())
+
+
+def test_a_replica_restart_blocks_no_healthy_replica(pool_group):
+    """Replica 0 is SIGKILLed and restarted (a start that takes 3 s); requests submitted meanwhile are
+    served by replica 1 before the restart ends (on b4554a1 the restart held the set's lock through
+    the new process's start, model load and weight receipt, and every submission waited for it)."""
+    group, hang = pool_group
+    replicas = ReplicaSet(group, "rollout", max_restarts=2, timeout_s=60.0)
+    replicas.submit("receive_weights", 0).result()
+    slow = f"{hang}.slow_start"
+    open(slow, "w").close()
+    pid = group.pids()[0]
+    os.kill(pid, signal.SIGKILL)
+    while _alive(pid):
+        time.sleep(0.01)
+    restart = threading.Thread(target=replicas.recover, args=(WorkerDiedError("killed", (0,)), list(replicas.incarnation)))
+    try:
+        restart.start()
+        deadline = time.monotonic() + 10
+        while 0 not in getattr(replicas, "restarting", {0}):  # (b4554a1 kept no such record: its lock was held from here on)
+            assert time.monotonic() < deadline, "the restart did not begin"
+            time.sleep(0.005)
+        requests = [Request((1,), SamplingParams(max_new_tokens=2)) for _ in range(4)]
+        out = replicas.submit("generate_requests", Batch.from_dict(non_tensors={"request": requests})).result(30)
+        assert restart.is_alive(), "the requests waited for the restart"
+        assert [c.log_probs[0] for c in out["completion"]] == [1.0] * 4  # all served by replica 1
+    finally:
+        os.remove(slow)
+        restart.join(60)
+    assert replicas.incarnation == [1, 0] and not replicas.restarting
+    out = replicas.submit("generate_requests", Batch.from_dict(non_tensors={"request": requests})).result(30)
+    assert [c.token_ids for c in out["completion"]] == [(0, 0)] * 4  # both up, the restarted one holding the latest weights
