@@ -117,6 +117,7 @@ class RequestBatcher:
         # (prompt ids, its max new tokens, session, its own params or None: the base's, seeded, result)
         self.pending: list[tuple[tuple[int, ...], int, str | None, SamplingParams | None, bool, asyncio.Future]] = []
         self.calls = 0
+        self.latencies: list[float] = []  # per answered request: seconds from submission to its completion
         self._task: asyncio.Task | None = None
 
     async def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, session: str | None = None,
@@ -125,7 +126,15 @@ class RequestBatcher:
         self.pending.append((tuple(prompt_ids), max_new_tokens, session, params, seeded, fut))
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._drain())
-        return await fut
+        start = time.monotonic()
+        out = await fut
+        self.latencies.append(time.monotonic() - start)
+        return out
+
+    def take_latencies(self) -> list[float]:
+        """The seconds each request waited for its completion (a model turn's latency), since the last take."""
+        out, self.latencies = self.latencies, []
+        return out
 
     def drop_session(self, session: str) -> None:
         """A session's requests still waiting for the backend are not sent: their callers get
@@ -359,8 +368,9 @@ async def run_trajectories(rows: Sequence[Mapping[str, Any]], generate_fn: Gener
     return list(trajs), batcher
 
 
-def trajectory_metrics(trajs: Sequence[Trajectory], batcher: RequestBatcher | None = None, generate_calls: int | None = None) -> dict[str, float]:
-    """verl-style agent/* metrics of one step's trajectories."""
+def trajectory_metrics(trajs: Sequence[Trajectory], batcher: RequestBatcher | None = None, generate_calls: int | None = None,
+                       latencies: Sequence[float] = ()) -> dict[str, float]:
+    """verl-style agent/* metrics of one step's trajectories; latencies: its model turns' (seconds)."""
     n = max(len(trajs), 1)
     turns = [t.num_turns for t in trajs]
     out = {
@@ -378,6 +388,10 @@ def trajectory_metrics(trajs: Sequence[Trajectory], batcher: RequestBatcher | No
     solved = [t.num_turns for t in trajs if t.reward > 0]  # trajectories a tool / environment rewarded
     if solved:
         out["agent/num_turns/solved_mean"] = sum(solved) / len(solved)
+    if latencies:
+        ordered = sorted(latencies)
+        out["agent/turn_latency_s/p50"] = ordered[len(ordered) // 2]
+        out["agent/turn_latency_s/p99"] = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
     if batcher is not None or generate_calls is not None:
         out["agent/generate_calls"] = float(batcher.calls if batcher is not None else generate_calls)
     if any(t.session_kind == "openai" for t in trajs):

@@ -96,14 +96,15 @@ class AgentRollout:
             return list(out["completion"])
 
         trajs, batcher = asyncio.run(run_trajectories(agent_rows(prompts), generate_fn, self.tokenizer, self.settings, params, self.tools))
-        return self.to_batch(trajs, params, batcher.calls)
+        return self.to_batch(trajs, params, batcher.calls, batcher.take_latencies())
 
-    def to_batch(self, trajs: list[Trajectory], params: SamplingParams, generate_calls: int) -> Batch:
-        """The rollout batch of the step's trajectories (in row order), their rewards and agent/* metrics."""
+    def to_batch(self, trajs: list[Trajectory], params: SamplingParams, generate_calls: int, latencies: list[float] = ()) -> Batch:
+        """The rollout batch of the step's trajectories (in row order), their rewards and agent/* metrics
+        (latencies: its model turns', seconds)."""
         self.last = trajs
         out = trajectories_to_batch(trajs, int(self.tokenizer.pad_token_id), params.with_(max_new_tokens=self.settings.response_budget))
         out["agent_reward"] = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
-        out.meta["metrics"] = trajectory_metrics(trajs, generate_calls=generate_calls)
+        out.meta["metrics"] = trajectory_metrics(trajs, generate_calls=generate_calls, latencies=latencies)
         return out
 
 

@@ -229,6 +229,16 @@ async def _awaited(ref: Any) -> Any:
     return await ref
 
 
+@dataclass
+class ShardResult:
+    """What a manager returns for its shard of a batch."""
+
+    trajectories: list[Trajectory]  # in the shard's row order
+    generate_calls: int  # backend calls of its tool loops' batcher
+    latencies: list[float]  # its model turns' (seconds; a black-box agent's: its endpoint's since the last shard)
+    clocks: dict[str, float]  # the replicas' busy / span seconds and the client's counts
+
+
 # ---------------------------------------------------------------------- the manager (a Ray actor's body)
 class RolloutManager:
     """One manager: its endpoint (a black-box agent's), its sessions and agent loops, on its own
@@ -274,12 +284,13 @@ class RolloutManager:
 
         return await in_own_thread(generate_in_segments, requests, call, self.spec.partial_chunk)
 
-    async def generate(self, rows: list[dict], params: SamplingParams, floor: int) -> tuple[list[Trajectory], int, dict[str, float]]:
-        """A shard's trajectories (in row order), its backend calls and the replicas' clocks."""
+    async def generate(self, rows: list[dict], params: SamplingParams, floor: int) -> ShardResult:
+        """A shard's trajectories (in row order), its backend calls, its turns' latencies and the replicas' clocks."""
         self.client.raise_floor(floor)
         resources = {"openai_agent": self.endpoint} if self.endpoint is not None else None
         trajs, batcher = await run_trajectories(rows, self._generate_fn, self.tokenizer, self.settings, params, self.tools, resources)
-        return trajs, batcher.calls, self.client.take_clocks()
+        latencies = batcher.take_latencies() + (self.endpoint.batcher.take_latencies() if self.endpoint is not None else [])
+        return ShardResult(trajs, batcher.calls, latencies, self.client.take_clocks())
 
     def set_replica(self, rank: int, handle: Any, incarnation: int) -> None:
         self.client.set_replica(rank, handle, incarnation)
@@ -406,7 +417,7 @@ class ManagerCall:
         self.pool, self.rows, self.shards, self.params, self.floor, self.deadline_s = pool, rows, shards, params, floor, deadline_s
         self.started = time.monotonic()
         self.refs: dict[Any, tuple[int, int]] = {}  # in flight: ref -> (shard = manager index, the manager's incarnation)
-        self.done: dict[int, tuple[list[Trajectory], int, dict]] = {}
+        self.done: dict[int, ShardResult] = {}
         for i, shard in enumerate(shards):
             if shard:
                 self._submit(i)
@@ -433,13 +444,14 @@ class ManagerCall:
                     self._submit(i)
             self.pool.poll()
         trajs: list[Trajectory | None] = [None] * len(self.rows)
-        calls, clocks = 0, collections.defaultdict(float)
-        for i, (part, n_calls, part_clocks) in self.done.items():
-            for j, t in zip(self.shards[i], part):
+        calls, clocks, latencies = 0, collections.defaultdict(float), []
+        for i, part in self.done.items():
+            for j, t in zip(self.shards[i], part.trajectories):
                 trajs[j] = t
-            calls += n_calls
-            for k, v in part_clocks.items():
+            calls += part.generate_calls
+            latencies += part.latencies
+            for k, v in part.clocks.items():
                 clocks[k] += v
-        out = self.pool.agent.to_batch(trajs, self.params, calls)
+        out = self.pool.agent.to_batch(trajs, self.params, calls, latencies)
         out.meta["metrics"] = {**out.meta["metrics"], **clocks, **self.pool.metrics()}
         return out
