@@ -390,6 +390,7 @@ def trajectory_metrics(trajs: Sequence[Trajectory], batcher: RequestBatcher | No
         out["agent/num_turns/solved_mean"] = sum(solved) / len(solved)
     if latencies:
         ordered = sorted(latencies)
+        out["agent/requests"] = float(len(ordered))  # model turns answered (a black-box agent's every request)
         out["agent/turn_latency_s/p50"] = ordered[len(ordered) // 2]
         out["agent/turn_latency_s/p99"] = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
     if batcher is not None or generate_calls is not None:

@@ -1,0 +1,120 @@
+"""Faults injected from outside the process into an async multi-turn run: the tool recipe
+(`hybridflow demo --recipe tool` from its committed warm start, tests/fixtures/recipes/tool),
+30 GRPO steps with trainer.async_rollout (k = async_training.max_staleness = 2) on a rollout pool of
+2 replicas, the agent loops on a rollout manager. The same run twice, side by side:
+
+- ``no faults``;
+- ``faults``: a rollout manager SIGKILLed (by pid) at steps 5, 12 and 19 and a rollout replica at
+  steps 8, 15 and 22, each while later batches are in flight.
+
+For each: every batch drawn from the loader trained once and in order (the loader's uids where the
+trainer takes them), the largest staleness of any step (<= k), restarts counted, the held-out
+accuracy at the end (greedy, the recipe's held-out products), and wall time.
+
+Run:  .venv/bin/python bench/rollout_faults.py [--steps 30] [--k 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+FIXTURE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "fixtures", "recipes", "tool")
+MANAGER_KILLS, REPLICA_KILLS = (5, 12, 19), (8, 15, 22)
+
+
+def run(out: str, steps: int, k: int, faults: bool) -> dict:
+    from hybridflow.config.pools import Role
+    from hybridflow.demo import demo_tool_rl_config, prepare_recipe, val_key
+    from hybridflow.trainer.rl import RLTrainer
+
+    files, _, _ = prepare_recipe("tool", out)  # the recipe's data (its SFT is the fixture's)
+    cfg = demo_tool_rl_config(files, FIXTURE, os.path.join(out, "rl"), steps, "trainer.async_rollout=true", f"async_training.max_staleness={k}",
+                              "async_training.max_replica_restarts=4", "resource_pool.pools.actor_pool.workers_per_node=1",
+                              "resource_pool.pools.rollout_pool.workers_per_node=2", "resource_pool.mapping.actor_rollout=actor_pool",
+                              "resource_pool.mapping.rollout=rollout_pool", "actor_rollout_ref.rollout.agent.num_workers=1",
+                              "trainer.test_freq=10", "trainer.progress_bar=false", "trainer.logger=[jsonl]")
+    trainer = RLTrainer(cfg)
+    drawn, trained, killed = [], [], []
+    start = time.perf_counter()
+    try:
+        trainer.init_workers()
+        gen = trainer.async_gen
+        prompts, take = gen.prompts, gen.take
+
+        def drawing():
+            batch = prompts()
+            drawn.append(tuple(batch.non_tensors["uid"]))
+            return batch
+
+        def taking(step):
+            batch, metrics = take(step)
+            trained.append(tuple(batch.non_tensors["uid"]))
+            return batch, metrics
+
+        gen.prompts, gen.take = drawing, taking
+        stop = threading.Event()
+
+        def inject() -> None:  # from this process into the manager's / replica's: SIGKILL by pid
+            plan = sorted([(s, "manager") for s in MANAGER_KILLS] + [(s, "replica") for s in REPLICA_KILLS])
+            for step, what in plan:
+                while trainer.global_step < step and not stop.is_set():
+                    time.sleep(0.01)
+                if stop.is_set():
+                    return
+                time.sleep(0.2)  # into the step: later batches in flight
+                pid = trainer.managers.pids()[0] if what == "manager" else trainer.groups[trainer.pool_of(Role.ROLLOUT)].pids()[1]
+                os.kill(pid, signal.SIGKILL)
+                killed.append((step, what, pid))
+
+        injector = threading.Thread(target=inject, daemon=True)
+        if faults:
+            injector.start()
+        history = [h for h in trainer.fit()["history"] if h["step"] > 0]
+        stop.set()
+    finally:
+        trainer.shutdown()
+    key = val_key("tool")
+    vals = [h[key] for h in history if key in h]
+    last = history[-1]
+    return {"faults": faults, "steps": len(history), "trained_once_in_order": trained == drawn and len(set(trained)) == len(trained) == steps,
+            "max_staleness": max(h["rollout/staleness_max"] for h in history), "manager_restarts": last.get("rollout/manager_restarts", 0.0),
+            "replica_restarts": last.get("rollout/replica_restarts", 0.0), "rerun_trajectories": last.get("rollout/rerun_trajectories", 0.0),
+            "lost_requests": sum(h.get("rollout/lost_requests", 0.0) for h in history), "killed": killed,
+            "val_first": vals[0] if vals else float("nan"), "val_final": vals[-1] if vals else float("nan"), "wall_s": time.perf_counter() - start}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--k", type=int, default=2)
+    args = ap.parse_args()
+    from hybridflow.controller.worker_group import init_ray
+
+    init_ray(num_cpus=os.cpu_count())
+    rows = []
+    for faults in (False, True):
+        with tempfile.TemporaryDirectory() as tmp:
+            rows.append(run(tmp, args.steps, args.k, faults))
+            print(rows[-1], file=sys.stderr, flush=True)
+    print(f"tool recipe, {args.steps} async GRPO steps, k = {args.k}, 2 rollout replicas, 1 rollout manager; cpus: {os.cpu_count()}")
+    print("| run | steps | each batch once, in order | max staleness | manager restarts | replica restarts | trajectories run again | "
+          "requests sent again | held-out after SFT | held-out at the end | wall s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {'faults' if r['faults'] else 'no faults'} | {r['steps']} | {r['trained_once_in_order']} | {r['max_staleness']:.0f} | "
+              f"{r['manager_restarts']:.0f} | {r['replica_restarts']:.0f} | {r['rerun_trajectories']:.0f} | {r['lost_requests']:.0f} | "
+              f"{r['val_first']:.3f} | {r['val_final']:.3f} | {r['wall_s']:.0f} |")
+    print(f"held-out difference (faults - no faults): {rows[1]['val_final'] - rows[0]['val_final']:+.3f}")
+    print(f"kills: {rows[1]['killed']}")
+
+
+if __name__ == "__main__":
+    main()
