@@ -1,6 +1,6 @@
 """The rollout service under load: many concurrent agent sessions against the agent loops on the
 driver (`managers` 0, the loop the trainer runs without rollout managers) and on 1, 2 and 4 rollout
-managers (trainer/rollout_managers.py), all sending their requests to the same generation replicas
+managers (service/managers.py), all sending their requests to the same generation replicas
 (real Ray actors: the HF backend on a tiny model, `--replicas` of them).
 
 Modes, side by side in one run:
@@ -39,7 +39,7 @@ def build(model_dir: str, replicas: int):
     from hybridflow.config import load_config
     from hybridflow.controller.worker_group import ColocatedWorkerGroup, ResourcePool
     from hybridflow.run_plan import resolve
-    from hybridflow.trainer.replicas import ReplicaSet
+    from hybridflow.service.replicas import ReplicaSet
     from hybridflow.workers.rollout import RolloutWorker
 
     cfg = load_config(None, [f"actor_rollout_ref.model.path={model_dir}", "data.max_prompt_length=256", "data.max_response_length=256",
@@ -58,8 +58,8 @@ def run_row(mode: str, sessions: int, managers: int, replicas, model_dir: str, t
 
     from hybridflow.config.schema import AgentConfig, MultiTurnConfig
     from hybridflow.protocol import Batch, SamplingParams
-    from hybridflow.trainer.agent_rollout import AgentRollout
-    from hybridflow.trainer.rollout_managers import ManagerPool, ManagerSpec
+    from hybridflow.service.agent_rollout import AgentRollout
+    from hybridflow.service.managers import ManagerPool, ManagerSpec
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     agent_cfg = {"function": AgentConfig(function=f"{HERE}/scale_agent.py:rollout", timeout_s=600.0),

@@ -262,7 +262,7 @@ class ActorSpec:
         if self.rollout.rollout.exact:
             p.extend(self.exact_refused())
         agent = self.rollout.rollout.agent
-        from hybridflow.trainer.rollout_managers import manager_count, manager_problems  # the trainer's module: imported when checked
+        from hybridflow.service.managers import manager_count, manager_problems  # the rollout service's module: imported when checked
 
         r = self.rollout.rollout
         p.extend(manager_problems(agent, r.multi_turn.enable, self.async_rollout, r.tensor_model_parallel_size))

@@ -109,7 +109,7 @@ def test_model_tokens_are_the_sampled_tokens_and_tool_tokens_the_template_delta(
 def _ppo_batch():
     """Two trajectories: model tokens (mask 1) around a tool reply (mask 0)."""
     from hybridflow.agent.loop import Trajectory
-    from hybridflow.trainer.agent_rollout import trajectories_to_batch
+    from hybridflow.service.agent_rollout import trajectories_to_batch
 
     a = Trajectory(prompt_ids=[5, 6, 7])
     a.append([10, 11], model=True, log_probs=[-1.0, -2.0])

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hybridflow.protocol import Batch
-from hybridflow.trainer.async_rollout import AsyncRollout
+from hybridflow.service.async_rollout import AsyncRollout
 from hybridflow.trainer.keys import GEN_OUTPUTS
 
 
@@ -231,7 +231,7 @@ def test_a_batch_staler_than_k_stops_the_run_naming_it():
     """The bound is asserted on the pool's own record, not the scheduler's count of syncs submitted: a
     pool that lost the syncs after the second serves step 5 with version 2 at k = 1 (on b4554a1 the
     batch was trained, its rollout/staleness reported as 2)."""
-    from hybridflow.trainer.async_rollout import StalenessError
+    from hybridflow.service.async_rollout import StalenessError
 
     pool = FifoPool(random.Random(0), slow=0.001)
     pool.stamps = True
@@ -278,7 +278,7 @@ def test_publishing_the_weights_holds_no_lock_a_batch_needs():
     submitted and answered: on b4554a1 the publish ran under the version lock that every agent turn
     and partial-rollout segment takes to submit, so the turn below waited for the whole publish."""
     from hybridflow.protocol import Request, SamplingParams
-    from hybridflow.trainer.async_rollout import _VersionedPool
+    from hybridflow.service.async_rollout import _VersionedPool
 
     pool = FifoPool(random.Random(0), slow=0.001)
     publishing, published = threading.Event(), threading.Event()

@@ -21,9 +21,9 @@ from hybridflow.controller.decorator import Dispatch, register
 from hybridflow.controller.worker import Worker
 from hybridflow.controller.worker_group import ColocatedWorkerGroup, ResourcePool, WorkerCallError, WorkerDiedError
 from hybridflow.protocol import Batch, Completion, Request, SamplingParams
-from hybridflow.trainer.async_rollout import AsyncRollout
+from hybridflow.service.async_rollout import AsyncRollout
 from hybridflow.trainer.keys import GEN_OUTPUTS
-from hybridflow.trainer.replicas import ReplicaSet
+from hybridflow.service.replicas import ReplicaSet
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
@@ -189,22 +189,19 @@ def test_two_replicas_killed_together_during_a_sync_are_both_restarted(pool_grou
 
 
 def test_validation_on_the_rollout_pool_survives_a_replica_restart(pool_group):
-    """Validation generates on the rollout pool (RLTrainer._rollout_on with the replicas): a replica
-    SIGKILLed before the call is restarted and the batch generated again (on b4554a1 ReplicaRestarted
-    reached the trainer and stopped the run)."""
-    from types import SimpleNamespace
-
-    from hybridflow.trainer.rl import RLTrainer
+    """Validation generates on the rollout service (`RolloutService.generate`, what RLTrainer's
+    validation calls): a replica SIGKILLed before the call is restarted and the batch generated again
+    (on b4554a1 ReplicaRestarted reached the trainer and stopped the run)."""
+    from hybridflow.service import RolloutService
 
     group, _ = pool_group
     replicas = ReplicaSet(group, "rollout", max_restarts=2, timeout_s=60.0)
     replicas.submit("receive_weights", 7).result()
-    trainer = SimpleNamespace(agent=None, global_step=3, run_plan=SimpleNamespace(rollout=SimpleNamespace(rollout=SimpleNamespace(
-        request_timeout_s=60.0))))
+    service = RolloutService(scheduler=None, replicas=replicas, managers=None, agent=None, deadline_s=None)
     prompts = Batch.from_dict(tensors={"input_ids": torch.ones(4, 2, dtype=torch.long), "attention_mask": torch.ones(4, 2, dtype=torch.long),
                                        "position_ids": torch.zeros(4, 2, dtype=torch.long)})
     os.kill(group.pids()[1], signal.SIGKILL)
-    out = RLTrainer._rollout_on(trainer, replicas, prompts, SamplingParams(max_new_tokens=3, do_sample=False))
+    out = service.generate(prompts, SamplingParams(max_new_tokens=3, do_sample=False), "validation", 60.0)
     assert replicas.restarts == 1 and out["responses"].shape == (4, 3)
     assert bool((out["responses"] == 7).all())  # the restarted replica got the latest weights before generating again
 

@@ -578,7 +578,7 @@ class AsyncTrainingConfig:
     partial_rollout_chunk: int = 32
     # A rollout replica (one process: rollout.tensor_model_parallel_size=1) that dies or misses
     # rollout.request_timeout_s is restarted with the latest weights and its calls submitted again,
-    # at most this many times per replica; then the run stops naming it (`trainer/replicas.py`).
+    # at most this many times per replica; then the run stops naming it (`service/replicas.py`).
     max_replica_restarts: int = 3
 
 

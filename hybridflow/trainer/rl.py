@@ -9,15 +9,16 @@ validated) -> the layout (which roles run, on which pools: `roles.py`, computed 
 pre-flight memory check -> the data and rewards. All of that happens before Ray or any worker
 starts; `init_workers` then places the pools and the roles' workers (`placement.py`: Ray or
 torchrun), and `fit` builds the flow. Next to this file: `weight_sync.py` (the reshard stage, its
-metrics and log lines, overlap with the next batch, the cross-pool sync), `async_rollout.py`,
-`validation.py`.
+metrics and log lines, overlap with the next batch, the cross-pool sync), `validation.py`.
 
 One step (see `build_dataflow`):
     gen -> reward -> old_log_prob -> ref -> values -> adv -> update_critic -> update_actor -> reshard
 Stages that the algorithm does not need are disabled (no critic for GRPO, no ref without KL). The
 DataFlow scheduler runs stages of disjoint pools concurrently (values on the critic pool while the
 actor pool computes log-probs; both updates together) and driver stages alongside worker stages.
-With trainer.async_rollout the rollout pool generates one batch ahead (`async_rollout.py`).
+With trainer.async_rollout the rollout pool generates ahead of training: the rollout service
+(`hybridflow/service/`: take a step's batch, publish an update's weights, generate for validation,
+stop), with multi-turn rollouts on its rollout managers, off the driver.
 """
 
 from __future__ import annotations
@@ -47,17 +48,17 @@ from hybridflow.rewards.manager import RewardManager
 from hybridflow.protocol import SamplingParams
 from hybridflow.run_plan import resolve
 from hybridflow.trainer import checkpoints, driver_stages, validation
-from hybridflow.trainer.agent_rollout import AgentRollout, served_model_name
-from hybridflow.trainer.async_rollout import AsyncRollout
-from hybridflow.trainer.replicas import ReplicaRestarted, ReplicaSet
-from hybridflow.trainer.rollout_managers import ManagerPool, ManagerSpec, manager_count
+from hybridflow.service import AgentRollout, RolloutService, rollout_replicas, served_model_name, start_rollout_service
+from hybridflow.service.async_rollout import AsyncRollout
+from hybridflow.service.managers import ManagerPool
 from hybridflow.trainer.dataflow import DataFlow, Stage
 from hybridflow.trainer.keys import GEN_OUTPUTS, PROMPT_KEYS, REWARD_KEYS, SAMPLE_INFO_KEYS, TRAIN_KEYS, with_sample_info
 from hybridflow.trainer.loader import PromptLoader
 from hybridflow.trainer.metrics import MismatchAlarm, compute_data_metrics
 from hybridflow.trainer.placement import WorkerGroups, start_groups
 from hybridflow.trainer.roles import RunRoles, role_classes
-from hybridflow.trainer.weight_sync import REQUEST_TIMEOUT_KEY, WeightSync
+from hybridflow.service.replicas import REQUEST_TIMEOUT_KEY
+from hybridflow.trainer.weight_sync import WeightSync
 from hybridflow.utils.tracking import CONSOLE_COLUMNS, Tracker
 
 if TYPE_CHECKING:
@@ -119,8 +120,7 @@ class RLTrainer:
         self.placed: WorkerGroups | None = None  # set by init_workers
         self.wg = None  # the actor's worker group
         self.weight_sync: WeightSync | None = None
-        self.async_gen: AsyncRollout | None = None
-        self.managers: ManagerPool | None = None  # the rollout managers (multi-turn with async rollout)
+        self.service: RolloutService | None = None  # trainer.async_rollout: generation on a pool of its own
         self._next_batch: Batch | None = None  # prepared while the workers reshard (overlap mode)
         self._loader_state_at_prefetch: dict | None = None  # a checkpoint must not skip a prefetched batch
 
@@ -198,10 +198,9 @@ class RLTrainer:
         self.actor = views["actor"]
         self.ref = views.get("ref", self.actor) if roles.ref_log_prob else None
         self.rollout = views["rollout"] if roles.async_rollout else self.actor
-        gen = self.run_plan.rollout.rollout
-        if roles.async_rollout and gen.tensor_model_parallel_size == 1:  # replicas of one process: restarted when they fail
-            self.rollout = ReplicaSet(self.groups[self.pool_of(Role.ROLLOUT)], "rollout", cfg.async_training.max_replica_restarts,
-                                      gen.request_timeout_s)
+        if roles.async_rollout:  # the rollout service's replicas (restarted when they fail, where each is one process)
+            self.rollout = rollout_replicas(self.groups[self.pool_of(Role.ROLLOUT)], self.rollout, self.run_plan.rollout,
+                                            cfg.async_training.max_replica_restarts)
         self.critic = views.get("critic")
         self.rm = views.get("reward_model")
         self.teacher = views.get("teacher")
@@ -212,39 +211,21 @@ class RLTrainer:
         self.weight_sync = WeightSync(self.run_plan.actor, cfg.trainer, self.actor, self.plan_summary, self.rollout,
                                       (self.pool_of(Role.ACTOR_ROLLOUT), roles.pools.get(Role.ROLLOUT, "")))
         if roles.async_rollout:
-            at, timeout_s = cfg.async_training, self.run_plan.rollout.rollout.request_timeout_s
-            self.managers = self._start_managers() if isinstance(self.rollout, ReplicaSet) else None
-            self.async_gen = AsyncRollout(self.rollout, self.weight_sync, self._prepare_batch, lambda step: self._sampling(step=step), self.total_steps,
-                                          at.max_staleness, timeout_s, self.loader.state_dict,
-                                          self.agent, at.partial_rollout_chunk if at.partial_rollout else None, self.tokenizer.pad_token_id,
-                                          self._batch_deadline_s(), self.managers)
+            self.service = start_rollout_service(self.rollout, self.run_plan.rollout, cfg.async_training, self.weight_sync, self.agent,
+                                                 self._prepare_batch, lambda step: self._sampling(step=step), self.total_steps,
+                                                 self.loader.state_dict, self.tokenizer.pad_token_id, cfg.data.max_prompt_length)
+            if self.service.managers is not None:
+                logger.info("%d rollout manager(s) run the agent loops off the driver%s", len(self.service.managers.actors),
+                            "; agent endpoints: " + ", ".join(self.service.managers.urls) if any(self.service.managers.urls) else "")
 
-    def _start_managers(self) -> ManagerPool | None:
-        """The rollout managers (rollout_managers.py) that run the agent loops off the driver, if any."""
-        r, d = self.run_plan.rollout.rollout, self.cfg.data
-        n = manager_count(r.agent, self.agent is not None, True, r.tensor_model_parallel_size)
-        if not n:
-            return None
-        mcfg = self.run_plan.rollout.model
-        spec = ManagerSpec(r.multi_turn, r.agent, d.max_response_length, d.max_prompt_length, mcfg.tokenizer_source(), served_model_name(mcfg.path),
-                           "rollout", r.request_timeout_s, self._sampling(step=0),
-                           self.cfg.async_training.partial_rollout_chunk if self.cfg.async_training.partial_rollout else None)
-        pool = ManagerPool(spec, n, self.rollout, self.cfg.async_training.max_replica_restarts, self.agent)
-        logger.info("%d rollout manager(s) run the agent loops off the driver%s", n,
-                    "; agent endpoints: " + ", ".join(pool.urls) if any(pool.urls) else "")
-        return pool
+    @property
+    def async_gen(self) -> AsyncRollout | None:
+        """The rollout service's scheduler (its batches in flight), with trainer.async_rollout."""
+        return self.service.scheduler if self.service is not None else None
 
-    def _batch_deadline_s(self) -> float | None:
-        """The most one multi-turn or partial batch may take: its longest trajectory's turns, each a request
-        and a tool call under their deadlines (a black-box agent: its own), once more per replica restart."""
-        r = self.run_plan.rollout.rollout
-        if r.request_timeout_s is None:
-            return None
-        mt, agent = r.multi_turn, r.agent
-        longest = mt.max_assistant_turns * (r.request_timeout_s + mt.tool_timeout_s) if mt.enable else r.request_timeout_s
-        if agent.function or agent.command:
-            longest = max(longest, agent.timeout_s + r.request_timeout_s)
-        return longest * (1 + self.cfg.async_training.max_replica_restarts)
+    @property
+    def managers(self) -> ManagerPool | None:
+        return self.service.managers if self.service is not None else None
 
     @property
     def is_main(self) -> bool:
@@ -252,9 +233,8 @@ class RLTrainer:
         return self.placed is None or self.placed.is_main
 
     def shutdown(self) -> None:
-        if self.managers is not None:
-            self.managers.shutdown()
-            self.managers = None
+        if self.service is not None:
+            self.service.stop()
         if self.placed is not None:
             self.placed.shutdown()  # the groups, then every pool (also one whose group failed to start)
         self.wg = None
@@ -267,16 +247,12 @@ class RLTrainer:
 
     def _rollout_on(self, group, batch: Batch, params: SamplingParams, release_after: bool = False) -> Batch:
         """One response (single-turn) or one trajectory (multi-turn: the agent loop) per row."""
+        waiting_for = f"step {self.global_step}'s generation"
+        if self.service is not None and group is self.rollout:  # validation on the rollout service: any version its replicas hold
+            return self.service.generate(batch, params, waiting_for, self.run_plan.rollout.rollout.request_timeout_s)
         if self.agent is None:
-            while True:
-                call = group.submit("generate_sequences", batch.select(PROMPT_KEYS), params, release_after=release_after)
-                try:
-                    return call.result(self.run_plan.rollout.rollout.request_timeout_s, f"step {self.global_step}'s generation",
-                                       REQUEST_TIMEOUT_KEY)
-                except ReplicaRestarted:  # validation on the rollout pool: a replica died and was restarted; generate again
-                    continue
-        if self.managers is not None:  # on the rollout managers (validation): any version the replicas hold
-            return self.managers.submit(batch, params, 0, self._batch_deadline_s()).result(waiting_for=f"step {self.global_step}'s generation")
+            call = group.submit("generate_sequences", batch.select(PROMPT_KEYS), params, release_after=release_after)
+            return call.result(self.run_plan.rollout.rollout.request_timeout_s, waiting_for, REQUEST_TIMEOUT_KEY)
         out = self.agent.generate(group, batch, params)
         if release_after:
             group.sleep_rollout()
@@ -301,7 +277,7 @@ class RLTrainer:
 
     def _sync_rollout(self, batch: Batch | None = None) -> dict[str, float]:
         """Async rollout: the trained weights -> the rollout pool (the flow's "sync_weights" stage)."""
-        return self.async_gen.sync_weights(self.global_step)
+        return self.service.publish(self.global_step)
 
     def build_dataflow(self) -> DataFlow:
         a, roles, c = self.cfg.algorithm, self.roles, self.correction
@@ -455,7 +431,7 @@ class RLTrainer:
     def train_step(self, flow: DataFlow) -> dict[str, float]:
         start = time.perf_counter()
         if self.async_rollout:  # the batch generated during the previous step; the next one starts now
-            batch, gen_metrics = self.async_gen.take(self.global_step)
+            batch, gen_metrics = self.service.take(self.global_step)
             batch.meta.update(trainer_version=self.global_step - 1, old_log_probs="rollout" if self.old_from_rollout else "trainer")
             batch, metrics = flow.run(batch)
             metrics.update(gen_metrics)

@@ -20,11 +20,11 @@ import time
 from typing import Any, Callable
 
 from hybridflow import profiler
+from hybridflow.service.replicas import REQUEST_TIMEOUT_KEY
 from hybridflow.config.schema import TrainerConfig
 from hybridflow.run_plan import ActorSpec
 from hybridflow.protocol import Batch
 
-REQUEST_TIMEOUT_KEY = "actor_rollout_ref.rollout.request_timeout_s"  # the deadline of every wait on generation
 
 logger = logging.getLogger("hybridflow")
 

@@ -248,7 +248,7 @@ class RolloutManager:
         from transformers import AutoTokenizer
 
         from hybridflow.agent.tools import load_tool_config
-        from hybridflow.trainer.agent_rollout import agent_settings
+        from hybridflow.service.agent_rollout import agent_settings
 
         self.spec, self.index = spec, index
         self.tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_path)
@@ -344,7 +344,7 @@ class ManagerPool:
             a.set_replica.remote(rank, handle, incarnation)
 
     def submit(self, prompts: Batch, params: SamplingParams, floor: int, deadline_s: float | None = None) -> "ManagerCall":
-        from hybridflow.trainer.agent_rollout import agent_rows
+        from hybridflow.service.agent_rollout import agent_rows
 
         rows = agent_rows(prompts)
         n = len(self.actors)

@@ -53,8 +53,7 @@ from hybridflow.protocol import Batch, Completion, Request, SamplingParams
 from hybridflow.rollout.base import generate_batch
 from hybridflow.rollout.partial import generate_in_segments
 from hybridflow.trainer.keys import PROMPT_KEYS
-from hybridflow.trainer.replicas import ReplicaRestarted
-from hybridflow.trainer.weight_sync import REQUEST_TIMEOUT_KEY
+from hybridflow.service.replicas import REQUEST_TIMEOUT_KEY, ReplicaRestarted
 
 
 
@@ -86,7 +85,7 @@ class AsyncRollout:
         overlaps the other batches' generation and the update); partial_chunk: partial rollout's
         segment length in tokens (None: off; on, single-turn batches run on driver threads too, and
         pad_id pads their responses); thread_deadline_s: the most a multi-turn or partial batch may take;
-        managers: the rollout managers (`rollout_managers.ManagerPool`) that run the agent's
+        managers: the rollout managers (`managers.ManagerPool`) that run the agent's
         trajectories off the driver (None: on a driver thread per batch)."""
         self.rollout, self.weight_sync, self.prompts, self.sampling = rollout, weight_sync, prompts, sampling
         self.total_steps, self.k, self.timeout_s, self.loader_state = total_steps, max_staleness, timeout_s, loader_state

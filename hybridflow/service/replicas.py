@@ -38,6 +38,7 @@ from hybridflow.protocol import Batch
 logger = logging.getLogger("hybridflow")
 
 SYNC_METHODS = ("receive_weights", "weight_fingerprints")
+REQUEST_TIMEOUT_KEY = "actor_rollout_ref.rollout.request_timeout_s"  # the deadline of every wait on generation
 MAX_SESSIONS = 100_000  # sessions remembered for routing (the oldest forgotten first)
 
 

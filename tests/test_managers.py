@@ -1,4 +1,4 @@
-"""Rollout managers (trainer/rollout_managers.py): the agent loops in Ray actors off the driver, each
+"""Rollout managers (service/managers.py): the agent loops in Ray actors off the driver, each
 sending its requests to the replicas itself. Real Ray actors: 2 generation replicas that stamp every
 token with the weight version they hold, and 2 managers, SIGKILLed from outside mid-run. The oracle
 is the replicas' own record (a token's id is the version its replica held), never the scheduler's
@@ -19,10 +19,10 @@ from hybridflow.controller.decorator import Dispatch, register
 from hybridflow.controller.worker import Worker
 from hybridflow.controller.worker_group import ColocatedWorkerGroup, ResourcePool
 from hybridflow.protocol import Batch, Completion, SamplingParams
-from hybridflow.trainer.agent_rollout import AgentRollout
-from hybridflow.trainer.async_rollout import AsyncRollout
-from hybridflow.trainer.replicas import ReplicaSet
-from hybridflow.trainer.rollout_managers import ManagerPool, ManagerSpec
+from hybridflow.service.agent_rollout import AgentRollout
+from hybridflow.service.async_rollout import AsyncRollout
+from hybridflow.service.replicas import ReplicaSet
+from hybridflow.service.managers import ManagerPool, ManagerSpec
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
