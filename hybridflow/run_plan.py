@@ -27,6 +27,7 @@ from hybridflow.config import pools as rp
 from hybridflow.config.schema import (
     LOSS_AGG_MODES,
     ActorConfig,
+    AgentConfig,
     CriticConfig,
     DPOConfig,
     FSDPConfig,
@@ -152,6 +153,34 @@ class RolloutSpec:
         return p
 
 
+MANAGERS_KEY = "actor_rollout_ref.rollout.agent.num_workers"
+
+
+def manager_count(agent: AgentConfig, multi_turn: bool, async_rollout: bool, gen_tp: int, cpus: int | None = None) -> int:
+    """How many rollout managers a run starts: the key's value; None = one per 8 CPUs (at least 1, at
+    most 8: a manager is one event loop, and the replicas are the limit long before 8); 0 where they
+    do not apply (single-turn, the colocated rollout, or replicas of several processes)."""
+    if not (multi_turn and async_rollout and gen_tp == 1):
+        return 0
+    if agent.num_workers is not None:
+        return agent.num_workers
+    return max(1, min(8, (cpus or os.cpu_count() or 1) // 8))
+
+
+def manager_problems(agent: AgentConfig, multi_turn: bool, async_rollout: bool, gen_tp: int) -> list[str]:
+    """The key's problems, one line each (before any worker starts)."""
+    n = agent.num_workers
+    if n is None:
+        return []
+    if not (isinstance(n, int) and not isinstance(n, bool) and n >= 0):
+        return [f"{MANAGERS_KEY} must be an integer >= 0 (0 = the agent loops on the driver; null = chosen from the machine), got {n!r}"]
+    if n > 0 and not (multi_turn and async_rollout and gen_tp == 1):
+        return [f"{MANAGERS_KEY}={n}: rollout managers run multi-turn rollouts on a rollout pool of one-process replicas; they need "
+                f"actor_rollout_ref.rollout.multi_turn.enable=true, trainer.async_rollout=true and "
+                f"actor_rollout_ref.rollout.tensor_model_parallel_size=1 (or set {MANAGERS_KEY}=0)"]
+    return []
+
+
 @dataclass(frozen=True)
 class RefSpec:
     """The frozen reference's: actor_rollout_ref.ref's keys, and its ranks (its own pool, else the actor's)."""
@@ -262,8 +291,6 @@ class ActorSpec:
         if self.rollout.rollout.exact:
             p.extend(self.exact_refused())
         agent = self.rollout.rollout.agent
-        from hybridflow.service.managers import manager_count, manager_problems  # the rollout service's module: imported when checked
-
         r = self.rollout.rollout
         p.extend(manager_problems(agent, r.multi_turn.enable, self.async_rollout, r.tensor_model_parallel_size))
         managers = manager_count(agent, r.multi_turn.enable, self.async_rollout, r.tensor_model_parallel_size)

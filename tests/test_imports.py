@@ -252,7 +252,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("hybridflow.engine",),
     ("hybridflow.controller",),
     ("hybridflow.workers",),
-    ("hybridflow.trainer", "hybridflow.demo", "hybridflow.utils"),  # utils.distributed / hf_integration: users' own loops
+    # the rollout service beside the trainer (it uses the trainer's batch keys; the trainer reaches it through RolloutService)
+    ("hybridflow.trainer", "hybridflow.service", "hybridflow.demo", "hybridflow.utils"),  # utils.distributed / hf_integration: users' own loops
     ("hybridflow", "hybridflow.cli", "hybridflow.trainer.main_ppo"),  # verl's entry point name is a command line
 ]
 

@@ -25,7 +25,8 @@ from typing import Any, Callable
 from hybridflow.protocol import Batch, SamplingParams
 from hybridflow.service.agent_rollout import AgentRollout, served_model_name
 from hybridflow.service.async_rollout import AsyncRollout
-from hybridflow.service.managers import ManagerPool, ManagerSpec, manager_count
+from hybridflow.run_plan import manager_count
+from hybridflow.service.managers import ManagerPool, ManagerSpec
 from hybridflow.service.replicas import ReplicaRestarted, ReplicaSet
 
 __all__ = ["AgentRollout", "RolloutService", "ReplicaRestarted", "ReplicaSet", "rollout_replicas", "served_model_name", "start_rollout_service"]
