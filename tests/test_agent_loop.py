@@ -257,3 +257,34 @@ def test_a_tool_or_environment_without_a_deadline_of_its_own_stops_at_tool_timeo
     assert "ran past multi_turn.tool_timeout_s=0.3" in tok.decode(t.response_ids)
     assert env_trajs[0].finish == "env_timeout" and env_trajs[0].tool_timeouts == 1 and env_trajs[0].num_turns == 2
     assert trajectory_metrics(tool_trajs + env_trajs, batcher)["agent/tool_timeouts"] == 2.0
+
+
+def test_a_batcher_with_two_calls_in_flight_starts_the_next_before_the_first_returns():
+    """max_in_flight=2 (a rollout manager's, over replicas that take requests while they generate): a
+    turn that arrives while a call runs goes out at once in a call of its own instead of waiting for
+    the slowest request of the running one. The backend below answers its first call only after a
+    second call has started; with one call at a time that never happens."""
+    from hybridflow.agent.loop import RequestBatcher
+
+    async def main(max_in_flight: int) -> list[int]:
+        second_started = asyncio.Event()
+        order = []
+
+        async def backend(requests):
+            n = len(order)
+            order.append(n)
+            if n == 0:
+                await asyncio.wait_for(second_started.wait(), 2)
+            else:
+                second_started.set()
+            return [Completion((n,), (-0.1,), "stop") for _ in requests]
+
+        batcher = RequestBatcher(backend, SamplingParams(max_new_tokens=4), max_in_flight=max_in_flight)
+        first = asyncio.create_task(batcher.generate([1], 4, "a"))
+        await asyncio.sleep(0.05)  # the first call is running
+        second = await batcher.generate([2], 4, "b")
+        return [(await first).token_ids[0], second.token_ids[0]]
+
+    assert asyncio.run(main(2)) == [0, 1]  # the second call ran while the first waited for it
+    with pytest.raises(asyncio.TimeoutError):
+        asyncio.run(main(1))  # one at a time: the second request waits for the first call, which waits for it

@@ -105,20 +105,27 @@ class SessionClosed(RuntimeError):
 
 
 class RequestBatcher:
-    """Gathers the requests of every trajectory in flight; one backend call at a time takes all
-    that are pending (the backend is a serial resource), run in a thread so tools go on meanwhile.
+    """Gathers the requests of every trajectory in flight; a backend call takes all that are pending
+    (`max_in_flight` calls at once, by default one: the backend is a serial resource), run in a
+    thread (or awaited) so tools go on meanwhile.
     Each call gets its own seed (`base.seed * 1000 + call index`), so turns do not repeat samples;
     a request with its own SamplingParams (the OpenAI endpoint's) keeps them, and its own seed when
     `seeded` (the backend runs requests of equal params as one batch: a seeded request samples what
     it samples alone when no other pending request has the same params)."""
 
-    def __init__(self, generate_fn: GenerateFn, base: SamplingParams):
-        self.generate_fn, self.base = generate_fn, base
+    def __init__(self, generate_fn: GenerateFn, base: SamplingParams, max_in_flight: int = 1):
+        """max_in_flight: backend calls at once (1: one at a time; more where the backend takes requests
+        while it generates, e.g. replicas that batch continuously: a new turn need not wait for the
+        slowest request of the call before it)."""
+        self.generate_fn, self.base, self.max_in_flight = generate_fn, base, max_in_flight
         # (prompt ids, its max new tokens, session, its own params or None: the base's, seeded, result)
         self.pending: list[tuple[tuple[int, ...], int, str | None, SamplingParams | None, bool, asyncio.Future]] = []
         self.calls = 0
         self.latencies: list[float] = []  # per answered request: seconds from submission to its completion
         self._task: asyncio.Task | None = None
+        self.in_flight = 0  # backend calls running
+        self._returned = asyncio.Event()  # set when a call returns
+        self._running: set[asyncio.Task] = set()  # calls started without awaiting them (max_in_flight > 1)
 
     async def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, session: str | None = None,
                        params: SamplingParams | None = None, seeded: bool = False) -> Completion:
@@ -151,6 +158,10 @@ class RequestBatcher:
     async def _drain(self) -> None:
         while self.pending:
             await asyncio.sleep(0)  # every trajectory that is ready adds its request first
+            if self.in_flight >= self.max_in_flight:  # wait for a call to return (the pending ones join the next)
+                self._returned.clear()
+                await self._returned.wait()
+                continue
             batch, self.pending = self.pending, []
             seed = self.base.seed * 1000 + self.calls
             self.calls += 1
@@ -161,21 +172,34 @@ class RequestBatcher:
             for k, (_, n, *_) in zip(keys, batch):
                 longest[k] = max(longest.get(k, 0), n)
             requests = [Request(ids, k.with_(max_new_tokens=longest[k]), session) for k, (ids, _, session, *_) in zip(keys, batch)]
-            try:
-                if inspect.iscoroutinefunction(self.generate_fn):  # a backend that awaits its replicas (a rollout manager's)
-                    out = await self.generate_fn(requests)
-                else:
-                    out = await in_own_thread(self.generate_fn, requests)
-                if len(out) != len(requests):  # a request without its completion would wait forever
-                    raise RuntimeError(f"the rollout backend returned {len(out)} completions for {len(requests)} requests")
-            except Exception as e:  # noqa: BLE001 - every waiting trajectory gets the backend's error
-                for *_, f in batch:
-                    if not f.done():
-                        f.set_exception(e)
-                continue
-            for (_, n, *_, f), c in zip(batch, out):  # n: this request's own limit within the shared call
-                if not f.done():  # its caller may have gone (a cancelled HTTP request)
-                    f.set_result(c if len(c.token_ids) <= n else c.cut(n))
+            self.in_flight += 1
+            if self.max_in_flight == 1:
+                await self._call(batch, requests)
+            else:  # the next call may start before this one returns
+                task = asyncio.create_task(self._call(batch, requests))
+                self._running.add(task)
+                task.add_done_callback(self._running.discard)
+
+    async def _call(self, batch: list, requests: list[Request]) -> None:
+        """One backend call; its completions to their waiting requests (or its error to every one)."""
+        try:
+            if inspect.iscoroutinefunction(self.generate_fn):  # a backend that awaits its replicas (a rollout manager's)
+                out = await self.generate_fn(requests)
+            else:
+                out = await in_own_thread(self.generate_fn, requests)
+            if len(out) != len(requests):  # a request without its completion would wait forever
+                raise RuntimeError(f"the rollout backend returned {len(out)} completions for {len(requests)} requests")
+        except Exception as e:  # noqa: BLE001 - every waiting trajectory gets the backend's error
+            for *_, f in batch:
+                if not f.done():
+                    f.set_exception(e)
+            return
+        finally:
+            self.in_flight -= 1
+            self._returned.set()
+        for (_, n, *_, f), c in zip(batch, out):  # n: this request's own limit within the shared call
+            if not f.done():  # its caller may have gone (a cancelled HTTP request)
+                f.set_result(c if len(c.token_ids) <= n else c.cut(n))
 
 
 AGENT_LOOPS: dict[str, type["AgentLoop"]] = {}
@@ -347,12 +371,12 @@ def agent_name_for(row: Mapping[str, Any], settings: AgentSettings, has_tools: b
 
 
 async def run_trajectories(rows: Sequence[Mapping[str, Any]], generate_fn: GenerateFn, tokenizer, settings: AgentSettings,
-                           params: SamplingParams, tools: Sequence[Tool] = (),
-                           resources: Mapping[str, Any] | None = None) -> tuple[list[Trajectory], RequestBatcher]:
+                           params: SamplingParams, tools: Sequence[Tool] = (), resources: Mapping[str, Any] | None = None,
+                           max_in_flight: int = 1) -> tuple[list[Trajectory], RequestBatcher]:
     """Every row's trajectory, all in flight at once; in row order. resources: per agent loop name,
     what its trajectories share instead of `step_resources` (a rollout manager's endpoint, served
-    for the whole run)."""
-    batcher = RequestBatcher(generate_fn, params)
+    for the whole run); max_in_flight: the batcher's backend calls at once."""
+    batcher = RequestBatcher(generate_fn, params, max_in_flight)
     names = [agent_name_for(row, settings, bool(tools)) for row in rows]
     classes = [AGENT_LOOPS[name] for name in names]
     given = dict(resources or {})

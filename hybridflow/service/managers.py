@@ -231,6 +231,9 @@ class RolloutManager:
         self.settings = agent_settings(spec.multi_turn, spec.max_response_length, agent, spec.max_prompt_length, spec.model_name)
         self.tools = load_tool_config(spec.multi_turn.tool_config_path) if spec.multi_turn.tool_config_path else []
         self.client = ReplicaClient(handles, incarnations, spec.role, spec.request_timeout_s)
+        # A call per replica at once: a turn that arrives while a call runs goes out without waiting for it
+        # (a replica that batches continuously takes it into its running batch; one that does not queues it).
+        self.calls_in_flight = len(handles)
         self.stack = contextlib.AsyncExitStack()
         self.endpoint = None
         self.turns = 0  # backend requests served (model turns of every trajectory)
@@ -241,7 +244,7 @@ class RolloutManager:
             return ""
         from hybridflow.agent.openai_server import LiveEndpoint
 
-        batcher = RequestBatcher(self._generate_fn, self.spec.base_params)
+        batcher = RequestBatcher(self._generate_fn, self.spec.base_params, self.calls_in_flight)
         self.endpoint = await self.stack.enter_async_context(LiveEndpoint(self.settings.endpoint, self.tokenizer, batcher).serve())
         return self.endpoint.base_url
 
@@ -262,7 +265,8 @@ class RolloutManager:
         """A shard's trajectories (in row order), its backend calls, its turns' latencies and the replicas' clocks."""
         self.client.raise_floor(floor)
         resources = {"openai_agent": self.endpoint} if self.endpoint is not None else None
-        trajs, batcher = await run_trajectories(rows, self._generate_fn, self.tokenizer, self.settings, params, self.tools, resources)
+        trajs, batcher = await run_trajectories(rows, self._generate_fn, self.tokenizer, self.settings, params, self.tools, resources,
+                                                self.calls_in_flight)
         latencies = batcher.take_latencies() + (self.endpoint.batcher.take_latencies() if self.endpoint is not None else [])
         return ShardResult(trajs, batcher.calls, latencies, self.client.take_clocks())
 
