@@ -340,6 +340,10 @@ class RewardModelConfig:
     rule_weight: float = 0.0
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    # Reward workers (verl's name): CPU Ray actors that run the rule reward / custom_reward_function and the code
+    # reward's sandboxes in parallel, in chunks of samples (rewards/workers.py). None = chosen from the machine when
+    # Ray is up (one per CPU, at most 4), 0 = on the driver, one sample after another (also what torchrun runs).
+    num_workers: Optional[int] = None
 
 
 @dataclass

@@ -374,6 +374,12 @@ def validate_config(cfg: HybridFlowConfig, kind: Literal["rl", "dpo"] = "rl") ->
     timeout = cfg.custom_reward_function.timeout_s
     if timeout is not None and not timeout > 0:
         p.append(f"custom_reward_function.timeout_s must be > 0 seconds or null (no limit), got {timeout}")
+    rw = cfg.reward_model.num_workers
+    if rw is not None and not (isinstance(rw, int) and not isinstance(rw, bool) and rw >= 0):
+        p.append(f"reward_model.num_workers must be an integer >= 0 (0 = the reward on the driver; null = chosen from the machine), got {rw!r}")
+    elif rw and t.launcher == "torchrun":
+        p.append(f"reward_model.num_workers={rw}: reward workers are Ray actors and trainer.launcher=torchrun runs without Ray; "
+                 f"set it to 0 or null (the reward is scored in each driver process)")
     p.raise_if_any(what)
 
 

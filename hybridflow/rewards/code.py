@@ -16,6 +16,10 @@ The score is the fraction of test cases passed. A test case is either
   through ``code_harness.py`` as before: its result says ``inprocess=True``, it is counted in
   ``reward/code_inprocess_checks``, and ``strict`` grading fails it instead.
 
+Deadline: under ``custom_reward_function.timeout_s`` each sandbox run's wall time is bounded by what is
+left of the sample's deadline (``deadline.py``): at the deadline the sandbox kills the run (its cgroup
+and pid namespace, every process of it) and no further test case starts; the sample is a timeout.
+
 ``ground_truth`` may be a list of test cases, one test case, the APPS / verl "prime code" dict
 ``{"inputs": [...], "outputs": [...]}`` (with ``fn_name``: call-based), or any of those as a JSON
 string (as they sit in parquet files). Each test case is its own sandbox run, so one that hangs
@@ -25,6 +29,7 @@ costs only itself. Selected by ``data_source="code"`` in the default dispatcher
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import secrets
@@ -32,7 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hybridflow.agent.sandbox import SandboxLimits, run_python
+from hybridflow.agent.sandbox import SandboxLimits, SandboxResult, run_python
+from hybridflow.rewards import deadline
 from hybridflow.rewards.code_checks import NotGradable, Plan, Step, plan_check
 from hybridflow.rewards.code_host import grade, parse_answers
 
@@ -138,7 +144,7 @@ def run_test_case(code: str, case: CodeTest, limits: SandboxLimits | None = None
             result = _run_checks(code, [case.check], limits)[0]
             return CaseResult(result.passed, result.why, inprocess=True)
         return _run_plan(code, plan, limits)
-    res = run_python(code, limits, stdin=case.stdin)
+    res = _sandboxed(code, limits, case.stdin)
     if not res.ok:
         return CaseResult(False, res.killed_reason or f"exit code {res.exit_code}")
     if _normalize(res.stdout) != _normalize(case.expected or ""):
@@ -149,11 +155,27 @@ def run_test_case(code: str, case: CodeTest, limits: SandboxLimits | None = None
 def _run_plan(code: str, plan: Plan, limits: SandboxLimits) -> CaseResult:
     """A planned check: the sandbox evaluates the steps, this process decides (code_host.grade)."""
     job = json.dumps({"solution": code, "steps": [[s.kind, s.source] for s in plan.steps]})
-    res = run_python(_EVAL_HARNESS, limits, stdin=job)
+    res = _sandboxed(_EVAL_HARNESS, limits, job)
     answers = parse_answers(res.stdout, plan.steps)
     missing = res.killed_reason or "no answer: the program ended the harness before this step"
     passed, why = grade(plan, answers, missing)
     return CaseResult(passed, why)
+
+
+def _sandboxed(program: str, limits: SandboxLimits, stdin: str) -> SandboxResult:
+    """One sandbox run; under a sample deadline (``deadline.current()``) its wall time ends there, and a
+    run that the deadline cut (or one it leaves no time for) raises DeadlinePassed instead of failing a case."""
+    d = deadline.current()
+    if d is None:
+        return run_python(program, limits, stdin=stdin)
+    with d.running():  # counted before the time left is read: the manager waits for this run's kill, or it never starts
+        left = d.left()
+        if left <= 0:
+            raise deadline.DeadlinePassed("the sample's reward deadline passed before this test case started")
+        res = run_python(program, dataclasses.replace(limits, wall_s=min(limits.wall_s, left)), stdin=stdin)
+    if d.left() <= 0:
+        raise deadline.DeadlinePassed("the sample's reward deadline passed during a test case")
+    return res
 
 
 def _call_plan(case: CodeTest) -> Plan:
@@ -169,7 +191,7 @@ def _run_checks(code: str, checks: list[str], limits: SandboxLimits) -> list[Cas
     """Assert-style checks through the in-process grading harness; a check without a verdict failed."""
     sentinel = secrets.token_hex(16)
     job = json.dumps({"solution": code, "checks": checks})
-    res = run_python(_HARNESS, limits, stdin=f"{sentinel}\n{job}")
+    res = _sandboxed(_HARNESS, limits, f"{sentinel}\n{job}")
     verdicts: dict[int, CaseResult] = {}
     for line in res.stdout.splitlines():
         if line.startswith(sentinel + " "):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import numbers
 import threading
 from typing import Callable
 
@@ -12,6 +11,9 @@ import torch
 
 from hybridflow.protocol import Batch
 from hybridflow.rewards.scorers import compute_score as default_compute_score
+from hybridflow.rewards.scoring import SampleResult, score_sample
+from hybridflow.rewards.workers import KEY as WORKERS_KEY
+from hybridflow.rewards.workers import RewardWorkerPool, worker_count
 
 logger = logging.getLogger(__name__)
 # Per-sample counts whose batch sum is a metric of its own (reward/<key>), next to the mean.
@@ -40,16 +42,26 @@ class RewardManager:
     token (the last 1 of ``response_mask``; index 0 for an empty response). The decoded strings of
     the last call are kept in ``last_decoded``. ``timeout_s`` (custom_reward_function.timeout_s)
     bounds each call: one that takes longer scores 0.0 and is counted in ``reward/timeouts`` (its
-    thread is abandoned, a daemon that cannot keep the process alive).
+    thread is abandoned, a daemon that cannot keep the process alive; the code reward's sandboxes
+    end at the deadline: ``deadline.py``).
+
+    ``num_workers`` (reward_model.num_workers): the samples are scored on that many reward workers
+    (Ray actors, ``workers.py``), in chunks, with the same results; None = chosen from the machine
+    when Ray is initialised at the first call, else none; 0 (the default here) = on this process,
+    one after another (``scoring.score_sample`` either way). ``close()`` stops the workers.
     """
 
     def __init__(self, tokenizer, compute_score: Callable | None = None, timeout_s: float | None = None,
-                 code_strict: bool = False):
+                 code_strict: bool = False, num_workers: int | None = 0):
         self.tokenizer = tokenizer
         self.compute_score = compute_score or default_compute_score
         if compute_score is None and code_strict:  # custom_reward_function.code_strict reaches the built-in code reward
             self.compute_score = functools.partial(default_compute_score, code_strict=True)
         self.timeout_s = timeout_s
+        self.num_workers = num_workers  # reward_model.num_workers (workers.py); resolved on the first call
+        self.pool: RewardWorkerPool | None = None
+        self._pool_lock = threading.Lock()
+        self._pool_decided = False
         self.last_decoded: list[str] = []
         self.last_scores: list[float] = []
         self.last_preds: list = []  # per sample: the scorer's "pred" (its extracted answer) or None
@@ -63,56 +75,35 @@ class RewardManager:
         reward_models = batch["reward_model"]
         extra_infos = batch.non_tensors.get("extra_info") if "extra_info" in batch.non_tensors else None
 
+        resp_cpu, mask_cpu = responses.cpu(), mask.cpu()
+        decoded = [self.tokenizer.decode(resp_cpu[i][mask_cpu[i]].tolist(), skip_special_tokens=True) for i in range(bsz)]
+        items = [(data_sources[i], decoded[i], reward_models[i], extra_infos[i] if extra_infos is not None else None) for i in range(bsz)]
+        results = self._score(items)
+
         scores = torch.zeros((bsz, T), dtype=torch.float32)
         last = last_token_index(mask)
-        decoded: list[str] = []
         values: list[float] = []
         preds: list = []
         extras: dict[str, list[float]] = {}
         per_sample: list[dict[str, float]] = []  # each sample's numeric extras (e.g. "acc"), for dynamic sampling
         errors = timeouts = 0
         first_error = None
-        resp_cpu, mask_cpu = responses.cpu(), mask.cpu()
-        for i in range(bsz):
-            ids = resp_cpu[i][mask_cpu[i]].tolist()
-            text = self.tokenizer.decode(ids, skip_special_tokens=True)
-            decoded.append(text)
-            rm = reward_models[i]
-            extra = extra_infos[i] if extra_infos is not None else None
-            pred = None
-            per_sample.append({})
-            try:
-                gt = rm["ground_truth"] if isinstance(rm, dict) else rm
-                out = _call(self.compute_score, self.timeout_s, data_source=data_sources[i], solution_str=text, ground_truth=gt, extra_info=extra)
-                if isinstance(out, dict):
-                    if "score" not in out:
-                        raise ValueError(f"reward function returned a dict without 'score': {out!r:.200}")
-                    pred = out.get("pred")
-                    for k, v in out.items():
-                        if k != "score" and isinstance(v, numbers.Number) and not isinstance(v, bool):
-                            extras.setdefault(k, []).append(float(v))
-                            per_sample[-1][k] = float(v)
-                    out = out["score"]
-                if isinstance(out, torch.Tensor):
-                    out = out.item()
-                if not isinstance(out, numbers.Number):
-                    raise TypeError(f"reward function returned {type(out).__name__}, expected a float or a dict with 'score'")
-                value = float(out)
-            except NotImplementedError:
-                # no scorer for this data_source: a configuration error, not a bad sample
-                raise
-            except RewardTimeout:
+        for i, r in enumerate(results):
+            if r.status == "config":  # no scorer for this data_source: a configuration error, not a bad sample
+                raise NotImplementedError(r.error)
+            per_sample.append(dict(r.extras))
+            for k, v in r.extras.items():
+                extras.setdefault(k, []).append(v)
+            if r.status == "timeout":
                 timeouts += 1
-                value = 0.0
-            except Exception as e:  # noqa: BLE001 - a bad sample must not stop the batch
+            elif r.status == "error":
                 errors += 1
                 if first_error is None:
-                    first_error = (i, data_sources[i], f"{type(e).__name__}: {e}")
-                value = 0.0
-            values.append(value)
-            preds.append(pred)
+                    first_error = (i, data_sources[i], r.error)
+            values.append(r.value)
+            preds.append(r.pred)
             if T > 0:
-                scores[i, int(last[i])] = value
+                scores[i, int(last[i])] = r.value
         if errors:
             idx, ds, msg = first_error
             logger.warning(
@@ -137,28 +128,32 @@ class RewardManager:
                 metrics[f"reward/{k}"] = sum(v)
         return scores.to(responses.device), metrics
 
+    def _score(self, items: list[tuple]) -> list[SampleResult]:
+        """Each sample's result, in order: on the reward workers when there are any, else here, one after another."""
+        pool = self._workers()
+        if pool is not None:
+            return pool.score(items)
+        results = []
+        for item in items:
+            results.append(score_sample(self.compute_score, self.timeout_s, *item))
+            if results[-1].status == "config":
+                break
+        return results
 
-class RewardTimeout(Exception):
-    """A reward call exceeded custom_reward_function.timeout_s."""
+    def _workers(self) -> RewardWorkerPool | None:
+        """The pool of reward workers, started on the first call (Ray is up by then in a Ray run), or None."""
+        with self._pool_lock:
+            if not self._pool_decided:
+                n = worker_count(self.num_workers)
+                if n > 0:
+                    self.pool = RewardWorkerPool(n, self.compute_score, self.timeout_s)
+                    logger.info("reward: %d reward workers (%s)", n, WORKERS_KEY)
+                self._pool_decided = True
+            return self.pool
 
-
-def _call(fn: Callable, timeout_s: float | None, **kwargs):
-    """fn(**kwargs), or RewardTimeout when it runs longer than timeout_s (None: no limit)."""
-    if timeout_s is None:
-        return fn(**kwargs)
-    box: dict = {}
-
-    def run() -> None:
-        try:
-            box["out"] = fn(**kwargs)
-        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
-            box["err"] = e
-
-    thread = threading.Thread(target=run, daemon=True, name="reward-call")
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        raise RewardTimeout(f"no result within {timeout_s} s")
-    if "err" in box:
-        raise box["err"]
-    return box["out"]
+    def close(self) -> None:
+        """Stop the reward workers (a later call starts new ones)."""
+        with self._pool_lock:
+            pool, self.pool, self._pool_decided = self.pool, None, False
+        if pool is not None:
+            pool.shutdown()

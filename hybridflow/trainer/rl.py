@@ -135,8 +135,9 @@ class RLTrainer:
         self.train_ds, train_collate = self._train_data()
         self.loader = PromptLoader(self.train_ds, d.train_batch_size, train_collate, d.shuffle, d.seed)
         self.total_steps = self.cfg.trainer.total_training_steps or self.loader.batches_per_epoch * self.cfg.trainer.total_epochs
+        # reward_model.num_workers: the reward on a pool of reward workers (Ray actors), started at the first reward call
         self.reward_fn = RewardManager(self.tokenizer, load_custom_reward_fn(crf.path, crf.name), timeout_s=crf.timeout_s,
-                                       code_strict=crf.code_strict)
+                                       code_strict=crf.code_strict, num_workers=self.cfg.reward_model.num_workers)
         self._check_scorers()
         # Multi-turn (tools / environments): the agent loop on the driver; tool config read now.
         mt = self.run_plan.rollout.rollout.multi_turn
