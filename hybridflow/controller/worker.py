@@ -3,12 +3,21 @@
 Each worker knows its rank and the group's world size (set as environment variables by the
 worker group before the class is constructed) and joins one torch.distributed process group,
 shared by every role colocated in the process.
+
+Under Ray a worker runs one call at a time, in the order they were submitted, and records when
+each call starts and finishes executing (`tracked_worker_cls`). A second concurrency group
+(`PROBE_GROUP`) answers `_group_calls` while a call runs: a caller's deadline counts from the
+moment its call starts executing, not from its submission (`worker_group.Pending.result`).
 """
 
 from __future__ import annotations
 
+import collections
+import functools
 import os
 import socket
+import threading
+import time
 from datetime import timedelta
 
 import torch
@@ -19,6 +28,59 @@ from hybridflow.parallel.process_group import pick_device  # noqa: F401  (re-exp
 
 # Rank 0's rendezvous socket; one per process, shared by every role colocated in it.
 _STORE_SOCKET: socket.socket | None = None
+
+# The Ray concurrency group of the probes (`_group_calls`): its own threads, never behind a call
+# of the default group (where every other method runs, one at a time).
+PROBE_GROUP = "hybridflow_probe"
+PROBE_CONCURRENCY = 4  # callers that may probe one worker at once (a probe takes microseconds)
+
+
+class CallLog:
+    """The calls this process has executed or is executing: Ray task id -> [start, end or None]
+    (time.monotonic() of this process). One per process (a Ray actor is a process of its own)."""
+
+    KEEP_FINISHED = 1024  # finished calls remembered (a probe may ask about one just finished)
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.calls: collections.OrderedDict[str, list] = collections.OrderedDict()
+
+    def start(self) -> str | None:
+        """Record the current Ray task as started; None when it is already running (a tracked
+        method called from another one) or there is no task id (not under Ray)."""
+        import ray
+
+        try:
+            task = ray.get_runtime_context().get_task_id()
+        except Exception:  # noqa: BLE001  (not in a Ray task: nothing to record)
+            return None
+        if task is None:
+            return None
+        with self.lock:
+            if task in self.calls and self.calls[task][1] is None:
+                return None
+            self.calls[task] = [time.monotonic(), None]
+            finished = [t for t, (_, end) in self.calls.items() if end is not None]
+            for t in finished[:max(0, len(finished) - self.KEEP_FINISHED)]:
+                del self.calls[t]
+        return task
+
+    def finish(self, task: str) -> None:
+        with self.lock:
+            if task in self.calls:
+                self.calls[task][1] = time.monotonic()
+
+    def states(self, tasks: list[str]) -> dict:
+        """{"calls": task -> (seconds since it started, finished?) for the tasks that started
+        (a task not listed has not started), "running": seconds since each unfinished call started}."""
+        now = time.monotonic()
+        with self.lock:
+            calls = {t: (now - self.calls[t][0], self.calls[t][1] is not None) for t in tasks if t in self.calls}
+            running = [now - start for start, end in self.calls.values() if end is None]
+        return {"calls": calls, "running": running}
+
+
+CALLS = CallLog()
 
 
 class Worker:
@@ -53,6 +115,11 @@ class Worker:
 
     def _group_pid(self) -> int:
         return os.getpid()
+
+    def _group_calls(self, tasks: list[str]) -> dict:
+        """Which of these calls (Ray task ids) started executing here, and since when; run in
+        PROBE_GROUP, so it answers while a call runs (`CallLog.states`)."""
+        return CALLS.states(tasks)
 
     def _group_layout(self, method: str) -> tuple[int, int, bool]:
         """This rank's data-parallel layout for `method` (see `register(..., layout=...)`)."""
@@ -95,6 +162,34 @@ def registered_methods(cls: type) -> dict[str, object]:
         mode = getattr(getattr(cls, name, None), DISPATCH_ATTR, None)
         if mode is not None:
             out[name] = mode
+    return out
+
+
+def run_tracked(fn, worker, args: tuple, kwargs: dict):
+    """`fn(worker, *args, **kwargs)`, recorded in CALLS (a module function: the class that calls it
+    is pickled by value, and this, with CALLS, by reference)."""
+    task = CALLS.start()
+    try:
+        return fn(worker, *args, **kwargs)
+    finally:
+        if task is not None:
+            CALLS.finish(task)
+
+
+def tracked_worker_cls(cls: type) -> type:
+    """`cls` with each registered method recording in `CALLS` when it starts and finishes executing
+    (the class a worker group starts as a Ray actor; same name, methods and dispatch attributes)."""
+
+    def tracked(fn):
+        @functools.wraps(fn)  # keeps the dispatch/layout/role attributes and the signature Ray checks
+        def call(self, *args, **kwargs):
+            return run_tracked(fn, self, args, kwargs)
+
+        return call
+
+    namespace = {name: tracked(getattr(cls, name)) for name in registered_methods(cls)}
+    out = type(cls.__name__, (cls,), namespace)
+    out.__qualname__ = f"{cls.__qualname__}.tracked"  # never found by name: pickled by value, with `cls` as its base
     return out
 
 

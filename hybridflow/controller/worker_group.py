@@ -8,6 +8,18 @@
 Every method a worker class marks with `@register(...)` becomes a method of the group. Workers
 of one group join one torch.distributed process group; rank 0 proposes the rendezvous address.
 Fractional CPU requests let N workers plus the driver share a small machine without deadlock.
+
+Deadlines (`Pending.result(timeout_s=...)`, e.g. actor_rollout_ref.rollout.request_timeout_s) count
+from the moment a call starts executing on its worker, not from its submission: a worker runs one
+call at a time, and a call queued behind others (agent turns of several batch threads, partial
+rollout's segments, a weight sync) is not late while the worker works through them. Each worker
+records when its calls start and finish (`worker.CallLog`) and answers probes in a concurrency
+group of its own (`worker.PROBE_GROUP`) while a call runs. When a deadline passes, the unfinished
+workers are probed (at most PROBE_TIMEOUT_S, or the deadline if shorter): a call not started yet
+waits on, one started less than timeout_s ago gets until its start + timeout_s; one running longer,
+one queued behind a call running longer than timeout_s, and a worker that does not answer the probe
+(a stopped or hung process) fail with WorkerTimeoutError naming the ranks, a dead worker with
+WorkerDiedError. A stopped worker is so named within timeout_s + the probe's timeout.
 """
 
 from __future__ import annotations
@@ -15,12 +27,13 @@ from __future__ import annotations
 import functools
 import os
 import time
+import weakref
 from typing import Any
 
 from hybridflow.config.schema import DEFAULT_WORKER_ENV, PoolSpec
 from hybridflow.controller.decorator import LAYOUT_ATTR, Dispatch, collect_results, dispatch_args
 from hybridflow.config.pools import bundle, missing_resources
-from hybridflow.controller.worker import colocated_worker_cls, registered_methods
+from hybridflow.controller.worker import PROBE_CONCURRENCY, PROBE_GROUP, colocated_worker_cls, registered_methods, tracked_worker_cls
 
 # Read by Ray at import time: without it Ray swaps a 127.0.0.1 node address for the machine's
 # routable IP and its servers listen on every interface. With it, a local cluster stays on loopback.
@@ -38,6 +51,74 @@ class _LazyRay:
 
 
 ray = _LazyRay()
+
+PROBE_TIMEOUT_S = 5.0  # the most a probe of a worker's calls may take (less where the call's deadline is shorter)
+
+# The worker actors that answer probes (every actor a RayWorkerGroup starts): Ray actor id -> handle,
+# so that a Pending built from bare object refs (`ReplicaSet` routes requests itself) finds them.
+_PROBED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _probed(handle, worker_cls: type) -> None:
+    if hasattr(worker_cls, "_group_calls"):  # a `Worker`: it answers probes
+        _PROBED[handle._actor_id.hex()] = handle
+
+
+def _actor_of(ref) -> Any:
+    """The probed worker actor that runs the call of `ref`, or None (not started by a worker group)."""
+    try:
+        return _PROBED.get(ref.task_id().actor_id().hex())
+    except Exception:  # noqa: BLE001  (not an actor task's ref)
+        return None
+
+
+def call_progress(calls: list[tuple[Any, Any]], timeout_s: float, probe_timeout_s: float | None = None) -> list[tuple[str, Any]]:
+    """How each unfinished call (actor handle or None, object ref) stands against a deadline of
+    `timeout_s` seconds of execution, asked of its worker (`Worker._group_calls`, in PROBE_GROUP):
+    ("wait", seconds until it is due again: not started yet, or started less than timeout_s ago),
+    ("late", why) or ("dead", why). A call without a handle is late (its deadline counts from its
+    submission); a worker that does not answer within `probe_timeout_s` (default: the smaller of
+    PROBE_TIMEOUT_S and timeout_s) is late: a stopped or hung process."""
+    probe_s = min(PROBE_TIMEOUT_S, timeout_s) if probe_timeout_s is None else probe_timeout_s
+    out: list[tuple[str, Any]] = [("late", "")] * len(calls)
+    asked: dict[str, tuple[Any, list[int]]] = {}  # actor id -> (handle, indices of its calls)
+    for i, (handle, _) in enumerate(calls):
+        if handle is not None:
+            asked.setdefault(handle._actor_id.hex(), (handle, []))[1].append(i)
+    if not asked:
+        return out
+    probes = {actor: handle._group_calls.options(concurrency_group=PROBE_GROUP).remote([calls[i][1].task_id().hex() for i in idx])
+              for actor, (handle, idx) in asked.items()}
+    answered, _ = ray.wait(list(probes.values()), num_returns=len(probes), timeout=probe_s)
+    for actor, (_, idx) in asked.items():
+        probe = probes[actor]
+        if probe not in answered:
+            out = _set(out, idx, ("late", f"no answer to a probe within {probe_s:g} s: a stopped or hung process"))
+            continue
+        try:
+            states = ray.get(probe)
+        except ray.exceptions.ActorUnavailableError:
+            out = _set(out, idx, ("late", "unreachable"))
+            continue
+        except ray.exceptions.RayActorError as e:
+            out = _set(out, idx, ("dead", str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__))
+            continue
+        except ray.exceptions.RayError:
+            continue  # cannot tell: late, as without a probe
+        ahead = max(states["running"], default=0.0)  # the call running now, if any
+        for i in idx:
+            state = states["calls"].get(calls[i][1].task_id().hex())
+            if state is None:  # queued behind other calls
+                out[i] = ("late", f"queued behind a call running for {ahead:.0f} s") if ahead >= timeout_s else ("wait", timeout_s - ahead)
+            elif state[1]:  # finished: its result is on its way
+                out[i] = ("wait", probe_s)
+            else:
+                out[i] = ("late", f"running for {state[0]:.0f} s") if state[0] >= timeout_s else ("wait", timeout_s - state[0])
+    return out
+
+
+def _set(out: list, idx: list[int], verdict: tuple[str, Any]) -> list:
+    return [verdict if i in idx else v for i, v in enumerate(out)]
 
 
 def placement_group(*args, **kwargs):
@@ -162,7 +243,8 @@ class RayWorkerGroup:
         self.straggler_timeout_s = straggler_timeout_s
         self.world_size = pool.world_size
         self.worker_cls = worker_cls
-        remote_cls = ray.remote(worker_cls)
+        # One call at a time in the default group; probes of the calls in a group of their own.
+        remote_cls = ray.remote(concurrency_groups={PROBE_GROUP: PROBE_CONCURRENCY})(tracked_worker_cls(worker_cls))
         self.workers = []
         self._start = (remote_cls, init_kwargs, [])  # what `replace_worker` starts again: the class, its kwargs, each rank's options
         self.replaced = 0  # workers replaced so far (each replacement's name is new)
@@ -177,6 +259,7 @@ class RayWorkerGroup:
             }
             self._start[2].append(options)
             self.workers.append(remote_cls.options(**options).remote(**init_kwargs))
+            _probed(self.workers[-1], worker_cls)
         # Rendezvous: rank 0 names an address and a free port; everyone gets it before init.
         node_ip = ray.get(self.workers[0]._group_node_ip.remote())
         master_addr, master_port = ray.get(self.workers[0]._group_master_endpoint.remote(node_ip))
@@ -218,6 +301,7 @@ class RayWorkerGroup:
         ray.kill(self.workers[rank], no_restart=True)
         self.replaced += 1
         self.workers[rank] = remote_cls.options(**{**options[rank], "name": f"{options[rank]['name']}_r{self.replaced}"}).remote(**init_kwargs)
+        _probed(self.workers[rank], self.worker_cls)
 
     def shutdown(self) -> None:
         for w in self.workers:
@@ -251,7 +335,9 @@ class Pending:
     `result()` collects the ranks as they finish, so a rank that dies or raises is reported at
     once, naming role, rank and pool, while the other ranks may still wait in a collective for it.
     Once a rank has finished, the others get `straggler_timeout_s` to finish too; a rank stuck
-    outside any collective (which would time out by itself) is then reported instead of waited for."""
+    outside any collective (which would time out by itself) is then reported instead of waited for.
+    A caller's deadline counts from the moment the call starts executing on each worker (see the
+    module's docstring)."""
 
     def __init__(self, refs: list, collect, method: str = "", pool: str = "", straggler_timeout_s: float | None = None,
                  ranks: list[int] | None = None):
@@ -265,25 +351,25 @@ class Pending:
         self.submitted = time.monotonic()
 
     def result(self, timeout_s: float | None = None, waiting_for: str = "", key: str = "") -> Any:
-        """The collected results. timeout_s: the most this wait may take (None: no limit but the
-        stragglers' one); past it a WorkerTimeoutError names `waiting_for` (what the caller waits
-        for), the ranks still running, the pool, how long since the call was submitted and `key`,
-        the config key that sets the limit."""
+        """The collected results. timeout_s: the most each rank's call may take once it has
+        started executing on its worker (None: no limit but the stragglers' one); past it, or when
+        a worker does not answer a probe, a WorkerTimeoutError names `waiting_for` (what the caller
+        waits for), the late ranks, the pool, how long since the call was submitted and `key`, the
+        config key that sets the limit."""
         done: dict = {}
         waiting = list(self.refs)
         straggler_deadline = None
-        overall = None if timeout_s is None else time.monotonic() + timeout_s
+        due = None if timeout_s is None else time.monotonic() + timeout_s  # when the unfinished calls are asked about next
+        deferred = False  # whether a late rank was held back once for the others about to be late (see _next_due)
         while waiting:
-            deadlines = [d for d in (straggler_deadline, overall) if d is not None]
+            deadlines = [d for d in (straggler_deadline, due) if d is not None]
             timeout = None if not deadlines else max(0.0, min(deadlines) - time.monotonic())
             ready, waiting = ray.wait(waiting, num_returns=1, timeout=timeout)
             if not ready:
+                if due is not None and (straggler_deadline is None or due <= straggler_deadline):  # the caller's deadline came first
+                    due, deferred = self._next_due(waiting, timeout_s, waiting_for, key, deferred)
+                    continue
                 ranks = [self.ranks[self.refs.index(r)] for r in waiting]
-                if overall is not None and (straggler_deadline is None or overall <= straggler_deadline):  # the caller's deadline came first
-                    raise WorkerTimeoutError(
-                        f"{waiting_for or self.method}: the {self.role} worker rank(s) {ranks} (pool {self.pool!r}) did not finish "
-                        f"{self.method} within {timeout_s} s ({key or 'the deadline'}; submitted {time.monotonic() - self.submitted:.0f} s "
-                        f"ago): a hung or too slow worker; raise the limit for longer calls; {RESUME_HINT}", tuple(ranks))
                 raise WorkerTimeoutError(f"the {self.role} worker rank(s) {ranks} (pool {self.pool!r}) did not finish {self.method} within "
                                          f"{self.straggler_timeout_s} s of the other ranks (trainer.collective_timeout_s): a hung worker; {RESUME_HINT}",
                                          tuple(ranks))
@@ -292,6 +378,35 @@ class Pending:
             if straggler_deadline is None and self.straggler_timeout_s is not None:
                 straggler_deadline = time.monotonic() + self.straggler_timeout_s
         return self.collect([done[r] for r in self.refs])
+
+    def _next_due(self, waiting: list, timeout_s: float, waiting_for: str, key: str, deferred: bool) -> tuple[float, bool]:
+        """The caller's deadline passed with `waiting` unfinished: ask their workers how far each
+        call got (`call_progress`); raise for a late or dead one, else (when to ask again, deferred).
+        Ranks of one call start it a few milliseconds apart: when some are late and others are due
+        within a grace (a tenth of the deadline, at most 1 s), the error waits once for those, so that
+        it names every rank that is late by then."""
+        verdicts = call_progress([(_actor_of(ref), ref) for ref in waiting], timeout_s)
+        finished, _ = ray.wait(waiting, num_returns=len(waiting), timeout=0)
+        if finished:  # finished (or failed) while probed: collected (and their errors raised) first
+            return time.monotonic(), deferred
+        rank_of = {ref: self.ranks[self.refs.index(ref)] for ref in waiting}
+        dead = [(rank_of[ref], why) for ref, (kind, why) in zip(waiting, verdicts) if kind == "dead"]
+        if dead:
+            rank, why = dead[0]
+            raise WorkerDiedError(f"the {self.role} worker rank {rank} (pool {self.pool!r}) during {self.method} died: {why}; {RESUME_HINT}",
+                                  (rank,))
+        late = [(rank_of[ref], why) for ref, (kind, why) in zip(waiting, verdicts) if kind == "late"]
+        soon = [after for kind, after in verdicts if kind == "wait" and after <= min(1.0, 0.1 * timeout_s)]
+        if late and soon and not deferred:
+            return time.monotonic() + max(soon), True
+        if late:
+            ranks = [rank for rank, _ in late]
+            how = "; ".join(f"rank {rank} {why}" for rank, why in late if why)
+            raise WorkerTimeoutError(
+                f"{waiting_for or self.method}: the {self.role} worker rank(s) {ranks} (pool {self.pool!r}) did not finish "
+                f"{self.method} within {timeout_s} s ({key or 'the deadline'}; submitted {time.monotonic() - self.submitted:.0f} s "
+                f"ago{'; ' + how if how else ''}): a hung or too slow worker; raise the limit for longer calls; {RESUME_HINT}", tuple(ranks))
+        return time.monotonic() + min(after for _, after in verdicts), deferred
 
     def _get(self, ref) -> Any:
         rank = self.ranks[self.refs.index(ref)]
