@@ -26,6 +26,7 @@ import contextlib
 import logging
 import math
 import os
+import re
 import sys
 import threading
 import time
@@ -171,7 +172,7 @@ class RewardWorkerPool:
                 try:
                     done[c] = ray.get(ref)
                 except ray.exceptions.RayActorError as e:  # the worker died (or was killed past its deadline): the chunk again, on a new one
-                    why = overdue.pop(w, None) or _first_line(e)
+                    why = overdue.pop(w, None) or _death(e)
                     tries[c] += 1
                     self._replace(w, inc, why)
                     if tries[c] >= MAX_TRIES:
@@ -223,6 +224,14 @@ class RewardWorkerPool:
 
 def _span(first: int, n: int) -> str:
     return f"sample {first}" if n == 1 else f"samples {first}-{first + n - 1}"
+
+
+def _death(e: BaseException) -> str:
+    """What Ray says of a dead worker, in one line: its first line, the process id and Ray's exit type."""
+    text = str(e)
+    found = [f"{label} {m.group(1)}" for label, pattern in (("pid", r"\bpid: (\d+)"), ("exit type", r"Worker exit type: (\w+)"))
+             if (m := re.search(pattern, text))]
+    return _first_line(e).rstrip(".") + (f" ({', '.join(found)})" if found else "")
 
 
 def _first_line(e: BaseException) -> str:
