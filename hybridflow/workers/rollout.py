@@ -4,11 +4,24 @@ rollout worker of async rollout (its own pool, weights received from the actor's
 `RolloutMixin` gives a worker the generation layout (gen_tp x gen_dp over its group) and the
 `generate_sequences` entry point over a `RolloutBackend`; the actor worker (colocated rollout,
 fed by the hybrid engine) and `RolloutWorker` (a pool of its own) both use it.
+
+Continuous batching (the HF backend's scheduler) lets a request join a replica's running batch
+while another call is generating, so `generate_requests` is meant to run concurrently with
+itself: it is tagged with the concurrency group REQUEST_GROUP (`REQUEST_GROUP_ATTR`), sized by
+`CONCURRENCY_GROUPS`. Ray reads neither by itself: the actor must be created with
+`ray.remote(concurrency_groups=cls.CONCURRENCY_GROUPS)` and the method marked
+`ray.method(concurrency_group=...)` (the worker group's side); every other method keeps Ray's one
+call at a time. Until then calls run one after another, each still batched per step. A weight
+receipt stages its pieces first and writes them between two generation steps (`_between_calls`:
+the backend's `pause()`; a backend without one generates one call at a time under this worker's
+lock, which the write takes too).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
 import time
 
 import torch
@@ -22,11 +35,24 @@ from hybridflow.protocol import Batch, SamplingParams
 from hybridflow.run_plan import RolloutSpec
 from hybridflow.rollout.base import RolloutBackend, RolloutContext, make_rollout
 
+REQUEST_GROUP = "requests"
+REQUEST_GROUP_ATTR = "_hybridflow_concurrency_group"  # a method's Ray concurrency group (None: the default group, one call at a time)
+
+
+def concurrent(group: str):
+    """Tag a worker method with the Ray concurrency group its calls run in (`REQUEST_GROUP_ATTR`)."""
+    def deco(fn):
+        setattr(fn, REQUEST_GROUP_ATTR, group)
+        return fn
+
+    return deco
+
 
 class RolloutMixin:
     rollout: RolloutBackend
     rank: int
     world_size: int
+    CONCURRENCY_GROUPS = {REQUEST_GROUP: 64}  # generate_requests calls in flight on one replica at once
     report_clocks = False  # a pool of its own: each call reports its replica's busy and wall time
     _last_call_end: float | None = None
     policy_version: int | None = None  # a pool of its own: the policy version of the weights held (the last sync's)
@@ -41,6 +67,14 @@ class RolloutMixin:
             d = self.rollout.dp_index
             out.meta["metrics"] = {**out.meta.get("metrics", {}), f"rollout/replica{d}/busy_s": end - start, f"rollout/replica{d}/span_s": end - since}
         return out
+
+    def _between_calls(self) -> contextlib.AbstractContextManager:
+        """Held around a weight write: the backend's pause (between two generation steps), or, for a
+        backend without one, this worker's lock that its generation calls hold too (one at a time)."""
+        return self.rollout.pause() if hasattr(self.rollout, "pause") else self._serial()
+
+    def _serial(self) -> threading.RLock:
+        return self.__dict__.setdefault("_serial_lock", threading.RLock())
 
     def dispatch_layout(self, layout: str | None) -> tuple[int, int, bool]:
         """Generation splits prompts over gen_dp replicas; the gen_tp ranks of one replica share them."""
@@ -62,14 +96,19 @@ class RolloutMixin:
             self.rollout.sleep()
         return self._with_clocks(out, start)
 
+    @concurrent(REQUEST_GROUP)
     @register(Dispatch.DP_COMPUTE, layout="rollout")
     def generate_requests(self, data: Batch) -> Batch:
         """Request-level generation (the agent loop's entry point): data holds one `Request` per
-        row in its "request" column; returns the `Completion`s in a "completion" column."""
+        row in its "request" column; returns the `Completion`s in a "completion" column. Tokens
+        carry the policy version that sampled them: the backend's own stamp per token (a weight
+        update may land between two steps of a request), else the version held now."""
         start = time.monotonic()
-        completions = self.rollout.generate_requests(list(data["request"]))
-        if self.policy_version is not None:  # every token: the version this replica holds (the caller checks its staleness bound)
-            completions = [dataclasses.replace(c, versions=(self.policy_version,) * len(c.token_ids)) for c in completions]
+        with contextlib.nullcontext() if hasattr(self.rollout, "pause") else self._serial():  # a backend without pause: one call at a time
+            completions = self.rollout.generate_requests(list(data["request"]))
+        if self.policy_version is not None:  # the caller checks its staleness bound
+            completions = [c if c.versions is not None else dataclasses.replace(c, versions=(self.policy_version,) * len(c.token_ids))
+                           for c in completions]
         return self._with_clocks(Batch.from_dict(non_tensors={"completion": completions}), start)
 
     @register(Dispatch.ONE_TO_ALL)
@@ -118,17 +157,22 @@ class RolloutWorker(RolloutMixin, Worker):
         shard_dims = {n: lay.shard_dims.get(n) for n in shapes}  # gen_tp = 1 here for vllm: every piece whole
         self.receiver = PoolReceiver(shapes, shard_dims, lay.gen_tp, self.rank, self.world_size)
         self.policy_version = 0  # the model as loaded: no update yet
+        if hasattr(self.rollout, "policy_version"):  # a backend that stamps each token as it samples it (continuous batching)
+            self.rollout.policy_version = 0
 
     @register(Dispatch.ONE_TO_ALL)
     def receive_weights(self, refs_by_src: list[list], check: bool = False, version: int | None = None) -> dict:
         """Push this rank's pieces of the trained weights (object refs from `publish_weights`) into
         the backend; check: every piece now sits in the backend's parameters (by their own layout);
         version: the policy version they are (the update that made them; None: one more than held)."""
-        self.receiver.stage(refs_by_src)
+        self.receiver.stage(refs_by_src)  # fetched while the backend generates on
         buffers = self.rollout.layout().buffers
-        # a backend with its own storages takes each piece into its slice; one that repacks (vllm), each parameter whole
-        self.rollout.update_weights(self.receiver.pieces() if buffers is not None else whole_pieces(self.receiver.pieces()))
-        self.policy_version = self.policy_version + 1 if version is None else int(version)
+        with self._between_calls():  # between two generation steps: the weights and the version tokens record change together
+            # a backend with its own storages takes each piece into its slice; one that repacks (vllm), each parameter whole
+            self.rollout.update_weights(self.receiver.pieces() if buffers is not None else whole_pieces(self.receiver.pieces()))
+            self.policy_version = self.policy_version + 1 if version is None else int(version)
+            if hasattr(self.rollout, "policy_version"):
+                self.rollout.policy_version = self.policy_version
         out = dict(self.receiver.last_stats)
         if check and buffers is not None:  # a backend that repacks its weights (vllm) is checked by rollout/logprob_diff_max
             out["max_diff"] = max_piece_diff(buffers, self.receiver.last_pieces)
