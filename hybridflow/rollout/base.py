@@ -4,6 +4,7 @@
     backend.generate_requests([Request, ...]) -> [Completion, ...]
     backend.generate(prompts, SamplingParams) -> Batch   # the batch API, built on requests
     backend.sleep() / backend.wake()              # free / re-acquire generation memory
+    backend.pause()  (optional)                   # a context: no generation step runs inside it
 
 Weights are *pushed*: a weight source (the colocated 3D-HybridEngine, the cross-pool receiver,
 `hybrid_engine/`) produces, for this rank, the pieces of the trained weights its generation
@@ -17,6 +18,7 @@ the worker calls `make_rollout(name, ctx)` and never branches on which.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Protocol, Sequence, Union
@@ -43,6 +45,36 @@ class RolloutBackend(Protocol):
     def sleep(self) -> None: ...
 
     def wake(self) -> None: ...
+
+
+def pause(backend) -> contextlib.AbstractContextManager:
+    """The backend held between two generation steps (`backend.pause()`; a backend without one
+    generates only inside calls, which the worker runs one at a time): what a weight update and a
+    policy version change happen under, so no step runs on mixed weights."""
+    hold = getattr(backend, "pause", None)
+    return hold() if hold is not None else contextlib.nullcontext()
+
+
+@dataclass(frozen=True)
+class Continuation(Request):
+    """A session's next request that sends only its tail: the whole prompt is the prompt + completion
+    of the session's last request on this replica (`prefix_len` tokens of it before `prompt_ids`,
+    which repeat its tail, a check). Sent only after a `KeptCompletion` said the replica keeps it;
+    a replica that does not hold it answers `PrefixMissing`, and the caller sends the whole prompt."""
+
+    prefix_len: int = 0
+
+
+@dataclass(frozen=True)
+class KeptCompletion(Completion):
+    """A Completion whose replica keeps its session (prompt + these tokens, and their KV cache): the
+    session's next request may be a `Continuation`."""
+
+
+@dataclass(frozen=True)
+class PrefixMissing(Completion):
+    """The answer to a `Continuation` whose session this replica does not hold (another replica, a
+    restart, evicted): nothing generated; send the whole prompt."""
 
 
 @dataclass

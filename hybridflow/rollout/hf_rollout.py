@@ -9,10 +9,23 @@ The backend owns that memory: `sleep()` frees the storages after generation unle
 `keep_buffers` (the hybrid engine's keep_generation_buffers; a generation-only pool keeps them),
 keeping the static pieces (frozen parameters, never sent again), and `wake()` re-allocates them
 before the next sync.
+
+Batching: requests run through a continuous-batching scheduler (`rollout/scheduler.py`): a request
+joins the running batch at the next step, whichever call brought it, and leaves it (its completion
+returned) the step it finishes; a session's cache is kept between its requests. Weight updates,
+sleep and wake hold the scheduler between two steps (`pause()`). Three cases keep the per-call
+path (`_generate`: the requests of one call that share their SamplingParams as one left-padded HF
+`generate`, the groups one after another): `continuous=False` (the baseline `bench/continuous_batching.py`
+compares), gen_tp > 1 (a replica's TP ranks would each need the same steps: rank 0's schedule
+broadcast every step, not built), and a model the dense padded cache does not fit (sliding-window
+layers). The exact mode (`_generate_exact`) keeps its own path: one request at a time, the trainer's
+computation, bit for bit.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from typing import Iterable, Sequence
 
 import torch
@@ -21,15 +34,20 @@ from transformers import GenerationConfig
 from hybridflow.algorithms import logprobs_from_logits
 from hybridflow.parallel.dtensor import free_storage, held_slice, own_storage, restore_storage
 from hybridflow.protocol import Batch, Completion, GenLayout, Request, SamplingParams, WeightPiece
-from hybridflow.rollout.base import RolloutContext, generate_batch, response_lengths
+from hybridflow.rollout.base import Continuation, PrefixMissing, RolloutContext, generate_batch, response_lengths
+from hybridflow.rollout.scheduler import ContinuousScheduler, unsupported_reason
 
 
 class HFRollout:
     def __init__(self, model: torch.nn.Module, tokenizer, device: str, tp_index: int = 0, dp_index: int = 0, gen_tp: int = 1,
-                 keep_buffers: bool = True, exact: bool = False):
+                 keep_buffers: bool = True, exact: bool = False, continuous: bool = True, max_num_seqs: int = 32,
+                 max_num_batched_tokens: int = 8192, keep_tokens: int = 8192):
         """keep_buffers: keep the weights' memory while asleep (False: `sleep()` frees every storage
         but the static pieces', `wake()` re-allocates them; the next weight sync fills them).
-        exact: sample through `exact_row_logits`, the trainer's own computation (`_generate_exact`)."""
+        exact: sample through `exact_row_logits`, the trainer's own computation (`_generate_exact`).
+        continuous: batch per decode step (`ContinuousScheduler`: max_num_seqs rows, at most
+        max_num_batched_tokens prompt tokens per prefill step, keep_tokens cached tokens of finished
+        sessions); False: per call (`_generate`)."""
         self.exact = exact
         self.exact_model: torch.nn.Module | None = None  # exact at gen_tp = N: the training engine's module samples
         from hybridflow.parallel.tensor_parallel import gen_shard_dims
@@ -45,6 +63,20 @@ class HFRollout:
         self.static: set[str] = set()  # parameters whose (static) pieces arrived: kept while asleep, never sent again
         self.borrowed: set[str] = set()  # parameters that are the trainer's own shards (colocated, gen_tp = N): never freed here
         self.awake = True
+        self.policy_version: int | None = None  # stamped on every sampled token when set (a pool of its own: the worker sets it)
+        self.weight_epoch = 0  # weight updates, sleeps and wakes so far: a change makes the scheduler's caches stale
+        why = ("rollout.exact (one request at a time, the trainer's computation)" if exact else "continuous=False" if not continuous
+               else f"gen_tp={gen_tp} (every TP rank of a replica would need the same steps)" if gen_tp > 1 else unsupported_reason(model))
+        self.per_call_reason = why  # None: continuous batching
+        self.call_lock = threading.RLock()  # the per-call and exact paths: one call at a time, weights written between calls
+        self.scheduler = None if why else ContinuousScheduler(
+            model, tokenizer, device, dp_index=dp_index, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            keep_tokens=keep_tokens, version=lambda: self.policy_version, epoch=lambda: self.weight_epoch)
+
+    def pause(self) -> contextlib.AbstractContextManager:
+        """No generation step runs inside this context: the scheduler waits between two steps (per
+        call: the call in progress ends first, the next one waits)."""
+        return self.scheduler.pause() if self.scheduler is not None else self.call_lock
 
     def layout(self) -> GenLayout:
         return GenLayout(self.gen_tp, consecutive=False, shard_dims=self.shard_dims, buffers=self.params, dtype=next(iter(self.params.values())).dtype)
@@ -52,7 +84,13 @@ class HFRollout:
     @torch.no_grad()
     def update_weights(self, pieces: Iterable[WeightPiece]) -> dict:
         """Write each piece into its parameter's slice (by the parameter's own layout); a piece
-        that already is that slice (the colocated engine wrote in place) is not copied."""
+        that already is that slice (the colocated engine wrote in place) is not copied. Between two
+        scheduler steps: the requests in flight continue on the new weights (prefilled again first)."""
+        with self.pause():
+            self.weight_epoch += 1
+            return self._update_weights(pieces)
+
+    def _update_weights(self, pieces: Iterable[WeightPiece]) -> dict:
         copied = aliased = 0
         for piece in pieces:
             if piece.static:
@@ -69,29 +107,52 @@ class HFRollout:
 
     def sleep(self) -> None:
         """After generation: the weights are stale until the next sync. Unless keep_buffers, their
-        storages are freed (the static ones stay: they never change and are not sent again)."""
-        if not self.keep_buffers:
-            for name, p in self.params.items():
-                if name not in self.static and name not in self.borrowed:
-                    free_storage(p)
-        self.awake = False
+        storages are freed (the static ones stay: they never change and are not sent again). Requests
+        still in flight fail (their weights are going), naming how many."""
+        with self.pause():
+            if self.scheduler is not None:
+                self.scheduler.refusing = "the rollout is asleep (its weights are stale or freed): sync the weights (reshard) before generating"
+                self.scheduler.fail_all(RuntimeError("the rollout was put to sleep (sleep_rollout / release_after) with this request in flight"))
+            self.weight_epoch += 1
+            if not self.keep_buffers:
+                for name, p in self.params.items():
+                    if name not in self.static and name not in self.borrowed:
+                        free_storage(p)
+            self.awake = False
 
     def wake(self) -> None:
         """Before a weight sync: re-allocate what `sleep()` freed (the sync writes every byte of it)."""
-        for name, p in self.params.items():
-            if name not in self.borrowed:
-                restore_storage(p)
-        self.awake = True
+        with self.pause():
+            self.weight_epoch += 1
+            for name, p in self.params.items():
+                if name not in self.borrowed:
+                    restore_storage(p)
+            self.awake = True
+            if self.scheduler is not None:
+                self.scheduler.refusing = None
 
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
         return generate_batch(self, prompts, params, self.tokenizer.pad_token_id)
 
     @torch.no_grad()
     def generate_requests(self, requests: Sequence[Request]) -> list[Completion]:
-        """Requests that share their SamplingParams run as one left-padded `generate` call (seeded
-        by params.seed and this replica), the groups one after another; completions in order."""
+        """Completions in order. Continuous batching: the requests join the scheduler's running
+        batch (each sampled with a generator seeded by params.seed, this replica and its position in
+        the call) and this call returns when its last one finished; other calls' requests may run
+        beside them. Per call: requests that share their SamplingParams run as one left-padded
+        `generate` call (seeded by params.seed and this replica), the groups one after another."""
         if not self.awake:
             raise RuntimeError("the rollout is asleep (its weights are stale or freed): sync the weights (reshard) before generating")
+        if self.scheduler is not None:
+            return self.scheduler.generate(requests)
+        with self.call_lock:  # concurrent calls (a replica's concurrency group) run one after another here
+            return self._generate_per_call(requests)
+
+    def _generate_per_call(self, requests: Sequence[Request]) -> list[Completion]:
+        if any(isinstance(r, Continuation) for r in requests):  # only the scheduler keeps sessions: the caller sends the whole prompt
+            plain = [r for r in requests if not isinstance(r, Continuation)]
+            rest = iter(self._generate_per_call(plain) if plain else [])
+            return [PrefixMissing((), (), "length") if isinstance(r, Continuation) else next(rest) for r in requests]
         if self.exact:  # one request at a time, whatever its params
             (self.exact_model or self.model).eval()
             return [self._generate_exact(r, i) for i, r in enumerate(requests)]
@@ -215,5 +276,7 @@ def build_hf_rollout(ctx: RolloutContext) -> HFRollout:
     model = apply_lora(load_hf_model(mcfg, ctx.device, dtype=ctx.spec.generation_dtype), mcfg).eval().requires_grad_(False)
     if gen_tp > 1:
         apply_tensor_parallel(model, gen_mesh(ctx.device, ctx.world_size, gen_tp, ctx.train_layout)["tp"])
+    r = ctx.spec.rollout  # continuous batching's keys (vLLM's names), where the config has them
     return HFRollout(model, ctx.tokenizer, ctx.device, tp_index, dp_index, gen_tp, keep_buffers=ctx.spec.keep_generation_buffers,
-                     exact=ctx.spec.rollout.exact)
+                     exact=r.exact, continuous=getattr(r, "continuous_batching", True), max_num_seqs=getattr(r, "max_num_seqs", 32),
+                     max_num_batched_tokens=getattr(r, "max_num_batched_tokens", 8192))

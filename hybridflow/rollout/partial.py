@@ -9,19 +9,26 @@ version that sampled it), instead of restarting. Each segment's tokens record th
 replica that sampled them held (the completion's `versions`; else the one the caller gives with
 the call, `Call`), so a completion's `versions` are per token.
 
-What a pause costs: the HF backend keeps no KV cache between calls, so every segment re-runs the
-prefill of its prefix (bench/async.py measures it); a backend with a prefix cache (vLLM) reuses it.
+What a pause costs: a request's segments are one session (`Request.session`), routed to the
+replica that served the session before. The HF backend with continuous batching keeps a finished
+session's tokens and KV cache there and says so (its completion is a `base.KeptCompletion`); the
+next segment is then a `base.Continuation` carrying only the last segment's tokens (a check of
+the tail), not the whole prefix: O(R) ids sent per response instead of O(R^2 / chunk), and no
+prefill of the prefix unless the weights changed in between (then the replica prefills it again from
+the ids it holds, on the new weights). Where the session is not held (another replica after a
+restart, evicted, a backend without sessions: vLLM reuses its own prefix cache instead) the reply
+is a `base.PrefixMissing` and that request is sent again with its whole prefix, in the same segment.
 A stop string that straddles a segment boundary is detected by the backend (it sees the prefix)
 only when it ends before the segment's last token.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import uuid
 from typing import Callable, Sequence
 
 from hybridflow.protocol import Completion, Request
+from hybridflow.rollout.base import Continuation, KeptCompletion, PrefixMissing
 
 # requests -> (their completions, the policy version the pool sampled them with)
 Call = Callable[[list[Request]], tuple[list[Completion], int]]
@@ -45,16 +52,28 @@ def generate_in_segments(requests: Sequence[Request], call: Call, chunk: int) ->
     finish: list[str] = ["length"] * n
     running, segment = list(range(n)), 0
     call_id = uuid.uuid4().hex  # a request's segments are one session (the replica that has its prefix)
+    last: list[tuple[int, ...]] = [() for _ in range(n)]  # the tokens of a request's last segment, when its replica keeps the session
     while running:
-        calls = []
+        whole, calls = [], []
         for i in running:
             r = requests[i]
             left = r.params.max_new_tokens - len(tokens[i])
-            calls.append(dataclasses.replace(r, prompt_ids=r.prompt_ids + tuple(tokens[i]), session=r.session or f"{call_id}-{i}",
-                                             params=r.params.with_(max_new_tokens=min(chunk, left), seed=segment_seed(r.params.seed, segment))))
+            full = Request(r.prompt_ids + tuple(tokens[i]), r.params.with_(max_new_tokens=min(chunk, left), seed=segment_seed(r.params.seed, segment)),
+                           r.session or f"{call_id}-{i}")
+            whole.append(full)
+            calls.append(Continuation(last[i], full.params, full.session, prefix_len=len(full.prompt_ids) - len(last[i])) if last[i] else full)
         completions, version = call(calls)
+        missing = [k for k, c in enumerate(completions) if isinstance(c, PrefixMissing)]
+        if missing:  # the replica does not hold those sessions: their whole prefix, in this segment still
+            again, again_version = call([whole[k] for k in missing])
+            completions, versions_of = list(completions), [version] * len(completions)
+            for k, c in zip(missing, again):
+                completions[k], versions_of[k] = c, again_version
+        else:
+            versions_of = [version] * len(completions)
         still = []
-        for i, c in zip(running, completions):
+        for i, c, version in zip(running, completions, versions_of):
+            last[i] = c.token_ids if isinstance(c, KeptCompletion) else ()
             tokens[i] += c.token_ids
             logps[i] += c.log_probs
             untruncated[i] += c.untruncated
