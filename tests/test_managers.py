@@ -6,6 +6,7 @@ bookkeeping: every batch is trained once and in order, no token is staler than k
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -47,9 +48,13 @@ class StampReplica(Worker):
         self.held = version
         return {"bytes_received": 1.0}
 
+    @register(Dispatch.ONE_TO_ALL)
+    def set_nap(self, seconds: float) -> None:
+        self.nap = seconds
+
     @register(Dispatch.DP_COMPUTE)
     def generate_requests(self, data: Batch) -> Batch:
-        time.sleep(0.03)
+        time.sleep(getattr(self, "nap", 0.03))
         out = [Completion((self.held,) * 3, (-0.5,) * 3, "stop", versions=(self.held,) * 3) for _ in data["request"]]
         return Batch.from_dict(non_tensors={"completion": out})
 
@@ -193,5 +198,28 @@ def test_a_black_box_agent_plays_through_its_managers_endpoint_one_url_for_the_w
             out = pool.submit(rows, SamplingParams(max_new_tokens=16, seed=step), 0).result()
             assert out["agent_reward"].tolist() == [1.0] * 8 and out.meta["metrics"]["agent/agent_errors"] == 0.0
         assert pool.urls == urls
+    finally:
+        pool.shutdown()
+
+
+def test_a_replicas_queued_calls_do_not_count_against_its_deadline(replicas, tiny_model_dir):
+    """request_timeout_s = 1 s, each call 0.8 s on its replica, and both managers split their shard
+    over both replicas at once: each replica's second call waits 0.8 s in its queue and finishes
+    1.6 s after it was sent. The deadline counts from when a call starts executing (asked of the replica), so no
+    healthy replica is reported and no request sent again (counted from submission, the queued call
+    was late and its replica restarted)."""
+    rs, group = replicas
+    group.role("rollout").set_nap(0.8)
+    spec = dataclasses.replace(_spec(tiny_model_dir), request_timeout_s=1.0)
+    agent = AgentRollout(MultiTurnConfig(enable=True), 16, __import__("transformers").AutoTokenizer.from_pretrained(str(tiny_model_dir)))
+    pool = ManagerPool(spec, 2, rs, max_restarts=2, agent=agent)
+    try:
+        rows = Batch.from_dict(non_tensors={"raw_prompt": [[{"role": "user", "content": f"r{i}"}] for i in range(4)],
+                                            "extra_info": [{"agent_name": "single_turn_agent"}] * 4})
+        start = time.monotonic()
+        out = pool.submit(rows, SamplingParams(max_new_tokens=16, seed=0), 0).result()
+        m = out.meta["metrics"]
+        assert time.monotonic() - start >= 1.5  # the second call did queue behind the first
+        assert m["rollout/lost_requests"] == 0.0 and rs.restarts == 0 and out["responses"].shape[0] == 4
     finally:
         pool.shutdown()

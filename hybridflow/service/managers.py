@@ -51,6 +51,7 @@ logger = logging.getLogger("hybridflow")
 
 MAX_SESSIONS = 100_000  # sessions remembered for routing (the oldest forgotten first)
 POLL_S = 0.5  # how often the driver, waiting for a batch, collects the managers' replica faults
+START_TIMEOUT_S = 300.0  # a manager's start: a process, its imports, the tokenizer, the endpoint
 
 
 @dataclass(frozen=True)
@@ -145,17 +146,19 @@ class ReplicaClient:
                 self._check_wait(waiting_since, "no generation replica is up (each failed and is being restarted by the driver)")
                 await asyncio.sleep(0.05)
                 continue
-            calls = {asyncio.ensure_future(_awaited(getattr(h, f"{self.role}__generate_requests").remote(
-                Batch.from_dict(non_tensors={"request": [requests[i] for i in idx]})))): (d, inc, idx) for d, (h, inc, idx) in parts.items()}
-            ready, late = await asyncio.wait(list(calls), timeout=self.timeout_s)
+            calls = {}  # task awaiting a replica's reply -> (replica, incarnation, request indices, actor, object ref)
+            for d, (h, inc, idx) in parts.items():
+                ref = getattr(h, f"{self.role}__generate_requests").remote(Batch.from_dict(non_tensors={"request": [requests[i] for i in idx]}))
+                calls[asyncio.ensure_future(_awaited(ref))] = (d, inc, idx, h, ref)
+            ready, late = await self._replies(calls)
             redo, stale = [], 0
-            for task in late:
+            for task, why in late.items():
                 task.cancel()
-                d, inc, idx = calls[task]
-                self._fault(d, inc, f"no reply within actor_rollout_ref.rollout.request_timeout_s={self.timeout_s}")
+                d, inc, idx, _, _ = calls[task]
+                self._fault(d, inc, why)
                 redo += idx
             for task in ready:
-                d, inc, idx = calls[task]
+                d, inc, idx, _, _ = calls[task]
                 try:
                     batch = task.result()
                 except ray.exceptions.RayActorError as e:
@@ -185,6 +188,32 @@ class ReplicaClient:
                 waiting_since = None
             todo = sorted(redo)
         return out  # type: ignore[return-value]
+
+    async def _replies(self, calls: dict) -> tuple[set, dict]:
+        """Wait for the replicas' replies under request_timeout_s counted from when each call starts
+        executing on its replica (asked of the replica when the deadline passes: a call queued behind
+        others is waited for; one running too long, or a replica that does not answer or is dead, is
+        late). Returns (the finished tasks, late task -> why)."""
+        from hybridflow.controller.worker_group import call_progress
+
+        pending, ready, late = set(calls), set(), {}
+        wait_s = self.timeout_s
+        while pending:
+            done, pending = await asyncio.wait(pending, timeout=wait_s)
+            ready |= done
+            if not pending:
+                break
+            order = list(pending)
+            progress = await asyncio.to_thread(call_progress, [(calls[t][3], calls[t][4]) for t in order], self.timeout_s)
+            waits = []
+            for t, (state, x) in zip(order, progress):
+                if state == "wait":
+                    waits.append(float(x))
+                else:
+                    late[t] = f"{x or 'no reply'} (actor_rollout_ref.rollout.request_timeout_s={self.timeout_s})"
+                    pending.discard(t)
+            wait_s = min(waits) if waits else None
+        return ready, late
 
     def _check_wait(self, since: float, what: str) -> None:
         if self.timeout_s is not None and time.monotonic() - since > self.timeout_s:
@@ -310,7 +339,7 @@ class ManagerPool:
 
         handles, incarnations = self.replicas.handles()
         actor = self.remote_cls.options(num_cpus=0, max_concurrency=10_000).remote(self.spec, i, handles, incarnations)
-        url = ray.get(actor.start.remote(), timeout=self.spec.request_timeout_s)
+        url = ray.get(actor.start.remote(), timeout=START_TIMEOUT_S)
         with self.lock:
             self.actors[i], self.urls[i] = actor, url
 
