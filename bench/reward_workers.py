@@ -8,7 +8,11 @@ A pool is started and warmed (every worker has scored a sample, so its sandbox b
 before its clock starts: the table is the steady state of a training run, where the pool lives
 for the whole run.
 
-Run:  .venv/bin/python bench/reward_workers.py [--samples 64] [--workers 1,2,4] [--timeout-s none]
+Each sandbox run is mostly CPU work (a fresh namespace and interpreter: ~60-80 ms on an idle core), so the
+gain is bounded by the machine's idle cores; ``--case-sleep-s`` makes every program wait first, which
+shows the overlap itself on a small or busy machine.
+
+Run:  .venv/bin/python bench/reward_workers.py [--samples 64] [--workers 1,2,4] [--timeout-s none] [--case-sleep-s 0]
 """
 
 from __future__ import annotations
@@ -34,10 +38,10 @@ CASES = [
 ]
 
 
-def samples(n: int) -> list[tuple[str, str, object]]:
+def samples(n: int, sleep_s: float = 0.0) -> list[tuple[str, str, object]]:
     out = []
     for i in range(n):
-        code = PROGRAMS[i % len(PROGRAMS)]
+        code = (f"import time\ntime.sleep({sleep_s})\n" if sleep_s else "") + PROGRAMS[i % len(PROGRAMS)]
         truth = CASES + [{"input": f"{i} {i}", "output": str(2 * i)}]
         out.append(("code", f"Here it is:\n```python\n{code}```", truth))
     return out
@@ -48,6 +52,8 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=64)
     ap.add_argument("--workers", default="1,2,4")
     ap.add_argument("--timeout-s", default="none", help="custom_reward_function.timeout_s for every run (none: no limit)")
+    ap.add_argument("--case-sleep-s", type=float, default=0.0,
+                    help="every program first sleeps this long (a program that waits: the pool's overlap without CPU contention)")
     args = ap.parse_args()
     timeout = None if args.timeout_s == "none" else float(args.timeout_s)
 
@@ -71,7 +77,8 @@ def main() -> None:
         return Batch(tensors={"responses": ids, "response_mask": mask},
                      non_tensors={"data_source": [s for s, _, _ in rows], "reward_model": [{"ground_truth": g} for _, _, g in rows]})
 
-    rows = samples(args.samples)
+    rows = samples(args.samples, args.case_sleep_s)
+    load_before = os.getloadavg()[0]
     batch = batch_of(rows)
     init_ray(num_cpus=os.cpu_count())
     table = []
@@ -90,8 +97,9 @@ def main() -> None:
         same = torch.equal(scores, reference[0]) and metrics == reference[1]
         table.append((n, took, same, metrics["reward/mean"], metrics["reward/timeouts"]))
     cases = sum(len(t) for _, _, t in rows)
-    print(f"\ncode reward: {args.samples} samples x 5 test cases ({cases} sandbox runs), timeout_s={timeout}, "
-          f"{os.cpu_count()} CPUs on this machine\n")
+    sleep = f", each program sleeping {args.case_sleep_s:g} s first" if args.case_sleep_s else ""
+    print(f"\ncode reward: {args.samples} samples x 5 test cases ({cases} sandbox runs{sleep}), timeout_s={timeout}, "
+          f"{os.cpu_count()} CPUs on this machine, load average {load_before:.1f} at the start and {os.getloadavg()[0]:.1f} at the end\n")
     print(f"{'scored on':<22}{'seconds':>9}{'samples/s':>11}{'speedup':>9}  {'reward/mean':>11}  same as driver")
     base = table[0][1]
     for n, took, same, mean, _ in table:
