@@ -347,7 +347,8 @@ def test_under_ray_a_call_submitted_while_another_runs_joins_its_batch_and_retur
     import ray
 
     from hybridflow.protocol import Batch
-    from hybridflow.workers.rollout import REQUEST_GROUP_ATTR, RolloutMixin
+    from hybridflow.controller.decorator import CONCURRENCY_GROUP_ATTR as REQUEST_GROUP_ATTR
+    from hybridflow.workers.rollout import RolloutMixin
 
     class Replica(RolloutMixin):
         def __init__(self, path):

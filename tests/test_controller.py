@@ -106,3 +106,19 @@ def test_a_call_past_its_deadline_is_named_not_waited_for(ray_cluster):
     finally:
         wg.shutdown()
         pool.release()
+
+
+def test_a_rollout_replicas_requests_run_in_their_own_concurrency_group_on_the_actor_the_group_starts():
+    """The worker group starts a rollout worker's actor with the class's concurrency groups and its
+    `generate_requests` in the requests group (Ray's mark on the method), also fused with other roles;
+    every other method stays in the default group (one call at a time)."""
+    from hybridflow.controller.worker import PROBE_GROUP, colocated_worker_cls, tracked_worker_cls
+    from hybridflow.controller.worker_group import concurrency_groups
+    from hybridflow.workers.rollout import REQUEST_GROUP, RolloutWorker
+
+    fused = colocated_worker_cls({"rollout": RolloutWorker})
+    assert set(concurrency_groups(fused)) == {PROBE_GROUP, REQUEST_GROUP}
+    tracked = tracked_worker_cls(fused)
+    assert tracked.rollout__generate_requests.__ray_concurrency_group__ == REQUEST_GROUP
+    assert not hasattr(tracked.rollout__receive_weights, "__ray_concurrency_group__")
+    assert not hasattr(tracked.rollout__generate_sequences, "__ray_concurrency_group__")

@@ -25,6 +25,17 @@ from hybridflow.protocol import Batch
 DISPATCH_ATTR = "_hybridflow_dispatch"
 LAYOUT_ATTR = "_hybridflow_layout"
 ROLE_ATTR = "_hybridflow_role"
+CONCURRENCY_GROUP_ATTR = "_hybridflow_concurrency_group"  # a method's Ray concurrency group (None: the default one, one call at a time)
+
+
+def concurrent(group: str):
+    """Tag a worker method with the Ray concurrency group its calls run in; the worker class sizes its
+    groups in `CONCURRENCY_GROUPS` (name -> calls at once), and the worker group starts the actor with them."""
+    def deco(fn):
+        setattr(fn, CONCURRENCY_GROUP_ATTR, group)
+        return fn
+
+    return deco
 
 # Per rank: (data-parallel index, data-parallel size, whether its result is collected).
 Layout = list[tuple[int, int, bool]]

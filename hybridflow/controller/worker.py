@@ -23,7 +23,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from hybridflow.controller.decorator import DISPATCH_ATTR, LAYOUT_ATTR, ROLE_ATTR
+from hybridflow.controller.decorator import CONCURRENCY_GROUP_ATTR, DISPATCH_ATTR, LAYOUT_ATTR, ROLE_ATTR
 from hybridflow.parallel.process_group import pick_device  # noqa: F401  (re-exported)
 
 # Rank 0's rendezvous socket; one per process, shared by every role colocated in it.
@@ -181,10 +181,13 @@ def tracked_worker_cls(cls: type) -> type:
     (the class a worker group starts as a Ray actor; same name, methods and dispatch attributes)."""
 
     def tracked(fn):
-        @functools.wraps(fn)  # keeps the dispatch/layout/role attributes and the signature Ray checks
+        @functools.wraps(fn)  # keeps the dispatch/layout/role/group attributes and the signature Ray checks
         def call(self, *args, **kwargs):
             return run_tracked(fn, self, args, kwargs)
 
+        group = getattr(fn, CONCURRENCY_GROUP_ATTR, None)
+        if group is not None:  # Ray's own mark: the method's calls run in that concurrency group
+            call.__ray_concurrency_group__ = group
         return call
 
     namespace = {name: tracked(getattr(cls, name)) for name in registered_methods(cls)}
@@ -215,5 +218,12 @@ def colocated_worker_cls(roles: dict[str, type]) -> type:
             setattr(call, DISPATCH_ATTR, mode)
             setattr(call, LAYOUT_ATTR, getattr(getattr(cls, method), LAYOUT_ATTR, None))
             setattr(call, ROLE_ATTR, role)
+            setattr(call, CONCURRENCY_GROUP_ATTR, getattr(getattr(cls, method), CONCURRENCY_GROUP_ATTR, None))
             namespace[f"{role}__{method}"] = call
+    # the roles' concurrency groups (a group's size: the largest any role asks for)
+    groups: dict[str, int] = {}
+    for cls in roles.values():
+        for name, size in getattr(cls, "CONCURRENCY_GROUPS", {}).items():
+            groups[name] = max(size, groups.get(name, 0))
+    namespace["CONCURRENCY_GROUPS"] = groups
     return type("Colocated_" + "_".join(roles), (Worker,), namespace)

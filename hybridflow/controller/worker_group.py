@@ -40,6 +40,11 @@ from hybridflow.controller.worker import PROBE_CONCURRENCY, PROBE_GROUP, colocat
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
+
+def concurrency_groups(worker_cls: type) -> dict[str, int]:
+    """The Ray concurrency groups a worker class's actor is started with: the probes' and the class's own."""
+    return {PROBE_GROUP: PROBE_CONCURRENCY, **getattr(worker_cls, "CONCURRENCY_GROUPS", {})}
+
 class _LazyRay:
     """`ray`, imported at its first use: importing this module (and the trainer above it) needs no
     Ray, so a torchrun-only install (trainer.launcher=torchrun: one node, no Ray) works without it."""
@@ -243,8 +248,9 @@ class RayWorkerGroup:
         self.straggler_timeout_s = straggler_timeout_s
         self.world_size = pool.world_size
         self.worker_cls = worker_cls
-        # One call at a time in the default group; probes of the calls in a group of their own.
-        remote_cls = ray.remote(concurrency_groups={PROBE_GROUP: PROBE_CONCURRENCY})(tracked_worker_cls(worker_cls))
+        # One call at a time in the default group; probes of the calls in a group of their own; methods the
+        # worker class puts in a group of its own (`decorator.concurrent`: a replica's requests) run there.
+        remote_cls = ray.remote(concurrency_groups=concurrency_groups(worker_cls))(tracked_worker_cls(worker_cls))
         self.workers = []
         self._start = (remote_cls, init_kwargs, [])  # what `replace_worker` starts again: the class, its kwargs, each rank's options
         self.replaced = 0  # workers replaced so far (each replacement's name is new)

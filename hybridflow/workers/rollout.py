@@ -7,11 +7,9 @@ fed by the hybrid engine) and `RolloutWorker` (a pool of its own) both use it.
 
 Continuous batching (the HF backend's scheduler) lets a request join a replica's running batch
 while another call is generating, so `generate_requests` is meant to run concurrently with
-itself: it is tagged with the concurrency group REQUEST_GROUP (`REQUEST_GROUP_ATTR`), sized by
-`CONCURRENCY_GROUPS`. Ray reads neither by itself: the actor must be created with
-`ray.remote(concurrency_groups=cls.CONCURRENCY_GROUPS)` and the method marked
-`ray.method(concurrency_group=...)` (the worker group's side); every other method keeps Ray's one
-call at a time. Until then calls run one after another, each still batched per step. A weight
+itself: it is tagged with the concurrency group REQUEST_GROUP (`controller.decorator.concurrent`),
+sized by `CONCURRENCY_GROUPS`; the worker group starts the actor with those groups and the method
+in its group (`controller/worker_group.py`); every other method keeps Ray's one call at a time. A weight
 receipt stages its pieces first and writes them between two generation steps (`_between_calls`:
 the backend's `pause()`; a backend without one generates one call at a time under this worker's
 lock, which the write takes too).
@@ -27,7 +25,7 @@ import time
 import torch
 from transformers import AutoTokenizer
 
-from hybridflow.controller.decorator import Dispatch, register
+from hybridflow.controller.decorator import Dispatch, concurrent, register
 from hybridflow.controller.worker import Worker
 from hybridflow.parallel.process_group import pick_device
 from hybridflow.hybrid_engine.cross_pool import PoolReceiver, generation_fingerprints, max_piece_diff, whole_pieces
@@ -36,16 +34,6 @@ from hybridflow.run_plan import RolloutSpec
 from hybridflow.rollout.base import RolloutBackend, RolloutContext, make_rollout
 
 REQUEST_GROUP = "requests"
-REQUEST_GROUP_ATTR = "_hybridflow_concurrency_group"  # a method's Ray concurrency group (None: the default group, one call at a time)
-
-
-def concurrent(group: str):
-    """Tag a worker method with the Ray concurrency group its calls run in (`REQUEST_GROUP_ATTR`)."""
-    def deco(fn):
-        setattr(fn, REQUEST_GROUP_ATTR, group)
-        return fn
-
-    return deco
 
 
 class RolloutMixin:
