@@ -50,7 +50,6 @@ from hybridflow.rollout.partial import generate_in_segments
 logger = logging.getLogger("hybridflow")
 
 MAX_SESSIONS = 100_000  # sessions remembered for routing (the oldest forgotten first)
-POLL_S = 0.5  # how often the driver, waiting for a batch, collects the managers' replica faults
 START_TIMEOUT_S = 300.0  # a manager's start: a process, its imports, the tokenizer, the endpoint
 
 
@@ -87,6 +86,7 @@ class ReplicaClient:
         self.stale_retries = 0
         self.lost_requests = 0  # sent again after their replica failed
         self.busy: dict[str, float] = collections.defaultdict(float)  # the replicas' clocks (`async_rollout.ReplicaClocks`)
+        self.on_fault: Any = None  # called (no arguments) once a fault is recorded: the manager wakes the driver's wait
 
     def raise_floor(self, version: int) -> None:
         with self.lock:
@@ -106,9 +106,12 @@ class ReplicaClient:
 
     def _fault(self, rank: int, incarnation: int, why: str) -> None:
         with self.lock:
-            if incarnation == self.incarnation[rank] and rank not in self.failed:
-                self.failed.add(rank)
-                self.faults.append((rank, incarnation, why))
+            if incarnation != self.incarnation[rank] or rank in self.failed:
+                return
+            self.failed.add(rank)
+            self.faults.append((rank, incarnation, why))
+        if self.on_fault is not None:
+            self.on_fault()
 
     def _route(self, requests: list[Request], todo: list[int]) -> dict[int, tuple[Any, int, list[int]]] | None:
         """replica -> (its actor, its incarnation, the indices of `todo` it serves); None: no replica is up."""
@@ -260,6 +263,7 @@ class RolloutManager:
         self.settings = agent_settings(spec.multi_turn, spec.max_response_length, agent, spec.max_prompt_length, spec.model_name)
         self.tools = load_tool_config(spec.multi_turn.tool_config_path) if spec.multi_turn.tool_config_path else []
         self.client = ReplicaClient(handles, incarnations, spec.role, spec.request_timeout_s)
+        self.faulted: asyncio.Event | None = None  # set when the client records a replica fault (made on the actor's loop)
         # A call per replica at once: a turn that arrives while a call runs goes out without waiting for it
         # (a replica that batches continuously takes it into its running batch; one that does not queues it).
         self.calls_in_flight = len(handles)
@@ -302,8 +306,18 @@ class RolloutManager:
     def set_replica(self, rank: int, handle: Any, incarnation: int) -> None:
         self.client.set_replica(rank, handle, incarnation)
 
-    def take_faults(self) -> list[tuple[int, int, str]]:
-        return self.client.take_faults()
+    async def next_faults(self) -> list[tuple[int, int, str]]:
+        """The replica faults found since the last answer, once there is one: the driver keeps one such call
+        in flight per manager and waits on it with its batches (pushed, not polled: no driver work per turn)."""
+        if self.faulted is None:
+            self.faulted = asyncio.Event()
+            self.client.on_fault = self.faulted.set
+        while True:
+            faults = self.client.take_faults()
+            if faults:
+                return faults
+            self.faulted.clear()
+            await self.faulted.wait()
 
     def stats(self) -> dict[str, float]:
         """This process: its pid, CPU seconds and the requests it served."""
@@ -328,6 +342,7 @@ class ManagerPool:
         self.restarts = [0] * n  # per manager slot: also its incarnation (a call to an older one is merely resubmitted)
         self.rerun_trajectories = 0
         self.lock = threading.Lock()  # the actors list vs a restart (the replica listener runs on the driver's threads)
+        self.watching: dict[Any, int] = {}  # a `next_faults` call in flight per manager: ref -> manager
         self.actors: list[Any] = [None] * n
         self.urls: list[str] = [""] * n
         for i in range(n):
@@ -358,18 +373,24 @@ class ManagerPool:
         shards = [list(range(i, len(rows), n)) for i in range(n)]
         return ManagerCall(self, rows, shards, params, floor, deadline_s)
 
-    def poll(self) -> None:
-        """Collect the replicas the managers found dead or hung, and restart them (each once)."""
+    def fault_refs(self) -> dict[Any, int]:
+        """One `next_faults` call in flight per manager (ref -> manager): what the driver's wait watches besides its batches."""
+        with self.lock:
+            for i, a in enumerate(self.actors):
+                if i not in self.watching.values():
+                    self.watching[a.next_faults.remote()] = i
+            return dict(self.watching)
+
+    def faults_reported(self, ref: Any) -> None:
+        """A manager's `next_faults` answered: restart the replicas it found dead or hung (each once)."""
         import ray
 
         with self.lock:
-            actors = list(self.actors)
-        reported: list[tuple[int, int, str]] = []
-        for a in actors:
-            try:
-                reported += ray.get(a.take_faults.remote(), timeout=POLL_S * 10)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                continue  # a dead manager is found by its batch's wait
+            self.watching.pop(ref, None)
+        try:
+            reported = ray.get(ref)
+        except ray.exceptions.RayError:
+            return  # its manager died: found (and restarted) by its batch's wait
         for rank, incarnation, why in reported:
             seen = list(self.replicas.incarnation)
             seen[rank] = incarnation
@@ -389,6 +410,8 @@ class ManagerPool:
                        i, str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__, self.restarts[i], self.max_restarts)
         with contextlib.suppress(Exception):
             ray.kill(self.actors[i], no_restart=True)
+        with self.lock:  # its fault watch died with it
+            self.watching = {ref: j for ref, j in self.watching.items() if j != i}
         self._start(i)
 
     def pids(self) -> list[int]:
@@ -437,11 +460,16 @@ class ManagerCall:
         import ray
 
         while self.refs:
-            if self.deadline_s is not None and time.monotonic() - self.started > self.deadline_s:
+            left = None if self.deadline_s is None else self.deadline_s - (time.monotonic() - self.started)
+            if left is not None and left <= 0:
                 raise WorkerTimeoutError(f"{waiting_for or 'a batch'}: the rollout managers did not finish within {self.deadline_s:.0f} s, what "
                                          "its longest trajectory may take", ())
-            ready, _ = ray.wait(list(self.refs), num_returns=1, timeout=POLL_S)
+            watched = self.pool.fault_refs()
+            ready, _ = ray.wait(list(self.refs) + list(watched), num_returns=1, timeout=left)
             for ref in ready:
+                if ref in watched:  # a manager found replicas dead or hung
+                    self.pool.faults_reported(ref)
+                    continue
                 i, seen = self.refs.pop(ref)
                 try:
                     self.done[i] = ray.get(ref)
@@ -449,7 +477,6 @@ class ManagerCall:
                     self.pool.restart_manager(i, seen, e)
                     self.pool.rerun_trajectories += len(self.shards[i])
                     self._submit(i)
-            self.pool.poll()
         trajs: list[Trajectory | None] = [None] * len(self.rows)
         calls, clocks, latencies = 0, collections.defaultdict(float), []
         for i, part in self.done.items():
