@@ -66,7 +66,7 @@ def run_row(mode: str, sessions: int, managers: int, replicas, model_dir: str, t
                  "command": AgentConfig(command=f"{sys.executable} {HERE}/scale_agent.py", timeout_s=600.0),
                  "tool": AgentConfig()}[mode]
     mt = MultiTurnConfig(enable=True, max_assistant_turns=3, tool_config_path=tools_yaml if mode == "tool" else None)
-    budget = 256  # three 8-token turns and the messages between them
+    budget = 256 if mode != "tool" else 24  # agents: three 8-token turns and the messages between; the tool loop: turns of up to 24 tokens
     agent = AgentRollout(mt, budget, tok, agent_cfg, 256, "tiny")
     extra = {"agent_name": "tool_agent"} if mode == "tool" else {}
     prompts = Batch.from_dict(non_tensors={"raw_prompt": [[{"role": "user", "content": f"What is {i}*{i + 3}? Use the calculator."}]
