@@ -236,6 +236,8 @@ class RLTrainer:
     def shutdown(self) -> None:
         if self.service is not None:
             self.service.stop()
+        if getattr(self, "reward_fn", None) is not None and hasattr(self.reward_fn, "close"):  # its reward workers, if it started any
+            self.reward_fn.close()
         if self.placed is not None:
             self.placed.shutdown()  # the groups, then every pool (also one whose group failed to start)
         self.wg = None
