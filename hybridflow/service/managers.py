@@ -342,7 +342,8 @@ class ManagerPool:
         self.restarts = [0] * n  # per manager slot: also its incarnation (a call to an older one is merely resubmitted)
         self.rerun_trajectories = 0
         self.lock = threading.Lock()  # the actors list vs a restart (the replica listener runs on the driver's threads)
-        self.watching: dict[Any, int] = {}  # a `next_faults` call in flight per manager: ref -> manager
+        self.watching: dict[Any, tuple[int, int]] = {}  # a `next_faults` call in flight per manager: ref -> (manager, incarnation)
+        self.lost: set[int] = set()  # managers whose watch found them dead, until restarted
         self.actors: list[Any] = [None] * n
         self.urls: list[str] = [""] * n
         for i in range(n):
@@ -373,12 +374,14 @@ class ManagerPool:
         shards = [list(range(i, len(rows), n)) for i in range(n)]
         return ManagerCall(self, rows, shards, params, floor, deadline_s)
 
-    def fault_refs(self) -> dict[Any, int]:
-        """One `next_faults` call in flight per manager (ref -> manager): what the driver's wait watches besides its batches."""
+    def fault_refs(self) -> dict[Any, tuple[int, int]]:
+        """One `next_faults` call in flight per live manager (ref -> (manager, its incarnation)): what the
+        driver's wait watches besides its batches."""
         with self.lock:
+            watched = {i for i, _ in self.watching.values()}
             for i, a in enumerate(self.actors):
-                if i not in self.watching.values():
-                    self.watching[a.next_faults.remote()] = i
+                if i not in watched and i not in self.lost:
+                    self.watching[a.next_faults.remote()] = (i, self.restarts[i])
             return dict(self.watching)
 
     def faults_reported(self, ref: Any) -> None:
@@ -386,11 +389,14 @@ class ManagerPool:
         import ray
 
         with self.lock:
-            self.watching.pop(ref, None)
+            i, incarnation = self.watching.pop(ref, (None, None))
         try:
             reported = ray.get(ref)
-        except ray.exceptions.RayError:
-            return  # its manager died: found (and restarted) by its batch's wait
+        except ray.exceptions.RayError:  # its manager died: not watched again until a batch's wait restarts it
+            with self.lock:
+                if i is not None and incarnation == self.restarts[i]:
+                    self.lost.add(i)
+            return
         for rank, incarnation, why in reported:
             seen = list(self.replicas.incarnation)
             seen[rank] = incarnation
@@ -411,8 +417,10 @@ class ManagerPool:
         with contextlib.suppress(Exception):
             ray.kill(self.actors[i], no_restart=True)
         with self.lock:  # its fault watch died with it
-            self.watching = {ref: j for ref, j in self.watching.items() if j != i}
+            self.watching = {ref: w for ref, w in self.watching.items() if w[0] != i}
         self._start(i)
+        with self.lock:
+            self.lost.discard(i)
 
     def pids(self) -> list[int]:
         import ray
