@@ -9,7 +9,7 @@
 
 For each: every batch drawn from the loader trained once and in order (the loader's uids where the
 trainer takes them), the largest staleness of any step (<= k), restarts counted, the held-out
-accuracy at the end (greedy, the recipe's held-out products), and wall time.
+accuracy at step 10 and at the end (greedy, the recipe's held-out products; every 10 steps), and wall time.
 
 Run:  .venv/bin/python bench/rollout_faults.py [--steps 30] [--k 2]
 """
@@ -106,7 +106,7 @@ def main() -> None:
             print(rows[-1], file=sys.stderr, flush=True)
     print(f"tool recipe, {args.steps} async GRPO steps, k = {args.k}, 2 rollout replicas, 1 rollout manager; cpus: {os.cpu_count()}")
     print("| run | steps | each batch once, in order | max staleness | manager restarts | replica restarts | trajectories run again | "
-          "requests sent again | held-out after SFT | held-out at the end | wall s |")
+          "requests sent again | held-out at step 10 | held-out at the end | wall s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {'faults' if r['faults'] else 'no faults'} | {r['steps']} | {r['trained_once_in_order']} | {r['max_staleness']:.0f} | "
