@@ -672,6 +672,9 @@ def _worker_envs(monkeypatch, **group_kwargs) -> list[dict]:
     envs = []
 
     class Handle:  # a fake actor handle: every method's .remote() returns its result directly
+        def __init__(self):
+            self._actor_id = SimpleNamespace(hex=lambda: f"{id(self):x}")  # what the group keys its probes by
+
         def __getattr__(self, name):
             results = {"_group_node_ip": "127.0.0.1", "_group_master_endpoint": ("127.0.0.1", 12345)}
             return SimpleNamespace(remote=lambda *a, **k: results.get(name))
@@ -680,7 +683,8 @@ def _worker_envs(monkeypatch, **group_kwargs) -> list[dict]:
         envs.append(opts["runtime_env"]["env_vars"])
         return SimpleNamespace(remote=lambda **init_kwargs: Handle())
 
-    monkeypatch.setattr(wg, "ray", SimpleNamespace(remote=lambda cls: SimpleNamespace(options=options), get=lambda x: x))
+    # ray.remote(concurrency_groups=...)(cls): the worker group starts actors with the probes' and the class's groups
+    monkeypatch.setattr(wg, "ray", SimpleNamespace(remote=lambda **groups: lambda cls: SimpleNamespace(options=options), get=lambda x: x))
     monkeypatch.setattr(wg, "PlacementGroupSchedulingStrategy", lambda pg, **kw: None)
     pool = SimpleNamespace(world_size=2, procs_per_node=2, bundle={"CPU": 0.5}, name="p", slots=lambda: [(None, 0, 0), (None, 1, 1)])
     wg.RayWorkerGroup(pool, Worker, name="env_test", **group_kwargs)

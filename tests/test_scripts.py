@@ -81,7 +81,7 @@ except ModuleNotFoundError:
 import importlib
 from hybridflow.config.validate import CHECK_MODULES
 # examples/train_ppo.py's imports, the async rollout's replicas (Ray at use only), what validating a config imports
-for m in ("trainer.rl", "trainer.sft", "controller.local_group", "controller.worker_group", "demo", "models.tiny", "trainer.replicas"):
+for m in ("trainer.rl", "trainer.sft", "controller.local_group", "controller.worker_group", "demo", "models.tiny", "service.replicas", "service.managers"):
     importlib.import_module("hybridflow." + m)
 for m in CHECK_MODULES:
     importlib.import_module(m)
