@@ -408,14 +408,15 @@ def test_dynamic_sampling_that_cannot_fill_the_batch_trains_on_the_groups_kept(r
     default), counts the underfilled batches, and really updates the policy. The micro-batch is left
     unset: derived from the layout at run time."""
     reward = tmp_path / "every_fourth.py"
-    # Called once per row, in row order (the driver's reward stage): rows come as 4 groups of 2 samples
+    # Called once per row, in row order (the driver's reward stage, reward_model.num_workers=0: a stateful function on
+    # reward workers would count per worker): rows come as 4 groups of 2 samples
     # a round, so the 1st and 3rd group score (1, 0) and vary, the 2nd and 4th score (0, 0) and are flat.
     reward.write_text("import itertools\n_calls = itertools.count()\n\n\n"
                       "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
                       "    return float(next(_calls) % 4 == 0)\n")
     trainer = make_trainer(tiny_model_dir, task_dir, tmp_path, f"custom_reward_function.path={reward}", "trainer.total_training_steps=2",
                            "actor_rollout_ref.rollout.n=2", "algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=1",
-                           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null")
+                           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null", "reward_model.num_workers=0")
     assert trainer.cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == 4  # 4 prompts x 2 samples / 2 workers
     try:
         hist = steps(trainer.fit())

@@ -232,6 +232,11 @@ class RolloutConfig:
     do_sample: bool = True
     stop: list[str] = field(default_factory=list)  # stop strings (kept in the response)
     stop_token_ids: list[int] = field(default_factory=list)  # besides the tokenizer's EOS
+    # The hf backend batches per decode step (rollout/scheduler.py: requests join and leave the running batch). Off
+    # by default: which requests share a step then depends on when they arrive, so generation is no longer the same
+    # from run to run (bit-exact resumes and run-to-run comparisons need the per-call batches), and multi-turn turns
+    # ended by stop_token_ids do not yet end as with the per-call path.
+    continuous_batching: bool = False
     log_prob_micro_batch_size_per_gpu: int = 16
     log_prob_use_dynamic_bsz: bool = False  # micro-batches by token budget (see actor.use_dynamic_bsz)
     log_prob_max_token_len_per_gpu: int = 16384

@@ -278,5 +278,5 @@ def build_hf_rollout(ctx: RolloutContext) -> HFRollout:
         apply_tensor_parallel(model, gen_mesh(ctx.device, ctx.world_size, gen_tp, ctx.train_layout)["tp"])
     r = ctx.spec.rollout  # continuous batching's keys (vLLM's names), where the config has them
     return HFRollout(model, ctx.tokenizer, ctx.device, tp_index, dp_index, gen_tp, keep_buffers=ctx.spec.keep_generation_buffers,
-                     exact=r.exact, continuous=getattr(r, "continuous_batching", True), max_num_seqs=getattr(r, "max_num_seqs", 32),
+                     exact=r.exact, continuous=r.continuous_batching, max_num_seqs=getattr(r, "max_num_seqs", 32),
                      max_num_batched_tokens=getattr(r, "max_num_batched_tokens", 8192))
