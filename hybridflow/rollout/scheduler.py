@@ -423,10 +423,16 @@ class ContinuousScheduler:
             s.cached += 1
         self._sample_and_retire(logits, list(self.running), offset=0)
 
-    def _cache_from(self, kv: KV):
-        """A DynamicCache holding `kv` (empty: a fresh one)."""
+    def _cache_from(self, kv: KV, reuse=None):
+        """A DynamicCache holding `kv` (empty: a fresh one). reuse: a cache whose layers take `kv` as
+        they are (no copy), when its layers are plain dynamic ones."""
         from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer
 
+        if reuse is not None and all(type(layer) is DynamicLayer for layer in reuse.layers) and len(reuse.layers) == len(kv):
+            for layer, (k, v) in zip(reuse.layers, kv):
+                layer.keys, layer.values = k, v
+            return reuse
         cache = DynamicCache(config=self.model.config)
         for i, (k, v) in enumerate(kv):
             cache.update(k, v, i)
@@ -448,7 +454,7 @@ class ContinuousScheduler:
             return
         L = max(self.mask.shape[1], mask.shape[1])
         self.cache = self._cache_from([(torch.cat([_left_pad(a, L), _left_pad(b, L)]), torch.cat([_left_pad(av, L), _left_pad(bv, L)]))
-                                       for (a, av), (b, bv) in zip(_kv(self.cache), _kv(cache))])
+                                       for (a, av), (b, bv) in zip(_kv(self.cache), _kv(cache))], reuse=self.cache)
         self.mask = torch.cat([_left_pad(self.mask, L, dim=1), _left_pad(mask, L, dim=1)])
         self.running = self.running + list(rows)
 
@@ -492,7 +498,7 @@ class ContinuousScheduler:
         mask = self.mask[idx]
         first = int((mask.sum(dim=0) > 0).nonzero()[0])  # columns before it: padding for every row left
         self.mask = mask[:, first:]
-        self.cache = self._cache_from([(k[idx, :, first:], v[idx, :, first:]) for k, v in _kv(self.cache)])
+        self.cache = self._cache_from([(k[idx, :, first:], v[idx, :, first:]) for k, v in _kv(self.cache)], reuse=self.cache)
 
     def _completion(self, s: _Seq, finish: str) -> Completion:
         cls = KeptCompletion if s.request.session is not None and s.request.session in self.kept else Completion
@@ -567,9 +573,8 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], generato
         scores = truncate_rows(scaled, top_k, top_p)
     behaviour = torch.log_softmax(scores, dim=-1) if any(cut) else untruncated
     probs = torch.softmax(scores, dim=-1)
-    greedy = logits.argmax(dim=-1)
-    tokens = [int(torch.multinomial(probs[j], 1, generator=g)) if p.sampling else int(greedy[j])
-              for j, (p, g) in enumerate(zip(params, generators))]
+    greedy = logits.argmax(dim=-1).tolist()
+    tokens = [int(torch.multinomial(probs[j], 1, generator=g)) if p.sampling else greedy[j] for j, (p, g) in enumerate(zip(params, generators))]
     idx = torch.tensor(tokens, device=dev)[:, None]
     lp, ulp = behaviour.gather(1, idx)[:, 0].tolist(), untruncated.gather(1, idx)[:, 0].tolist()
     top: list = [None] * len(params)
