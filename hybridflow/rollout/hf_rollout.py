@@ -10,13 +10,14 @@ The backend owns that memory: `sleep()` frees the storages after generation unle
 keeping the static pieces (frozen parameters, never sent again), and `wake()` re-allocates them
 before the next sync.
 
-Batching: requests run through a continuous-batching scheduler (`rollout/scheduler.py`): a request
+Batching: with `continuous` (actor_rollout_ref.rollout.continuous_batching; the builder's default is
+off) requests run through a continuous-batching scheduler (`rollout/scheduler.py`): a request
 joins the running batch at the next step, whichever call brought it, and leaves it (its completion
 returned) the step it finishes; a session's cache is kept between its requests. Weight updates,
 sleep and wake hold the scheduler between two steps (`pause()`). Three cases keep the per-call
 path (`_generate`: the requests of one call that share their SamplingParams as one left-padded HF
-`generate`, the groups one after another): `continuous=False` (the baseline `bench/continuous_batching.py`
-compares), gen_tp > 1 (a replica's TP ranks would each need the same steps: rank 0's schedule
+`generate`, the groups one after another): `continuous=False` (the default of a run, and the baseline
+`bench/continuous_batching.py` compares), gen_tp > 1 (a replica's TP ranks would each need the same steps: rank 0's schedule
 broadcast every step, not built), and a model the dense padded cache does not fit (sliding-window
 layers). The exact mode (`_generate_exact`) keeps its own path: one request at a time, the trainer's
 computation, bit for bit.
