@@ -234,8 +234,8 @@ class RolloutConfig:
     stop_token_ids: list[int] = field(default_factory=list)  # besides the tokenizer's EOS
     # The hf backend batches per decode step (rollout/scheduler.py: requests join and leave the running batch). Off
     # by default: which requests share a step then depends on when they arrive, so generation is no longer the same
-    # from run to run (bit-exact resumes and run-to-run comparisons need the per-call batches), and multi-turn turns
-    # ended by stop_token_ids do not yet end as with the per-call path.
+    # from run to run when calls overlap (bit-exact resumes and run-to-run comparisons need the per-call batches), and
+    # its random streams are not the per-call path's (the same distributions, other draws for the same seed).
     continuous_batching: bool = False
     log_prob_micro_batch_size_per_gpu: int = 16
     log_prob_use_dynamic_bsz: bool = False  # micro-batches by token budget (see actor.use_dynamic_bsz)
