@@ -387,3 +387,21 @@ def test_under_ray_a_call_submitted_while_another_runs_joins_its_batch_and_retur
         _wait(lambda: ray.get(actor.state.remote())[1] == [3, len(long.token_ids)], "the long request's last step logged")
     finally:
         ray.kill(actor)
+
+
+@pytest.mark.xfail(strict=True, reason="controller/worker.py tracked_worker_cls marks its wrapper with __ray_concurrency_group__, but Ray "
+                   "reads the mark from inspect.unwrap(wrapper) (functools.wraps sets __wrapped__): generate_requests stays in the default group")
+@pytest.mark.parametrize("colocated", [False, True])
+def test_the_worker_group_puts_generate_requests_in_its_concurrency_group(colocated):
+    """What the worker group starts (`concurrency_groups`, `tracked_worker_cls`, the fused class of
+    colocated roles) runs a replica's generate_requests in REQUEST_GROUP, as Ray reads it (its
+    class metadata; no actor is started)."""
+    import ray
+
+    from hybridflow.controller.worker import colocated_worker_cls, tracked_worker_cls
+    from hybridflow.controller.worker_group import concurrency_groups
+    from hybridflow.workers.rollout import REQUEST_GROUP, RolloutWorker
+
+    cls = tracked_worker_cls(colocated_worker_cls({"rollout": RolloutWorker}) if colocated else RolloutWorker)
+    groups = ray.remote(concurrency_groups=concurrency_groups(cls))(cls).__ray_metadata__.method_meta.concurrency_group_for_methods
+    assert groups.get("rollout__generate_requests" if colocated else "generate_requests") == REQUEST_GROUP
