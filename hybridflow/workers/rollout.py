@@ -64,6 +64,12 @@ class RolloutMixin:
     def _serial(self) -> threading.RLock:
         return self.__dict__.setdefault("_serial_lock", threading.RLock())
 
+    def _one_at_a_time(self) -> contextlib.AbstractContextManager:
+        """Around a generation or a sleep: nothing for a backend with pause() (it orders its own
+        steps); this worker's lock for one without (vLLM's engine takes one call at a time), since
+        generate_requests calls run in their own concurrency group beside the other methods."""
+        return contextlib.nullcontext() if hasattr(self.rollout, "pause") else self._serial()
+
     def dispatch_layout(self, layout: str | None) -> tuple[int, int, bool]:
         """Generation splits prompts over gen_dp replicas; the gen_tp ranks of one replica share them."""
         if layout == "rollout":
@@ -77,11 +83,13 @@ class RolloutMixin:
         rollout log-probs (`rollout.base.rollout_batch`). release_after frees the generation
         memory once done (the next weight sync re-acquires it)."""
         start = time.monotonic()
-        out = self.rollout.generate(prompts, params)
+        with self._one_at_a_time():
+            out = self.rollout.generate(prompts, params)
         if self.policy_version is not None:  # read here, on the replica: the version these tokens were sampled with
             out["rollout_policy_version"] = torch.full(out["responses"].shape, self.policy_version, dtype=torch.long)  # [b, R]
         if release_after:  # generation -> training: frees buffers, moves nothing
-            self.rollout.sleep()
+            with self._one_at_a_time():
+                self.rollout.sleep()
         return self._with_clocks(out, start)
 
     @concurrent(REQUEST_GROUP)
@@ -92,7 +100,7 @@ class RolloutMixin:
         carry the policy version that sampled them: the backend's own stamp per token (a weight
         update may land between two steps of a request), else the version held now."""
         start = time.monotonic()
-        with contextlib.nullcontext() if hasattr(self.rollout, "pause") else self._serial():  # a backend without pause: one call at a time
+        with self._one_at_a_time():
             completions = self.rollout.generate_requests(list(data["request"]))
         if self.policy_version is not None:  # the caller checks its staleness bound
             completions = [c if c.versions is not None else dataclasses.replace(c, versions=(self.policy_version,) * len(c.token_ids))
@@ -102,7 +110,8 @@ class RolloutMixin:
     @register(Dispatch.ONE_TO_ALL)
     def sleep_rollout(self) -> None:
         """Free the generation memory after the step's last request (the next weight sync re-acquires it)."""
-        self.rollout.sleep()
+        with self._one_at_a_time():
+            self.rollout.sleep()
 
 
 def hf_param_shapes(model_cfg) -> dict[str, tuple[int, ...]]:
