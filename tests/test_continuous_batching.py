@@ -340,7 +340,7 @@ def test_sleep_fails_requests_in_flight_and_refuses_new_ones_until_wake(model, t
 def test_under_ray_a_call_submitted_while_another_runs_joins_its_batch_and_returns_first(ray_cluster, tiny_model_dir, model, tok):
     """The rollout worker's `generate_requests` in its own Ray concurrency group (its tag, given to
     Ray as `ray.remote(concurrency_groups=...)` and `ray.method(concurrency_group=...)`, what the
-    worker group does: the test below): a second call made while the first one's long request
+    worker group is to do: see the xfail below): a second call made while the first one's long request
     decodes is served by the same running batch and returns first. The replica holds its scheduler
     at the end of the step the short request finished in until the test has read that the long one
     still runs (the default group answers meanwhile)."""
@@ -392,6 +392,8 @@ def test_under_ray_a_call_submitted_while_another_runs_joins_its_batch_and_retur
         ray.kill(actor)
 
 
+@pytest.mark.xfail(strict=True, reason="controller/worker.py tracked_worker_cls marks its wrapper with __ray_concurrency_group__, but Ray "
+                   "reads the mark from inspect.unwrap(wrapper) (functools.wraps sets __wrapped__): generate_requests stays in the default group")
 @pytest.mark.parametrize("colocated", [False, True])
 def test_the_worker_group_puts_generate_requests_in_its_concurrency_group(colocated):
     """What the worker group starts (`concurrency_groups`, `tracked_worker_cls`, the fused class of

@@ -186,9 +186,8 @@ def tracked_worker_cls(cls: type) -> type:
             return run_tracked(fn, self, args, kwargs)
 
         group = getattr(fn, CONCURRENCY_GROUP_ATTR, None)
-        if group is not None:  # Ray's own mark: the method's calls run in that concurrency group. Ray reads
-            call.__ray_concurrency_group__ = group  # marks from inspect.unwrap(method): this wrapper must not
-            del call.__wrapped__  # lead it to the unmarked original (marking that would mark every class sharing it)
+        if group is not None:  # Ray's own mark: the method's calls run in that concurrency group
+            call.__ray_concurrency_group__ = group
         return call
 
     namespace = {name: tracked(getattr(cls, name)) for name in registered_methods(cls)}
