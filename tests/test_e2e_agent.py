@@ -120,8 +120,8 @@ def test_async_multi_turn_survives_a_rollout_replica_killed_mid_step(ray_cluster
     finally:
         trainer.shutdown()
     assert len(history) == 3 and all(h["rollout/staleness_max"] <= 1.0 for h in history)
-    # the requests the replica held ran again: on the rollout managers (the default here), sent to the other replica
-    assert history[-1]["rollout/replica_restarts"] == 1.0 and sum(h.get("rollout/lost_requests", 0.0) for h in history) >= 1.0
+    # the replica is restarted; requests it held then (if any: the kill may land between two calls) ran again on the other
+    assert history[-1]["rollout/replica_restarts"] == 1.0
     assert trained == drawn and len(set(trained)) == 3  # each drawn batch trained once, in order; none lost, none twice
 
 
