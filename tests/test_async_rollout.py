@@ -266,7 +266,7 @@ def test_a_multi_turn_batch_that_never_finishes_stops_at_its_deadline():
                        max_staleness=0, agent=StuckAgent(), thread_deadline_s=0.5)
     start = time.monotonic()
     try:
-        with pytest.raises(WorkerTimeoutError, match=r"step 1's batch .* did not finish within 0 s|did not finish within"):
+        with pytest.raises(WorkerTimeoutError, match=r"step 1's batch .*did not finish within 0 s"):
             gen.take(1)
         assert time.monotonic() - start < 10
     finally:
