@@ -10,8 +10,11 @@
 For each: every batch drawn from the loader trained once and in order (the loader's uids where the
 trainer takes them), the largest staleness of any step (<= k), restarts counted, the held-out
 accuracy at step 10 and at the end (greedy, the recipe's held-out products; every 10 steps), and wall time.
+With several seeds (`--seeds`: trainer.seed and data.seed) it runs each pair per seed and prints the mean
+held-out score with and without faults: async GRPO's timing alone moves one run's score by more than
+the bound, so one pair cannot tell the faults' effect from that spread.
 
-Run:  .venv/bin/python bench/rollout_faults.py [--steps 30] [--k 2]
+Run:  .venv/bin/python bench/rollout_faults.py [--steps 30] [--k 2] [--seeds 1,2,3,4]
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ FIXTURE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 MANAGER_KILLS, REPLICA_KILLS = (5, 12, 19), (8, 15, 22)
 
 
-def run(out: str, steps: int, k: int, faults: bool) -> dict:
+def run(out: str, steps: int, k: int, faults: bool, seed: int = 1) -> dict:
     from hybridflow.config.pools import Role
     from hybridflow.demo import demo_tool_rl_config, prepare_recipe, val_key
     from hybridflow.trainer.rl import RLTrainer
@@ -40,7 +43,7 @@ def run(out: str, steps: int, k: int, faults: bool) -> dict:
                               "async_training.max_replica_restarts=4", "resource_pool.pools.actor_pool.workers_per_node=1",
                               "resource_pool.pools.rollout_pool.workers_per_node=2", "resource_pool.mapping.actor_rollout=actor_pool",
                               "resource_pool.mapping.rollout=rollout_pool", "actor_rollout_ref.rollout.agent.num_workers=1",
-                              "trainer.test_freq=10", "trainer.progress_bar=false", "trainer.logger=[jsonl]")
+                              "trainer.test_freq=10", "trainer.progress_bar=false", "trainer.logger=[jsonl]", f"trainer.seed={seed}", f"data.seed={seed}")
     trainer = RLTrainer(cfg)
     drawn, trained, killed = [], [], []
     start = time.perf_counter()
@@ -84,7 +87,7 @@ def run(out: str, steps: int, k: int, faults: bool) -> dict:
     key = val_key("tool")
     vals = [h[key] for h in history if key in h]
     last = history[-1]
-    return {"faults": faults, "steps": len(history), "trained_once_in_order": trained == drawn and len(set(trained)) == len(trained) == steps,
+    return {"seed": seed, "faults": faults, "steps": len(history), "trained_once_in_order": trained == drawn and len(set(trained)) == len(trained) == steps,
             "max_staleness": max(h["rollout/staleness_max"] for h in history), "manager_restarts": last.get("rollout/manager_restarts", 0.0),
             "replica_restarts": last.get("rollout/replica_restarts", 0.0), "rerun_trajectories": last.get("rollout/rerun_trajectories", 0.0),
             "lost_requests": sum(h.get("rollout/lost_requests", 0.0) for h in history), "killed": killed,
@@ -95,25 +98,32 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--k", type=int, default=2)
+    ap.add_argument("--seeds", default="1", help="comma-separated; each runs the pair")
     args = ap.parse_args()
     from hybridflow.controller.worker_group import init_ray
 
     init_ray(num_cpus=os.cpu_count())
+    seeds = [int(x) for x in args.seeds.split(",")]
     rows = []
-    for faults in (False, True):
-        with tempfile.TemporaryDirectory() as tmp:
-            rows.append(run(tmp, args.steps, args.k, faults))
-            print(rows[-1], file=sys.stderr, flush=True)
+    for seed in seeds:
+        for faults in (False, True):
+            with tempfile.TemporaryDirectory() as tmp:
+                rows.append(run(tmp, args.steps, args.k, faults, seed))
+                print(rows[-1], file=sys.stderr, flush=True)
     print(f"tool recipe, {args.steps} async GRPO steps, k = {args.k}, 2 rollout replicas, 1 rollout manager; cpus: {os.cpu_count()}")
-    print("| run | steps | each batch once, in order | max staleness | manager restarts | replica restarts | trajectories run again | "
+    print("| seed | run | steps | each batch once, in order | max staleness | manager restarts | replica restarts | trajectories run again | "
           "requests sent again | held-out at step 10 | held-out at the end | wall s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {'faults' if r['faults'] else 'no faults'} | {r['steps']} | {r['trained_once_in_order']} | {r['max_staleness']:.0f} | "
+        print(f"| {r['seed']} | {'faults' if r['faults'] else 'no faults'} | {r['steps']} | {r['trained_once_in_order']} | {r['max_staleness']:.0f} | "
               f"{r['manager_restarts']:.0f} | {r['replica_restarts']:.0f} | {r['rerun_trajectories']:.0f} | {r['lost_requests']:.0f} | "
               f"{r['val_first']:.3f} | {r['val_final']:.3f} | {r['wall_s']:.0f} |")
-    print(f"held-out difference (faults - no faults): {rows[1]['val_final'] - rows[0]['val_final']:+.3f}")
-    print(f"kills: {rows[1]['killed']}")
+    mean = {f: sum(r["val_final"] for r in rows if r["faults"] == f) / len(seeds) for f in (False, True)}
+    diffs = [b["val_final"] - a["val_final"] for a, b in zip(rows[0::2], rows[1::2])]
+    print(f"held-out at the end, mean of {len(seeds)} seed(s): no faults {mean[False]:.3f}, faults {mean[True]:.3f}, "
+          f"difference {mean[True] - mean[False]:+.3f} (per seed: {', '.join(f'{d:+.3f}' for d in diffs)})")
+    for r in rows[1::2]:
+        print(f"kills, seed {r['seed']}: {r['killed']}")
 
 
 if __name__ == "__main__":

@@ -120,6 +120,43 @@ def _ppo_batch():
     return trajectories_to_batch([a, b], pad_id=0, params=SamplingParams(max_new_tokens=8))
 
 
+def test_shards_packed_by_managers_merge_into_the_batch_the_driver_packs_from_every_trajectory():
+    """Rollout managers send their shards as tensors; the driver's merge must give the batch (and the
+    agent/* metrics) that packing all trajectories in one place gives: rows back at their indices,
+    prompts of different shards' widths left-padded again, versions only where a replica stamped them."""
+    import random
+
+    from hybridflow.agent.loop import Trajectory, trajectory_metrics
+    from hybridflow.service.agent_rollout import AgentRollout, pack_trajectories, trajectories_to_batch
+
+    rng = random.Random(0)
+    trajs = []
+    for i in range(11):
+        t = Trajectory(prompt_ids=[rng.randrange(3, 50) for _ in range(rng.randrange(1, 9))], num_turns=rng.randrange(1, 4),
+                       tool_calls=rng.randrange(3), reward=float(i % 3 == 0))
+        for turn in range(t.num_turns):
+            n = rng.randrange(1, 4)
+            t.append([rng.randrange(3, 50) for _ in range(n)], model=True, log_probs=[-rng.random() for _ in range(n)],
+                     versions=[7 + turn] * n if i % 4 else None)  # rows 0, 4, 8 carry no versions
+            t.append([rng.randrange(3, 50)], model=False)
+        trajs.append(t)
+    R, params = 16, SamplingParams(max_new_tokens=16)
+    shards = [list(range(0, 11, 3)), list(range(1, 11, 3)), list(range(2, 11, 3))]  # row i to manager i mod 3, as the managers shard
+    agent = AgentRollout.__new__(AgentRollout)
+    agent.tokenizer = type("Tok", (), {"pad_token_id": 1})()
+    agent.settings = type("Settings", (), {"response_budget": R})()
+    parts = [(rows, pack_trajectories([trajs[j] for j in rows], 1, R), None) for rows in shards]
+    assert len({p.prompts.shape[1] for _, p, _ in parts}) > 1  # the shards' prompt widths differ
+    merged = agent.merge(parts, params, generate_calls=5, latencies=[0.1, 0.2])
+    want = trajectories_to_batch(trajs, pad_id=1, params=params)
+    assert set(merged.keys()) == set(want.keys()) | {"agent_reward"}
+    for k in want.keys():
+        assert torch.equal(merged[k], want[k]), k
+    assert merged["agent_reward"].tolist() == [t.reward for t in trajs]
+    assert merged.meta["metrics"] == pytest.approx(trajectory_metrics(trajs, generate_calls=5, latencies=[0.1, 0.2]))
+    assert merged["rollout_policy_version"][0].tolist() == [-1] * R  # no stamps: -1, not a version
+
+
 def test_tool_tokens_get_no_gradient_and_the_first_update_has_zero_kl():
     from hybridflow.algorithms import agg_loss, get_policy_loss, kl_loss
 

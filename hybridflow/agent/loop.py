@@ -392,37 +392,71 @@ async def run_trajectories(rows: Sequence[Mapping[str, Any]], generate_fn: Gener
     return list(trajs), batcher
 
 
+def trajectory_totals(trajs: Sequence[Trajectory]) -> dict[str, float]:
+    """The sums (and the one maximum, `num_turns_max`) that agent/* metrics are made of: additive, so a
+    rollout manager sends its shard's totals and the driver adds them (`add_totals`), never the trajectories."""
+    out = {"trajectories": float(len(trajs)), "num_turns": 0.0, "num_turns_max": 0.0, "tool_calls": 0.0, "tool_errors": 0.0, "tool_seconds": 0.0,
+           "tool_timeouts": 0.0, "sandbox_kills": 0.0, "sandbox_weaker": 0.0, "tool_control_chars": 0.0, "model_tokens": 0.0, "tool_tokens": 0.0,
+           "solved": 0.0, "solved_turns": 0.0, "openai": 0.0, "retokenization_mismatch": 0.0, "dropped_segments": 0.0, "agent_errors": 0.0,
+           "agent_timeouts": 0.0, "sampling_overridden": 0.0}
+    for t in trajs:
+        model = sum(t.response_mask)
+        out["num_turns"] += t.num_turns
+        out["num_turns_max"] = max(out["num_turns_max"], float(t.num_turns))
+        for k in ("tool_calls", "tool_errors", "tool_seconds", "tool_timeouts", "sandbox_kills", "sandbox_weaker", "tool_control_chars",
+                  "retokenization_mismatch", "dropped_segments", "sampling_overridden"):
+            out[k] += getattr(t, k)
+        out["model_tokens"] += model
+        out["tool_tokens"] += len(t.response_mask) - model
+        if t.reward > 0:  # a trajectory a tool / environment rewarded
+            out["solved"] += 1
+            out["solved_turns"] += t.num_turns
+        out["openai"] += t.session_kind == "openai"
+        out["agent_errors"] += bool(t.agent_error)
+        out["agent_timeouts"] += t.agent_timeout
+    return out
+
+
+def add_totals(parts: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Shards' `trajectory_totals` as one step's."""
+    out = trajectory_totals(())
+    for part in parts:
+        for k, v in part.items():
+            out[k] = max(out[k], v) if k == "num_turns_max" else out[k] + v
+    return out
+
+
 def trajectory_metrics(trajs: Sequence[Trajectory], batcher: RequestBatcher | None = None, generate_calls: int | None = None,
                        latencies: Sequence[float] = ()) -> dict[str, float]:
     """verl-style agent/* metrics of one step's trajectories; latencies: its model turns' (seconds)."""
-    n = max(len(trajs), 1)
-    turns = [t.num_turns for t in trajs]
+    return metrics_from_totals(trajectory_totals(trajs), batcher.calls if batcher is not None else generate_calls, latencies)
+
+
+def metrics_from_totals(totals: dict[str, float], generate_calls: int | None = None, latencies: Sequence[float] = ()) -> dict[str, float]:
+    """verl-style agent/* metrics from a step's `trajectory_totals`; latencies: its model turns' (seconds)."""
+    n = max(totals["trajectories"], 1.0)
     out = {
-        "agent/num_turns/mean": sum(turns) / n, "agent/num_turns/max": float(max(turns, default=0)),
-        "agent/tool_calls/mean": sum(t.tool_calls for t in trajs) / n,
-        "agent/tool_errors": float(sum(t.tool_errors for t in trajs)),
-        "agent/tool_seconds/mean": sum(t.tool_seconds for t in trajs) / n,
-        "agent/tool_timeouts": float(sum(t.tool_timeouts for t in trajs)),
-        "agent/sandbox_kills": float(sum(t.sandbox_kills for t in trajs)),
-        "agent/sandbox_weaker": float(sum(t.sandbox_weaker for t in trajs)),
-        "agent/tool_control_chars": float(sum(t.tool_control_chars for t in trajs)),
-        "agent/model_tokens/mean": sum(sum(t.response_mask) for t in trajs) / n,
-        "agent/tool_tokens/mean": sum(len(t.response_mask) - sum(t.response_mask) for t in trajs) / n,
+        "agent/num_turns/mean": totals["num_turns"] / n, "agent/num_turns/max": totals["num_turns_max"],
+        "agent/tool_calls/mean": totals["tool_calls"] / n,
+        "agent/tool_errors": totals["tool_errors"],
+        "agent/tool_seconds/mean": totals["tool_seconds"] / n,
+        "agent/tool_timeouts": totals["tool_timeouts"],
+        "agent/sandbox_kills": totals["sandbox_kills"],
+        "agent/sandbox_weaker": totals["sandbox_weaker"],
+        "agent/tool_control_chars": totals["tool_control_chars"],
+        "agent/model_tokens/mean": totals["model_tokens"] / n,
+        "agent/tool_tokens/mean": totals["tool_tokens"] / n,
     }
-    solved = [t.num_turns for t in trajs if t.reward > 0]  # trajectories a tool / environment rewarded
-    if solved:
-        out["agent/num_turns/solved_mean"] = sum(solved) / len(solved)
+    if totals["solved"]:
+        out["agent/num_turns/solved_mean"] = totals["solved_turns"] / totals["solved"]
     if latencies:
         ordered = sorted(latencies)
         out["agent/requests"] = float(len(ordered))  # model turns answered (a black-box agent's every request)
         out["agent/turn_latency_s/p50"] = ordered[len(ordered) // 2]
         out["agent/turn_latency_s/p99"] = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
-    if batcher is not None or generate_calls is not None:
-        out["agent/generate_calls"] = float(batcher.calls if batcher is not None else generate_calls)
-    if any(t.session_kind == "openai" for t in trajs):
-        out["agent/retokenization_mismatch"] = float(sum(t.retokenization_mismatch for t in trajs))
-        out["agent/dropped_segments"] = float(sum(t.dropped_segments for t in trajs))
-        out["agent/agent_errors"] = float(sum(bool(t.agent_error) for t in trajs))
-        out["agent/agent_timeouts"] = float(sum(t.agent_timeout for t in trajs))
-        out["agent/sampling_overridden"] = float(sum(t.sampling_overridden for t in trajs))
+    if generate_calls is not None:
+        out["agent/generate_calls"] = float(generate_calls)
+    if totals["openai"]:
+        for k in ("retokenization_mismatch", "dropped_segments", "agent_errors", "agent_timeouts", "sampling_overridden"):
+            out[f"agent/{k}"] = totals[k]
     return out

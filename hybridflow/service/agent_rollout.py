@@ -1,6 +1,6 @@
-"""Multi-turn rollouts on the driver (`actor_rollout_ref.rollout.multi_turn.enable`).
+"""Multi-turn rollouts (`actor_rollout_ref.rollout.multi_turn.enable`), on the driver or packed by rollout managers.
 
-The agent loop (`hybridflow/agent/loop.py`) runs every trajectory of the step on the driver's
+On the driver (`actor_rollout_ref.rollout.agent.num_workers=0`): the agent loop (`hybridflow/agent/loop.py`) runs every trajectory of the step on the driver's
 asyncio loop; its backend call is the rollout group's request-level endpoint
 (`generate_requests`: the pending requests split over the generation replicas, one batched
 `generate` per replica). Tools run on the driver (the `python` tool in its OS sandbox). The
@@ -11,17 +11,23 @@ trajectories become the same batch a single-turn rollout returns, with tool toke
     input_ids / attention_mask / position_ids [b, P+R] (attention on every real token, tool
     tokens included), rollout_log_probs / rollout_untruncated_log_probs [b, R] (0 on tool tokens),
     and with async rollout rollout_policy_version [b, R] (the weights that sampled each turn).
+
+On rollout managers (service/managers.py) each manager packs its shard (`AgentRollout.pack`: tensors,
+the agent/* metrics' sums) and the driver merges the packs (`AgentRollout.merge`): the same batch,
+with nothing per trajectory or per turn left on the driver.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from hybridflow.agent.loop import AgentSettings, Trajectory, run_trajectories, trajectory_metrics
+from hybridflow.agent.loop import AgentSettings, Trajectory, add_totals, metrics_from_totals, run_trajectories, trajectory_totals
 from hybridflow.agent.tools import load_tool_config
 from hybridflow.config.schema import AgentConfig, MultiTurnConfig
 from hybridflow.protocol import Batch, SamplingParams
@@ -48,33 +54,87 @@ def agent_settings(mt: MultiTurnConfig, max_response_length: int, agent: AgentCo
                          mt.tool_timeout_s)
 
 
-def trajectories_to_batch(trajs: list[Trajectory], pad_id: int, params: SamplingParams) -> Batch:
-    """The rollout batch of `trajs` (shapes in the module docstring; R = params.max_new_tokens)."""
-    b, R = len(trajs), params.max_new_tokens
-    P = max(len(t.prompt_ids) for t in trajs)
+@dataclass
+class PackedTrajectories:
+    """Trajectories as tensors: what a rollout manager sends the driver for its shard, so that the
+    driver unpickles a few tensors per shard, not a thousand Python lists (R = the response budget):
+
+        prompts / prompt_mask [b, P] (left-padded, P = the longest prompt here), responses [b, R]
+        (right-padded), loss_mask [b, R] (1 = model token), log_probs / untruncated_log_probs [b, R]
+        (0 on tool tokens), versions [b, R] (the policy version per token, -1 unknown), lengths [b],
+        rewards [b] (the tools' / environment's), totals (trajectory_totals: the agent/* metrics' sums)."""
+
+    prompts: torch.Tensor
+    prompt_mask: torch.Tensor
+    responses: torch.Tensor
+    loss_mask: torch.Tensor
+    log_probs: torch.Tensor
+    untruncated_log_probs: torch.Tensor
+    versions: torch.Tensor
+    lengths: torch.Tensor
+    rewards: torch.Tensor
+    totals: dict[str, float]
+
+
+def pack_trajectories(trajs: Sequence[Trajectory], pad_id: int, R: int) -> PackedTrajectories:
+    """`trajs` (in row order) as tensors (shapes in PackedTrajectories; R = the response budget)."""
+    b, P = len(trajs), max((len(t.prompt_ids) for t in trajs), default=0)
     prompts = torch.full((b, P), pad_id, dtype=torch.long)
     prompt_mask = torch.zeros((b, P), dtype=torch.long)
     responses = torch.full((b, R), pad_id, dtype=torch.long)
     loss_mask = torch.zeros((b, R), dtype=torch.long)
     logps = torch.zeros((b, R), dtype=torch.float32)
     untruncated = torch.zeros((b, R), dtype=torch.float32)
-    lengths = torch.tensor([len(t.response_ids) for t in trajs])
+    versions = torch.full((b, R), -1, dtype=torch.long)
     for i, t in enumerate(trajs):
         n = len(t.response_ids)
         assert n <= R, f"trajectory of {n} response tokens exceeds the budget {R}"
-        prompts[i, P - len(t.prompt_ids):] = torch.tensor(t.prompt_ids)
+        prompts[i, P - len(t.prompt_ids):] = torch.tensor(t.prompt_ids, dtype=torch.long)
         prompt_mask[i, P - len(t.prompt_ids):] = 1
         responses[i, :n] = torch.tensor(t.response_ids, dtype=torch.long)
         loss_mask[i, :n] = torch.tensor(t.response_mask, dtype=torch.long)
         logps[i, :n] = torch.tensor(t.log_probs, dtype=torch.float32)
         untruncated[i, :n] = torch.tensor(t.untruncated_log_probs, dtype=torch.float32)
-    out = rollout_batch(prompts, prompt_mask, responses, logps, lengths, params, loss_mask=loss_mask, untruncated_log_probs=untruncated)
-    if any(v >= 0 for t in trajs for v in t.versions):  # the driver tracked which weights sampled each turn (async rollout)
-        versions = torch.full((b, R), -1, dtype=torch.long)
-        for i, t in enumerate(trajs):
-            versions[i, : len(t.versions)] = torch.tensor(t.versions, dtype=torch.long)
-        out["rollout_policy_version"] = versions  # [b, R]
+        versions[i, : len(t.versions)] = torch.tensor(t.versions, dtype=torch.long)
+    lengths = torch.tensor([len(t.response_ids) for t in trajs], dtype=torch.long)
+    rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
+    return PackedTrajectories(prompts, prompt_mask, responses, loss_mask, logps, untruncated, versions, lengths, rewards, trajectory_totals(trajs))
+
+
+def merge_packed(parts: Sequence[tuple[Sequence[int], PackedTrajectories]], pad_id: int) -> PackedTrajectories:
+    """Shards' packs as one, row j of a shard at its row index rows[j]; prompts left-padded again to
+    the longest of all (the batch the driver would have packed from every trajectory itself)."""
+    n = sum(len(rows) for rows, _ in parts)
+    P = max(p.prompts.shape[1] for _, p in parts)
+    R = parts[0][1].responses.shape[1]
+    prompts = torch.full((n, P), pad_id, dtype=torch.long)
+    prompt_mask = torch.zeros((n, P), dtype=torch.long)
+    merged = {k: torch.empty((n, R), dtype=getattr(parts[0][1], k).dtype)
+              for k in ("responses", "loss_mask", "log_probs", "untruncated_log_probs", "versions")}
+    lengths, rewards = torch.empty(n, dtype=torch.long), torch.empty(n, dtype=torch.float32)
+    for rows, part in parts:
+        idx = torch.as_tensor(list(rows), dtype=torch.long)
+        width = part.prompts.shape[1]
+        prompts[idx, P - width:] = part.prompts
+        prompt_mask[idx, P - width:] = part.prompt_mask
+        for k, t in merged.items():
+            t[idx] = getattr(part, k)
+        lengths[idx], rewards[idx] = part.lengths, part.rewards
+    return PackedTrajectories(prompts, prompt_mask, lengths=lengths, rewards=rewards, totals=add_totals([p.totals for _, p in parts]), **merged)
+
+
+def packed_to_batch(packed: PackedTrajectories, params: SamplingParams) -> Batch:
+    """The rollout batch of packed trajectories (shapes in the module docstring; R = params.max_new_tokens)."""
+    out = rollout_batch(packed.prompts, packed.prompt_mask, packed.responses, packed.log_probs, packed.lengths, params,
+                        loss_mask=packed.loss_mask, untruncated_log_probs=packed.untruncated_log_probs)
+    if bool((packed.versions >= 0).any()):  # the replicas stamped which weights sampled each turn (async rollout)
+        out["rollout_policy_version"] = packed.versions  # [b, R]
     return out
+
+
+def trajectories_to_batch(trajs: list[Trajectory], pad_id: int, params: SamplingParams) -> Batch:
+    """The rollout batch of `trajs` (shapes in the module docstring; R = params.max_new_tokens)."""
+    return packed_to_batch(pack_trajectories(trajs, pad_id, params.max_new_tokens), params)
 
 
 class AgentRollout:
@@ -86,7 +146,8 @@ class AgentRollout:
         self.settings = agent_settings(multi_turn, max_response_length, agent, max_prompt_length, model_name)
         path = multi_turn.tool_config_path
         self.tools = load_tool_config(path) if path else []
-        self.last: list[Trajectory] = []
+        self._last: list[Trajectory] | None = []
+        self._last_parts: list[tuple[Sequence[int], Any]] | None = None
 
     def generate(self, group: Any, prompts: Batch, params: SamplingParams) -> Batch:
         """prompts: the rows' raw_prompt (chat messages) and extra_info (tools_kwargs, env, agent_name)."""
@@ -98,14 +159,44 @@ class AgentRollout:
         trajs, batcher = asyncio.run(run_trajectories(agent_rows(prompts), generate_fn, self.tokenizer, self.settings, params, self.tools))
         return self.to_batch(trajs, params, batcher.calls, batcher.take_latencies())
 
-    def to_batch(self, trajs: list[Trajectory], params: SamplingParams, generate_calls: int, latencies: list[float] = ()) -> Batch:
+    def to_batch(self, trajs: list[Trajectory], params: SamplingParams, generate_calls: int, latencies: Sequence[float] = ()) -> Batch:
         """The rollout batch of the step's trajectories (in row order), their rewards and agent/* metrics
         (latencies: its model turns', seconds)."""
-        self.last = trajs
-        out = trajectories_to_batch(trajs, int(self.tokenizer.pad_token_id), params.with_(max_new_tokens=self.settings.response_budget))
-        out["agent_reward"] = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
-        out.meta["metrics"] = trajectory_metrics(trajs, generate_calls=generate_calls, latencies=latencies)
+        self._last, self._last_parts = trajs, None
+        return self.from_packed(self.pack(trajs), params, generate_calls, latencies)
+
+    def pack(self, trajs: Sequence[Trajectory]) -> PackedTrajectories:
+        """`trajs` as tensors, R = the trajectories' token budget (a rollout manager packs its shard with this)."""
+        return pack_trajectories(trajs, int(self.tokenizer.pad_token_id), self.settings.response_budget)
+
+    def from_packed(self, packed: PackedTrajectories, params: SamplingParams, generate_calls: int, latencies: Sequence[float] = ()) -> Batch:
+        """The rollout batch of packed trajectories (in row order), their rewards and agent/* metrics."""
+        out = packed_to_batch(packed, params.with_(max_new_tokens=self.settings.response_budget))
+        out["agent_reward"] = packed.rewards
+        out.meta["metrics"] = metrics_from_totals(packed.totals, generate_calls, latencies)
         return out
+
+    def merge(self, parts: Sequence[tuple[Sequence[int], PackedTrajectories, Any]], params: SamplingParams, generate_calls: int,
+              latencies: Sequence[float] = ()) -> Batch:
+        """The batch of rollout managers' shards: (the shard's row indices, its pack, a Ray ref to its
+        trajectories, fetched only if someone reads `last`)."""
+        self._last, self._last_parts = None, [(rows, ref) for rows, _, ref in parts]
+        packed = merge_packed([(rows, p) for rows, p, _ in parts], int(self.tokenizer.pad_token_id))
+        return self.from_packed(packed, params, generate_calls, latencies)
+
+    @property
+    def last(self) -> list[Trajectory]:
+        """The last batch's trajectories in row order (for inspection and tests: on rollout managers they are
+        fetched from the managers' object store here, not sent with the batch)."""
+        if self._last is None:
+            import ray
+
+            trajs: list[Trajectory | None] = [None] * sum(len(rows) for rows, _ in self._last_parts)
+            for rows, ref in self._last_parts:
+                for j, t in zip(rows, ray.get(ref)):
+                    trajs[j] = t
+            self._last = trajs
+        return self._last
 
 
 def agent_rows(prompts: Batch) -> list[dict]:

@@ -40,12 +40,13 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from hybridflow.agent.loop import RequestBatcher, Trajectory, run_trajectories
+from hybridflow.agent.loop import RequestBatcher, run_trajectories
 from hybridflow.agent.threads import in_own_thread
 from hybridflow.config.schema import AgentConfig, MultiTurnConfig
 from hybridflow.controller.worker_group import WorkerCallError, WorkerDiedError, WorkerTimeoutError
 from hybridflow.protocol import Batch, Completion, Request, SamplingParams
 from hybridflow.rollout.partial import generate_in_segments
+from hybridflow.service.agent_rollout import PackedTrajectories, agent_settings, pack_trajectories
 
 logger = logging.getLogger("hybridflow")
 
@@ -239,7 +240,8 @@ async def _awaited(ref: Any) -> Any:
 class ShardResult:
     """What a manager returns for its shard of a batch."""
 
-    trajectories: list[Trajectory]  # in the shard's row order
+    packed: PackedTrajectories  # the shard's trajectories as tensors, in its row order
+    trajectories: Any  # a Ray ref to them as objects (the manager's; read only through AgentRollout.last)
     generate_calls: int  # backend calls of its tool loops' batcher
     latencies: list[float]  # its model turns' (seconds; a black-box agent's: its endpoint's since the last shard)
     clocks: dict[str, float]  # the replicas' busy / span seconds and the client's counts
@@ -254,7 +256,6 @@ class RolloutManager:
         from transformers import AutoTokenizer
 
         from hybridflow.agent.tools import load_tool_config
-        from hybridflow.service.agent_rollout import agent_settings
 
         self.spec, self.index = spec, index
         self.tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_path)
@@ -301,7 +302,10 @@ class RolloutManager:
         trajs, batcher = await run_trajectories(rows, self._generate_fn, self.tokenizer, self.settings, params, self.tools, resources,
                                                 self.calls_in_flight)
         latencies = batcher.take_latencies() + (self.endpoint.batcher.take_latencies() if self.endpoint is not None else [])
-        return ShardResult(trajs, batcher.calls, latencies, self.client.take_clocks())
+        import ray
+
+        packed = pack_trajectories(trajs, int(self.tokenizer.pad_token_id), self.settings.response_budget)  # tensors: cheap for the driver to take
+        return ShardResult(packed, ray.put(trajs), batcher.calls, latencies, self.client.take_clocks())
 
     def set_replica(self, rank: int, handle: Any, incarnation: int) -> None:
         self.client.set_replica(rank, handle, incarnation)
@@ -485,15 +489,12 @@ class ManagerCall:
                     self.pool.restart_manager(i, seen, e)
                     self.pool.rerun_trajectories += len(self.shards[i])
                     self._submit(i)
-        trajs: list[Trajectory | None] = [None] * len(self.rows)
         calls, clocks, latencies = 0, collections.defaultdict(float), []
-        for i, part in self.done.items():
-            for j, t in zip(self.shards[i], part.trajectories):
-                trajs[j] = t
+        for part in self.done.values():
             calls += part.generate_calls
             latencies += part.latencies
             for k, v in part.clocks.items():
                 clocks[k] += v
-        out = self.pool.agent.to_batch(trajs, self.params, calls, latencies)
+        out = self.pool.agent.merge([(self.shards[i], part.packed, part.trajectories) for i, part in self.done.items()], self.params, calls, latencies)
         out.meta["metrics"] = {**out.meta["metrics"], **clocks, **self.pool.metrics()}
         return out
