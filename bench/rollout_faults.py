@@ -36,6 +36,7 @@ MANAGER_KILLS, REPLICA_KILLS = (5, 12, 19), (8, 15, 22)
 def run(out: str, steps: int, k: int, faults: bool, seed: int = 1) -> dict:
     from hybridflow.config.pools import Role
     from hybridflow.demo import demo_tool_rl_config, prepare_recipe, val_key
+    from hybridflow.service.async_rollout import record_batch_uids
     from hybridflow.trainer.rl import RLTrainer
 
     files, _, _ = prepare_recipe("tool", out)  # the recipe's data (its SFT is the fixture's)
@@ -45,24 +46,11 @@ def run(out: str, steps: int, k: int, faults: bool, seed: int = 1) -> dict:
                               "resource_pool.mapping.rollout=rollout_pool", "actor_rollout_ref.rollout.agent.num_workers=1",
                               "trainer.test_freq=10", "trainer.progress_bar=false", "trainer.logger=[jsonl]", f"trainer.seed={seed}", f"data.seed={seed}")
     trainer = RLTrainer(cfg)
-    drawn, trained, killed = [], [], []
+    killed = []
     start = time.perf_counter()
     try:
         trainer.init_workers()
-        gen = trainer.async_gen
-        prompts, take = gen.prompts, gen.take
-
-        def drawing():
-            batch = prompts()
-            drawn.append(tuple(batch.non_tensors["uid"]))
-            return batch
-
-        def taking(step):
-            batch, metrics = take(step)
-            trained.append(tuple(batch.non_tensors["uid"]))
-            return batch, metrics
-
-        gen.prompts, gen.take = drawing, taking
+        drawn, trained = record_batch_uids(trainer.async_gen)
         stop = threading.Event()
 
         def inject() -> None:  # from this process into the manager's / replica's: SIGKILL by pid

@@ -76,6 +76,7 @@ def test_async_multi_turn_survives_a_rollout_replica_killed_mid_step(ray_cluster
     from hybridflow.config import HybridFlowConfig, load_config
     from hybridflow.config.pools import Role
     from hybridflow.data.tasks import write_parquet
+    from hybridflow.service.async_rollout import record_batch_uids
     from hybridflow.trainer.rl import RLTrainer
 
     write_parquet(_guess_rows(24, 0), tmp_path / "train.parquet")
@@ -90,23 +91,9 @@ def test_async_multi_turn_survives_a_rollout_replica_killed_mid_step(ray_cluster
                                          "resource_pool.pools.rollout_pool.workers_per_node=2", "resource_pool.mapping.actor_rollout=actor_pool",
                                          "resource_pool.mapping.rollout=rollout_pool"), schema=HybridFlowConfig)
     trainer = RLTrainer(cfg)
-    drawn, trained = [], []
     try:
         trainer.init_workers()
-        gen = trainer.async_gen
-        prompts, take = gen.prompts, gen.take
-
-        def drawing():
-            batch = prompts()
-            drawn.append(tuple(batch.non_tensors["uid"]))
-            return batch
-
-        def taking(step):
-            batch, metrics = take(step)
-            trained.append(tuple(batch.non_tensors["uid"]))
-            return batch, metrics
-
-        gen.prompts, gen.take = drawing, taking
+        drawn, trained = record_batch_uids(trainer.async_gen)
         victim = trainer.groups[trainer.pool_of(Role.ROLLOUT)].pids()[1]
 
         def kill_in_step_2():

@@ -314,3 +314,25 @@ class _ThreadCall:
                                      "what its longest trajectory may take (multi_turn.max_assistant_turns x (request_timeout_s + "
                                      "multi_turn.tool_timeout_s), or agent.timeout_s): something it waits for has no deadline of its own",
                                      ()) from None
+
+
+def record_batch_uids(rollout: AsyncRollout) -> tuple[list[tuple], list[tuple]]:
+    """Wrap `rollout`'s prompts and take so that each batch's uids are recorded when drawn from the
+    loader and when taken for training; returns the two lists, appended to as the run goes. What fault
+    benches and tests check: every batch drawn trained once and in order (drawn == trained)."""
+    drawn: list[tuple] = []
+    trained: list[tuple] = []
+    prompts, take = rollout.prompts, rollout.take
+
+    def drawing() -> Batch:
+        batch = prompts()
+        drawn.append(tuple(batch.non_tensors["uid"]))
+        return batch
+
+    def taking(step: int) -> tuple[Batch, dict[str, float]]:
+        batch, metrics = take(step)
+        trained.append(tuple(batch.non_tensors["uid"]))
+        return batch, metrics
+
+    rollout.prompts, rollout.take = drawing, taking
+    return drawn, trained
