@@ -16,6 +16,7 @@ import torch
 from hybridflow.protocol import Batch
 from hybridflow.service.async_rollout import AsyncRollout
 from hybridflow.trainer.keys import GEN_OUTPUTS
+from version_sync import PendingSync, VersionSync
 
 
 class _Call:
@@ -68,27 +69,11 @@ class FifoPool:
             call.event.set()
 
 
-class _Sync:
-    def __init__(self, call):
-        self.call, self.publish_s = call, 0.0
-
-    def finish(self, timeout_s=None):
-        self.call.result(timeout_s)
-        return {"reshard/bytes_per_rank": 1.0}
-
-
-class FakeWeightSync:
-    """Publishes the trainer's current version to the pool (queued behind its generations)."""
+class FakeWeightSync(VersionSync):
+    """Publishes the trainer's version to the pool (queued behind its generations)."""
 
     def __init__(self, pool: FifoPool):
-        self.pool, self.version = pool, 0
-
-    def publish_for_rollout(self, version: int):
-        """The trainer's two halves of a sync: publishing (nothing to do here), then submitting the receipt."""
-        return types.SimpleNamespace(submit=self.start_rollout_sync)
-
-    def start_rollout_sync(self) -> _Sync:
-        return _Sync(self.pool.submit("receive_weights", self.version))
+        super().__init__(pool, {"reshard/bytes_per_rank": 1.0})
 
 
 @pytest.mark.parametrize("k", [0, 1, 2, 3])
@@ -118,7 +103,6 @@ def test_no_trained_batch_is_staler_than_k_and_each_is_trained_once(k, seed):
         if gen.pending:  # a checkpoint now resumes before the oldest batch still queued
             assert gen.resume_loader_state() == step
         time.sleep(min(0.003 * rng.paretovariate(1.5), 0.05))  # the update
-        sync.version = step
         gen.sync_weights(step)
     gen.drain()
     assert pool.held == steps  # the pool ends on the last update's weights
@@ -172,7 +156,6 @@ def test_async_multi_turn_turns_carry_the_weights_that_sampled_them(k):
         assert m["rollout/staleness_max"] == step - 1 - int(versions.min()) <= k and m["agent/turns"] == 3.0
         mixed += int((versions.max(dim=1).values != versions.min(dim=1).values).any())
         time.sleep(min(0.003 * rng.paretovariate(1.5), 0.05))
-        sync.version = step
         gen.sync_weights(step)
     gen.drain()
     assert count[0] == steps and pool.held == steps
@@ -211,7 +194,6 @@ def test_partial_rollout_pauses_responses_for_weight_updates_within_the_bound(k)
         assert m["rollout/staleness_max"] == step - 1 - int(versions.min()) <= k
         mixed += int(m["rollout/mixed_version_rows"])
         time.sleep(min(0.003 * rng.paretovariate(1.5), 0.05))
-        sync.version = step
         gen.sync_weights(step)
     gen.drain()
     assert pool.held == steps and mixed > 0
@@ -220,11 +202,11 @@ def test_partial_rollout_pauses_responses_for_weight_updates_within_the_bound(k)
 class LosingSync(FakeWeightSync):
     """Syncs after the second are lost on their way (the pool never receives them)."""
 
-    def start_rollout_sync(self) -> _Sync:
+    def start_rollout_sync(self) -> PendingSync:
         if self.version <= 2:
             return super().start_rollout_sync()
         call = types.SimpleNamespace(result=lambda timeout_s=None: [{"bytes_received": 1}])
-        return _Sync(call)
+        return PendingSync(call)
 
 
 def test_a_batch_staler_than_k_stops_the_run_naming_it():
@@ -245,7 +227,6 @@ def test_a_batch_staler_than_k_stops_the_run_naming_it():
     with pytest.raises(StalenessError, match=r"step 5's batch has tokens sampled with policy version 2, 2 updates behind .*max_staleness=1"):
         for step in range(1, 9):
             gen.take(step)
-            sync.version = step
             gen.sync_weights(step)
 
 

@@ -10,7 +10,6 @@ import dataclasses
 import os
 import signal
 import time
-import types
 
 import pytest
 import torch
@@ -23,6 +22,7 @@ from hybridflow.protocol import Batch, Completion, SamplingParams
 from hybridflow.service.agent_rollout import AgentRollout
 from hybridflow.service.async_rollout import AsyncRollout
 from hybridflow.service.replicas import ReplicaSet
+from version_sync import VersionSync
 from hybridflow.service.managers import ManagerPool, ManagerSpec
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
@@ -57,25 +57,6 @@ class StampReplica(Worker):
         time.sleep(getattr(self, "nap", 0.03))
         out = [Completion((self.held,) * 3, (-0.5,) * 3, "stop", versions=(self.held,) * 3) for _ in data["request"]]
         return Batch.from_dict(non_tensors={"completion": out})
-
-
-class _Sync:
-    def __init__(self, pending):
-        self.pending, self.publish_s = pending, 0.0
-
-    def finish(self, timeout_s=None):
-        self.pending.result(timeout_s)
-        return {}
-
-
-class VersionSync:
-    """The trainer's sync, its weights being their version: queued on every replica at submit()."""
-
-    def __init__(self, replicas: ReplicaSet):
-        self.replicas = replicas
-
-    def publish_for_rollout(self, version: int):
-        return types.SimpleNamespace(submit=lambda: _Sync(self.replicas.submit("receive_weights", version)))
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@ import random
 import signal
 import threading
 import time
-import types
 
 import pytest
 import ray
@@ -24,6 +23,7 @@ from hybridflow.protocol import Batch, Completion, Request, SamplingParams
 from hybridflow.service.async_rollout import AsyncRollout
 from hybridflow.trainer.keys import GEN_OUTPUTS
 from hybridflow.service.replicas import ReplicaSet
+from version_sync import VersionSync
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
@@ -90,27 +90,6 @@ def _alive(pid: int) -> bool:
         return False
 
 
-class _Sync:
-    def __init__(self, pending):
-        self.pending, self.publish_s = pending, 0.0
-
-    def finish(self, timeout_s=None):
-        self.pending.result(timeout_s)
-        return {}
-
-
-class VersionSync:
-    def __init__(self, replicas: ReplicaSet):
-        self.replicas, self.version = replicas, 0
-
-    def publish_for_rollout(self, version: int):
-        """The trainer's two halves of a sync: publishing (nothing to do here), then submitting the receipt."""
-        return types.SimpleNamespace(submit=self.start_rollout_sync)
-
-    def start_rollout_sync(self) -> _Sync:
-        return _Sync(self.replicas.submit("receive_weights", self.version))
-
-
 @pytest.fixture(scope="module")
 def pool_group(tmp_path_factory):
     """One rollout pool of 2 VersionReplica workers for the module's tests (each test wraps it in a
@@ -144,7 +123,6 @@ def _run(replicas: ReplicaSet, k: int, steps: int, partial: bool, fault=lambda s
         assert torch.equal(versions, batch["responses"])  # every token's record is the version its replica held
         assert int(versions.min()) >= step - 1 - k and int(versions.max()) <= step - 1 and m["rollout/staleness_max"] <= k
         history.append({"uid": batch.non_tensors["uid"][0], **m})
-        sync.version = step
         gen.sync_weights(step)
     gen.drain()
     assert [h["uid"] for h in history] == [f"b{i}" for i in range(steps)] and len(drawn) == steps  # each batch trained once, in order
