@@ -79,7 +79,10 @@ def run(out: str, steps: int, k: int, faults: bool, seed: int = 1) -> dict:
             "max_staleness": max(h["rollout/staleness_max"] for h in history), "manager_restarts": last.get("rollout/manager_restarts", 0.0),
             "replica_restarts": last.get("rollout/replica_restarts", 0.0), "rerun_trajectories": last.get("rollout/rerun_trajectories", 0.0),
             "lost_requests": sum(h.get("rollout/lost_requests", 0.0) for h in history), "killed": killed,
-            "val_first": vals[0] if vals else float("nan"), "val_final": vals[-1] if vals else float("nan"), "wall_s": time.perf_counter() - start}
+            "val_first": vals[0] if vals else float("nan"), "val_final": vals[-1] if vals else float("nan"), "wall_s": time.perf_counter() - start,
+            # what explains a low score: the held-out products' calculator calls, and the training turns' tool errors / timeouts
+            "val_tool_calls": [h["val-aux/agent/tool_calls/mean"] for h in history if "val-aux/agent/tool_calls/mean" in h],
+            "tool_errors": sum(h.get("agent/tool_errors", 0.0) for h in history), "tool_timeouts": sum(h.get("agent/tool_timeouts", 0.0) for h in history)}
 
 
 def main() -> None:
