@@ -125,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
                         "triples with a program as the answer, GRPO with the sandboxed code reward")
     p.add_argument("--sft-steps", type=int, default=None)
     p.add_argument("--rl-steps", type=int, default=None)
+    p.add_argument("--arch", default="qwen2", choices=["qwen2", "llama", "qwen3_moe", "mixtral", "qwen2_moe"],
+                   help="the tiny model's architecture (make-model --arch); the MoE ones have 4 experts, 2 per token")
     p.add_argument("--seed", type=int, default=None,
                    help="seed of the task data, the tiny model's initialisation, the SFT and the RL run (default: the recipe's own)")
     p.add_argument("--sft-model", default=None, metavar="DIR",

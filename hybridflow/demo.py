@@ -260,35 +260,38 @@ def _workers(cfg) -> str:
     return f"{n} FSDP2 workers" if pp == tp == 1 else f"{n} workers: PP {pp} x TP {tp} x FSDP2 {n // (pp * tp)}"
 
 
-def prepare_recipe(recipe: str, out: str, seed: int | None = None, sft_steps: int | None = None) -> tuple[dict, str, list[SFTConfig]]:
+def prepare_recipe(recipe: str, out: str, seed: int | None = None, sft_steps: int | None = None,
+                   arch: str = "qwen2") -> tuple[dict, str, list[SFTConfig]]:
     """The recipe's task files, its tiny base model and its SFT stages (configs, not run yet; each stage
     starts from the one before, the last saves `<out>/sft_model`), all under `out`. `seed` (None: the
     defaults, 0 for data and model, 1 for the trainers) seeds the data, the model's initialisation and
-    the SFT's batches; `sft_steps` replaces the last stage's step count."""
+    the SFT's batches; `sft_steps` replaces the last stage's step count; `arch` is the tiny model's
+    (`make_tiny_model`: qwen2, llama, or a mixture of experts such as qwen3_moe, 4 experts, 2 per token)."""
     from hybridflow.agent.tasks import make_guess_task
     from hybridflow.data.tasks import make_code_task, make_max_task, make_multiply_task
     from hybridflow.models.tiny import make_tiny_model
 
     data_seed = {} if seed is None else {"seed": seed}
+    model_kw = {**data_seed, "arch": arch}
     if recipe in ("tool", "agent"):  # its own task: 3-digit products, a calculator, conversations of ~300 tokens
         files = make_multiply_task(os.path.join(out, "data"), **data_seed, **({"data_source": "agent"} if recipe == "agent" else {}))
         base = make_tiny_model(os.path.join(out, "tiny_model"), hidden_size=128, intermediate_size=256, num_hidden_layers=TOOL_LAYERS,
-                               max_position_embeddings=512, tools_template=True, **data_seed)
+                               max_position_embeddings=512, tools_template=True, **model_kw)
         max_length = TOOL_MAX_PROMPT + TOOL_MAX_RESPONSE
         copy = demo_multi_turn_sft_config(files["sft_copy"], base, out, TOOL_COPY_STEPS, max_length, name="copy")
         stages = [copy, demo_multi_turn_sft_config(files["sft"], copy.save_dir, out, sft_steps or TOOL_SFT_STEPS, max_length)]
     elif recipe == "guess":  # its own task: games against the guess environment
         files = make_guess_task(os.path.join(out, "data"), **data_seed)
         base = make_tiny_model(os.path.join(out, "tiny_model"), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                               max_position_embeddings=1024, **data_seed)
+                               max_position_embeddings=1024, **model_kw)
         stages = [demo_multi_turn_sft_config(files["sft"], base, out, sft_steps or GUESS_SFT_STEPS, GUESS_MAX_PROMPT + GUESS_MAX_RESPONSE)]
     elif recipe == "code":  # digit_max's triples and split, a program as the answer
         files = make_code_task(os.path.join(out, "data"), **data_seed)
-        base = make_tiny_model(os.path.join(out, "tiny_model"), hidden_size=128, intermediate_size=256, num_hidden_layers=2, **data_seed)
+        base = make_tiny_model(os.path.join(out, "tiny_model"), hidden_size=128, intermediate_size=256, num_hidden_layers=2, **model_kw)
         stages = [demo_sft_config(files["sft"], base, out, sft_steps or SFT_STEPS, CODE_SFT_MAX_LENGTH)]
     else:
         files = make_max_task(os.path.join(out, "data"), **data_seed)
-        base = make_tiny_model(os.path.join(out, "tiny_model"), hidden_size=128, intermediate_size=256, num_hidden_layers=2, **data_seed)
+        base = make_tiny_model(os.path.join(out, "tiny_model"), hidden_size=128, intermediate_size=256, num_hidden_layers=2, **model_kw)
         stages = [demo_sft_config(files["sft"], base, out, sft_steps or SFT_STEPS)]
     if seed is not None:
         for cfg in stages:
@@ -317,7 +320,8 @@ def main(args) -> int:
     seed = getattr(args, "seed", None)
     out = os.path.abspath(args.output_dir)
     os.makedirs(out, exist_ok=True)
-    files, base, sft_stages = prepare_recipe(recipe, out, seed, args.sft_steps)
+    arch = getattr(args, "arch", "qwen2")
+    files, base, sft_stages = prepare_recipe(recipe, out, seed, args.sft_steps, arch)
     print(f"[demo] task data in {out}/data, tiny model in {base}", flush=True)
     sft_model = getattr(args, "sft_model", None)
     if sft_model:  # a warm start made before (e.g. tests/fixtures/recipes): the SFT is skipped
@@ -334,6 +338,7 @@ def main(args) -> int:
     score_key = "critic/score/mean"
     summary = {
         "recipe": recipe,
+        "arch": arch,
         "seed": seed,
         "val_acc_after_sft": val_curve[0][1],
         "val_acc_final": val_curve[-1][1],

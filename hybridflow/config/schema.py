@@ -79,6 +79,10 @@ class ModelConfig:
     lora_alpha: float = 16.0  # the adapter's output is scaled by lora_alpha / lora_rank
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])  # "all-linear", or module names (q_proj, ...)
     lora_dropout: float = 0.0
+    # Mixture-of-experts models (models/moe.py): weight of the router's load-balancing loss added to the
+    # actor's (and SFT's) loss; 0 = off: an HF model adds its config's own coefficient only when a forward
+    # is given labels, which log-prob passes never are, so off is what training through HF forwards does.
+    router_aux_loss_coef: float = 0.0
 
     def tokenizer_source(self) -> str:
         """Where the tokenizer loads from: tokenizer_path, else the model's own directory."""

@@ -101,6 +101,8 @@ class Problems(list):
         lora_refused: why lora_rank > 0 is refused here (None: LoRA is wired for this model)."""
         self.enum(f"{key}.dtype", m.dtype, MODEL_DTYPES)
         self.lora(key, m, lora_refused)
+        if not (isinstance(m.router_aux_loss_coef, (int, float)) and m.router_aux_loss_coef >= 0):
+            self.append(f"{key}.router_aux_loss_coef must be a number >= 0 (0 = no load-balancing loss), got {m.router_aux_loss_coef!r}")
         cfg_file = os.path.join(m.path, "config.json")
         if not m.path or not os.path.isfile(cfg_file):
             self.append(f"{key}.path: {m.path!r} is not a directory containing config.json; point it at "

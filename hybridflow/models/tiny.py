@@ -1,4 +1,5 @@
-"""Tiny HF checkpoints built fully offline (character tokenizer + random Qwen2/Llama).
+"""Tiny HF checkpoints built fully offline (character tokenizer + random Qwen2/Llama, or a
+mixture-of-experts Qwen3-MoE / Mixtral / Qwen2-MoE: `models/moe.py`).
 
 The tokenizer is character level: every printable ASCII character (space included) and
 "\\n" is exactly one token, so ``decode(encode(text)) == text`` for any such text.
@@ -19,6 +20,8 @@ PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS = [PAD_TOKEN, IM_START, IM_END]
+MOE_ARCHS = ["qwen3_moe", "mixtral", "qwen2_moe"]  # mixture-of-experts (models/moe.py builds their configs)
+ARCHS = ["qwen2", "llama", *MOE_ARCHS]
 
 # Same pre-tokenizer regex as Qwen2Tokenizer (transformers rebuilds this pipeline when a
 # qwen2 checkpoint is loaded with AutoTokenizer, so we build the identical one up front).
@@ -136,6 +139,9 @@ def make_tiny_model(
     reward: bool = False,
     tools_template: bool = False,
     vocab_size: int | None = None,
+    num_experts: int = 4,
+    num_experts_per_tok: int = 2,
+    shared_expert: bool = True,
 ) -> pathlib.Path:
     """Build a randomly initialised fp32 causal LM + char tokenizer and save both to ``out_dir``.
 
@@ -149,6 +155,11 @@ def make_tiny_model(
 
     vocab_size (default: the tokenizer's 259) gives the embedding and LM head a real model's shape
     (e.g. 151936 for a Qwen2.5-shaped one: bench/grpo_device.py); ids past the tokenizer's decode to nothing.
+
+    arch qwen3_moe / mixtral / qwen2_moe: every layer a sparse block of `num_experts` experts,
+    `num_experts_per_tok` per token, each expert intermediate_size // 2 wide (`models/moe.py::moe_config`);
+    qwen2_moe adds its shared expert (intermediate_size wide) unless shared_expert=False. The model's
+    own router_aux_loss_coef is 0: the trainer adds the aux loss from model.router_aux_loss_coef.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig, LlamaConfig, Qwen2Config
@@ -180,8 +191,12 @@ def make_tiny_model(
         config = Qwen2Config(**common)
     elif arch_l == "llama":
         config = LlamaConfig(**common)
+    elif arch_l in MOE_ARCHS:
+        from hybridflow.models.moe import moe_config
+
+        config = moe_config(arch_l, common, intermediate_size, num_experts, num_experts_per_tok, shared_expert)
     else:
-        raise ValueError(f"unknown arch {arch!r}: expected 'qwen2' or 'llama'")
+        raise ValueError(f"unknown arch {arch!r}: expected one of {ARCHS}")
     config.dtype = torch.float32
 
     torch.manual_seed(seed)
@@ -201,7 +216,7 @@ def make_tiny_model(
 def main_make_model(argv=None) -> int:
     p = argparse.ArgumentParser(prog="hybridflow make-model", description="Build a tiny offline HF checkpoint")
     p.add_argument("out_dir")
-    p.add_argument("--arch", default="qwen2", choices=["qwen2", "llama"])
+    p.add_argument("--arch", default="qwen2", choices=ARCHS)
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
@@ -211,6 +226,9 @@ def main_make_model(argv=None) -> int:
     p.add_argument("--tie-word-embeddings", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--reward", action="store_true", help="a reward model: one-label sequence classifier on the same backbone")
+    p.add_argument("--experts", type=int, default=4, help="MoE archs: experts per layer")
+    p.add_argument("--experts-per-tok", type=int, default=2, help="MoE archs: experts each token is routed to (top-k)")
+    p.add_argument("--no-shared-expert", action="store_true", help="qwen2_moe: leave out its shared expert")
     a = p.parse_args(argv)
     out = make_tiny_model(
         a.out_dir,
@@ -224,6 +242,9 @@ def main_make_model(argv=None) -> int:
         tie_word_embeddings=a.tie_word_embeddings,
         seed=a.seed,
         reward=a.reward,
+        num_experts=a.experts,
+        num_experts_per_tok=a.experts_per_tok,
+        shared_expert=not a.no_shared_expert,
     )
     print(json.dumps({"model_dir": str(out)}))
     return 0

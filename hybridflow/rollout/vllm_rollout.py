@@ -278,8 +278,14 @@ def vllm_problems(spec) -> list[str]:
     """What vLLM cannot run here (spec: the `RolloutSpec`), checked by the validator before any worker starts."""
     from hybridflow.config.validate import model_json
 
+    from hybridflow.models.moe import moe_shape
+
     roll, model, n_workers = spec.rollout, spec.model, spec.world
     out = []
+    shape = moe_shape(model_json(model.path))
+    if shape is not None:  # vLLM fuses experts into w13/w2 tensors; the weight sync here maps the dense layout only
+        out.append(f"{R}.name=vllm: {model.path!r} is a mixture-of-experts model ({shape[0]} experts, top-{shape[1]}) and the vLLM weight "
+                   f"sync does not map expert weights; use {R}.name=hf")
     if model.lora_rank > VLLM_LORA_RANKS[-1]:
         out.append(f"actor_rollout_ref.model.lora_rank={model.lora_rank} is above vLLM's largest max_lora_rank (512); lower it or use {R}.name=hf")
     if not vllm_available():

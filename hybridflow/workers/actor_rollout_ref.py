@@ -35,6 +35,7 @@ from hybridflow.hybrid_engine.delta import DeltaSender
 from hybridflow.utils.memory import rss_bytes
 from hybridflow.models.hf import DTYPES, load_hf_model
 from hybridflow.models.lora import adapters_disabled, apply_lora
+from hybridflow.models.moe import RouterMonitor, recording
 from hybridflow.parallel.fsdp import shard_numel
 from hybridflow.parallel.layout import train_mesh
 from hybridflow.parallel.tensor_parallel import gen_shard_dims
@@ -106,6 +107,7 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
             if any(fnmatch.fnmatchcase(name, pattern) for pattern in acfg.freeze_modules):
                 p.requires_grad_(False)
         self.gen_dims = gen_shard_dims(model)
+        self.router = RouterMonitor.attach(model, mcfg.router_aux_loss_coef)  # MoE: expert load, aux loss (models/moe.py); None if dense
         he = self.spec.hybrid_engine  # delta sync of the cross-pool sync: what this rank sent last (hybrid_engine/delta.py)
         self.delta_sender = DeltaSender(he.delta_full_every) if he.delta_sync else None
         self.gen_dtype = DTYPES[self.spec.rollout.generation_dtype]  # what a rollout pool holds (async: publish casts to it)
@@ -229,8 +231,10 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
         rollout_rs_mask with rollout correction). optimizer_step=False only accumulates (loss x
         loss_scale) for DataFlow's grad_accum_steps.
         """
-        return self.actor.train(data, self.ppo_loss, self.update_plan, temperature=float(data.meta.get("temperature", 1.0)),
-                                optimizer_step=optimizer_step, loss_scale=loss_scale)
+        with recording(self.router, data, self.update_plan, "actor/moe") as moe:
+            metrics = self.actor.train(data, self.ppo_loss, self.update_plan, temperature=float(data.meta.get("temperature", 1.0)),
+                                       optimizer_step=optimizer_step, loss_scale=loss_scale)
+        return {**metrics, **moe}
 
     @register(Dispatch.DP_COMPUTE, layout="train")
     def sft_step(self, data: Batch) -> dict[str, float]:
@@ -241,7 +245,9 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
         # The next-token view: the logits at t predict token t+1, i.e. "responses" = input_ids[:, 1:].
         view = Batch.from_dict(tensors={"input_ids": t["input_ids"], "attention_mask": t["attention_mask"], "position_ids": t["position_ids"],
                                         "responses": t["input_ids"][:, 1:], "loss_mask": t["loss_mask"][:, 1:].float()})
-        metrics = self.actor.train(view, self.sft_loss, self.spec.sft_plan())
+        with recording(self.router, view, self.spec.sft_plan(), "train/moe") as moe:
+            metrics = self.actor.train(view, self.sft_loss, self.spec.sft_plan())
+        metrics.update(moe)
         metrics.setdefault("train/loss", 0.0)  # an earlier pipeline stage never sees the loss
         return metrics
 
