@@ -14,7 +14,7 @@ With several seeds (`--seeds`: trainer.seed and data.seed) it runs each pair per
 held-out score with and without faults: async GRPO's timing alone moves one run's score by more than
 the bound, so one pair cannot tell the faults' effect from that spread.
 
-Run:  .venv/bin/python bench/rollout_faults.py [--steps 30] [--k 2] [--seeds 1,2,3,4]
+Run:  .venv/bin/python bench/rollout_faults.py [--steps 30] [--k 2] [--seeds 1,2,3,4] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -90,6 +90,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--k", type=int, default=2)
     ap.add_argument("--seeds", default="1", help="comma-separated; each runs the pair")
+    ap.add_argument("--keep", default=None, help="keep each run's directory (metrics.jsonl, checkpoints) under this one")
     args = ap.parse_args()
     from hybridflow.controller.worker_group import init_ray
 
@@ -99,7 +100,8 @@ def main() -> None:
     for seed in seeds:
         for faults in (False, True):
             with tempfile.TemporaryDirectory() as tmp:
-                rows.append(run(tmp, args.steps, args.k, faults, seed))
+                out = os.path.join(args.keep, f"seed{seed}_{'faults' if faults else 'no_faults'}") if args.keep else tmp
+                rows.append(run(out, args.steps, args.k, faults, seed))
                 print(rows[-1], file=sys.stderr, flush=True)
     print(f"tool recipe, {args.steps} async GRPO steps, k = {args.k}, 2 rollout replicas, 1 rollout manager; cpus: {os.cpu_count()}")
     print("| seed | run | steps | each batch once, in order | max staleness | manager restarts | replica restarts | trajectories run again | "
