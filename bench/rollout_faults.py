@@ -14,7 +14,7 @@ With several seeds (`--seeds`: trainer.seed and data.seed) it runs each pair per
 held-out score with and without faults: async GRPO's timing alone moves one run's score by more than
 the bound, so one pair cannot tell the faults' effect from that spread.
 
-Run:  .venv/bin/python bench/rollout_faults.py [--steps 30] [--k 2] [--seeds 1,2,3,4] [--keep DIR]
+Run:  .venv/bin/python bench/rollout_faults.py [--steps 30] [--k 2] [--seeds 1,2,3,4] [--lr 1e-4] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ FIXTURE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 MANAGER_KILLS, REPLICA_KILLS = (5, 12, 19), (8, 15, 22)
 
 
-def run(out: str, steps: int, k: int, faults: bool, seed: int = 1) -> dict:
+def run(out: str, steps: int, k: int, faults: bool, seed: int = 1, *overrides: str) -> dict:
     from hybridflow.config.pools import Role
     from hybridflow.demo import demo_tool_rl_config, prepare_recipe, val_key
     from hybridflow.service.async_rollout import record_batch_uids
@@ -44,7 +44,8 @@ def run(out: str, steps: int, k: int, faults: bool, seed: int = 1) -> dict:
                               "async_training.max_replica_restarts=4", "resource_pool.pools.actor_pool.workers_per_node=1",
                               "resource_pool.pools.rollout_pool.workers_per_node=2", "resource_pool.mapping.actor_rollout=actor_pool",
                               "resource_pool.mapping.rollout=rollout_pool", "actor_rollout_ref.rollout.agent.num_workers=1",
-                              "trainer.test_freq=10", "trainer.progress_bar=false", "trainer.logger=[jsonl]", f"trainer.seed={seed}", f"data.seed={seed}")
+                              "trainer.test_freq=10", "trainer.progress_bar=false", "trainer.logger=[jsonl]", f"trainer.seed={seed}", f"data.seed={seed}",
+                              *overrides)
     trainer = RLTrainer(cfg)
     killed = []
     start = time.perf_counter()
@@ -90,6 +91,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--k", type=int, default=2)
     ap.add_argument("--seeds", default="1", help="comma-separated; each runs the pair")
+    ap.add_argument("--lr", type=float, default=None, help="the actor's learning rate (default: the recipe's, 2e-4)")
     ap.add_argument("--keep", default=None, help="keep each run's directory (metrics.jsonl, checkpoints) under this one")
     args = ap.parse_args()
     from hybridflow.controller.worker_group import init_ray
@@ -101,9 +103,10 @@ def main() -> None:
         for faults in (False, True):
             with tempfile.TemporaryDirectory() as tmp:
                 out = os.path.join(args.keep, f"seed{seed}_{'faults' if faults else 'no_faults'}") if args.keep else tmp
-                rows.append(run(out, args.steps, args.k, faults, seed))
+                rows.append(run(out, args.steps, args.k, faults, seed, *([f"actor_rollout_ref.actor.optim.lr={args.lr}"] if args.lr else [])))
                 print(rows[-1], file=sys.stderr, flush=True)
-    print(f"tool recipe, {args.steps} async GRPO steps, k = {args.k}, 2 rollout replicas, 1 rollout manager; cpus: {os.cpu_count()}")
+    print(f"tool recipe, {args.steps} async GRPO steps, k = {args.k}, lr {args.lr or 2e-4}, 2 rollout replicas, 1 rollout manager; "
+          f"cpus: {os.cpu_count()}")
     print("| seed | run | steps | each batch once, in order | max staleness | manager restarts | replica restarts | trajectories run again | "
           "requests sent again | held-out at step 10 | held-out at the end | wall s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
