@@ -1,6 +1,8 @@
 """Parallelism does not change the math: 3 SFT steps and 3 PPO updates of a tiny fp32 model under
 dp4, tp2xdp2, pp2xdp2 and pp2xtp2 (1F1B; pp2xdp2 also with GPipe) on 4 processes against the
-single-process run.
+single-process run. The layouts run the chunked log-prob pass (model.use_fused_kernels, 4-token
+chunks: several per micro-batch; under TP the vocab-sharded LM head is gathered), the
+single-process reference the plain logits pass, so each row also checks the one against the other.
 
 Every run goes through the real actor worker (`ActorRolloutRefWorker`, role "actor") exactly as
 the trainer calls it: each data-parallel rank gets its chunk (the controller's split), a pipeline
@@ -26,7 +28,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-LAYOUTS = ("dp4", "tp2xdp2", "pp2xdp2", "pp2xtp2", "pp2xdp2-gpipe")  # "-gpipe": that schedule instead of 1F1B
+LAYOUTS = ("dp4", "tp2xdp2", "pp2xdp2", "pp2xtp2", "pp2xdp2-gpipe")  # "-gpipe": that schedule instead of 1F1B; "-plain": the logits pass
+FUSED_CHUNK = 4  # tokens per chunk of the chunked log-prob pass: a micro-batch (2 x 5 response tokens) takes 3
 ROWS, PROMPT, RESPONSE, MICRO = 16, 6, 5, 2
 
 
@@ -54,12 +57,13 @@ def config(model: str, layout: str):
     from hybridflow.config.schema import HybridFlowConfig
     from hybridflow.parallel.dims import ParallelDims
 
-    layout, _, schedule = layout.partition("-")
+    layout, *suffixes = layout.split("-")
     lay = ParallelDims.parse(layout)
     cfg = HybridFlowConfig()
-    cfg.actor_rollout_ref.actor.pipeline_schedule = schedule or "1f1b"
+    cfg.actor_rollout_ref.actor.pipeline_schedule = "gpipe" if "gpipe" in suffixes else "1f1b"
     arr = cfg.actor_rollout_ref
     arr.model.path = model
+    arr.model.use_fused_kernels, arr.model.fused_kernel_chunk_size = "plain" not in suffixes, FUSED_CHUNK
     a = arr.actor
     a.tensor_model_parallel_size, a.pipeline_model_parallel_size = lay.tp, lay.pp
     a.ppo_mini_batch_size, a.ppo_micro_batch_size_per_gpu = ROWS, MICRO  # one optimizer step per update
@@ -147,7 +151,7 @@ def main(argv=None) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model_dir or str(make_tiny_model(os.path.join(tmp, "model"), hidden_size=32, num_hidden_layers=2, intermediate_size=64))
         t0 = time.perf_counter()
-        ref = run_layouts(model, ["dp1"], 1, os.path.join(tmp, "ref"))["dp1"]
+        ref = run_layouts(model, ["dp1-plain"], 1, os.path.join(tmp, "ref"))["dp1-plain"]
         print(f"single process: {time.perf_counter() - t0:.1f} s; steps (loss, grad_norm): "
               + ", ".join(f"({a:.5f}, {b:.5f})" for a, b in ref[0]["steps"]))
         layouts = args.layouts.split(",")
@@ -157,7 +161,7 @@ def main(argv=None) -> list[dict]:
             got = runs[layout]
             print(f"{layout}: steps (loss, grad_norm) per dp rank: " + "; ".join(", ".join(f"({a:.5f}, {b:.5f})" for a, b in r["steps"]) for r in got))
             rows.append({"layout": layout, **compare(ref, got), "seconds": max(r["seconds"] for r in got)})
-    print_rows("Training layouts on 4 processes vs one process (fp32, 3 SFT steps + 3 PPO updates)",
+    print_rows("Training layouts on 4 processes (chunked log-probs) vs one process (plain logits; fp32, 3 SFT steps + 3 PPO updates)",
                [("layout", "layout", "<14"), ("max_loss_diff", "max_loss_diff", ">14.2e"), ("max_grad_norm_diff", "max_grad_norm_diff", ">19.2e"),
                 ("max_logprob_diff", "max_logprob_diff", ">17.2e"), ("seconds", "seconds", ">8.1f")], rows, args.json)
     return rows

@@ -74,6 +74,11 @@ class ModelConfig:
     # Forwards without padding: a micro-batch's valid tokens packed into one row with per-sequence
     # position ids (transformers masks across the packed sequences); same log-probs, less work.
     use_remove_padding: bool = False
+    # Token log-probs and entropy from the last hidden states through the LM head in chunks of
+    # fused_kernel_chunk_size tokens (engine/fused_logprobs.py): at most [chunk, vocab] logits at once
+    # instead of [tokens, vocab], the same numbers within rounding; false = the plain logits pass.
+    use_fused_kernels: bool = True
+    fused_kernel_chunk_size: int = 1024
     # LoRA (models/lora.py): adapters of rank lora_rank on target_modules, the base frozen; 0 = full fine-tuning.
     lora_rank: int = 0
     lora_alpha: float = 16.0  # the adapter's output is scaled by lora_alpha / lora_rank
@@ -83,6 +88,10 @@ class ModelConfig:
     # actor's (and SFT's) loss; 0 = off: an HF model adds its config's own coefficient only when a forward
     # is given labels, which log-prob passes never are, so off is what training through HF forwards does.
     router_aux_loss_coef: float = 0.0
+
+    def logprob_chunk(self) -> int | None:
+        """Tokens per chunk of the chunked log-prob pass, None = the plain logits pass."""
+        return self.fused_kernel_chunk_size if self.use_fused_kernels else None
 
     def tokenizer_source(self) -> str:
         """Where the tokenizer loads from: tokenizer_path, else the model's own directory."""

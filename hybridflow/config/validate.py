@@ -100,6 +100,7 @@ class Problems(list):
         """Check a model dir, its dtype and LoRA keys; return its max_position_embeddings when known.
         lora_refused: why lora_rank > 0 is refused here (None: LoRA is wired for this model)."""
         self.enum(f"{key}.dtype", m.dtype, MODEL_DTYPES)
+        self.positive(f"{key}.fused_kernel_chunk_size", m.fused_kernel_chunk_size)
         self.lora(key, m, lora_refused)
         if not (isinstance(m.router_aux_loss_coef, (int, float)) and m.router_aux_loss_coef >= 0):
             self.append(f"{key}.router_aux_loss_coef must be a number >= 0 (0 = no load-balancing loss), got {m.router_aux_loss_coef!r}")

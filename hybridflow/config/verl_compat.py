@@ -113,7 +113,7 @@ BEHAVIOUR: dict[str, tuple[Any, str]] = {
     "*.enable_activation_offload": ((False,), f"activation offload is {_NOT_IMPL}; use enable_gradient_checkpointing"),
     "*.lora_adapter_path": ((None,), f"starting from a saved PEFT adapter is {_NOT_IMPL}: adapters start at B = 0"),
     "*.exclude_modules": ((None, []), f"excluding modules from target_modules is {_NOT_IMPL}: list the targets instead"),
-    "*.use_fused_kernels": ((False,), f"fused kernels are {_NOT_IMPL}"),
+    "*.fused_kernel_options.impl_backend": (ANY, "the chunked log-prob pass (model.use_fused_kernels) is torch code on every device"),
     "*.optim.num_cycles": ((0.5,), "the cosine schedule is half a cycle"),
     "actor_rollout_ref.rollout.layered_summon": (ANY, "the hybrid engine always moves weights layer by layer (hybrid_engine.granularity)"),
     "reward_model.sandbox_fusion.url": ((None,), f"sandboxed code execution rewards are {_NOT_IMPL}; use custom_reward_function"),

@@ -12,6 +12,8 @@ import inspect
 import torch
 import torch.nn as nn
 
+from hybridflow.algorithms import entropy_from_logits, logprobs_from_logits
+from hybridflow.engine.fused_logprobs import fused_head_problem, head_returns_logprobs, warn_once
 from hybridflow.models.exact import exact_row_logits
 from hybridflow.protocol import Batch
 
@@ -48,6 +50,41 @@ def response_logits(model: nn.Module, mb: Batch, temperature: float = 1.0, remov
         out = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], position_ids=mb["position_ids"], use_cache=False, **kwargs)
         logits = out.logits[:, -resp_len - 1 : -1, :].float()
     return logits / temperature if temperature != 1.0 else logits
+
+
+def response_logprobs(model: nn.Module, mb: Batch, temperature: float = 1.0, remove_padding: bool = False, exact: bool = False,
+                      chunk: int | None = None, with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log p(response token) [b, R], entropy [b, R] or None) fp32 of a causal LM, as
+    logprobs_from_logits / entropy_from_logits of `response_logits` compute them.
+
+    chunk: the last hidden states go through the LM head `chunk` tokens at a time and only
+    [chunk, V] logits exist at once (`engine/fused_logprobs.py`, model.use_fused_kernels); None, or
+    exact (its per-row pass must stay bitwise the sampler's), or a head the chunked pass cannot
+    stand in for: the plain [b, R, V] logits."""
+    problem = None if chunk is None else ("the exact rollout mode scores each row with the sampler's own pass" if exact else fused_head_problem(model))
+    if chunk is None or problem is not None:
+        if problem is not None:
+            warn_once(problem)
+        logits = response_logits(model, mb, temperature, remove_padding, exact)
+        return logprobs_from_logits(logits, mb["responses"]), (entropy_from_logits(logits) if with_entropy else None)
+    resp = mb["responses"]  # [b, R]
+    b, resp_len = resp.shape
+    if remove_padding:  # the valid tokens as one packed row [1, T]; the head sees the wanted positions [1, b*R, H]
+        mask = mb["attention_mask"].bool()  # [b, P+R]
+        row = torch.full(mask.shape, -1, dtype=torch.long, device=mask.device)
+        row[mask] = torch.arange(int(mask.sum()), device=mask.device)
+        wanted = row[:, -resp_len - 1 : -1].clamp(min=0)  # [b, R]: positions after a response's end read row 0's
+        with head_returns_logprobs(model, resp.reshape(1, -1), temperature, chunk, with_entropy):
+            out = model(input_ids=mb["input_ids"][mask][None], position_ids=mb["position_ids"][mask][None], use_cache=False,
+                        logits_to_keep=wanted.reshape(-1)).logits  # [1, b*R, 2]
+        out = out.view(b, resp_len, 2)
+    else:
+        length = mb["input_ids"].shape[1]
+        keep = torch.arange(length - resp_len - 1, length - 1, device=resp.device)  # [R]: the positions that predict the response
+        with head_returns_logprobs(model, resp, temperature, chunk, with_entropy):
+            out = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], position_ids=mb["position_ids"], use_cache=False,
+                        logits_to_keep=keep).logits  # [b, R, 2]
+    return out[..., 0], (out[..., 1] if with_entropy else None)
 
 
 def trim_right_padding(batch: Batch, keys: tuple[str, ...]) -> dict[str, torch.Tensor]:

@@ -31,7 +31,8 @@ from torch.distributed.tensor import DTensor
 
 from hybridflow.algorithms import entropy_from_logits, logprobs_from_logits
 from hybridflow.config.schema import FSDPConfig, HybridEngineConfig, OptimConfig
-from hybridflow.engine.model import micro_batches, response_logits
+from hybridflow.engine.fused_logprobs import token_head as fused_token_head
+from hybridflow.engine.model import micro_batches, response_logprobs
 from hybridflow.engine.optim import build_optimizer, build_scheduler, clip_and_step
 from hybridflow.hybrid_engine.executor import HybridEngine
 from hybridflow.parallel.layout import TrainMesh, build_train_model
@@ -77,7 +78,8 @@ class MetricMeans:
 
 def token_head(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """(log-prob, entropy) [b, T, 2] of `targets` [b, T] under logits [b, T, V]: what the last
-    pipeline stage returns, so activations, not vocabulary-sized logits, cross the stages."""
+    pipeline stage returns, so activations, not vocabulary-sized logits, cross the stages (with
+    logits_chunk the stage computes the same from its hidden states, `fused_logprobs.token_head`)."""
     return torch.stack([logprobs_from_logits(logits, targets), entropy_from_logits(logits)], dim=-1)
 
 
@@ -87,15 +89,18 @@ class TrainEngine:
 
     def __init__(self, model: nn.Module, mesh: TrainMesh, device: str, fsdp: FSDPConfig, *, optim: OptimConfig | None = None,
                  total_steps: int = 1, grad_clip: float = 1.0, pipeline_schedule: str = "1f1b", remove_padding: bool = False,
-                 exact: bool = False):
+                 exact: bool = False, logits_chunk: int | None = None):
         """exact: token log-probs run each sequence alone (`models/exact.py`), as the exact
-        rollout mode's sampler does (actor_rollout_ref.rollout.exact)."""
+        rollout mode's sampler does (actor_rollout_ref.rollout.exact). logits_chunk: token
+        log-probs and entropies go through the LM head this many tokens at a time, never as
+        [tokens, vocab] logits (`engine/fused_logprobs.py`, model.use_fused_kernels); None = plain."""
         self.mesh, self.layout, self.device = mesh, mesh.layout, device
-        self.grad_clip, self.remove_padding, self.exact = grad_clip, remove_padding, exact
+        self.grad_clip, self.remove_padding, self.exact, self.logits_chunk = grad_clip, remove_padding, exact, logits_chunk
         # The whole model's parameters (a pipeline stage keeps only its own): the resharding plan's.
         self.full_shapes = {n: (tuple(p.shape), p.element_size()) for n, p in model.named_parameters()}
         self.lora = any(is_adapter_param(n) for n in self.full_shapes)  # LoRA adapters injected (models/lora.py)
-        self.module, self.pipe = build_train_model(model, mesh, device, fsdp, pipeline_schedule, head=token_head)
+        self.module, self.pipe = build_train_model(model, mesh, device, fsdp, pipeline_schedule, head=token_head,
+                                                   fused_head=None if logits_chunk is None else (fused_token_head, logits_chunk))
         self.optimizer = self.scheduler = None
         if optim is not None:
             self.optimizer = build_optimizer([p for p in self.module.parameters() if p.requires_grad], optim)
@@ -133,10 +138,9 @@ class TrainEngine:
             return (None, None) if out is None else (out[..., 0], out[..., 1] if with_entropy else None)
         logps, ents = [], []
         for mb in micro_batches(batch, micro_batch_size, max_tokens):
-            logits = response_logits(self.module, mb, temperature, self.remove_padding, self.exact)
-            logps.append(logprobs_from_logits(logits, mb["responses"]))
-            if with_entropy:
-                ents.append(entropy_from_logits(logits))
+            logp, ent = response_logprobs(self.module, mb, temperature, self.remove_padding, self.exact, self.logits_chunk, with_entropy)
+            logps.append(logp)
+            ents.append(ent)
         return torch.cat(logps), (torch.cat(ents) if with_entropy else None)
 
     # ------------------------------------------------------------------ training
@@ -203,8 +207,7 @@ class TrainEngine:
         packed = self.remove_padding if remove_padding is None else remove_padding
         exact = self.exact and remove_padding is None  # (an objective with its own layout, SFT's, keeps it)
         for mb in micro_batches(batch, micro_batch_size, max_tokens):
-            logits = response_logits(self.module, mb, temperature, packed, exact)
-            loss_fn(logprobs_from_logits(logits, mb["responses"]), entropy_from_logits(logits), mb).backward()
+            loss_fn(*response_logprobs(self.module, mb, temperature, packed, exact, self.logits_chunk), mb).backward()
 
     def forward_backward_module(self, batch: Batch, loss_fn: Callable[[nn.Module, Batch], torch.Tensor], micro_batch_size: int) -> None:
         """Accumulate the gradient of sum over micro-batches of loss_fn(module, mb), for losses on

@@ -96,10 +96,11 @@ def grad_norm_and_clip(params: list[nn.Parameter], max_norm: float, ranks_per_st
     return norm
 
 
-def build_train_model(model: nn.Module, dims: TrainMesh, device: str, fcfg: FSDPConfig, schedule: str = "1f1b", head=None):
+def build_train_model(model: nn.Module, dims: TrainMesh, device: str, fcfg: FSDPConfig, schedule: str = "1f1b", head=None, fused_head=None):
     """(the model as this rank trains it, its `Pipeline` or None): stage split, TP plan, then FSDP2
     over dp with `fcfg`'s settings; the plain FSDP layout is FSDP over all ranks. head: what the
-    last pipeline stage returns instead of logits (`pipeline.Head`), needed when pp > 1."""
+    last pipeline stage returns instead of logits (`pipeline.Head`), needed when pp > 1;
+    fused_head: (`pipeline.FusedHead`, chunk) computing the same from the hidden states, or None."""
     from hybridflow.parallel.fsdp import apply_fsdp2, make_mesh
     from hybridflow.parallel.pipeline import Pipeline, StageLM
     from hybridflow.parallel.tensor_parallel import apply_tensor_parallel, fsdp_shard_placement_fn
@@ -108,7 +109,7 @@ def build_train_model(model: nn.Module, dims: TrainMesh, device: str, fcfg: FSDP
     if layout.pp > 1:
         if head is None:
             raise ValueError("a pipeline stage needs the head its last stage applies to the logits (build_train_model(head=...))")
-        model = StageLM(model, dims.pp_i, layout.pp, head)
+        model = StageLM(model, dims.pp_i, layout.pp, head, fused_head)
     if layout.tp > 1:
         apply_tensor_parallel(model, dims.tp_mesh)
     # FSDP along the generation TP dim where the slice divides (`plan.fsdp_dim`): the switch to the

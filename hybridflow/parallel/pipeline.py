@@ -26,6 +26,9 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 Schedule = Literal["gpipe", "1f1b"]
 # head(logits [b, T, V] fp32, targets [b, T]) -> per-token outputs [b, T, k]
 Head = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# fused head(hidden [b, T, H] after the final norm, lm_head, targets [b, T], temperature, chunk) -> [b, T, k]:
+# the same outputs without the [b, T, V] logits (`engine/fused_logprobs.token_head`)
+FusedHead = Callable[[torch.Tensor, nn.Module, torch.Tensor, float, int], torch.Tensor]
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 
@@ -33,9 +36,10 @@ class StageLM(nn.Module):
     """Stage `stage` of `num_stages` of an HF causal LM (`lm.model` = embed_tokens, layers, norm,
     rotary_emb; `lm.lm_head`), parameter names unchanged."""
 
-    def __init__(self, lm: nn.Module, stage: int, num_stages: int, head: Head):
+    def __init__(self, lm: nn.Module, stage: int, num_stages: int, head: Head, fused_head: tuple[FusedHead, int] | None = None):
         super().__init__()
         self.head = head
+        self.fused_head = fused_head  # (fn, chunk): the last stage never builds [b, T, V] logits
         self.config = lm.config
         self._no_split_modules = lm._no_split_modules
         self.is_first, self.is_last = stage == 0, stage == num_stages - 1
@@ -63,6 +67,9 @@ class StageLM(nn.Module):
         if not self.is_last:
             return h
         t = targets.shape[1]
+        if self.fused_head is not None:
+            fn, chunk = self.fused_head
+            return fn(self.model.norm(h[:, -t - 1 : -1]), self.lm_head, targets, self.temperature, chunk)  # [b, T, k]
         logits = self.lm_head(self.model.norm(h[:, -t - 1 : -1])).float()  # [b, T, V]
         if self.temperature != 1.0:
             logits = logits / self.temperature

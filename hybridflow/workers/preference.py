@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from hybridflow.algorithms import logprobs_from_logits
 from hybridflow.algorithms.preference import seq_log_probs
 from hybridflow.controller.decorator import Dispatch, register
-from hybridflow.engine.model import response_logits
+from hybridflow.engine.model import response_logprobs
 from hybridflow.protocol import Batch
 
 
@@ -21,7 +20,7 @@ class PreferenceMixin:
 
     def _seq_log_probs(self, model, mb: Batch) -> torch.Tensor:
         """[b] sequence log-probs of the responses (mean over tokens for IPO, as TRL)."""
-        logp = logprobs_from_logits(response_logits(model, mb), mb["responses"])
+        logp, _ = response_logprobs(model, mb, chunk=self.spec.model.logprob_chunk(), with_entropy=False)  # [b, R]
         return seq_log_probs(logp, mb["response_mask"], average=self.spec.dpo.loss_type == "ipo")
 
     @register(Dispatch.DP_COMPUTE)

@@ -36,7 +36,7 @@ class TeacherWorker(Worker):
         torch.manual_seed(spec.process.seed)
         mesh = train_mesh(spec.layout, self.device)  # FSDP over the pool
         self.model = TrainEngine(load_hf_model(spec.model, self.device).requires_grad_(False), mesh, self.device, spec.fsdp,
-                                 remove_padding=spec.remove_padding)
+                                 remove_padding=spec.remove_padding, logits_chunk=spec.model.logprob_chunk())
         self.micro = spec.micro_batch_size
 
     @register(Dispatch.DP_COMPUTE)
