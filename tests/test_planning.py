@@ -127,7 +127,7 @@ def test_memory_plan_shards_and_kv_cache():
     unshard = 2 * layer * 2
     train_peak = n // 2 + n // 2 + n + acts + unshard  # fp32 params + grads (1/8 each), Adam's two moments
 
-    (opt, naive) = rows(arch, ParallelDims(dp=8), 4, Cluster(), MemoryInputs(rollout_seqs=256, seq_len=1024))
+    (opt, naive) = rows(arch, ParallelDims(dp=8), 4, Cluster(), MemoryInputs(rollout_seqs=256, seq_len=1024, logits_chunk=None))
     mem = opt["memory"]
     assert (mem["params"], mem["grads"], mem["optimizer"]) == (n * 4 // 8, n * 4 // 8, n * 8 // 8)
     assert mem["gen_weights"] == gen_weights
@@ -139,11 +139,37 @@ def test_memory_plan_shards_and_kv_cache():
 
     # 4x the sequences: 16 GiB of KV cache makes generation the peak, and the naive switch adds the
     # largest group of full tensors it gathers at once: the bf16 embedding table (> a decoder layer's)
-    (opt, naive) = rows(arch, ParallelDims(dp=8), 4, Cluster(), MemoryInputs(rollout_seqs=1024, seq_len=1024))
+    # the chunked log-prob pass (model.use_fused_kernels): the chunk's logits, exp and product in fp32
+    # (3 x 1024 x V x 4; the micro-batch's 1,024 tokens are one chunk) and, the head being bf16, the
+    # fp32 accumulator of its weight gradient (V x h x 4)
+    (chunked, _) = rows(arch, ParallelDims(dp=8), 4, Cluster(), MemoryInputs(rollout_seqs=256, seq_len=1024, logits_chunk=1024))
+    assert chunked["memory"]["activations"] == 32 * 34 * 1024 * 4096 + 3 * 1024 * 128256 * 4 + 128256 * 4096 * 4
+    (chunked, _) = rows(arch, ParallelDims(dp=8), 4, Cluster(), MemoryInputs(rollout_seqs=256, seq_len=1024, micro_batch=8, logits_chunk=1024))
+    assert chunked["memory"]["activations"] == 8 * 32 * 34 * 1024 * 4096 + 3 * 1024 * 128256 * 4 + 128256 * 4096 * 4  # 8 x the tokens, 1 chunk
+
+    (opt, naive) = rows(arch, ParallelDims(dp=8), 4, Cluster(), MemoryInputs(rollout_seqs=1024, seq_len=1024, logits_chunk=None))
     gen_peak = n // 2 + n + gen_weights + 16 * GIB
     assert embed > layer and gen_peak > train_peak
     assert opt["memory_per_rank_bytes"] == gen_peak
     assert naive["memory_per_rank_bytes"] == gen_peak + embed * 2
+
+
+def test_logprob_pass_memory_by_hand():
+    """One no-grad log-prob micro-batch of SmolLM2-135M (h 576, i 1536, V 49,152), fp32, 16 x (16 +
+    1,024) tokens, with entropy: the plain pass holds 3 fp32 [16 x 1,025, V] buffers (logits, softmax,
+    their product), the chunked one 3 [1,024, V]; both plus the final and the kept hidden states.
+    bench/logprob_memory.py measures both against these."""
+    from hybridflow.planning.cost import logprob_pass_bytes
+
+    arch = load_arch("smollm2-135m")
+    hidden = (16 * 1040 + 16 * 1024) * 576 * 4
+    plain = logprob_pass_bytes(arch, MemoryInputs(compute_bytes=4, micro_batch=16, seq_len=1040, response_len=1024, logits_chunk=None))
+    chunked = logprob_pass_bytes(arch, MemoryInputs(compute_bytes=4, micro_batch=16, seq_len=1040, response_len=1024, logits_chunk=1024))
+    assert plain == hidden + 3 * 16 * 1025 * 49152 * 4
+    assert chunked == hidden + 3 * 1024 * 49152 * 4
+    # a short chunk: a decoder layer's MLP (3 h + 3 i per token) is the larger transient
+    small = logprob_pass_bytes(arch, MemoryInputs(compute_bytes=4, micro_batch=16, seq_len=1040, response_len=1024, logits_chunk=64))
+    assert small == (3 * 576 + 3 * 1536) * 16 * 1040 * 4
 
 
 def test_search_ranks_and_says_why(tmp_path):

@@ -48,6 +48,9 @@ def parser() -> argparse.ArgumentParser:
     w.add_argument("--response-length", type=int, default=1024)
     w.add_argument("--micro-batch", type=int, default=1, help="sequences per training micro-batch per device")
     w.add_argument("--gradient-checkpointing", action="store_true")
+    w.add_argument("--logits-chunk", type=int, default=1024, metavar="N",
+                   help="tokens per chunk of the chunked log-prob pass (actor_rollout_ref.model.fused_kernel_chunk_size); "
+                        "0: the plain [tokens, vocab] logits pass (actor_rollout_ref.model.use_fused_kernels=false)")
     w.add_argument("--resharding-buffer-percent", type=float, default=None, metavar="P",
                    help="the layer-wise switch's staging budget, 0 < P <= 1 of a rank's generation weights "
                         "(actor_rollout_ref.hybrid_engine.resharding_buffer_percent; default: 2 layers in flight)")
@@ -78,6 +81,7 @@ def cluster_from(args) -> Cluster:
 def memory_from(args) -> MemoryInputs:
     return MemoryInputs(param_bytes=DTYPE_BYTES[args.param_dtype], compute_bytes=DTYPE_BYTES[args.dtype], gen_bytes=DTYPE_BYTES[args.dtype],
                         strategy=args.fsdp, micro_batch=args.micro_batch, seq_len=args.prompt_length + args.response_length,
+                        response_len=args.response_length, logits_chunk=args.logits_chunk or None,
                         rollout_seqs=args.batch_size * args.n, gradient_checkpointing=args.gradient_checkpointing, lora_rank=args.lora_rank,
                         buffer_percent=args.resharding_buffer_percent)
 

@@ -15,7 +15,8 @@ Stated model (docs/planning.md explains it and its limits):
   (one collective per parameter, same per-link formula), then slices.
 - Memory per rank (bytes): training shards, gradients, AdamW state, activations of the micro-batch
   (Korthikanti et al. 2022 without the attention-score term, i.e. flash/SDPA attention, no
-  sequence parallel; x pp micro-batches in flight for 1F1B; logits in fp32 on the last stage),
+  sequence parallel; x pp micro-batches in flight for 1F1B; the fp32 logits term on the last stage:
+  [tokens, V] for the plain logits pass, [chunk, V] for the chunked one, `logits_bytes`),
   FSDP's unsharded layer buffers, generation weights and the KV cache of the rollout batch. Peak =
   max(training phase, generation phase). Not included: CUDA context, allocator fragmentation,
   temporary buffers of kernels — keep headroom.
@@ -81,6 +82,42 @@ class MemoryInputs:
     optimizer_offload: bool = False
     lora_rank: int = 0  # > 0: LoRA adapters on every projection train; the base is frozen (no grads / optimizer state)
     buffer_percent: float | None = None  # actor_rollout_ref.hybrid_engine.resharding_buffer_percent (None: 2 layers in flight)
+    response_len: int | None = None  # tokens per sequence whose log-probs are computed (None: seq_len)
+    logits_chunk: int | None = 1024  # model.fused_kernel_chunk_size under model.use_fused_kernels; None: the plain logits pass
+
+
+def logits_bytes(tokens: int, vocab: int, chunk: int | None, buffers: int) -> int:
+    """Peak bytes of a log-prob pass's fp32 vocabulary-sized buffers: `buffers` of [tokens, V] (the
+    plain pass) or of [min(chunk, tokens), V] (the chunked pass, `engine/fused_logprobs.py`)."""
+    return buffers * (tokens if chunk is None else min(chunk, tokens)) * vocab * 4
+
+
+def train_logits_bytes(arch: Arch, m: MemoryInputs) -> int:
+    """The update's logits term on the last stage. Plain: the fp32 logits and their log-softmax over
+    the micro-batch's tokens (2 x tokens x V x 4). Chunked: the chunk's logits, exp and product in
+    forward (3 x chunk x V x 4) and, for a head in less than fp32, the fp32 accumulator of its
+    weight gradient (V x H x 4)."""
+    tokens = m.micro_batch * (m.response_len or m.seq_len)
+    if m.logits_chunk is None:
+        return logits_bytes(tokens, arch.vocab, None, 2)
+    return logits_bytes(tokens, arch.vocab, m.logits_chunk, 3) + (arch.vocab * arch.hidden * 4 if m.compute_bytes < 4 else 0)
+
+
+def logprob_pass_bytes(arch: Arch, m: MemoryInputs, entropy: bool = True) -> int:
+    """Peak bytes of one no-grad log-prob micro-batch (old / ref / teacher log-probs) over the
+    resident weights: the larger of
+    - a decoder layer's forward at its MLP, (3 h + 3 i) x tokens x compute bytes: the layer's input,
+      the residual and the normed input [b, s, h]; act(gate), up and their product [b, s, i]
+      (SDPA attention: no [s, s] scores);
+    - the head: the final hidden states [b, s, h] and the kept positions [b, R, h], and the fp32
+      vocabulary buffers (`logits_bytes`): with entropy the logits, the softmax and their product
+      (3; 2 without entropy: the logits and the log-softmax), over b x (R + 1) positions (plain,
+      `logits_to_keep`) or one chunk."""
+    b, s, r = m.micro_batch, m.seq_len, m.response_len or m.seq_len
+    layer = (3 * arch.hidden + 3 * arch.intermediate) * b * s * m.compute_bytes
+    rows = b * (r + 1) if m.logits_chunk is None else b * r
+    head = (b * s + b * r) * arch.hidden * m.compute_bytes + logits_bytes(rows, arch.vocab, m.logits_chunk, 3 if entropy else 2)
+    return max(layer, head)
 
 
 def frozen_params(plan: ReshardPlan, m: MemoryInputs) -> frozenset[str]:
@@ -204,7 +241,7 @@ def memory_plan(plan: ReshardPlan, arch: Arch, layout: ParallelDims, m: MemoryIn
     acts = (L * s * b * h * m.compute_bytes + full_layer) if m.gradient_checkpointing else L * full_layer
     acts *= layout.pp if pp_i == 0 else 1  # 1F1B: the first stage holds pp micro-batches' activations
     if pp_i == layout.pp - 1:
-        acts += 2 * s * b * arch.vocab * 4  # fp32 logits and their log-softmax
+        acts += train_logits_bytes(arch, m)  # the fp32 logits term: [tokens, V] plain, [chunk, V] chunked
     gen_dp = plan.world_size // plan.gen_tp
     tokens = math.ceil(m.rollout_seqs / gen_dp) * m.seq_len
     kv = 2 * arch.layers * (arch.kv_heads // plan.gen_tp) * arch.head_dim * m.gen_bytes * tokens

@@ -3,13 +3,15 @@
 Per pool, every role placed on it keeps its resident state (parameters; optimizer state when it
 trains) for the whole run, and the phases take turns: the actor's update (gradients, activations,
 FSDP's unsharded layers), the actor's generation (generation weights, KV cache), the critic's
-update, the forward-only roles' logits. Pool peak = resident + the largest phase, from the same
+update, the forward-only roles' log-prob passes (the logits term is [tokens, vocab], or [chunk,
+vocab] under model.use_fused_kernels). Pool peak = resident + the largest phase, from the same
 cost model as `hybridflow plan` (cost.py). The budget per worker: `trainer.memory_budget_gib`
 when set; else the GPU's memory on CUDA; else, on CPU, this machine's RAM shared by every worker.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -20,7 +22,7 @@ from hybridflow.config.schema import MICRO_BATCH_CAP, FSDPConfig, HybridFlowConf
 from hybridflow.config import pools as rp
 from hybridflow.parallel.dims import ParallelDims
 from hybridflow.planning.arch import Arch, load_arch
-from hybridflow.planning.cost import DTYPE_BYTES, GIB, MemoryInputs, human, plan_for, worst_memory
+from hybridflow.planning.cost import DTYPE_BYTES, GIB, MemoryInputs, human, logprob_pass_bytes, plan_for, worst_memory
 
 log = logging.getLogger(__name__)
 BUDGET_KEY = "trainer.memory_budget_gib"
@@ -30,11 +32,15 @@ def _strategy(fc: FSDPConfig) -> str:
     return fc.sharding_strategy or ("FULL_SHARD" if fc.reshard_after_forward else "SHARD_GRAD_OP")
 
 
-def _role_memory(arch: Arch, layout: ParallelDims, gen_tp: int, fc: FSDPConfig, m: MemoryInputs, trains: bool) -> dict[str, int]:
-    """The worst rank's memory plan of one role in its training `layout` (pp x tp x dp workers)."""
+def _role_memory(arch: Arch, layout: ParallelDims, gen_tp: int, fc: FSDPConfig, m: MemoryInputs, trains: bool,
+                 log_prob: MemoryInputs | None = None) -> dict[str, int]:
+    """The worst rank's memory plan of one role in its training `layout` (pp x tp x dp workers);
+    log_prob: the inputs of its no-grad log-prob micro-batch (the actor's old log-probs, with entropy)."""
     mem = worst_memory(plan_for(arch, layout, gen_tp, m.gen_bytes, m.strategy, lora_rank=m.lora_rank), arch, layout, m)
     if not trains:  # forward only: no gradients, optimizer state or generation
-        mem = dict(mem, grads=0, optimizer=0, gen_weights=0, kv_cache=0, activations=2 * m.micro_batch * m.seq_len * arch.vocab * 4)
+        mem = dict(mem, grads=0, optimizer=0, gen_weights=0, kv_cache=0, activations=logprob_pass_bytes(arch, m, entropy=False))
+    elif log_prob is not None:  # a phase of its own: the larger of the update's and the log-prob pass's activations
+        mem = dict(mem, activations=max(mem["activations"], logprob_pass_bytes(arch, log_prob, entropy=True)))
     return mem
 
 
@@ -52,8 +58,13 @@ def pool_memory(cfg: HybridFlowConfig, roles: list[rp.Role] | None = None) -> di
               rp.Role.TEACHER: cfg.teacher.fsdp_config}.get(role, arr.actor.fsdp_config)
         compute = DTYPE_BYTES.get(fc.mixed_precision or "fp32", 4)
         gen = DTYPE_BYTES[arr.rollout.generation_dtype]  # the rollout's weights: bf16 under bf16 mixed precision
-        m = MemoryInputs(param_bytes=4, compute_bytes=compute, gen_bytes=gen, strategy=_strategy(fc), seq_len=seq,
-                         micro_batch=arr.actor.ppo_micro_batch_size_per_gpu or MICRO_BATCH_CAP,  # unset: at most the cap (derived)
+        # the role's micro-batch: the update's for the trained roles, the log-prob pass's for the forward-only ones (unset: at most the cap)
+        micro = {rp.Role.REF: arr.ref.log_prob_micro_batch_size_per_gpu, rp.Role.TEACHER: cfg.teacher.log_prob_micro_batch_size_per_gpu,
+                 }.get(role, arr.actor.ppo_micro_batch_size_per_gpu) or MICRO_BATCH_CAP
+        chunk = {rp.Role.CRITIC: None, rp.Role.REWARD_MODEL: cfg.reward_model.model.logprob_chunk(),
+                 rp.Role.TEACHER: cfg.teacher.model.logprob_chunk()}.get(role, arr.model.logprob_chunk())
+        m = MemoryInputs(param_bytes=4, compute_bytes=compute, gen_bytes=gen, strategy=_strategy(fc), seq_len=seq, response_len=d.max_response_length,
+                         logits_chunk=chunk, micro_batch=micro,
                          rollout_seqs=d.train_batch_size * rollout_n(cfg),
                          gradient_checkpointing=arr.model.enable_gradient_checkpointing, param_offload=fc.param_offload,
                          lora_rank={rp.Role.ACTOR_ROLLOUT: arr.model.lora_rank, rp.Role.CRITIC: critic.model.lora_rank}.get(role, 0))
@@ -66,7 +77,10 @@ def pool_memory(cfg: HybridFlowConfig, roles: list[rp.Role] | None = None) -> di
         a = arr.actor  # the actor's 3D layout; other roles train or score with FSDP
         pp, tp = (a.pipeline_model_parallel_size, a.tensor_model_parallel_size) if role == rp.Role.ACTOR_ROLLOUT else (1, 1)
         layout = ParallelDims(pp, tp, n // (pp * tp)) if n % (pp * tp) == 0 else ParallelDims(dp=n)
-        mem = _role_memory(role_arch, layout, gen_tp, fc, m, trains)
+        log_prob = None
+        if role == rp.Role.ACTOR_ROLLOUT:  # the old-log-prob pass runs rollout.log_prob_micro_batch_size_per_gpu sequences
+            log_prob = dataclasses.replace(m, micro_batch=arr.rollout.rollout.log_prob_micro_batch_size_per_gpu or MICRO_BATCH_CAP)
+        mem = _role_memory(role_arch, layout, gen_tp, fc, m, trains, log_prob)
         if role == rp.Role.ROLLOUT:  # generation only: no optimizer, no update
             mem = dict(mem, grads=0, optimizer=0, activations=0, fsdp_unshard=0)
         per_role.setdefault(pool, {})[role.value] = mem
