@@ -1,5 +1,6 @@
-"""Tiny HF checkpoints built fully offline (character tokenizer + random Qwen2/Llama, or a
-mixture-of-experts Qwen3-MoE / Mixtral / Qwen2-MoE: `models/moe.py`).
+"""Tiny HF checkpoints built fully offline (character tokenizer + random Qwen2/Llama, a
+mixture-of-experts Qwen3-MoE / Mixtral / Qwen2-MoE: `models/moe.py`, or a vision-language
+Qwen2-VL / Qwen2.5-VL with its processor: `models/vlm.py`).
 
 The tokenizer is character level: every printable ASCII character (space included) and
 "\\n" is exactly one token, so ``decode(encode(text)) == text`` for any such text.
@@ -16,12 +17,14 @@ import argparse
 import json
 import pathlib
 
+from hybridflow.models.vlm import VLM_ARCHS  # vision-language (models/vlm.py builds them with their processor)
+
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS = [PAD_TOKEN, IM_START, IM_END]
 MOE_ARCHS = ["qwen3_moe", "mixtral", "qwen2_moe"]  # mixture-of-experts (models/moe.py builds their configs)
-ARCHS = ["qwen2", "llama", *MOE_ARCHS]
+ARCHS = ["qwen2", "llama", *MOE_ARCHS, *VLM_ARCHS]
 
 # Same pre-tokenizer regex as Qwen2Tokenizer (transformers rebuilds this pipeline when a
 # qwen2 checkpoint is loaded with AutoTokenizer, so we build the identical one up front).
@@ -160,6 +163,9 @@ def make_tiny_model(
     `num_experts_per_tok` per token, each expert intermediate_size // 2 wide (`models/moe.py::moe_config`);
     qwen2_moe adds its shared expert (intermediate_size wide) unless shared_expert=False. The model's
     own router_aux_loss_coef is 0: the trainer adds the aux loss from model.router_aux_loss_coef.
+
+    arch qwen2_vl / qwen2_5_vl: the same text model under a 2-block vision tower, saved with its processor
+    (small-image processor + this tokenizer with the vision tokens): `models/vlm.py::make_tiny_vlm`.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig, LlamaConfig, Qwen2Config
@@ -187,6 +193,12 @@ def make_tiny_model(
     if head_dim is not None:
         common["head_dim"] = head_dim
     arch_l = arch.lower()
+    if arch_l in VLM_ARCHS:
+        if reward or tools_template:
+            raise ValueError(f"arch {arch!r}: reward models and the tools template are text-only")
+        from hybridflow.models.vlm import make_tiny_vlm
+
+        return make_tiny_vlm(out, arch_l, dict(common, vocab_size=vocab_size), tok, seed=seed)
     if arch_l == "qwen2":
         config = Qwen2Config(**common)
     elif arch_l == "llama":
