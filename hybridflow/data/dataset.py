@@ -135,7 +135,8 @@ class RLDataset(Dataset):
         rows = load_rows(files)
         for file, row_no, row in rows:
             rec = _validate_rl_row(file, row_no, row, prompt_key)
-            ids = chat_ids(tokenizer, rec["prompt"], add_generation_prompt=True)
+            extra_fields = self.encode_prompt(file, row_no, row, rec)  # {"input_ids": [...], ...more per-sample fields}
+            ids = extra_fields.pop("input_ids")
             if len(ids) > self.max_prompt_length:
                 if filter_overlong_prompts:
                     self.num_filtered += 1
@@ -156,6 +157,7 @@ class RLDataset(Dataset):
                     "extra_info": rec["extra_info"],
                     "raw_prompt": rec["prompt"],
                     "index": len(self.items),
+                    **extra_fields,
                 }
             )
         if self.num_filtered:
@@ -171,6 +173,17 @@ class RLDataset(Dataset):
                 + (" (the files hold no rows)" if not rows else
                    f" ({self.num_filtered} filtered as longer than data.max_prompt_length={self.max_prompt_length})")
             )
+
+    def encode_prompt(self, file: str, row_no: int, row: dict, rec: dict) -> dict[str, Any]:
+        """One validated row -> ``{"input_ids": prompt ids}`` (plus any per-sample fields a subclass adds:
+        the image inputs of `data/vision.py::VisionRLDataset`). A text model refuses a row with images."""
+        if row.get("images"):
+            raise DataError(
+                f"{file} row {row_no}: the row has {len(row['images'])} image(s) but this prompt dataset is text-only (a text model's "
+                f"tokenizer; images need a vision-language model's processor: hybridflow/data/vision.py) - drop the 'images' column "
+                f"or use a VLM (hybridflow make-model --arch qwen2_vl)"
+            )
+        return {"input_ids": chat_ids(self.tokenizer, rec["prompt"], add_generation_prompt=True)}
 
     def __len__(self) -> int:
         return len(self.items)

@@ -302,7 +302,8 @@ def main_make_data(argv=None) -> int:
     p = argparse.ArgumentParser(prog="hybridflow make-data",
                                 description="Write a built-in task's train/val/sft parquet files (digit_max also writes preference pairs: pref_train/pref_val)")
     p.add_argument("out_dir")
-    p.add_argument("--task", default="digit_max", choices=["digit_max", "arith_add", "code"])
+    p.add_argument("--task", default="digit_max", choices=["digit_max", "arith_add", "code", "vision"],
+                   help="vision: PIL-drawn circles, 'Which colour is the circle?' (data/vision_task.py), for a VLM (make-model --arch qwen2_vl)")
     p.add_argument("--val-fraction", type=float, default=None)
     p.add_argument("--sft-copies", type=int, default=None)
     p.add_argument("--bias-prob", type=float, default=0.75)
@@ -315,7 +316,11 @@ def main_make_data(argv=None) -> int:
         common["val_fraction"] = a.val_fraction
     if a.sft_copies is not None:
         common["sft_copies"] = a.sft_copies
-    if a.task == "digit_max":
+    if a.task == "vision":
+        from hybridflow.data.vision_task import make_vision_task
+
+        files = make_vision_task(a.out_dir, **{k: v for k, v in common.items() if k != "val_fraction"})
+    elif a.task == "digit_max":
         files = make_max_task(a.out_dir, num_digits=a.num_digits, **common)
     elif a.task == "code":
         files = make_code_task(a.out_dir, num_digits=a.num_digits, **common)

@@ -58,6 +58,7 @@ _GSM8K = ("openai/gsm8k", "gsm8k")
 # MATH-style rows (a \boxed{} answer compared as math: hybridflow/rewards/math.py), by verl's names.
 _MATH = ("math", "lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500", "math_dapo", "aime", "aime2024", "aime2025")
 _CODE = ("code",)
+_VISION = ("vision_colour",)  # the synthetic visual task (data/vision_task.py): the last word names the colour
 # Rows played against an environment (hybridflow/agent/envs.py, ecosystem.py) or by a black-box agent that scores its own
 # episode (agent/openai_agent.py): that reward is the trajectory's (`agent_reward`, added by the trainer); the rule adds nothing.
 _ENVIRONMENT = ("guess", "agent", "verifiers", "openenv")
@@ -80,6 +81,10 @@ def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_
         return math_score(solution_str, ground_truth)
     if data_source in _ENVIRONMENT:
         return 0.0
+    if data_source in _VISION:
+        from hybridflow.rewards.vision import colour_score
+
+        return colour_score(solution_str, ground_truth)
     if data_source in _CODE:
         from hybridflow.rewards.code import code_reward  # lazy: only code rewards need the sandbox
 
@@ -89,7 +94,7 @@ def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_
 
         return reasoning_gym_score(data_source, solution_str, extra_info)
     raise NotImplementedError(
-        f"no built-in reward for data_source {data_source!r} (built-in: {', '.join(_EXACT_ANSWER + _GSM8K + _MATH + _CODE + _ENVIRONMENT)}, "
+        f"no built-in reward for data_source {data_source!r} (built-in: {', '.join(_EXACT_ANSWER + _GSM8K + _MATH + _CODE + _ENVIRONMENT + _VISION)}, "
         f"reasoning_gym/<task>); "
         f"set custom_reward_function.path (and custom_reward_function.name) to a file defining "
         f"compute_score(data_source, solution_str, ground_truth, extra_info)"

@@ -1,0 +1,194 @@
+"""Image prompts: verl's multimodal parquet rows -> the processor's inputs, checked when the data is read.
+
+Row shape (verl's): an ``images`` column next to ``prompt``, a list with one entry per ``<image>``
+placeholder in the prompt's messages, in order. An entry is ``{"bytes": b"...", "path": ...}`` (what
+``datasets.Image`` writes; bytes win when both are set), raw ``bytes``, or a path string; a relative path
+is taken from the parquet file's directory. Every image is decoded and every row run through the
+processor in ``VisionRLDataset.__init__``: a missing file, undecodable bytes, or a count of placeholders
+that differs from the count of images raises one ``DataError`` line naming the file and row, before any
+worker starts (a text-only model's dataset, `data/dataset.py::RLDataset`, refuses a row with images).
+
+What travels in `Batch` (verl's names):
+- ``input_ids`` / ``attention_mask`` [B, L]: left-padded, the image placeholders expanded by the processor
+  (one ``<|image_pad|>`` per merged patch: grid_t * grid_h * grid_w / merge_size**2);
+- ``position_ids`` [B, 3, L]: Qwen2-VL's M-RoPE index (temporal, height, width; text tokens have the same
+  value in all three; pads 0). The HF model takes it as [3, B, L]: ``position_ids.transpose(0, 1)``;
+- non-tensor ``multi_modal_inputs``: per row ``{"pixel_values": [P_i, C * T * patch**2], "image_grid_thw": [n_i, 3]}``
+  (``{}`` for a row without images); `pack_multi_modal_inputs` concatenates a micro-batch's rows in order,
+  which is the layout the model's forward takes.
+
+Simplified: images only (no video); the pixel inputs are computed once when the data is read and kept in
+memory (fine for the small images of the built-in task; a large image set would process lazily).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from typing import Any, Sequence
+
+import torch
+
+from hybridflow.data.dataset import DataError, RLDataset, collate_rl
+from hybridflow.protocol import Batch
+
+IMAGE_PLACEHOLDER = "<image>"
+MULTI_MODAL_KEY = "multi_modal_inputs"
+
+
+# ------------------------------------------------------------------------------------------ images
+def load_image(value: Any, file: str, row_no: int, j: int):
+    """One ``images`` entry -> an RGB ``PIL.Image`` (decoded now), or a DataError naming file, row and image."""
+    from PIL import Image
+
+    where = f"{file} row {row_no}: image {j}"
+    path = None
+    data = None
+    if isinstance(value, dict):
+        data, path = value.get("bytes"), value.get("path")
+    elif isinstance(value, (bytes, bytearray)):
+        data = value
+    elif isinstance(value, (str, os.PathLike)):
+        path = value
+    elif isinstance(value, Image.Image):
+        return value.convert("RGB")
+    else:
+        raise DataError(f"{where}: expected {{'bytes', 'path'}}, bytes or a path, got {type(value).__name__}")
+    src = f"{len(data)} bytes" if data is not None else f"file {path}"
+    if data is None:
+        if not path:
+            raise DataError(f"{where}: neither 'bytes' nor 'path' is set")
+        full = path if os.path.isabs(path) else os.path.join(os.path.dirname(os.path.abspath(file)), path)
+        if not os.path.isfile(full):
+            raise DataError(f"{where}: image file not found: {full}")
+        try:
+            with open(full, "rb") as fh:
+                data = fh.read()
+        except OSError as e:
+            raise DataError(f"{where}: cannot read image file {full}: {e}") from e
+    try:
+        img = Image.open(io.BytesIO(data))
+        img.load()  # decode now, not inside a training step
+    except Exception as e:  # noqa: BLE001 - re-raised with file and row
+        raise DataError(f"{where}: cannot decode image ({src}): {type(e).__name__}: {e}") from e
+    return img.convert("RGB")
+
+
+def count_placeholders(messages: Sequence[dict]) -> int:
+    return sum(m["content"].count(IMAGE_PLACEHOLDER) for m in messages if isinstance(m.get("content"), str))
+
+
+def vision_messages(messages: Sequence[dict]) -> list[dict]:
+    """verl's ``<image>`` placeholders -> the processor's content lists: "a<image>b" ->
+    [{"type": "text", "text": "a"}, {"type": "image"}, {"type": "text", "text": "b"}] (empty texts dropped);
+    a message without a placeholder keeps its string content."""
+    out = []
+    for m in messages:
+        content = m["content"]
+        if IMAGE_PLACEHOLDER not in content:
+            out.append({"role": m["role"], "content": content})
+            continue
+        parts: list[dict] = []
+        for k, seg in enumerate(content.split(IMAGE_PLACEHOLDER)):
+            if k:
+                parts.append({"type": "image"})
+            if seg:
+                parts.append({"type": "text", "text": seg})
+        out.append({"role": m["role"], "content": parts})
+    return out
+
+
+def row_images(file: str, row_no: int, row: dict, messages: Sequence[dict], image_key: str = "images") -> list:
+    """The row's decoded images, checked against its ``<image>`` placeholders (one line naming file and row)."""
+    raw = row.get(image_key)
+    raw = list(raw) if raw is not None else []
+    n_ph = count_placeholders(messages)
+    if n_ph != len(raw):
+        more = "more" if n_ph > len(raw) else "fewer"
+        raise DataError(f"{file} row {row_no}: the prompt has {n_ph} {IMAGE_PLACEHOLDER} placeholder(s), {more} than "
+                        f"the {len(raw)} image(s) in column {image_key!r}; they must match one to one, in order")
+    return [load_image(v, file, row_no, j) for j, v in enumerate(raw)]
+
+
+def encode_vision_prompt(processor, messages: Sequence[dict], images: Sequence) -> dict[str, Any]:
+    """Chat messages with ``<image>`` placeholders + their images -> ``{"input_ids": list[int],
+    "multi_modal_inputs": {"pixel_values": [P, C*T*patch**2], "image_grid_thw": [n, 3]} or {}}``
+    (the processor's own expansion of the image tokens; the generation prompt appended)."""
+    text = processor.apply_chat_template(vision_messages(messages), add_generation_prompt=True, tokenize=False)
+    enc = processor(text=[text], images=list(images) or None, return_tensors="pt")
+    mm = {"pixel_values": enc["pixel_values"], "image_grid_thw": enc["image_grid_thw"]} if images else {}
+    return {"input_ids": [int(x) for x in enc["input_ids"][0]], MULTI_MODAL_KEY: mm}
+
+
+# ----------------------------------------------------------------------------------- position ids
+def _rope_model_class(config):
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLModel
+
+    classes = {"qwen2_vl": Qwen2VLModel, "qwen2_5_vl": Qwen2_5_VLModel}
+    if config.model_type not in classes:
+        raise ValueError(f"no M-RoPE index for model_type {config.model_type!r} (known: {sorted(classes)})")
+    return classes[config.model_type]
+
+
+def mrope_position_ids(config, input_ids: torch.Tensor, attention_mask: torch.Tensor, image_grid_thw: torch.Tensor | None) -> torch.Tensor:
+    """Qwen2-VL's 3-D rope index, computed by the model class's own ``get_rope_index`` (no weights needed).
+
+    input_ids, attention_mask: [B, L]; image_grid_thw: [N, 3] for the batch's N images in row order.
+    Returns [B, 3, L] (verl's layout; the model takes [3, B, L])."""
+    cls = _rope_model_class(config)
+
+    class _Shim:  # get_rope_index only reads self.config and calls self.get_vision_position_ids
+        get_vision_position_ids = cls.get_vision_position_ids
+
+    shim = _Shim()
+    shim.config = config
+    mm_token_type_ids = (input_ids == config.image_token_id).long()  # text 0, image 1 (the processor's mm_token_type_ids)
+    pos, _deltas = cls.get_rope_index(shim, input_ids, mm_token_type_ids=mm_token_type_ids, image_grid_thw=image_grid_thw,
+                                      attention_mask=attention_mask)  # [3, B, L]
+    return pos.transpose(0, 1).contiguous()  # [B, 3, L]
+
+
+def pack_multi_modal_inputs(rows: Sequence[dict]) -> dict[str, torch.Tensor]:
+    """Per-row ``multi_modal_inputs`` -> one forward's kwargs: pixel_values [sum P_i, D], image_grid_thw [sum n_i, 3]
+    (rows concatenated in order, as the model matches images to ``<|image_pad|>`` runs left to right); {} if no images."""
+    rows = [r for r in rows if r]
+    if not rows:
+        return {}
+    return {"pixel_values": torch.cat([r["pixel_values"] for r in rows]), "image_grid_thw": torch.cat([r["image_grid_thw"] for r in rows])}
+
+
+# ------------------------------------------------------------------------------------------ dataset
+class VisionRLDataset(RLDataset):
+    """`RLDataset` for a vision-language model: each row's images are decoded and run through the
+    processor when the dataset is built. ``truncation`` left/right would cut image tokens, so over-long
+    prompts are filtered (``filter_overlong_prompts``) or refused (truncation "error")."""
+
+    def __init__(self, files, processor, max_prompt_length: int, prompt_key: str = "prompt", filter_overlong_prompts: bool = True,
+                 truncation: str = "error", image_key: str = "images"):
+        if not filter_overlong_prompts and truncation != "error":
+            raise DataError(f"data.truncation={truncation!r} would cut image tokens out of a prompt; with images set "
+                            f"data.filter_overlong_prompts=true or data.truncation=error")
+        self.processor = processor
+        self.image_key = image_key
+        super().__init__(files, processor.tokenizer, max_prompt_length, prompt_key, filter_overlong_prompts, truncation)
+
+    def encode_prompt(self, file: str, row_no: int, row: dict, rec: dict) -> dict[str, Any]:
+        images = row_images(file, row_no, row, rec["prompt"], self.image_key)
+        try:
+            return encode_vision_prompt(self.processor, rec["prompt"], images)
+        except DataError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the processor's error, with file and row
+            raise DataError(f"{file} row {row_no}: the processor refused the row: {type(e).__name__}: {e}") from e
+
+
+def collate_vision(items: list[dict], pad_token_id: int, max_prompt_length: int, model_config, padding: str = "max_length") -> Batch:
+    """`collate_rl` + the image inputs: position_ids becomes the M-RoPE index [B, 3, L] and each row's
+    ``multi_modal_inputs`` rides as a non-tensor."""
+    batch = collate_rl(items, pad_token_id, max_prompt_length, padding)
+    mm = [it.get(MULTI_MODAL_KEY) or {} for it in items]
+    grid = pack_multi_modal_inputs(mm).get("image_grid_thw")
+    batch["position_ids"] = mrope_position_ids(model_config, batch["input_ids"], batch["attention_mask"], grid)
+    batch[MULTI_MODAL_KEY] = mm
+    return batch

@@ -1,0 +1,215 @@
+"""Vision-language models: the tiny VLM checkpoint, the image data path, and the synthetic visual task.
+
+Oracles are independent of the code under test: the HF processor called directly on hand-built content
+lists and PIL images opened here; the model's own M-RoPE index (position_ids=None) against ours; pixel
+counts of the drawn images against the circle's area.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from hybridflow.data.dataset import DataError, RLDataset
+from hybridflow.data.tasks import main_make_data, write_parquet
+from hybridflow.data.vision import VisionRLDataset, collate_vision, pack_multi_modal_inputs
+from hybridflow.data.vision_task import BACKGROUND, COLOURS, QUESTION, draw_circle, make_vision_task, png_bytes, wrong_colour
+from hybridflow.models.tiny import build_char_tokenizer, main_make_model
+from hybridflow.models.vlm import is_vlm_dir, load_processor
+from hybridflow.rewards.scorers import compute_score
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("vlm") / "qwen2_vl"
+    assert main_make_model([str(out), "--arch", "qwen2_vl"]) == 0
+    return out
+
+
+def _load_model(path):
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+def _img(colour=(200, 20, 20), size=56):
+    return Image.new("RGB", (size, size), colour)
+
+
+def _oracle(processor, content: list[dict], images: list):
+    """The HF processor's own output for a hand-built user message (no hybridflow code)."""
+    text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False)
+    return processor(text=[text], images=images, return_tensors="pt")
+
+
+# ----------------------------------------------------------------------------------------- model
+def test_tiny_vlm_builds_loads_and_is_deterministic(vlm_dir):
+    from transformers import AutoConfig
+
+    assert is_vlm_dir(vlm_dir)
+    cfg = AutoConfig.from_pretrained(str(vlm_dir))
+    assert cfg.model_type == "qwen2_vl"
+    processor = load_processor(vlm_dir)  # AutoProcessor.from_pretrained(dir)
+    tok = processor.tokenizer
+    assert [tok.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>")] == [
+        cfg.vision_start_token_id, cfg.vision_end_token_id, cfg.image_token_id]
+    assert tok.decode(tok("max 3 8 1", add_special_tokens=False)["input_ids"]) == "max 3 8 1"  # the char tokenizer's text ids
+    enc = _oracle(processor, [{"type": "image"}, {"type": "text", "text": "Which colour?"}], [_img()])
+    # 56 x 56 px -> grid (1, 4, 4) patches of 14 px -> 16 / 2**2 = 4 image tokens
+    assert enc["image_grid_thw"].tolist() == [[1, 4, 4]] and int((enc["input_ids"] == cfg.image_token_id).sum()) == 4
+    m1, m2 = _load_model(vlm_dir), _load_model(vlm_dir)
+    with torch.no_grad():
+        l1, l2 = m1(**enc).logits, m2(**enc).logits
+        l_other = m1(**_oracle(processor, [{"type": "image"}, {"type": "text", "text": "Which colour?"}], [_img((20, 20, 200))])).logits
+    assert l1.shape == (1, enc["input_ids"].shape[1], len(tok)) and torch.equal(l1, l2)
+    assert not torch.equal(l1, l_other)  # the pixels reach the logits
+    out = m1.generate(**enc, max_new_tokens=4, do_sample=False)
+    assert out.shape == (1, enc["input_ids"].shape[1] + 4) and torch.equal(out[:, : enc["input_ids"].shape[1]], enc["input_ids"])
+
+
+def test_tiny_qwen2_5_vl_forward(tmp_path):
+    from hybridflow.models.tiny import make_tiny_model
+
+    out = make_tiny_model(tmp_path / "q25", arch="qwen2_5_vl")
+    processor, model = load_processor(out), _load_model(out)
+    assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    enc = _oracle(processor, [{"type": "image"}, {"type": "text", "text": "Hi"}], [_img()])
+    with torch.no_grad():
+        assert torch.isfinite(model(**enc).logits).all()
+
+
+# ------------------------------------------------------------------------------------------ data
+def _rows(tmp_path):
+    """Images as bytes, as a relative path, two in one message, and a text-only row."""
+    (tmp_path / "imgs").mkdir(exist_ok=True)
+    _img((20, 200, 20), 28).save(tmp_path / "imgs" / "g.png")
+    base = {"data_source": "vision_colour", "reward_model": {"style": "rule", "ground_truth": "red"}}
+    return [
+        dict(base, prompt=[{"role": "user", "content": "<image>Which colour?"}], images=[{"bytes": png_bytes(_img()), "path": None}]),
+        dict(base, prompt=[{"role": "user", "content": "Look: <image> ok"}], images=[{"bytes": None, "path": "imgs/g.png"}]),
+        dict(base, prompt=[{"role": "user", "content": "<image>and<image>"}],
+             images=[{"bytes": png_bytes(_img((0, 0, 255), 56)), "path": None}, {"bytes": png_bytes(_img((9, 9, 9), 28)), "path": None}]),
+        dict(base, prompt=[{"role": "user", "content": "no image here"}], images=[]),
+    ]
+
+
+def test_data_path_equals_processor(vlm_dir, tmp_path):
+    processor = load_processor(vlm_dir)
+    f = write_parquet(_rows(tmp_path), tmp_path / "mm.parquet")
+    ds = VisionRLDataset(str(f), processor, max_prompt_length=96)
+    assert len(ds) == 4
+    g = Image.open(tmp_path / "imgs" / "g.png").convert("RGB")
+    oracles = [
+        _oracle(processor, [{"type": "image"}, {"type": "text", "text": "Which colour?"}], [_img()]),
+        _oracle(processor, [{"type": "text", "text": "Look: "}, {"type": "image"}, {"type": "text", "text": " ok"}], [g]),
+        _oracle(processor, [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}], [_img((0, 0, 255), 56), _img((9, 9, 9), 28)]),
+        processor(text=[processor.apply_chat_template([{"role": "user", "content": "no image here"}], add_generation_prompt=True,
+                                                      tokenize=False)], return_tensors="pt"),
+    ]
+    for i, want in enumerate(oracles):
+        item = ds[i]
+        assert item["input_ids"] == want["input_ids"][0].tolist(), i
+        mm = item["multi_modal_inputs"]
+        if "pixel_values" in want:
+            assert torch.equal(mm["pixel_values"], want["pixel_values"]) and torch.equal(mm["image_grid_thw"], want["image_grid_thw"]), i
+        else:
+            assert mm == {}
+    assert ds[2]["multi_modal_inputs"]["image_grid_thw"].tolist() == [[1, 4, 4], [1, 2, 2]]  # 4 + 1 image tokens
+
+
+def test_collated_batch_runs_the_model_like_its_own_rope_index(vlm_dir, tmp_path):
+    from transformers import AutoConfig
+
+    processor, cfg, model = load_processor(vlm_dir), AutoConfig.from_pretrained(str(vlm_dir)), _load_model(vlm_dir)
+    ds = VisionRLDataset(str(write_parquet(_rows(tmp_path), tmp_path / "mm.parquet")), processor, max_prompt_length=96)
+    batch = collate_vision([ds[i] for i in range(4)], processor.tokenizer.pad_token_id, 96, cfg, padding="longest")
+    ids, mask = batch["input_ids"], batch["attention_mask"]  # [4, L]
+    assert batch["position_ids"].shape == (4, 3, ids.shape[1]) and len(batch["multi_modal_inputs"]) == 4
+    mm = pack_multi_modal_inputs(list(batch["multi_modal_inputs"]))
+    assert mm["image_grid_thw"].shape == (4, 3)  # 1 + 1 + 2 images, row order
+    with torch.no_grad():
+        ours = model(input_ids=ids, attention_mask=mask, position_ids=batch["position_ids"].transpose(0, 1), **mm).logits
+        theirs = model(input_ids=ids, attention_mask=mask, mm_token_type_ids=(ids == cfg.image_token_id).long(), **mm).logits
+    valid = mask.bool()
+    assert torch.equal(ours[valid], theirs[valid])
+    # the text-only row: M-RoPE degenerates to 0..n-1 in all three sections
+    n = int(mask[3].sum())
+    assert batch["position_ids"][3, :, -n:].tolist() == [list(range(n))] * 3
+    sliced = batch.index([2, 0])  # a Batch op keeps each row's pixel inputs with its row
+    assert torch.equal(sliced["multi_modal_inputs"][0]["image_grid_thw"], ds[2]["multi_modal_inputs"]["image_grid_thw"])
+    out = model.generate(input_ids=ids, attention_mask=mask, mm_token_type_ids=(ids == cfg.image_token_id).long(), **mm,
+                         max_new_tokens=3, do_sample=False)
+    assert out.shape == (4, ids.shape[1] + 3)
+
+
+@pytest.mark.parametrize("case", ["missing_file", "bad_bytes", "more_placeholders", "fewer_placeholders", "text_only_model"])
+def test_bad_image_names_file_and_row(vlm_dir, tmp_path, case):
+    rows = _rows(tmp_path)
+    bad = dict(rows[0])
+    if case == "missing_file":
+        bad["images"] = [{"bytes": None, "path": "imgs/nope.png"}]
+        want = "image file not found"
+    elif case == "bad_bytes":
+        bad["images"] = [{"bytes": b"\x89PNG not really", "path": None}]
+        want = "cannot decode image"
+    elif case == "more_placeholders":
+        bad["prompt"] = [{"role": "user", "content": "<image><image>Which?"}]
+        want = "2 <image> placeholder(s), more than the 1 image(s)"
+    elif case == "fewer_placeholders":
+        bad["prompt"] = [{"role": "user", "content": "Which?"}]
+        want = "0 <image> placeholder(s), fewer than the 1 image(s)"
+    else:
+        want = "text-only"
+    f = write_parquet([rows[3], rows[3], bad], tmp_path / f"{case}.parquet")
+    with pytest.raises(DataError) as e:
+        if case == "text_only_model":
+            RLDataset(str(f), build_char_tokenizer(), 96)
+        else:
+            VisionRLDataset(str(f), load_processor(vlm_dir), 96)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"{f} row 2:") and want in msg, msg
+
+
+# ------------------------------------------------------------------------------------------- task
+def test_vision_task_images_answers_and_reward(tmp_path):
+    files = make_vision_task(tmp_path, n_train=48, n_val=16, sft_copies=4, bias_prob=0.75)
+    import pyarrow.parquet as pq
+
+    train, val, sft = (pq.read_table(files[k]).to_pylist() for k in ("train", "val", "sft"))
+    assert len(train) == 48 and len(val) == 16 and len(sft) == 48 * 4
+    palette = {v: k for k, v in COLOURS.items()}
+    for row in train + val:
+        assert row["prompt"] == [{"role": "user", "content": QUESTION}] and len(row["images"]) == 1
+        info, truth = row["extra_info"], row["reward_model"]["ground_truth"]
+        px = np.asarray(Image.open(io.BytesIO(row["images"][0]["bytes"])).convert("RGB")).reshape(-1, 3)
+        colours = {tuple(int(c) for c in p) for p in np.unique(px, axis=0)}
+        assert colours == {BACKGROUND, COLOURS[truth]}  # exactly the stated colour on white, nothing else
+        n = int((px == np.array(COLOURS[truth])).all(1).sum())
+        area = math.pi * info["r"] ** 2
+        assert abs(n - area) < 0.1 * area + 4 * info["r"], (n, area)  # the filled circle's area, up to its rim
+        assert palette[tuple(np.asarray(Image.open(io.BytesIO(row["images"][0]["bytes"])).convert("RGB"))[info["cy"], info["cx"]])] == truth
+    assert {r["images"][0]["bytes"] for r in val}.isdisjoint({r["images"][0]["bytes"] for r in train})
+    # SFT: the wrong rule (the next colour) in about bias_prob of the demonstrations, the truth otherwise
+    by_png = {r["images"][0]["bytes"]: r["reward_model"]["ground_truth"] for r in train}
+    wrong = [r["response"] == wrong_colour(by_png[r["images"][0]["bytes"]]) for r in sft]
+    assert all(w or r["response"] == by_png[r["images"][0]["bytes"]] for w, r in zip(wrong, sft))
+    assert 0.6 < sum(wrong) / len(wrong) < 0.9
+    # the reward: the last word, case-insensitive
+    assert compute_score("vision_colour", "The circle is Blue.", "blue") == {"score": 1.0, "pred": "blue"}
+    assert compute_score("vision_colour", "blue? no, red", "blue")["score"] == 0.0
+    assert compute_score("vision_colour", "", "blue") == {"score": 0.0, "pred": None}
+    assert compute_score("vision_colour", wrong_colour("blue"), "blue")["score"] == 0.0
+
+
+def test_make_data_vision_cli_rows_load(vlm_dir, tmp_path, capsys):
+    assert main_make_data([str(tmp_path / "d"), "--task", "vision", "--sft-copies", "1"]) == 0
+    files = json.loads(capsys.readouterr().out)
+    ds = VisionRLDataset(files["val"], load_processor(vlm_dir), max_prompt_length=64)
+    assert len(ds) == 64 and all(it["multi_modal_inputs"]["image_grid_thw"].tolist() == [[1, 4, 4]] for it in ds.items)
+    assert draw_circle("red", 10, 10, 5).size == (56, 56)
