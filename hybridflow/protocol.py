@@ -132,6 +132,9 @@ class Completion:
     # per token, with params.top_logprobs = k: the k most likely (token id, log-prob) under the distribution
     # sampled from (log_probs'), most likely first
     top_logprobs: Optional[tuple[tuple[tuple[int, float], ...], ...]] = None
+    # MoE with routing replay (models/routing.py): the experts each position used, [len(prompt) + n, layers, top_k]
+    # (the prompt the backend held, then the tokens; -1 = not recorded, e.g. the last token, never fed back)
+    routed_experts: Optional[torch.Tensor] = field(default=None, compare=False)
 
     @property
     def untruncated(self) -> tuple[float, ...]:
@@ -142,7 +145,8 @@ class Completion:
         return Completion(self.token_ids[:n], self.log_probs[:n], "length",
                           None if self.untruncated_log_probs is None else self.untruncated_log_probs[:n],
                           None if self.versions is None else self.versions[:n],
-                          None if self.top_logprobs is None else self.top_logprobs[:n])
+                          None if self.top_logprobs is None else self.top_logprobs[:n],
+                          None if self.routed_experts is None else self.routed_experts[: self.routed_experts.shape[0] - len(self.token_ids) + n])
 
 
 def _to_object_array(key: str, value: Any) -> np.ndarray:

@@ -107,6 +107,7 @@ class RolloutSpec:
     process: ProcessSpec
     world: int = 1  # the ranks that generate: the rollout pool (async), else the actor's
     keep_generation_buffers: bool = True  # actor_rollout_ref.hybrid_engine.keep_generation_buffers (derived by the memory plan)
+    record_routes: bool = False  # MoE: record each token's experts (actor.router_replay.mode != disabled; models/routing.py)
 
     def sampling_params(self, greedy: bool = False, seed: int = 0) -> SamplingParams:
         """How one generation call samples: rollout.* (or rollout.val_kwargs when greedy)."""
@@ -579,7 +580,8 @@ def resolve(cfg: HybridFlowConfig, kind: str = "rl") -> RunPlan:
     # A generation-only pool keeps its weights (nothing else needs the memory); colocated, the memory plan decides.
     keep = True if t.async_rollout or arr.hybrid_engine.keep_generation_buffers is None else arr.hybrid_engine.keep_generation_buffers
     rollout = RolloutSpec(arr.rollout.name, arr.model, arr.rollout, arr.generation_dtype(), dtype_source, d.max_response_length,
-                          d.max_prompt_length + d.max_response_length, process, world(gen_role), keep)
+                          d.max_prompt_length + d.max_response_length, process, world(gen_role), keep,
+                          arr.actor.router_replay.mode != "disabled")
     actor_pool = pools.get(placed.get(rp.Role.ACTOR_ROLLOUT, rp.DEFAULT_POOL))
     ref = RefSpec.of(arr.ref, world(rp.Role.REF) if rp.Role.REF in roles else world(rp.Role.ACTOR_ROLLOUT))
     actor = ActorSpec(process, arr.model, arr.actor, ref, arr.hybrid_engine, rollout, cfg.dpo, arr.rollout.n, kind, d.train_batch_size,

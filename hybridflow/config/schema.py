@@ -132,6 +132,13 @@ class PolicyLossConfig:
 
 
 @dataclass
+class RouterReplayConfig:
+    # verl's key. R3: the rollout records each token's experts (batch key routed_experts) and the actor's
+    # log-prob and update forwards use them instead of their own top-k (models/routing.py); MoE + hf rollout only.
+    mode: Literal["disabled", "R3"] = "disabled"
+
+
+@dataclass
 class ActorConfig:
     # Training is FSDP2 (verl's `strategy: fsdp | fsdp2` is accepted as a verl key: config/verl_compat.py).
     # prompts per optimizer step, global (x rollout.n inside). None = derived: the largest divisor of
@@ -172,6 +179,7 @@ class ActorConfig:
     recompute_old_log_prob: bool = True
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+    router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
 
 
 @dataclass

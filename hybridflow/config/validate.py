@@ -37,6 +37,7 @@ CHECK_MODULES = (
     "hybridflow.agent.tools",  # tool_config
     "hybridflow.rollout.base",  # rollout_backend
     "hybridflow.agent.openai_agent",  # black_box_agent
+    "hybridflow.models.routing",  # router_replay
 )
 # name -> what the function registered under it takes and returns
 CHECKS = {
@@ -47,6 +48,7 @@ CHECKS = {
     "tool_config": "(path) -> problems: the multi-turn tool YAML loads, with every tool's options (e.g. sandbox limits)",
     "black_box_agent": "(function, command, multi_turn_enabled, sandbox, sandbox_paths) -> problems: actor_rollout_ref.rollout.agent "
                        "loads (a function) or names a program (a command), sandboxed if asked, with the extra paths it sees",
+    "router_replay": "(cfg) -> problems: actor.router_replay against the model (MoE), the rollout backend (records the experts) and the layout",
     "rollout_backend": "(name, spec) -> problems: rollout.name names a registered (or importable) backend, and the backend's own checks of its RolloutSpec",
 }
 _REGISTERED: dict[str, Callable] = {}
@@ -340,6 +342,7 @@ def validate_config(cfg: HybridFlowConfig, kind: Literal["rl", "dpo"] = "rl") ->
     if kind == "dpo":
         _dpo_problems(p, cfg)
     p.extend(component_check("role_specs")(cfg, kind))  # hybridflow.run_plan: every role's spec checks itself
+    p.extend(component_check("router_replay")(cfg))  # hybridflow.models.routing: MoE, a backend that records the experts
 
     # Roles and features that do not combine in one run.
     if t.async_rollout and alg.adv_estimator == "remax":

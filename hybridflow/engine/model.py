@@ -15,6 +15,7 @@ import torch.nn as nn
 from hybridflow.algorithms import entropy_from_logits, logprobs_from_logits
 from hybridflow.engine.fused_logprobs import fused_head_problem, head_returns_logprobs, warn_once
 from hybridflow.models.exact import exact_row_logits
+from hybridflow.models.routing import set_target as replay_routes
 from hybridflow.protocol import Batch
 
 
@@ -33,6 +34,7 @@ def response_logits(model: nn.Module, mb: Batch, temperature: float = 1.0, remov
     exact: each row alone through `exact_row_logits` (its prompt without the left padding)."""
     resp_len = mb["responses"].shape[1]
     keep = _keeps_logits(model)
+    replay_routes(model, mb, packed=remove_padding and not exact)  # MoE routing replay: mb's routed_experts, if any (models/routing.py)
     if exact:
         prompt_mask = mb["attention_mask"][:, : -resp_len].bool()  # [b, P]
         return torch.cat([exact_row_logits(model, ids[:-resp_len][m], resp, temperature)
@@ -69,6 +71,7 @@ def response_logprobs(model: nn.Module, mb: Batch, temperature: float = 1.0, rem
         return logprobs_from_logits(logits, mb["responses"]), (entropy_from_logits(logits) if with_entropy else None)
     resp = mb["responses"]  # [b, R]
     b, resp_len = resp.shape
+    replay_routes(model, mb, packed=remove_padding)  # MoE routing replay: mb's routed_experts, if any (models/routing.py)
     if remove_padding:  # the valid tokens as one packed row [1, T]; the head sees the wanted positions [1, b*R, H]
         mask = mb["attention_mask"].bool()  # [b, P+R]
         row = torch.full(mask.shape, -1, dtype=torch.long, device=mask.device)

@@ -39,6 +39,7 @@ from hybridflow.parallel.layout import TrainMesh, build_train_model
 from hybridflow.protocol import Batch
 from hybridflow.run_plan import UpdatePlan
 from hybridflow.models.lora import is_adapter_param, merged_state_dict
+from hybridflow.models.routing import clear as clear_routes
 from hybridflow.utils.checkpoint import load_sharded, save_sharded
 
 # loss_fn(log_prob [b, R], entropy [b, R], mb) -> scalar: the micro-batch's share of the loss.
@@ -124,6 +125,7 @@ class TrainEngine:
             raise ValueError("a pipeline-parallel engine computes token log-probs only (TrainEngine.log_probs)")
         self.module.eval()
         batch = batch.to(self.device)
+        clear_routes(self.module)  # heads other than token log-probs route naturally
         return torch.cat([fn(self.module, mb) for mb in micro_batches(batch, micro_batch_size, max_tokens)])
 
     @torch.no_grad()
@@ -215,6 +217,7 @@ class TrainEngine:
         if self.pipe is not None:
             raise ValueError("a pipeline-parallel engine trains on token losses only (TrainEngine.forward_backward)")
         self.module.train()
+        clear_routes(self.module)  # heads other than token log-probs route naturally
         for mb in micro_batches(batch.to(self.device), micro_batch_size):
             loss_fn(self.module, mb).backward()
 

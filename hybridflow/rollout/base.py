@@ -222,4 +222,9 @@ def generate_batch(backend, prompts: Batch, params: SamplingParams, pad_id: int)
     out = rollout_batch(prompts["input_ids"], prompts["attention_mask"], responses, logps, lengths, params, untruncated_log_probs=untruncated)
     if versions is not None:
         out["rollout_policy_version"] = versions
+    if completions and completions[0].routed_experts is not None:  # MoE routing replay: [b, P+R, layers, k] (models/routing.py)
+        from hybridflow.models.routing import ROUTED_EXPERTS, batch_routes
+
+        prompt_lens = prompts["attention_mask"].sum(-1).tolist()
+        out[ROUTED_EXPERTS] = batch_routes([c.routed_experts for c in completions], prompt_lens, prompts["input_ids"].shape[1], R)
     return out

@@ -42,14 +42,19 @@ from hybridflow.rollout.scheduler import ContinuousScheduler, unsupported_reason
 class HFRollout:
     def __init__(self, model: torch.nn.Module, tokenizer, device: str, tp_index: int = 0, dp_index: int = 0, gen_tp: int = 1,
                  keep_buffers: bool = True, exact: bool = False, continuous: bool = True, max_num_seqs: int = 32,
-                 max_num_batched_tokens: int = 8192, keep_tokens: int = 8192):
+                 max_num_batched_tokens: int = 8192, keep_tokens: int = 8192, record_routes: bool = False):
         """keep_buffers: keep the weights' memory while asleep (False: `sleep()` frees every storage
         but the static pieces', `wake()` re-allocates them; the next weight sync fills them).
         exact: sample through `exact_row_logits`, the trainer's own computation (`_generate_exact`).
         continuous: batch per decode step (`ContinuousScheduler`: max_num_seqs rows, at most
         max_num_batched_tokens prompt tokens per prefill step, keep_tokens cached tokens of finished
-        sessions); False: per call (`_generate`)."""
+        sessions); False: per call (`_generate`).
+        record_routes: an MoE model's completions carry each position's experts (`routed_experts`,
+        models/routing.py: routing replay)."""
         self.exact = exact
+        from hybridflow.models.routing import RouteRecorder
+
+        self.recorder = RouteRecorder(model) if record_routes else None
         self.exact_model: torch.nn.Module | None = None  # exact at gen_tp = N: the training engine's module samples
         from hybridflow.parallel.tensor_parallel import gen_shard_dims
 
@@ -72,7 +77,7 @@ class HFRollout:
         self.call_lock = threading.RLock()  # the per-call and exact paths: one call at a time, weights written between calls
         self.scheduler = None if why else ContinuousScheduler(
             model, tokenizer, device, dp_index=dp_index, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            keep_tokens=keep_tokens, version=lambda: self.policy_version, epoch=lambda: self.weight_epoch)
+            keep_tokens=keep_tokens, version=lambda: self.policy_version, epoch=lambda: self.weight_epoch, recorder=self.recorder)
 
     def pause(self) -> contextlib.AbstractContextManager:
         """No generation step runs inside this context: the scheduler waits between two steps (per
@@ -194,8 +199,10 @@ class HFRollout:
             output_scores=sample,  # after temperature, top-k and top-p: the behaviour log-probs
             return_dict_in_generate=True,
         )
-        out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=gen_cfg, tokenizer=tok)
+        with self.recorder.capture() if self.recorder is not None else contextlib.nullcontext([]) as forwards:
+            out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=gen_cfg, tokenizer=tok)
         gen = out.sequences[:, input_ids.shape[1] :]  # [b, R'] with R' <= R
+        routes = self._routes(forwards, attention_mask, gen.shape[1]) if self.recorder is not None else [None] * gen.shape[0]
         logits = torch.stack(out.logits, dim=1).float() / temperature  # [b, R', V]
         untruncated = logprobs_from_logits(logits, gen).cpu()  # [b, R']
         # HF's processed scores: logits / T with the tokens top-k / top-p cut set to -inf
@@ -214,8 +221,22 @@ class HFRollout:
                 bool(params.stop) and tok.decode(toks).endswith(tuple(params.stop)))
             i = len(completions)
             completions.append(Completion(tuple(toks), tuple(logp[i, :n].tolist()), "stop" if stopped else "length",
-                                          tuple(untruncated[i, :n].tolist()), top_logprobs=None if top is None else tuple(top[i][:n])))
+                                          tuple(untruncated[i, :n].tolist()), top_logprobs=None if top is None else tuple(top[i][:n]),
+                                          routed_experts=None if routes[i] is None else routes[i][: int(attention_mask[i].sum()) + n]))
         return completions
+
+    def _routes(self, forwards: list[torch.Tensor], attention_mask: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """One `generate`'s router records -> per row [p_i + steps, L, k]: its prompt's (the prefill forward,
+        [b*P, L, k], without the left padding), then each decode step's input token ([b, L, k] each: the
+        token sampled the step before), then -1 for the last sampled token (never fed back)."""
+        b, P = attention_mask.shape
+        if len(forwards) != steps:
+            raise RuntimeError(f"routing record: generate ran {len(forwards)} forwards for {steps} sampled tokens")
+        pre = forwards[0].view(b, P, *forwards[0].shape[1:])  # [b, P, L, k]
+        dec = torch.stack(forwards[1:], dim=1) if steps > 1 else pre[:, :0]  # [b, steps - 1, L, k]
+        last = self.recorder.empty(1)
+        mask = attention_mask.bool().cpu()
+        return [torch.cat([pre[i][mask[i]], dec[i], last]) for i in range(b)]
 
 
     def _generate_exact(self, request: Request, position: int) -> Completion:
@@ -280,4 +301,4 @@ def build_hf_rollout(ctx: RolloutContext) -> HFRollout:
     r = ctx.spec.rollout  # continuous batching's keys (vLLM's names), where the config has them
     return HFRollout(model, ctx.tokenizer, ctx.device, tp_index, dp_index, gen_tp, keep_buffers=ctx.spec.keep_generation_buffers,
                      exact=r.exact, continuous=r.continuous_batching, max_num_seqs=getattr(r, "max_num_seqs", 32),
-                     max_num_batched_tokens=getattr(r, "max_num_batched_tokens", 8192))
+                     max_num_batched_tokens=getattr(r, "max_num_batched_tokens", 8192), record_routes=getattr(ctx.spec, "record_routes", False))

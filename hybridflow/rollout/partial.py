@@ -27,6 +27,7 @@ from __future__ import annotations
 import uuid
 from typing import Callable, Sequence
 
+from hybridflow.models.routing import merge_routes
 from hybridflow.protocol import Completion, Request
 from hybridflow.rollout.base import Continuation, KeptCompletion, PrefixMissing
 
@@ -49,6 +50,7 @@ def generate_in_segments(requests: Sequence[Request], call: Call, chunk: int) ->
     untruncated: list[list[float]] = [[] for _ in range(n)]
     versions: list[list[int]] = [[] for _ in range(n)]
     top: list[list] = [[] for _ in range(n)]  # with params.top_logprobs
+    routes: list = [None] * n  # MoE routing replay: each position's experts over the segments (models/routing.py)
     finish: list[str] = ["length"] * n
     running, segment = list(range(n)), 0
     call_id = uuid.uuid4().hex  # a request's segments are one session (the replica that has its prefix)
@@ -79,10 +81,11 @@ def generate_in_segments(requests: Sequence[Request], call: Call, chunk: int) ->
             untruncated[i] += c.untruncated
             versions[i] += list(c.versions) if c.versions is not None else [version] * len(c.token_ids)  # the replica's own record first
             top[i] += c.top_logprobs or ()
+            routes[i] = merge_routes(routes[i], c.routed_experts)  # a segment covers the prompt and every token so far
             if c.finish_reason == "stop" or len(tokens[i]) >= requests[i].params.max_new_tokens:
                 finish[i] = c.finish_reason
             else:
                 still.append(i)
         running, segment = still, segment + 1
     return [Completion(tuple(tokens[i]), tuple(logps[i]), finish[i], tuple(untruncated[i]), tuple(versions[i]),
-                       tuple(top[i]) if requests[i].params.top_logprobs else None) for i in range(n)]
+                       tuple(top[i]) if requests[i].params.top_logprobs else None, routes[i]) for i in range(n)]

@@ -113,6 +113,7 @@ class _Seq:
     untruncated: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
     top: list[tuple] = dataclasses.field(default_factory=list)
+    routes: list[tuple[int, torch.Tensor]] = dataclasses.field(default_factory=list)  # (first position, [n, L, k]) per forward (MoE record)
     submitted: float = 0.0
 
     @property
@@ -148,17 +149,19 @@ class SchedulerStats:
 class ContinuousScheduler:
     def __init__(self, model: torch.nn.Module, tokenizer, device: str, *, dp_index: int = 0, max_num_seqs: int = 32,
                  max_num_batched_tokens: int = 8192, keep_tokens: int = 32768, version: Callable[[], Optional[int]] = lambda: None,
-                 epoch: Callable[[], int] = lambda: 0):
+                 epoch: Callable[[], int] = lambda: 0, recorder=None):
         """max_num_seqs: rows in the running batch (slots); max_num_batched_tokens: tokens one prefill
         step feeds (at least one request is admitted whatever its length); keep_tokens: kept sessions'
         cached tokens in all; version(): the policy version each sampled token records (None: none);
         epoch(): the backend's weight-update count (with the parameters' version counters: a change
-        makes every cache stale)."""
+        makes every cache stale); recorder: a `models.routing.RouteRecorder` on the model (MoE routing replay):
+        each completion carries the experts of every position a forward computed for it."""
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         self.model, self.tok, self.device, self.dp_index = model, tokenizer, device, dp_index
         self.max_num_seqs, self.max_num_batched_tokens, self.keep_tokens = max_num_seqs, max_num_batched_tokens, keep_tokens
         self.version, self.epoch = version, epoch
+        self.recorder = recorder
         self.pad = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)  # fed under mask 0 only
         self.cache_kw = _cache_kwarg(model)
         self.logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
@@ -406,7 +409,13 @@ class ContinuousScheduler:
         self.stats.prefill_steps += 1
         self.stats.prefill_tokens += sum(len(s.ids) - s.cached for s in rows)
         cache = self._cache_from(kv)
-        logits = self._forward(input_ids, mask, cache)
+        starts = [s.cached for s in rows]
+        with self._recording() as forwards:
+            logits = self._forward(input_ids, mask, cache)
+        if forwards:  # [B*N, L, k]: row j's new tokens are its last len(ids) - cached columns
+            fw = forwards[0].view(B, N, *forwards[0].shape[1:])
+            for j, (s, start) in enumerate(zip(rows, starts)):
+                s.routes.append((start, fw[j, N - (len(s.ids) - start):]))
         for s in rows:
             s.cached = len(s.ids)
         self._merge(rows, cache, mask)
@@ -417,11 +426,17 @@ class ContinuousScheduler:
         input_ids = torch.tensor([[s.ids[-1]] for s in self.running], dtype=torch.long, device=self.device)  # [B, 1]
         mask = torch.cat([self.mask, torch.ones((B, 1), dtype=torch.long, device=self.device)], dim=1)
         self.stats.decode_steps += 1
-        logits = self._forward(input_ids, mask, self.cache)  # the cache grows by one column in place
+        with self._recording() as forwards:
+            logits = self._forward(input_ids, mask, self.cache)  # the cache grows by one column in place
+        for j, s in enumerate(self.running if forwards else ()):  # [B, L, k]: each row's last token
+            s.routes.append((len(s.ids) - 1, forwards[0][j:j + 1]))
         self.mask = mask
         for s in self.running:
             s.cached += 1
         self._sample_and_retire(logits, list(self.running), offset=0)
+
+    def _recording(self):
+        return self.recorder.capture() if self.recorder is not None else contextlib.nullcontext([])
 
     def _cache_from(self, kv: KV, reuse=None):
         """A DynamicCache holding `kv` (empty: a fresh one). reuse: a cache whose layers take `kv` as
@@ -502,8 +517,13 @@ class ContinuousScheduler:
 
     def _completion(self, s: _Seq, finish: str) -> Completion:
         cls = KeptCompletion if s.request.session is not None and s.request.session in self.kept else Completion
+        routes = None
+        if self.recorder is not None:  # [len(ids), L, k]: later forwards of a position (a prefill again) win; -1 = none computed here
+            routes = self.recorder.empty(len(s.ids))
+            for start, r in s.routes:
+                routes[start:start + r.shape[0]] = r
         return cls(tuple(s.tokens), tuple(s.logps), finish, tuple(s.untruncated), tuple(s.versions) if s.versions else None,
-                   tuple(s.top) if s.params.top_logprobs > 0 else None)
+                   tuple(s.top) if s.params.top_logprobs > 0 else None, routes)
 
     # ------------------------------------------------------------------ kept sessions
     def _keep(self, s: _Seq, row: int) -> None:

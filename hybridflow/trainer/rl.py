@@ -287,11 +287,12 @@ class RLTrainer:
         actor, ref, critic = self.actor, self.ref, self.critic
         actor_pool = self.pool_of(Role.ACTOR_ROLLOUT)
         agent_keys = (["raw_prompt", "extra_info"], ["agent_reward"]) if self.agent is not None else ([], [])
-        gen_stages = [Stage("gen", self._generate, PROMPT_KEYS + agent_keys[0], GEN_OUTPUTS + agent_keys[1], pool=actor_pool)]
+        routes = self._route_keys()
+        gen_stages = [Stage("gen", self._generate, PROMPT_KEYS + agent_keys[0], GEN_OUTPUTS + agent_keys[1] + routes, pool=actor_pool)]
         # The trainer's old log-probs: recomputed when asked, with async rollout, for rollout correction
         # and for distillation (its advantage is teacher - student log-prob).
         recompute = self.run_plan.actor.actor.recompute_old_log_prob or roles.async_rollout or c.active or roles.use_teacher
-        old_log_prob = Stage("old_log_prob", actor.compute_log_prob, TRAIN_KEYS, ["old_log_probs"], enabled=recompute)
+        old_log_prob = Stage("old_log_prob", actor.compute_log_prob, TRAIN_KEYS + routes, ["old_log_probs"], enabled=recompute)
         sync = Stage("reshard", self.weight_sync.reshard, [], [], pool=actor_pool)
         if roles.async_rollout:  # generation happens outside the flow, one batch ahead (train_step)
             gen_stages = []
@@ -313,7 +314,7 @@ class RLTrainer:
             Stage("adv", functools.partial(driver_stages.advantage, a=a, kl_ctrl=self.kl_ctrl), driver_stages.advantage_inputs(a, roles.use_critic),
                   ["token_level_rewards", "advantages", "returns"]),
             Stage("update_critic", critic.update_critic if critic else None, TRAIN_KEYS + ["values", "returns"], [], enabled=roles.use_critic),
-            Stage("update_actor", actor.update_actor, TRAIN_KEYS + (["old_log_probs"] if recompute else []) + ["advantages"]
+            Stage("update_actor", actor.update_actor, TRAIN_KEYS + routes + (["old_log_probs"] if recompute else []) + ["advantages"]
                   + (["ref_log_prob"] if roles.ref_log_prob else []) + correction_keys, []),
             sync,
         ]
@@ -335,11 +336,15 @@ class RLTrainer:
         batch["uid"] = [f"{self.loader.epoch}-{self.loader.position}-{i}" for i in range(len(batch))]
         return batch.repeat(n, interleave=True)
 
+    def _route_keys(self) -> list[str]:
+        """MoE routing replay (actor.router_replay): the rollout's experts per token, to the actor's forwards."""
+        return ["routed_experts"] if self.run_plan.actor.actor.router_replay.mode != "disabled" else []
+
     def _prepare_batch_keys(self) -> list[str]:
         """The keys a step's batch starts with (the loader's columns and the group ids)."""
         keys = PROMPT_KEYS + SAMPLE_INFO_KEYS + ["uid"]
         if self.async_rollout:  # generated outside the flow (with its version per token; agents: their reward)
-            keys += GEN_OUTPUTS + ["rollout_policy_version"] + (["agent_reward"] if self.agent is not None else [])
+            keys += GEN_OUTPUTS + ["rollout_policy_version"] + (["agent_reward"] if self.agent is not None else []) + self._route_keys()
         if self.sample_flow is not None:  # dynamic sampling: generated and scored before the flow
             keys += [k for s in self.sample_flow.stages if s.enabled for k in s.outputs]
         return keys

@@ -36,6 +36,7 @@ from hybridflow.utils.memory import rss_bytes
 from hybridflow.models.hf import DTYPES, load_hf_model
 from hybridflow.models.lora import adapters_disabled, apply_lora
 from hybridflow.models.moe import RouterMonitor, recording
+from hybridflow.models.routing import RouteReplayer
 from hybridflow.parallel.fsdp import shard_numel
 from hybridflow.parallel.layout import train_mesh
 from hybridflow.parallel.tensor_parallel import gen_shard_dims
@@ -109,6 +110,8 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
                 p.requires_grad_(False)
         self.gen_dims = gen_shard_dims(model)
         self.router = RouterMonitor.attach(model, mcfg.router_aux_loss_coef)  # MoE: expert load, aux loss (models/moe.py); None if dense
+        if acfg.router_replay.mode != "disabled":  # MoE: forwards on a batch with routed_experts use the rollout's experts (models/routing.py)
+            RouteReplayer(model)
         he = self.spec.hybrid_engine  # delta sync of the cross-pool sync: what this rank sent last (hybrid_engine/delta.py)
         self.delta_sender = DeltaSender(he.delta_full_every) if he.delta_sync else None
         self.gen_dtype = DTYPES[self.spec.rollout.generation_dtype]  # what a rollout pool holds (async: publish casts to it)
