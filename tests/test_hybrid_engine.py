@@ -98,10 +98,18 @@ def _layouts_worker(rank: int, world: int, port: int, models: dict) -> None:
                 actor(input_ids=ids, labels=ids).loss.backward()
                 opt.step()
                 opt.zero_grad()
-                for optimized in (True, False):
+                # gloo runs the optimized switch as point-to-point messages; the all-gather path (what
+                # NCCL runs) is checked too, on generation buffers poisoned first so it must write them.
+                for optimized, p2p in ((True, True), (True, False), (False, True)):
                     engine.release()
+                    engine.p2p = p2p
+                    if not p2p:
+                        engine.acquire()
+                        for buf in engine.gen_buffers():
+                            buf.fill_(float("nan"))
                     stats = engine.reshard(optimized=optimized)
-                    where = f"{label} N={world} tp={tp} {granularity} keep={keep} optimized={optimized} rank {rank}"
+                    engine.p2p = True
+                    where = f"{label} N={world} tp={tp} {granularity} keep={keep} optimized={optimized} p2p={p2p} rank {rank}"
                     assert engine.max_abs_diff() == 0.0, where  # bit-exact generation weights
                     expected = engine.plan.min_bytes(rank) if optimized else engine.plan.naive_bytes(rank)
                     assert stats["bytes_received"] == expected, where

@@ -21,7 +21,10 @@ Layer granularity coalesces each switch unit's aligned parameters into one all-g
 group (flat send/receive slices of a W-slot staging buffer) and keeps units i+1 .. i+W-1's gathers
 in flight while unit i is copied into place: W = 2 by default, or what `resharding_buffer_percent`
 allows. A unit is a layer, or consecutive layers that stage less than 1 MiB together, so small
-layers do not pay a round trip each (`staging.switch_units`). The training shards are never touched, so the
+layers do not pay a round trip each (`staging.switch_units`). On gloo (CPU) each such gather travels
+as point-to-point messages instead, one per parameter and peer, from the training shard straight to
+its place in the generation slice (`_launch_direct`; the same bytes): gloo's all-gather copies
+everything into a flat buffer of its own and out again, which cost more than the wire. The training shards are never touched, so the
 reverse switch (generation -> training) moves nothing.
 """
 
@@ -92,6 +95,9 @@ def build_plan(train_model: nn.Module, gen_shard_dims: dict[str, int | None], di
 
 
 class HybridEngine:
+    # gloo point-to-point (`_launch_direct`): dim-0 pieces of at least this many elements travel as
+    # messages of their own, straight into place; smaller ones and row-parallel ones share one.
+    DIRECT_MIN_NUMEL = 1 << 14
     def __init__(self, train_model: nn.Module, gen_model: nn.Module | dict | None, gen_shard_dims: dict[str, int | None], gen_tp: int, cfg: HybridEngineConfig,
                  device: str, procs_per_node: int | None = None, layout: ParallelDims | None = None, full_shapes: dict | None = None,
                  consecutive: bool | None = None, dtype: torch.dtype | None = None, min_unit_bytes: int = MIN_UNIT_BYTES):
@@ -133,6 +139,10 @@ class HybridEngine:
             p.name for p in self.plan.params if p.own[r] == p.need[r] and volume(p.own[r]) and p.name in self.train)
         self._borrow()
         k = self.plan.k
+        # gloo (CPU): each coalesced gather is sent as point-to-point messages straight into the
+        # generation slices (`_launch_direct`); NCCL's all-gather writes into its output itself.
+        self.p2p = dist.get_backend() == "gloo"
+        self.world_group = dist.distributed_c10d._get_default_group()
         # Every rank creates every micro-DP group, in the same order (a torch.distributed rule).
         self.micro_group = None
         for t in range(gen_tp):
@@ -272,6 +282,9 @@ class HybridEngine:
             size, c = len(ps[0].group[r]), sum(volume(p.own[r]) for p in ps)
             send, recv = self.staging[offset : offset + c], self.staging[offset + c : offset + (1 + size) * c]
             offset += (1 + size) * c
+            if self.p2p and not self.delta:
+                pending.append(self._launch_direct(ps, size, c, send, recv, tp_sharded))
+                continue
             self._pack(ps, send)
             if self.delta:
                 pending.append(self._launch_delta(ps, tp_sharded, size, c, send))
@@ -281,6 +294,64 @@ class HybridEngine:
         pool = [offset]
         exchange = self._launch_exchange([p for p in params if p.moves and not p.aligned], pool)
         return pending + exchange, pool[0]
+
+    def _launch_direct(self, ps: list[ParamPlan], size: int, c: int, send: torch.Tensor, recv: torch.Tensor, tp_sharded: bool) -> tuple:
+        """gloo: the coalesced gather as point-to-point messages, the large dim-0 pieces straight
+        into the generation slices. gloo's all-gather gathers into a flat buffer of its own
+        (relayed around a ring) and copies every piece out of it; a send / recv pair moves a tensor
+        between two processes' own memories with no copy on either side, but each message costs a
+        round of gloo's bookkeeping. So per peer of the group: one message per large dim-0
+        parameter (>= DIRECT_MIN_NUMEL elements per piece), from the training shard to its piece j
+        (from group rank j), the contiguous rows j of the generation slice [size * rows, cols]; and
+        ONE message for the rest (row-parallel weights, whose piece is a strided column block of
+        [out, size * cols] and takes a copy anyway, biases, norms), packed into `send` [c] and
+        received into `recv` [size * c] (slot j), copied into place once it arrived
+        (`_finish_layer`). The rank's own pieces are copied now, while the others arrive. Messages
+        between two ranks pair up in posting order: every rank posts, per peer in group order, its
+        sends then its receives, each in plan order with the packed one last. A direct shard that
+        is not contiguous, or not in the generation dtype, is cast / copied into `send` first.
+        Returns the pending entry (bytes received: the receive tensors' sizes; staged copies; works)."""
+        r = self.rank
+        group = ps[0].group[r]  # the group's ranks in group-rank order (consecutive, or all)
+        me, pg = group.index(r), (self.micro_group if tp_sharded else None) or self.world_group
+        direct, packed, offset = [], [], 0  # (shard [own shape], its generation pieces: size x [own shape])
+        for p in ps:
+            train = _piece(self.train[p.name])
+            d = p.train_dim
+            pieces = _piece(self.gen[p.name]).unflatten(d, (size, train.shape[d])).unbind(d)
+            if d == 0 and train.numel() >= self.DIRECT_MIN_NUMEL:
+                if train.dtype != self.dtype or not train.is_contiguous():
+                    train = send[offset : offset + train.numel()].view(train.shape).copy_(train)
+                    offset += train.numel()
+                direct.append((train, pieces))
+            else:
+                packed.append((train, pieces))
+        cp = sum(t.numel() for t, _ in packed)
+        flat = send[offset : offset + cp]
+        if packed:
+            torch.cat([t.reshape(-1) for t, _ in packed], out=flat)
+        works, staged, received, slot = [], [], 0, 0
+        for j in range(size):  # the process group's own send / recv (group ranks, tag 0): no per-call checks
+            if j == me:
+                continue
+            works += [pg.send([t], j, 0) for t, _ in direct]
+            if packed:
+                works.append(pg.send([flat], j, 0))
+            for _, pieces in direct:
+                works.append(pg.recv([pieces[j]], j, 0))
+                received += pieces[j].numel() * pieces[j].element_size()
+            if packed:
+                buf = recv[slot * cp : (slot + 1) * cp]
+                slot += 1
+                works.append(pg.recv([buf], j, 0))
+                received += buf.numel() * buf.element_size()
+                at = 0
+                for t, pieces in packed:
+                    staged.append((pieces[j], buf[at : at + t.numel()].view(t.shape)))
+                    at += t.numel()
+        for t, pieces in direct + packed:
+            pieces[me].copy_(t)
+        return ("p2p", (received, staged), works)
 
     def _pack(self, ps: list[ParamPlan], out: torch.Tensor) -> torch.Tensor:
         """This rank's shards of `ps`, flat and in order, into `out` (cast to its dtype): what one
@@ -411,12 +482,19 @@ class HybridEngine:
         shard dim; an exchange's pieces land at their boxes, next to the rank's own part."""
         received = 0
         for kind, item, work in pending:
-            if work is not None:  # None: a delta whose every payload is empty (nothing changed in the unit)
+            if work is not None and kind != "p2p":  # None: a delta whose every payload is empty (nothing changed in the unit)
                 work.wait()
             if kind == "exchange":
                 copies: list = []
                 received += self._exchange_copies(item, copies)
                 for dst, src in copies:
+                    dst.copy_(src)
+                continue
+            if kind == "p2p":  # `_launch_direct`: every piece in place but the row-parallel ones staged
+                for w in work:
+                    w.wait()
+                received += item[0]
+                for dst, src in item[1]:
                     dst.copy_(src)
                 continue
             if kind == "delta":
