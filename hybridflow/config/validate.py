@@ -48,7 +48,8 @@ CHECKS = {
     "tool_config": "(path) -> problems: the multi-turn tool YAML loads, with every tool's options (e.g. sandbox limits)",
     "black_box_agent": "(function, command, multi_turn_enabled, sandbox, sandbox_paths) -> problems: actor_rollout_ref.rollout.agent "
                        "loads (a function) or names a program (a command), sandboxed if asked, with the extra paths it sees",
-    "router_replay": "(cfg) -> problems: actor.router_replay against the model (MoE), the rollout backend (records the experts) and the layout",
+    "router_replay": "(mode, model_path, rollout_name, exact, pipeline_stages, multi_turn_or_agent) -> problems: actor.router_replay "
+                     "against the model (MoE), the rollout backend (records the experts) and the layout",
     "rollout_backend": "(name, spec) -> problems: rollout.name names a registered (or importable) backend, and the backend's own checks of its RolloutSpec",
 }
 _REGISTERED: dict[str, Callable] = {}
@@ -342,7 +343,10 @@ def validate_config(cfg: HybridFlowConfig, kind: Literal["rl", "dpo"] = "rl") ->
     if kind == "dpo":
         _dpo_problems(p, cfg)
     p.extend(component_check("role_specs")(cfg, kind))  # hybridflow.run_plan: every role's spec checks itself
-    p.extend(component_check("router_replay")(cfg))  # hybridflow.models.routing: MoE, a backend that records the experts
+    arr = cfg.actor_rollout_ref  # hybridflow.models.routing: an MoE model, a backend that records the experts, the layout
+    p.extend(component_check("router_replay")(arr.actor.router_replay.mode, arr.model.path, arr.rollout.name, arr.rollout.exact,
+                                              arr.actor.pipeline_model_parallel_size,
+                                              bool(arr.rollout.multi_turn.enable or arr.rollout.agent.function or arr.rollout.agent.command)))
 
     # Roles and features that do not combine in one run.
     if t.async_rollout and alg.adv_estimator == "remax":

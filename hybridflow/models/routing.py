@@ -196,13 +196,11 @@ def routing_agreement(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> l
 
 
 @register_check("router_replay")
-def router_replay_problems(cfg: Any) -> list[str]:
-    """actor_rollout_ref.actor.router_replay against the run: an MoE checkpoint, a backend that records
-    (hf, not its exact mode), no pipeline stages, no multi-turn agent batches."""
+def router_replay_problems(mode: str, model_path: str, rollout_name: str, exact: bool, pipeline_stages: int, multi_turn_or_agent: bool) -> list[str]:
+    """actor_rollout_ref.actor.router_replay.mode against the run: an MoE checkpoint (model_path), a backend
+    that records (hf, not its exact mode), no pipeline stages, no multi-turn agent batches."""
     from hybridflow.config.validate import model_json
 
-    arr = cfg.actor_rollout_ref
-    mode = arr.actor.router_replay.mode
     key = "actor_rollout_ref.actor.router_replay.mode"
     if mode not in MODES:
         return [f"{key} must be one of {list(MODES)}, got {mode!r}"]
@@ -210,20 +208,19 @@ def router_replay_problems(cfg: Any) -> list[str]:
         return []
     out = []
     try:
-        shape = moe_shape(model_json(arr.model.path))
+        shape = moe_shape(model_json(model_path))
     except Exception:  # noqa: BLE001 - a missing checkpoint is reported by the model checks
         shape = ()
     if shape is None:
-        out.append(f"{key}={mode} replays the experts of a mixture-of-experts model; {arr.model.path!r} is dense (no experts): set it to disabled")
-    roll = arr.rollout
-    if roll.name != "hf":
-        out.append(f"{key}={mode} needs a rollout that records each token's experts; actor_rollout_ref.rollout.name={roll.name} does not "
+        out.append(f"{key}={mode} replays the experts of a mixture-of-experts model; {model_path!r} is dense (no experts): set it to disabled")
+    if rollout_name != "hf":
+        out.append(f"{key}={mode} needs a rollout that records each token's experts; actor_rollout_ref.rollout.name={rollout_name} does not "
                    f"(only hf records them): use actor_rollout_ref.rollout.name=hf or set {key}=disabled")
-    elif roll.exact:
+    elif exact:
         out.append(f"{key}={mode} with actor_rollout_ref.rollout.exact=true: the exact sampler already routes as the trainer does (bit for bit); "
                    f"set {key}=disabled")
-    if arr.actor.pipeline_model_parallel_size > 1:
+    if pipeline_stages > 1:
         out.append(f"{key}={mode} is not wired into pipeline stages: set actor_rollout_ref.actor.pipeline_model_parallel_size=1")
-    if roll.multi_turn.enable or roll.agent.function or roll.agent.command:
+    if multi_turn_or_agent:
         out.append(f"{key}={mode}: multi-turn and agent batches do not carry the recorded experts; set {key}=disabled")
     return out
