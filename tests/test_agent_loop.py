@@ -124,6 +124,7 @@ def test_shards_packed_by_managers_merge_into_the_batch_the_driver_packs_from_ev
     """Rollout managers send their shards as tensors; the driver's merge must give the batch (and the
     agent/* metrics) that packing all trajectories in one place gives: rows back at their indices,
     prompts of different shards' widths left-padded again, versions only where a replica stamped them."""
+    import pickle
     import random
 
     from hybridflow.agent.loop import Trajectory, trajectory_metrics
@@ -145,7 +146,7 @@ def test_shards_packed_by_managers_merge_into_the_batch_the_driver_packs_from_ev
     agent = AgentRollout.__new__(AgentRollout)
     agent.tokenizer = type("Tok", (), {"pad_token_id": 1})()
     agent.settings = type("Settings", (), {"response_budget": R})()
-    parts = [(rows, pack_trajectories([trajs[j] for j in rows], 1, R), None) for rows in shards]
+    parts = [(rows, pickle.loads(pickle.dumps(pack_trajectories([trajs[j] for j in rows], 1, R))), None) for rows in shards]  # as sent
     assert len({p.prompts.shape[1] for _, p, _ in parts}) > 1  # the shards' prompt widths differ
     merged = agent.merge(parts, params, generate_calls=5, latencies=[0.1, 0.2])
     want = trajectories_to_batch(trajs, pad_id=1, params=params)
