@@ -37,6 +37,7 @@ from hybridflow.models.moe import routers  # noqa: E402
 from hybridflow.models.routing import RouteReplayer, clear, routing_agreement  # noqa: E402
 from hybridflow.models.tiny import make_tiny_model  # noqa: E402
 from hybridflow.protocol import Batch, SamplingParams  # noqa: E402
+from hybridflow.rollout.base import left_padded  # noqa: E402
 from hybridflow.rollout.hf_rollout import HFRollout  # noqa: E402
 
 
@@ -47,12 +48,7 @@ def prompts(tok, n: int, seed: int) -> Batch:
     for _ in range(n):
         digits = torch.randint(10, (int(torch.randint(2, 7, (1,), generator=g)),), generator=g)
         texts.append(f"{words[int(torch.randint(4, (1,), generator=g))]} " + " ".join(str(int(d)) for d in digits))
-    ids = [tok.encode(t, add_special_tokens=False) for t in texts]
-    P = max(map(len, ids))
-    input_ids = torch.full((n, P), tok.pad_token_id, dtype=torch.long)
-    mask = torch.zeros((n, P), dtype=torch.long)
-    for i, row in enumerate(ids):
-        input_ids[i, P - len(row):], mask[i, P - len(row):] = torch.tensor(row), 1
+    input_ids, mask = left_padded([tok.encode(t, add_special_tokens=False) for t in texts], tok.pad_token_id)
     return Batch.from_dict(tensors={"input_ids": input_ids, "attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp(min=0)})
 
 

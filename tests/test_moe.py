@@ -73,6 +73,17 @@ def test_router_monitor_load_and_aux_loss_gradient(moe_dir):
 
     model, mon, moe, mask = run(0.0)
     assert set(moe) == {"actor/moe/expert_load_min", "actor/moe/expert_load_max", "actor/moe/expert_load_entropy"}
+    # Independent oracle: HF's own router logits (output_router_logits), top-2 over the valid tokens only.
+    ids = torch.randint(3, 200, (3, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, output_router_logits=True).router_logits  # per layer [b*T, E]
+    valid = mask.reshape(-1).bool()
+    shares = torch.stack([torch.bincount(lg[valid].topk(2, dim=-1).indices.reshape(-1), minlength=4).double() / (2 * int(valid.sum()))
+                          for lg in logits])  # [layers, E]
+    want_ent = float(-(shares * shares.clamp(min=1e-30).log()).sum(-1).mean())
+    assert moe["actor/moe/expert_load_min"] == pytest.approx(float(shares.min(-1).values.mean()), abs=1e-9)
+    assert moe["actor/moe/expert_load_max"] == pytest.approx(float(shares.max(-1).values.mean()), abs=1e-9)
+    assert moe["actor/moe/expert_load_entropy"] == pytest.approx(want_ent, abs=1e-9)
     assert moe["actor/moe/expert_load_min"] <= 1 / 4 <= moe["actor/moe/expert_load_max"]
     assert 0 < moe["actor/moe/expert_load_entropy"] <= math.log(4) + 1e-9
     assert torch.stack(mon.counts).sum() == 0  # cleared by metrics()

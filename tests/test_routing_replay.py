@@ -30,14 +30,10 @@ def _model(path):
 
 def _prompts(tok, n: int = 4):
     from hybridflow.protocol import Batch
+    from hybridflow.rollout.base import left_padded
 
     texts = ["max 3 8 1", "add 2 2", "sort 9 1 4 7", "x"][:n]
-    ids = [tok.encode(t, add_special_tokens=False) for t in texts]
-    P = max(map(len, ids))
-    input_ids = torch.full((n, P), tok.pad_token_id, dtype=torch.long)
-    mask = torch.zeros((n, P), dtype=torch.long)
-    for i, row in enumerate(ids):
-        input_ids[i, P - len(row):], mask[i, P - len(row):] = torch.tensor(row), 1
+    input_ids, mask = left_padded([tok.encode(t, add_special_tokens=False) for t in texts], tok.pad_token_id)
     return Batch.from_dict(tensors={"input_ids": input_ids, "attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp(min=0)})
 
 

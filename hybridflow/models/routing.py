@@ -51,16 +51,21 @@ def routes_dtype(experts: int) -> torch.dtype:
     return torch.int8 if experts <= 127 else torch.int16 if experts <= 32767 else torch.int32
 
 
+def _moe_routers(model: nn.Module, why: str) -> tuple[list[nn.Module], int, int]:
+    """`model`'s routers in layer order, its experts and top-k; a dense model raises naming `why`."""
+    shape = moe_shape(getattr(model, "config", None))
+    layers = routers(model)
+    if shape is None or not layers:
+        raise ValueError(f"{type(model).__name__} is not a mixture-of-experts model: {why}")
+    return layers, shape[0], shape[1]
+
+
 class RouteRecorder:
     """Forward hooks on every router of `model`; inside `capture()` each router call's top-k ids
     [T, k] are kept and grouped per forward (the routers run in layer order once per forward)."""
 
     def __init__(self, model: nn.Module):
-        shape = moe_shape(getattr(model, "config", None))
-        self.layers = routers(model)
-        if shape is None or not self.layers:
-            raise ValueError(f"{type(model).__name__} is not a mixture-of-experts model: it has no routers to record")
-        self.experts, self.top_k = shape
+        self.layers, self.experts, self.top_k = _moe_routers(model, "it has no routers to record")
         self.dtype = routes_dtype(self.experts)
         self._calls: list[torch.Tensor] | None = None
         for r in self.layers:
@@ -126,11 +131,7 @@ class RouteReplayer:
     (the micro-batch's [b*T] rows, or the packed valid tokens); -1 rows route naturally."""
 
     def __init__(self, model: nn.Module):
-        shape = moe_shape(getattr(model, "config", None))
-        self.layers = routers(model)
-        if shape is None or not self.layers:
-            raise ValueError(f"{type(model).__name__} is not a mixture-of-experts model: routing replay needs MoE routers")
-        self.experts, self.top_k = shape
+        self.layers, self.experts, self.top_k = _moe_routers(model, "routing replay needs MoE routers")
         self.target: torch.Tensor | None = None  # [T, L, k] long, -1 = natural
         self.replayed_tokens = 0  # tokens whose ids came from the target (over layers), since the last reset
         for i, r in enumerate(self.layers):

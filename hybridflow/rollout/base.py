@@ -165,6 +165,18 @@ def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
     return torch.clamp(torch.cumsum(attention_mask, dim=1) - 1, min=0)
 
 
+def left_padded(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token id rows -> (input_ids, attention_mask) [b, P], left-padded to the longest row P."""
+    P = max((len(r) for r in rows), default=0)
+    ids = torch.full((len(rows), P), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), P), dtype=torch.long)
+    for i, r in enumerate(rows):
+        if len(r):
+            ids[i, P - len(r):] = torch.tensor(list(r), dtype=torch.long)
+            mask[i, P - len(r):] = 1
+    return ids, mask
+
+
 def rollout_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, responses: torch.Tensor, log_probs: torch.Tensor, lengths: torch.Tensor,
                   params: SamplingParams, loss_mask: torch.Tensor | None = None, untruncated_log_probs: torch.Tensor | None = None) -> Batch:
     """What every backend returns. Inputs: prompts [b, P] (left-padded), responses / log_probs

@@ -33,7 +33,7 @@ from hybridflow.agent.loop import AgentSettings, Trajectory, add_totals, metrics
 from hybridflow.agent.tools import load_tool_config
 from hybridflow.config.schema import AgentConfig, MultiTurnConfig
 from hybridflow.protocol import Batch, SamplingParams
-from hybridflow.rollout.base import rollout_batch
+from hybridflow.rollout.base import left_padded, rollout_batch
 
 
 def agent_settings(mt: MultiTurnConfig, max_response_length: int, agent: AgentConfig | None = None, max_prompt_length: int = 0,
@@ -91,9 +91,8 @@ def _unpack(arrays: list, totals: dict[str, float]) -> PackedTrajectories:
 
 def pack_trajectories(trajs: Sequence[Trajectory], pad_id: int, R: int) -> PackedTrajectories:
     """`trajs` (in row order) as tensors (shapes in PackedTrajectories; R = the response budget)."""
-    b, P = len(trajs), max((len(t.prompt_ids) for t in trajs), default=0)
-    prompts = torch.full((b, P), pad_id, dtype=torch.long)
-    prompt_mask = torch.zeros((b, P), dtype=torch.long)
+    b = len(trajs)
+    prompts, prompt_mask = left_padded([t.prompt_ids for t in trajs], pad_id)  # [b, P]
     responses = torch.full((b, R), pad_id, dtype=torch.long)
     loss_mask = torch.zeros((b, R), dtype=torch.long)
     logps = torch.zeros((b, R), dtype=torch.float32)
@@ -102,8 +101,6 @@ def pack_trajectories(trajs: Sequence[Trajectory], pad_id: int, R: int) -> Packe
     for i, t in enumerate(trajs):
         n = len(t.response_ids)
         assert n <= R, f"trajectory of {n} response tokens exceeds the budget {R}"
-        prompts[i, P - len(t.prompt_ids):] = torch.tensor(t.prompt_ids, dtype=torch.long)
-        prompt_mask[i, P - len(t.prompt_ids):] = 1
         responses[i, :n] = torch.tensor(t.response_ids, dtype=torch.long)
         loss_mask[i, :n] = torch.tensor(t.response_mask, dtype=torch.long)
         logps[i, :n] = torch.tensor(t.log_probs, dtype=torch.float32)
@@ -206,7 +203,7 @@ class AgentRollout:
 
             trajs: list[Trajectory | None] = [None] * sum(len(rows) for rows, _ in self._last_parts)
             for rows, ref in self._last_parts:
-                for j, t in zip(rows, ray.get(ref)):
+                for j, t in zip(rows, ray.get(ref, timeout=120)):  # a dead manager's raises at once; a stuck store does not hang
                     trajs[j] = t
             self._last = trajs
         return self._last
