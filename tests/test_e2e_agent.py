@@ -177,7 +177,10 @@ def test_tool_recipe_learns_to_call_the_calculator(ray_cluster, tmp_path):
                      "--rl-steps", "10", "trainer.progress_bar=false", *async_k2]) == 0
     s = json.loads((out / "summary.json").read_text())
     steps = [json.loads(line) for line in (out / "tool_grpo" / "metrics.jsonl").read_text().splitlines()]
-    assert [h["rollout/staleness_max"] for h in steps if "rollout/staleness_max" in h][:4] == [0.0, 1.0, 2.0, 2.0]  # k batches ahead
+    # k batches ahead: some batch holds a token k versions old, none older; a later batch may be fresher (its turns can
+    # reach the replica after the syncs: seen 0 at step 4 in one full-suite run of three), so not every step is k
+    staleness = [h["rollout/staleness_max"] for h in steps if "rollout/staleness_max" in h]
+    assert staleness[0] == 0.0 and max(staleness) == 2.0 and all(0.0 <= x <= 2.0 for x in staleness), staleness
     assert s["val_acc_after_sft"] < 0.3 and s["val_tool_calls_after_sft"] <= 0.1  # greedy: a guess in the head
     assert s["val_acc_final"] >= 0.8  # the recipe's bar
     assert s["val_tool_calls_final"] >= 0.9  # one call per held-out product
