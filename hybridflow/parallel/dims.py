@@ -19,7 +19,10 @@ Generation: TP groups of gen_tp ranks, gen_dp = world / gen_tp replicas, grouped
 The rules, checked when the object is made (one ValueError naming every size that does not fit):
 - pp, tp, dp, gen_tp and procs_per_node are integers >= 1;
 - gen_tp divides tp x dp, or is tp x dp times a divisor of pp (either way it divides the world);
-- procs_per_node (ranks per node, numbered consecutively; None = all on one node) divides the world.
+- procs_per_node (ranks per node, numbered consecutively; None = all on one node) divides the world;
+- sp (Ulysses sequence parallel, `parallel/ulysses.py`) divides dp and needs pp = tp = 1: FSDP2 still
+  shards over all dp ranks, and each group of sp consecutive ranks trains on the same rows (the data
+  is split over dp / sp), as verl does.
 
 No torch here: the driver-side config validator runs these rules (the layout checks in
 `hybridflow/run_plan.py`, registered with `hybridflow.config.validate`) before any worker starts. The device mesh is
@@ -57,6 +60,7 @@ class ParallelDims:
     gen_tp: int = 1
     consecutive: bool = False  # generation TP groups of consecutive ranks (vLLM) instead of strided (HybridFlow)
     procs_per_node: int | None = None  # None: every rank on one node
+    sp: int = 1  # Ulysses sequence parallel: sp consecutive ranks of dp share one data split (module doc)
 
     def __post_init__(self):
         problems = self.problems()
@@ -68,9 +72,13 @@ class ParallelDims:
         sizes = {"pp": self.pp, "tp": self.tp, "dp": self.dp, "gen_tp": self.gen_tp}
         if self.procs_per_node is not None:
             sizes["procs_per_node"] = self.procs_per_node
+        if self.sp != 1:
+            sizes["sp"] = self.sp
         out = [f"{name} must be an integer >= 1, got {v!r}" for name, v in sizes.items() if not _size_ok(v)]
         if out:
             return out
+        if self.dp % self.sp or (self.sp > 1 and not self.trivial):
+            out.append(f"sp ({self.sp}) must divide dp ({self.dp}) with pp = tp = 1 (Ulysses shards the sequence within the FSDP ranks)")
         if self.world % self.gen_tp:
             out.append(f"gen_tp ({self.gen_tp}) must divide the world size ({self.world} = pp x tp x dp); set it to one of {divisors(self.world)}")
         elif not self.fits_gen_tp(self.gen_tp):
@@ -107,17 +115,17 @@ class ParallelDims:
 
     @property
     def label(self) -> str:
-        parts = [f"{n}{v}" for n, v in (("pp", self.pp), ("tp", self.tp)) if v > 1]
+        parts = [f"{n}{v}" for n, v in (("pp", self.pp), ("tp", self.tp), ("sp", self.sp)) if v > 1]
         return "x".join([*parts, f"dp{self.dp}"])
 
     @classmethod
     def parse(cls, text: str) -> "ParallelDims":
-        """"pp2xtp8xdp4" / "tp2xdp2" / "dp4" (any order, missing factors 1)."""
-        sizes = {"pp": 1, "tp": 1, "dp": 1}
+        """"pp2xtp8xdp4" / "tp2xdp2" / "dp4" / "sp2xdp4" (any order, missing factors 1)."""
+        sizes = {"pp": 1, "tp": 1, "dp": 1, "sp": 1}
         for part in text.lower().replace("*", "x").split("x"):
             key, num = part[:2], part[2:]
             if key not in sizes or not num.isdigit() or int(num) < 1:
-                raise ValueError(f"bad training layout {text!r}: expected factors like pp2, tp8, dp4 joined by 'x'")
+                raise ValueError(f"bad training layout {text!r}: expected factors like pp2, tp8, dp4, sp2 joined by 'x'")
             sizes[key] = int(num)
         return cls(**sizes)
 
@@ -127,9 +135,15 @@ class ParallelDims:
 
     def dispatch(self, r: int) -> tuple[int, int, bool]:
         """Rank r's training data split (dp index, dp size, collect?): the pp x tp ranks of a dp
-        group share a chunk; the last stage's TP rank 0 returns the result."""
+        group share a chunk; the last stage's TP rank 0 returns the result. Under sp the sp
+        consecutive dp ranks share a chunk and the first of them returns it."""
         pp_i, dp_i, tp_i = self.coords(r)
-        return dp_i, self.dp, pp_i == self.pp - 1 and tp_i == 0
+        return dp_i // self.sp, self.dp // self.sp, pp_i == self.pp - 1 and tp_i == 0 and dp_i % self.sp == 0
+
+    @property
+    def data_parallel(self) -> int:
+        """How many ways the batch is split (dp / sp): mini- and micro-batches are per data rank."""
+        return self.dp // self.sp
 
     @property
     def node_size(self) -> int:
