@@ -23,6 +23,8 @@ The rules, checked when the object is made (one ValueError naming every size tha
 - sp (Ulysses sequence parallel, `parallel/ulysses.py`) divides dp and needs pp = tp = 1: FSDP2 still
   shards over all dp ranks, and each group of sp consecutive ranks trains on the same rows (the data
   is split over dp / sp), as verl does.
+- ep (expert parallelism, `parallel/expert_parallel.py`) divides dp and needs pp = tp = 1: the dp ranks
+  form (dp / ep, ep), ep innermost; each keeps its own data split (EP trades tokens, not batches).
 
 No torch here: the driver-side config validator runs these rules (the layout checks in
 `hybridflow/run_plan.py`, registered with `hybridflow.config.validate`) before any worker starts. The device mesh is
@@ -61,6 +63,9 @@ class ParallelDims:
     consecutive: bool = False  # generation TP groups of consecutive ranks (vLLM) instead of strided (HybridFlow)
     procs_per_node: int | None = None  # None: every rank on one node
     sp: int = 1  # Ulysses sequence parallel: sp consecutive ranks of dp share one data split (module doc)
+    # Expert parallelism (parallel/expert_parallel.py) borrows from dp as sp does: the dp ranks form (dp / ep, ep),
+    # ep innermost; EP rank dp_i % ep holds experts [i * E/ep, (i+1) * E/ep), FSDP2 shards them over dp / ep.
+    ep: int = 1
 
     def __post_init__(self):
         problems = self.problems()
@@ -70,6 +75,8 @@ class ParallelDims:
     def problems(self) -> list[str]:
         """What does not fit (empty when the layout is valid)."""
         sizes = {"pp": self.pp, "tp": self.tp, "dp": self.dp, "gen_tp": self.gen_tp}
+        if self.ep != 1:
+            sizes["ep"] = self.ep
         if self.procs_per_node is not None:
             sizes["procs_per_node"] = self.procs_per_node
         if self.sp != 1:
@@ -79,6 +86,8 @@ class ParallelDims:
             return out
         if self.dp % self.sp or (self.sp > 1 and not self.trivial):
             out.append(f"sp ({self.sp}) must divide dp ({self.dp}) with pp = tp = 1 (Ulysses shards the sequence within the FSDP ranks)")
+        if self.ep > 1 and (self.dp % self.ep or self.pp > 1 or self.tp > 1):
+            out.append(f"ep ({self.ep}) must divide dp ({self.dp}) and needs pp = tp = 1 (expert parallelism is built on the FSDP layout)")
         if self.world % self.gen_tp:
             out.append(f"gen_tp ({self.gen_tp}) must divide the world size ({self.world} = pp x tp x dp); set it to one of {divisors(self.world)}")
         elif not self.fits_gen_tp(self.gen_tp):
@@ -110,28 +119,33 @@ class ParallelDims:
 
     @property
     def trivial(self) -> bool:
-        """Plain FSDP over every rank (no pipeline stages, no training TP)."""
-        return self.pp == self.tp == 1
+        """Plain FSDP over every rank (no pipeline stages, no training TP, no expert parallelism)."""
+        return self.pp == self.tp == self.ep == 1
 
     @property
     def label(self) -> str:
-        parts = [f"{n}{v}" for n, v in (("pp", self.pp), ("tp", self.tp), ("sp", self.sp)) if v > 1]
+        parts = [f"{n}{v}" for n, v in (("pp", self.pp), ("tp", self.tp), ("sp", self.sp), ("ep", self.ep)) if v > 1]
         return "x".join([*parts, f"dp{self.dp}"])
 
     @classmethod
     def parse(cls, text: str) -> "ParallelDims":
-        """"pp2xtp8xdp4" / "tp2xdp2" / "dp4" / "sp2xdp4" (any order, missing factors 1)."""
-        sizes = {"pp": 1, "tp": 1, "dp": 1, "sp": 1}
+        """"pp2xtp8xdp4" / "tp2xdp2" / "dp4" / "sp2xdp4" / "ep2xdp4" (any order, missing factors 1)."""
+        sizes = {"pp": 1, "tp": 1, "dp": 1, "sp": 1, "ep": 1}
         for part in text.lower().replace("*", "x").split("x"):
             key, num = part[:2], part[2:]
             if key not in sizes or not num.isdigit() or int(num) < 1:
-                raise ValueError(f"bad training layout {text!r}: expected factors like pp2, tp8, dp4, sp2 joined by 'x'")
+                raise ValueError(f"bad training layout {text!r}: expected factors like pp2, tp8, dp4, sp2, ep2 joined by 'x'")
             sizes[key] = int(num)
         return cls(**sizes)
 
     def coords(self, r: int) -> tuple[int, int, int]:
         """(pp_i, dp_i, tp_i) of rank r (tp innermost, then dp, then pp)."""
         return r // (self.dp * self.tp), (r // self.tp) % self.dp, r % self.tp
+
+    def ep_coords(self, r: int) -> tuple[int, int]:
+        """(edp index, ep index) of rank r: EP groups are ep consecutive dp ranks."""
+        dp_i = self.coords(r)[1]
+        return dp_i // self.ep, dp_i % self.ep
 
     def dispatch(self, r: int) -> tuple[int, int, bool]:
         """Rank r's training data split (dp index, dp size, collect?): the pp x tp ranks of a dp
