@@ -19,8 +19,8 @@ path (`_generate`: the requests of one call that share their SamplingParams as o
 `generate`, the groups one after another): `continuous=False` (the default of a run, and the baseline
 `bench/continuous_batching.py` compares), gen_tp > 1 (a replica's TP ranks would each need the same steps: rank 0's schedule
 broadcast every step, not built), and a model the dense padded cache does not fit (sliding-window
-layers). The exact mode (`_generate_exact`) keeps its own path: one request at a time, the trainer's
-computation, bit for bit.
+layers). The exact mode (`_generate_exact`) keeps its own path: `generate` drafts, the trainer's
+computation decides each token (speculative sampling, `rollout/exact_sampler.py`), bit for bit.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ from transformers import GenerationConfig
 from hybridflow.algorithms import logprobs_from_logits
 from hybridflow.parallel.dtensor import free_storage, held_slice, own_storage, restore_storage
 from hybridflow.protocol import Batch, Completion, GenLayout, Request, SamplingParams, WeightPiece
-from hybridflow.rollout.base import Continuation, PrefixMissing, RolloutContext, generate_batch, response_lengths
+from hybridflow.rollout.base import Continuation, PrefixMissing, RolloutContext, generate_batch, left_padded, response_lengths
+from hybridflow.rollout.exact_sampler import Draft, sample_exact
 from hybridflow.rollout.scheduler import ContinuousScheduler, unsupported_reason
 
 
@@ -56,6 +57,7 @@ class HFRollout:
 
         self.recorder = RouteRecorder(model) if record_routes else None
         self.exact_model: torch.nn.Module | None = None  # exact at gen_tp = N: the training engine's module samples
+        self.exact_stats: dict = {}  # the exact sampler's last call: target passes, draft calls, draft tokens proposed and kept
         from hybridflow.parallel.tensor_parallel import gen_shard_dims
 
         self.model, self.tokenizer, self.device = model, tokenizer, device
@@ -161,20 +163,14 @@ class HFRollout:
             return [PrefixMissing((), (), "length") if isinstance(r, Continuation) else next(rest) for r in requests]
         if self.exact:  # one request at a time, whatever its params
             (self.exact_model or self.model).eval()
-            return [self._generate_exact(r, i) for i, r in enumerate(requests)]
+            return self._generate_exact(requests)
         pad = self.tokenizer.pad_token_id
         groups: dict[SamplingParams, list[int]] = {}
         for i, r in enumerate(requests):
             groups.setdefault(r.params, []).append(i)
         out: list[Completion | None] = [None] * len(requests)
         for params, rows in groups.items():
-            P = max(len(requests[i].prompt_ids) for i in rows)
-            input_ids = torch.full((len(rows), P), pad, dtype=torch.long)
-            attention_mask = torch.zeros((len(rows), P), dtype=torch.long)
-            for j, i in enumerate(rows):  # left padding: the prompts end where generation starts
-                ids = requests[i].prompt_ids
-                input_ids[j, P - len(ids):] = torch.tensor(ids)
-                attention_mask[j, P - len(ids):] = 1
+            input_ids, attention_mask = left_padded([requests[i].prompt_ids for i in rows], pad)  # the prompts end where generation starts
             for i, c in zip(rows, self._generate(input_ids.to(self.device), attention_mask.to(self.device), params)):
                 out[i] = c
         return out
@@ -186,19 +182,7 @@ class HFRollout:
         stop_ids = [tok.eos_token_id, *params.stop_token_ids]
         sample = params.sampling
         temperature = params.effective_temperature
-        gen_cfg = GenerationConfig(
-            max_new_tokens=params.max_new_tokens,
-            do_sample=sample,
-            temperature=temperature if sample else None,
-            top_p=params.top_p if sample else None,
-            top_k=(params.top_k if params.top_k > 0 else 0) if sample else None,
-            eos_token_id=stop_ids,
-            pad_token_id=tok.pad_token_id,
-            stop_strings=list(params.stop) or None,
-            output_logits=True,  # raw: the untruncated log-probs
-            output_scores=sample,  # after temperature, top-k and top-p: the behaviour log-probs
-            return_dict_in_generate=True,
-        )
+        gen_cfg = _generation_config(params, tok, params.max_new_tokens, output_logits=True)
         with self.recorder.capture() if self.recorder is not None else contextlib.nullcontext([]) as forwards:
             out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=gen_cfg, tokenizer=tok)
         gen = out.sequences[:, input_ids.shape[1] :]  # [b, R'] with R' <= R
@@ -239,48 +223,49 @@ class HFRollout:
         return [torch.cat([pre[i][mask[i]], dec[i], last]) for i in range(b)]
 
 
-    def _generate_exact(self, request: Request, position: int) -> Completion:
-        """One request, one token at a time: step t runs `exact_row_logits` on the prompt and the t
-        tokens so far (pads after them) and samples from its row t (temperature, then top-k / top-p,
-        with a generator seeded by the call's seed, this replica and the request's position). Its
-        row t is, bit for bit, what the trainer's pass over the finished response computes there; the
-        untruncated log-probs come from that very pass (one more forward, the trainer's shapes)."""
-        from hybridflow.models.exact import exact_row_logits
+    def _generate_exact(self, requests: Sequence[Request]) -> list[Completion]:
+        """Speculative sampling (`rollout/exact_sampler.py`): this replica's KV-cached `generate`
+        drafts, `exact_row_logits` of the trainer's module (exact_model) or of this one decides; each
+        request's draws from a generator seeded by the call's seed, this replica and its position."""
+        model = self.exact_model or self.model
+        completions, self.exact_stats = sample_exact(
+            requests, model, self._draft, self.tokenizer, self.device,
+            seed_of=lambda r, i: (r.params.seed * 1000 + self.dp_index) * 100_003 + i,
+            draft_seed=lambda params, rnd: (params.seed * 1000 + self.dp_index) * 7_919 + rnd)
+        return completions
 
-        params, tok, model = request.params, self.tokenizer, self.exact_model or self.model
-        R, T = params.max_new_tokens, params.effective_temperature
-        stop_ids = {tok.eos_token_id, *params.stop_token_ids}
-        prompt = torch.tensor(request.prompt_ids, device=self.device)
-        response = torch.full((R,), tok.pad_token_id, dtype=torch.long, device=self.device)
-        gen = torch.Generator(device=self.device).manual_seed((params.seed * 1000 + self.dp_index) * 100_003 + position)
-        behaviour, finish, n = [], "length", 0
-        while n < R:
-            logits = exact_row_logits(model, prompt, response, T)[0, n]  # [V], already / T
-            scores = _truncate(logits, params) if params.sampling else logits
-            token = int(torch.multinomial(torch.softmax(scores, -1), 1, generator=gen)) if params.sampling else int(logits.argmax())
-            behaviour.append(float(torch.log_softmax(scores, -1)[token]))
-            response[n] = token
-            n += 1
-            if token in stop_ids or (params.stop and tok.decode(response[:n].tolist()).endswith(tuple(params.stop))):
-                finish = "stop"
-                break
-        untruncated = logprobs_from_logits(exact_row_logits(model, prompt, response, T), response[None])[0, :n].tolist()
-        truncated = params.sampling and (params.top_p < 1.0 or params.top_k > 0)
-        return Completion(tuple(response[:n].tolist()), tuple(behaviour) if truncated else tuple(untruncated), finish, tuple(untruncated))
+    def _draft(self, prompts: Sequence[Sequence[int]], params: SamplingParams, max_new_tokens: int, seed: int) -> list[Draft]:
+        """The exact sampler's draft: one left-padded `generate` of `prompts` -> per row the sampled
+        tokens (up to its stop) and the processed distribution each was drawn from ([n, V] fp32)."""
+        pad = self.tokenizer.pad_token_id
+        input_ids, attention_mask = left_padded(prompts, pad)  # [b, P]
+        P = input_ids.shape[1]
+        torch.manual_seed(seed)
+        out = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
+                                  generation_config=_generation_config(params, self.tokenizer, max_new_tokens), tokenizer=self.tokenizer)
+        gen = out.sequences[:, P:]  # [b, R']
+        lengths = response_lengths(gen, [self.tokenizer.eos_token_id, *params.stop_token_ids], pad).tolist()
+        probs = torch.softmax(torch.stack(out.scores, dim=1).float(), -1) if params.sampling else None  # [b, R', V]
+        return [Draft(row[:n], None if probs is None else probs[i, :n]) for i, (row, n) in enumerate(zip(gen.tolist(), lengths))]
 
 
-def _truncate(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits [V] with the tokens top-k and top-p cut set to -inf (HF's order: top-k, then top-p;
-    top-p keeps the smallest set whose probability reaches top_p, the most likely always)."""
-    out = logits.clone()
-    if params.top_k > 0 and params.top_k < out.shape[-1]:
-        out[out < out.topk(params.top_k).values[-1]] = float("-inf")
-    if params.top_p < 1.0:
-        sorted_logits, order = out.sort(descending=True)
-        cum = torch.softmax(sorted_logits, -1).cumsum(-1)
-        cut = cum - torch.softmax(sorted_logits, -1) >= params.top_p  # the mass before a token already reaches top_p
-        out[order[cut]] = float("-inf")
-    return out
+def _generation_config(params: SamplingParams, tok, max_new_tokens: int, output_logits: bool = False) -> GenerationConfig:
+    """HF `generate`'s settings for `params`: its processed scores (after temperature, top-k and
+    top-p: what it samples from) returned when sampling; output_logits: the raw ones too."""
+    sample = params.sampling
+    return GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=sample,
+        temperature=params.effective_temperature if sample else None,
+        top_p=params.top_p if sample else None,
+        top_k=(params.top_k if params.top_k > 0 else 0) if sample else None,
+        eos_token_id=[tok.eos_token_id, *params.stop_token_ids],
+        pad_token_id=tok.pad_token_id,
+        stop_strings=list(params.stop) or None,
+        output_logits=output_logits,  # raw: the untruncated log-probs
+        output_scores=sample,  # after temperature, top-k and top-p: the behaviour log-probs
+        return_dict_in_generate=True,
+    )
 
 
 def build_hf_rollout(ctx: RolloutContext) -> HFRollout:

@@ -564,7 +564,7 @@ def _left_pad(x: torch.Tensor, width: int, dim: int = 2) -> torch.Tensor:
 def truncate_rows(scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """scores [b, V] (already / T) with each row's tokens its top-k, then its top-p cut set to -inf
     (HF's order; top-p keeps the smallest set whose probability reaches top_p, the most likely
-    always); top_k [b] (<= 0: off), top_p [b] (1.0: off). `hf_rollout._truncate`, row-wise."""
+    always); top_k [b] (<= 0: off), top_p [b] (1.0: off). `exact_sampler.truncate`, row-wise."""
     V = scores.shape[-1]
     out = scores.clone()
     k = torch.where((top_k > 0) & (top_k < V), top_k, V)
