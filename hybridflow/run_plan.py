@@ -86,9 +86,9 @@ class ProcessSpec:
             return False
 
 
-def _mesh(world: int, pp: int = 1, tp: int = 1, procs_per_node: int | None = None) -> ParallelDims:
+def _mesh(world: int, pp: int = 1, tp: int = 1, procs_per_node: int | None = None, ep: int = 1) -> ParallelDims:
     """A role's training layout over its `world` ranks (checked by the role's `problems()` first)."""
-    return ParallelDims.for_world(world, pp=pp, tp=tp, procs_per_node=procs_per_node)
+    return ParallelDims.for_world(world, pp=pp, tp=tp, procs_per_node=procs_per_node, ep=ep)
 
 
 @dataclass(frozen=True)
@@ -234,7 +234,7 @@ class ActorSpec:
     def layout(self) -> ParallelDims:
         """pp x tp x dp over the actor's pool (FSDP over dp; the colocated reference shares it)."""
         a = self.actor
-        return _mesh(self.world, a.pipeline_model_parallel_size, a.tensor_model_parallel_size, self.procs_per_node)
+        return _mesh(self.world, a.pipeline_model_parallel_size, a.tensor_model_parallel_size, self.procs_per_node, a.expert_parallel_size)
 
     def update_plan(self, dp: int) -> UpdatePlan:
         """The PPO update over dp data-parallel ranks."""
@@ -345,6 +345,8 @@ class ActorSpec:
         tp, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
         if not (p.positive(tp_key, tp) & p.positive(pp_key, pp)) or n_workers < 1:
             return n_workers
+        if p.positive(f"{A}.expert_parallel_size", a.expert_parallel_size) and a.expert_parallel_size > 1:
+            p.extend(expert_parallel_problems(self))
         if tp == pp == 1:
             return n_workers
         problems, dp = actor_layout_problems(self)
@@ -637,6 +639,26 @@ def actor_layout_problems(spec: ActorSpec) -> tuple[list[str], int | None]:
     if _size_ok(gen_tp) and not dims.fits_gen_tp(gen_tp):
         out.append(dims.gen_tp_problem(gen_tp, TP_KEY))
     return out, dims.dp
+
+
+def expert_parallel_problems(spec: ActorSpec) -> list[str]:
+    """actor.expert_parallel_size (> 1) against the model (MoE, its experts), the workers and what EP is wired with."""
+    a, key, n_workers = spec.actor, f"{A}.expert_parallel_size", spec.world
+    ep, mj = a.expert_parallel_size, model_json(spec.model.path)
+    experts = mj.get("num_experts") or mj.get("num_local_experts") or mj.get("n_routed_experts")
+    if mj and not (experts and mj.get("num_experts_per_tok")):
+        return [f"{key}={ep} needs a mixture-of-experts model; {spec.model.path!r} is dense: set it to 1"]
+    reasons = [(bool(experts) and experts % ep, f"must divide the model's {experts} experts (each EP rank holds experts / ep whole); "
+                                                f"set it to one of {divisors(experts or 1)}"),
+               (n_workers % ep, f"must divide the actor's {n_workers} workers (EP groups are ep consecutive workers); set it to one of {divisors(n_workers)}"),
+               (a.tensor_model_parallel_size > 1 or a.pipeline_model_parallel_size > 1,
+                f"needs {A}.tensor_model_parallel_size=1 and {A}.pipeline_model_parallel_size=1 (EP is built on the FSDP layout)"),
+               ("NO_SHARD" in (a.fsdp_config.sharding_strategy, spec.ref.fsdp_config.sharding_strategy),
+                "needs fsdp_config.sharding_strategy FULL_SHARD or SHARD_GRAD_OP"),
+               (spec.kind == "dpo", "is not wired into hybridflow dpo"),
+               (spec.async_rollout, "is not supported with trainer.async_rollout (the rollout pool receives FSDP shards)"),
+               (spec.save_hf_model, "is not supported with trainer.save_hf_model (the full-weights gather does not collect experts over ep)")]
+    return [f"{key}={ep} {why}" for bad, why in reasons if bad]
 
 
 def critic_layout_problems(spec: CriticSpec) -> tuple[list[str], int | None]:

@@ -161,6 +161,10 @@ class ActorConfig:
     # policy uses the same layout (it shares the actor's workers and their data split).
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    # Expert parallelism for MoE models (verl's VeOmni-engine key; parallel/expert_parallel.py): each group of
+    # this many data-parallel workers splits the experts (each holds num_experts / ep of them whole) and trades
+    # tokens by all-to-all; FSDP2 shards the experts over the workers / ep that hold the same ones. 1 = off.
+    expert_parallel_size: int = 1
     pipeline_schedule: Literal["gpipe", "1f1b"] = "1f1b"
     ppo_epochs: int = 1
     clip_ratio: float = 0.2

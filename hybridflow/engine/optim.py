@@ -44,14 +44,16 @@ def _cosine_with_min_lr(step: int, *, warmup: int, total: int, min_lr_rate: floa
     return max(0, factor * (1 - min_lr_rate) + min_lr_rate)
 
 
-def clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float, ranks_per_stage: int | None = None) -> float:
+def clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float, ranks_per_stage: int | None = None,
+                  expert_params: list = (), ep: int = 1) -> float:
     """Clip the global gradient norm (DTensor-aware), step unless it is inf/nan, zero the grads.
     ranks_per_stage: a TP / pipeline layout's tp x dp (parameters on several meshes and stages:
-    `parallel.layout.grad_norm_and_clip`); None: FSDP over the group (torch's clip_grad_norm_)."""
+    `parallel.layout.grad_norm_and_clip`; expert_params: weights sharded by expert over ep ranks);
+    None: FSDP over the group (torch's clip_grad_norm_)."""
     if ranks_per_stage is not None:
         from hybridflow.parallel.layout import grad_norm_and_clip
 
-        grad_norm = grad_norm_and_clip([p for p in model.parameters() if p.requires_grad], grad_clip, ranks_per_stage)
+        grad_norm = grad_norm_and_clip([p for p in model.parameters() if p.requires_grad], grad_clip, ranks_per_stage, expert_params, ep)
     else:
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)

@@ -44,7 +44,7 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 def apply_fsdp2(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool = True, offload: bool = False, sharding_strategy: str | None = None,
                 mixed_precision: str | None = None,
-                shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None) -> nn.Module:
+                shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None, expert_mesh: DeviceMesh | None = None) -> nn.Module:
     """Shard every decoder layer, then the root (embeddings, final norm, head) over `mesh`.
 
     sharding_strategy (PyTorch's meaning, with FSDP2): FULL_SHARD = `reshard_after_forward=True`
@@ -55,6 +55,8 @@ def apply_fsdp2(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool 
     mixed_precision: None (parameters' own dtype) | "bf16" | "fp16" = compute dtype, fp32 gradient reduction.
     shard_placement_fn: param -> Shard(dim) (None = Shard(0)) for every `fully_shard` call, e.g.
     `tensor_parallel.fsdp_shard_placement_fn(model)` to shard training along the generation TP dims.
+    expert_mesh: under expert parallelism, each MoE block's (already EP-cut) experts are their own
+    unit over this mesh (the ranks holding the same experts), inside their layer's unit (torchtitan's).
     """
     if sharding_strategy is not None and sharding_strategy not in SHARDING_STRATEGIES:
         raise ValueError(f"sharding_strategy must be one of {list(SHARDING_STRATEGIES)} or None, got {sharding_strategy!r}")
@@ -69,6 +71,11 @@ def apply_fsdp2(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool 
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=MIXED_PRECISION_DTYPES[mixed_precision], reduce_dtype=torch.float32)
     if offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    if expert_mesh is not None:
+        from hybridflow.parallel.expert_parallel import expert_modules
+
+        for experts in expert_modules(model):
+            fully_shard(experts, **dict(kwargs, mesh=expert_mesh, shard_placement_fn=None))
     for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)

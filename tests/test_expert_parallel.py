@@ -1,0 +1,120 @@
+"""Expert parallelism (parallel/expert_parallel.py): EP layouts equal one process, and the refusals.
+
+Oracle: a plain single-process HF forward/backward of the same checkpoint on the whole batch, with
+the loss the ranks' losses average to (FSDP2 averages gradients over the data-parallel ranks).
+
+Tolerances, as in test_parallel_training.py: everything is fp32; the layouts compute the same
+products and only the order of fp32 sums changes (FSDP2's reduce-scatter, the all-to-all's row
+order inside an expert's matmul, the top-k weights applied after the combine instead of before),
+so log-probs and losses agree to ~1e-6 and 1e-5 is the bound; gradients, whose entries reach ~1e-1,
+to 1e-5 absolute + 1e-4 relative. Routing is a top-k of router scores far apart at this scale, so no
+token changes experts between the layouts (a changed expert would show as an O(1e-2) difference).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+
+import pytest
+import torch
+from conftest import free_port
+
+from hybridflow.models.tiny import make_tiny_model
+
+ROWS, PROMPT, RESPONSE, EXPERTS = 8, 6, 5, 4
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("ep") / "qwen3_moe", arch="qwen3_moe", hidden_size=32, intermediate_size=64, num_experts=EXPERTS)
+
+
+def _data(vocab: int):
+    from hybridflow.protocol import Batch
+
+    g = torch.Generator().manual_seed(0)
+    plen = torch.randint(2, PROMPT + 1, (ROWS,), generator=g)
+    mask = torch.cat([(torch.arange(PROMPT)[None] >= PROMPT - plen[:, None]).long(), torch.ones(ROWS, RESPONSE, dtype=torch.long)], 1)
+    ids = torch.randint(3, vocab, (ROWS, PROMPT + RESPONSE), generator=g) * mask
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    return Batch.from_dict(tensors={"input_ids": ids, "attention_mask": mask, "position_ids": pos, "responses": ids[:, PROMPT:],
+                                    "response_mask": torch.ones(ROWS, RESPONSE), "advantages": torch.randn(ROWS, RESPONSE, generator=g)})
+
+
+def _loss(logp: torch.Tensor, mb) -> torch.Tensor:
+    return -(logp * mb["advantages"]).sum() / ROWS
+
+
+def _ep_worker(rank: int, world: int, port: int, path: str, out: str, ep: int) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    from hybridflow.config.schema import HybridFlowConfig
+    from hybridflow.parallel.expert_parallel import expert_modules, is_expert_param
+    from hybridflow.run_plan import resolve
+    from hybridflow.workers.actor_rollout_ref import ActorRolloutRefWorker
+
+    cfg = HybridFlowConfig()
+    arr = cfg.actor_rollout_ref
+    arr.model.path = path
+    arr.actor.expert_parallel_size, arr.actor.grad_clip = ep, 1e9  # the returned norm is the unclipped one either way
+    arr.actor.ppo_mini_batch_size, arr.actor.ppo_micro_batch_size_per_gpu = ROWS, 2
+    arr.rollout.n, arr.rollout.log_prob_micro_batch_size_per_gpu = 1, 2
+    cfg.trainer.device, cfg.trainer.n_gpus_per_node = "cpu", world
+    w = ActorRolloutRefWorker(resolve(cfg).actor, role="actor", total_training_steps=1)
+    w.init_model()
+    eng = w.actor
+    experts = expert_modules(eng.module)
+    local_experts = [tuple(m.gate_up_proj.to_local().shape) for m in experts]
+    part = _data(len(w.tokenizer)).chunk(world)[rank]
+    logp, _ = eng.log_probs(part, 2)
+    eng.forward_backward(part, lambda lp, ent, mb: _loss(lp, mb), 2)
+    grads = {}
+    for name, p in eng.module.named_parameters():
+        g = p.grad.full_tensor()  # over the parameter's FSDP2 mesh: all ranks, or edp for experts
+        if is_expert_param(name):  # then the EP group's experts, in expert order
+            parts = [torch.empty_like(g) for _ in range(ep)]
+            torch.distributed.all_gather(parts, g.contiguous(), group=experts[0].ep_group)
+            g = torch.cat(parts)
+        grads[name] = g
+    norm = eng.step()
+    with open(f"{out}/{rank}", "wb") as f:
+        pickle.dump({"logp": logp, "grads": grads if rank == 0 else None, "norm": norm, "local_experts": local_experts}, f)
+    torch.distributed.destroy_process_group()
+
+
+def _reference(path: str, world: int):
+    """Single-process log-probs [ROWS, R], gradients of the ranks' average loss, and their norm."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    data = _data(model.config.vocab_size)
+    logits = model(input_ids=data["input_ids"], attention_mask=data["attention_mask"], position_ids=data["position_ids"]).logits
+    logp = torch.log_softmax(logits[:, PROMPT - 1 : -1].float(), -1).gather(-1, data["responses"][..., None])[..., 0]  # [b, R]
+    (_loss(logp, data) / world).backward()  # sum over ranks of each rank's loss, averaged by FSDP2 over `world`
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    return logp.detach(), grads, math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads.values()))
+
+
+@pytest.mark.parametrize("world,ep", [(2, 2)])
+def test_ep_layouts_match_one_process(moe_dir, tmp_path, world, ep):
+    """ep2 on 2 ranks (each rank 2 of the 4 experts whole, every other weight FSDP2-sharded over both):
+    per-token log-probs, full gradients before any optimizer step, and the clipped-norm input equal one process."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_ep_worker, args=(world, free_port(), str(moe_dir), str(tmp_path), ep), nprocs=world)
+    ranks = [pickle.load(open(tmp_path / str(r), "rb")) for r in range(world)]
+    ref_logp, ref_grads, ref_norm = _reference(str(moe_dir), world)
+    edp = world // ep
+    for r in ranks:  # each rank holds E/ep experts, FSDP2-sharded over edp
+        assert r["local_experts"] == [(math.ceil(EXPERTS // ep / edp), 64, 32)] * 2, r["local_experts"]
+    torch.testing.assert_close(torch.cat([r["logp"] for r in ranks]), ref_logp, rtol=0, atol=1e-5)
+    grads = ranks[0]["grads"]
+    assert set(grads) == set(ref_grads)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+    for r in ranks:
+        assert abs(r["norm"] - ref_norm) <= 1e-5 * ref_norm, (r["norm"], ref_norm)
