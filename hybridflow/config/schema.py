@@ -88,6 +88,9 @@ class ModelConfig:
     # actor's (and SFT's) loss; 0 = off: an HF model adds its config's own coefficient only when a forward
     # is given labels, which log-prob passes never are, so off is what training through HF forwards does.
     router_aux_loss_coef: float = 0.0
+    # verl's key. A vision-language model's vision tower (`model.visual.*`) kept frozen in the actor: no gradient or
+    # optimizer state, and the weight switch moves it once (as actor.freeze_modules does); a text model has none.
+    freeze_vision_tower: bool = False
 
     def logprob_chunk(self) -> int | None:
         """Tokens per chunk of the chunked log-prob pass, None = the plain logits pass."""

@@ -149,6 +149,12 @@ def mrope_position_ids(config, input_ids: torch.Tensor, attention_mask: torch.Te
     return pos.transpose(0, 1).contiguous()  # [B, 3, L]
 
 
+def rows_position_ids(config, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: Sequence[dict]) -> torch.Tensor:
+    """`mrope_position_ids` [B, 3, L] of sequences whose per-row image inputs are ``rows`` (``multi_modal_inputs``):
+    e.g. prompt + response after generation (the response's text positions continue after the prompt's)."""
+    return mrope_position_ids(config, input_ids, attention_mask, pack_multi_modal_inputs(rows).get("image_grid_thw"))
+
+
 def pack_multi_modal_inputs(rows: Sequence[dict]) -> dict[str, torch.Tensor]:
     """Per-row ``multi_modal_inputs`` -> one forward's kwargs: pixel_values [sum P_i, D], image_grid_thw [sum n_i, 3]
     (rows concatenated in order, as the model matches images to ``<|image_pad|>`` runs left to right); {} if no images."""

@@ -16,6 +16,7 @@ from hybridflow.algorithms import entropy_from_logits, logprobs_from_logits
 from hybridflow.engine.fused_logprobs import fused_head_problem, head_returns_logprobs, warn_once
 from hybridflow.models.exact import exact_row_logits
 from hybridflow.models.routing import set_target as replay_routes
+from hybridflow.models.vlm_inputs import forward_inputs, is_multi_modal
 from hybridflow.protocol import Batch
 
 
@@ -34,6 +35,8 @@ def response_logits(model: nn.Module, mb: Batch, temperature: float = 1.0, remov
     exact: each row alone through `exact_row_logits` (its prompt without the left padding)."""
     resp_len = mb["responses"].shape[1]
     keep = _keeps_logits(model)
+    remove_padding = remove_padding and not is_multi_modal(mb)  # a VLM micro-batch runs padded (models/vlm_inputs.py)
+    pos, mm = forward_inputs(mb)  # VLM: M-RoPE [3, b, L] and the rows' packed pixel inputs; text: [b, L], {}
     replay_routes(model, mb, packed=remove_padding and not exact)  # MoE routing replay: mb's routed_experts, if any (models/routing.py)
     if exact:
         prompt_mask = mb["attention_mask"][:, : -resp_len].bool()  # [b, P]
@@ -49,7 +52,7 @@ def response_logits(model: nn.Module, mb: Batch, temperature: float = 1.0, remov
         logits = (out.logits[0].view(*wanted.shape, -1) if keep else out.logits[0][wanted]).float()  # [b, R, V]
     else:
         kwargs = {"logits_to_keep": resp_len + 1} if keep else {}
-        out = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], position_ids=mb["position_ids"], use_cache=False, **kwargs)
+        out = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], position_ids=pos, use_cache=False, **kwargs, **mm)
         logits = out.logits[:, -resp_len - 1 : -1, :].float()
     return logits / temperature if temperature != 1.0 else logits
 
@@ -71,6 +74,8 @@ def response_logprobs(model: nn.Module, mb: Batch, temperature: float = 1.0, rem
         return logprobs_from_logits(logits, mb["responses"]), (entropy_from_logits(logits) if with_entropy else None)
     resp = mb["responses"]  # [b, R]
     b, resp_len = resp.shape
+    remove_padding = remove_padding and not is_multi_modal(mb)  # a VLM micro-batch runs padded (models/vlm_inputs.py)
+    pos, mm = forward_inputs(mb)  # VLM: M-RoPE [3, b, L] and the rows' packed pixel inputs; text: [b, L], {}
     replay_routes(model, mb, packed=remove_padding)  # MoE routing replay: mb's routed_experts, if any (models/routing.py)
     if remove_padding:  # the valid tokens as one packed row [1, T]; the head sees the wanted positions [1, b*R, H]
         mask = mb["attention_mask"].bool()  # [b, P+R]
@@ -85,8 +90,8 @@ def response_logprobs(model: nn.Module, mb: Batch, temperature: float = 1.0, rem
         length = mb["input_ids"].shape[1]
         keep = torch.arange(length - resp_len - 1, length - 1, device=resp.device)  # [R]: the positions that predict the response
         with head_returns_logprobs(model, resp, temperature, chunk, with_entropy):
-            out = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], position_ids=mb["position_ids"], use_cache=False,
-                        logits_to_keep=keep).logits  # [b, R, 2]
+            out = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], position_ids=pos, use_cache=False,
+                        logits_to_keep=keep, **mm).logits  # [b, R, 2]
     return out[..., 0], (out[..., 1] if with_entropy else None)
 
 
@@ -95,7 +100,7 @@ def trim_right_padding(batch: Batch, keys: tuple[str, ...]) -> dict[str, torch.T
     attends to: the columns after it hold no token, and under causal attention cutting them changes
     no valid position's output (a batch whose last column holds tokens, e.g. left-padded, is not cut)."""
     last = int(batch["attention_mask"].any(0).nonzero().max())
-    return {k: batch[k][:, : last + 1] for k in keys}
+    return {k: batch[k][..., : last + 1] for k in keys}  # the last dim: also M-RoPE position ids [b, 3, L]
 
 
 def micro_batches(batch: Batch, size: int, max_tokens: int | None = None) -> list[Batch]:

@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 
 from hybridflow.config.schema import ModelConfig
+from hybridflow.models.vlm import is_vlm_dir
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
@@ -32,6 +33,10 @@ def load_hf_model(cfg: ModelConfig, device: str, kind: str = "causal_lm", pad_to
         config = AutoConfig.from_pretrained(cfg.path, num_labels=1)
         config.classifier_dropout = 0.0
         model = AutoModelForTokenClassification.from_pretrained(cfg.path, config=config, dtype=dtype)
+    elif is_vlm_dir(cfg.path):  # a vision-language checkpoint (its processor saved beside it): the image-text-to-text class
+        from transformers import AutoModelForImageTextToText
+
+        model = AutoModelForImageTextToText.from_pretrained(cfg.path, dtype=dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=dtype)
     if cfg.enable_gradient_checkpointing:

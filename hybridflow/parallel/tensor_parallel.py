@@ -109,7 +109,7 @@ def gen_mesh(device: str, world_size: int, gen_tp: int, layout: ParallelDims | N
 
 
 def _check_heads(model: nn.Module, tp: int) -> None:
-    cfg = model.config
+    cfg = model.config.get_text_config()  # a VLM: its language model's heads (the tower is not split)
     heads = cfg.num_attention_heads
     kv = getattr(cfg, "num_key_value_heads", None) or heads
     problems = validate_gen_tp(tp, tp, heads, kv)

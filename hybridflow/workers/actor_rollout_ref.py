@@ -36,6 +36,7 @@ from hybridflow.utils.memory import rss_bytes
 from hybridflow.models.hf import DTYPES, load_hf_model
 from hybridflow.models.lora import adapters_disabled, apply_lora
 from hybridflow.models.moe import RouterMonitor, recording
+from hybridflow.models.vlm_inputs import MULTI_MODAL_KEY, VISION_TOWER_PATTERNS
 from hybridflow.models.routing import RouteReplayer
 from hybridflow.parallel.fsdp import shard_numel
 from hybridflow.parallel.layout import train_mesh
@@ -105,8 +106,9 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
     def _init_actor(self, mcfg) -> None:
         acfg = self.spec.actor
         model = apply_lora(load_hf_model(mcfg, self.device), mcfg)  # LoRA: only the adapters train
+        frozen = [*acfg.freeze_modules, *(VISION_TOWER_PATTERNS if mcfg.freeze_vision_tower else ())]
         for name, p in model.named_parameters():  # frozen: no gradient, no optimizer state, synced once
-            if any(fnmatch.fnmatchcase(name, pattern) for pattern in acfg.freeze_modules):
+            if any(fnmatch.fnmatchcase(name, pattern) for pattern in frozen):
                 p.requires_grad_(False)
         self.gen_dims = gen_shard_dims(model)
         self.router = RouterMonitor.attach(model, mcfg.router_aux_loss_coef)  # MoE: expert load, aux loss (models/moe.py); None if dense
@@ -248,7 +250,8 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
         t = trim_right_padding(data, ("input_ids", "attention_mask", "position_ids", "loss_mask"))
         # The next-token view: the logits at t predict token t+1, i.e. "responses" = input_ids[:, 1:].
         view = Batch.from_dict(tensors={"input_ids": t["input_ids"], "attention_mask": t["attention_mask"], "position_ids": t["position_ids"],
-                                        "responses": t["input_ids"][:, 1:], "loss_mask": t["loss_mask"][:, 1:].float()})
+                                        "responses": t["input_ids"][:, 1:], "loss_mask": t["loss_mask"][:, 1:].float()},
+                               non_tensors={MULTI_MODAL_KEY: data[MULTI_MODAL_KEY]} if MULTI_MODAL_KEY in data else None)  # a VLM's images
         with recording(self.router, view, self.spec.sft_plan(), "train/moe") as moe:
             metrics = self.actor.train(view, self.sft_loss, self.spec.sft_plan())
         metrics.update(moe)

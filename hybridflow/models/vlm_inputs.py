@@ -1,0 +1,45 @@
+"""What a vision-language model's forward takes beyond a text micro-batch's tensors.
+
+A VLM micro-batch (`data/vision.py::collate_vision`, and the rollout's output) carries
+- ``position_ids`` [b, 3, L]: Qwen2-VL's M-RoPE index (temporal, height, width) in verl's layout; the
+  HF model takes [3, b, L];
+- the non-tensor ``multi_modal_inputs``: per row ``{"pixel_values": [P_i, D], "image_grid_thw": [n_i, 3]}``.
+`forward_inputs` turns them into the forward's ``position_ids`` and ``pixel_values`` / ``image_grid_thw``
+(the rows' images concatenated in row order: the model fills the ``<|image_pad|>`` runs left to right).
+
+With the position ids given the model does not compute its rope index, so it needs no
+``mm_token_type_ids``. Simplified: the packed (remove-padding) forward is not wired for a VLM (its
+per-sequence M-RoPE restart is not what transformers' packed-sequence detection reads), so a VLM
+micro-batch always runs left-padded; the log-probs are the same.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+MULTI_MODAL_KEY = "multi_modal_inputs"  # data/vision.py's key (verl's name)
+# The vision tower's parameters in transformers v5's Qwen2-VL / Qwen2.5-VL (model.visual.*: patch embedding,
+# blocks, merger): what actor_rollout_ref.model.freeze_vision_tower freezes (fnmatch patterns, as actor.freeze_modules).
+VISION_TOWER_PATTERNS = ("model.visual.*", "visual.*")
+
+
+def is_multi_modal(mb: Any) -> bool:
+    """Whether ``mb`` (a Batch) is a VLM micro-batch: M-RoPE position ids [b, 3, L] or per-row image inputs."""
+    return MULTI_MODAL_KEY in mb or ("position_ids" in mb and mb["position_ids"].dim() == 3)
+
+
+def forward_inputs(mb: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(position_ids for the model, extra forward kwargs) of a micro-batch: a text batch's [b, L] and {};
+    a VLM's [3, b, L] and {pixel_values [sum P_i, D], image_grid_thw [sum n_i, 3]} on input_ids' device
+    ({} when no row has an image)."""
+    from hybridflow.data.vision import pack_multi_modal_inputs
+
+    pos = mb["position_ids"]
+    if pos.dim() == 3:
+        pos = pos.transpose(0, 1)  # [b, 3, L] -> [3, b, L]
+    if MULTI_MODAL_KEY not in mb:
+        return pos, {}
+    device = mb["input_ids"].device
+    return pos, {k: v.to(device) for k, v in pack_multi_modal_inputs(list(mb[MULTI_MODAL_KEY])).items()}
