@@ -35,7 +35,7 @@ from hybridflow.engine.fused_logprobs import token_head as fused_token_head
 from hybridflow.engine.model import micro_batches, response_logprobs
 from hybridflow.engine.optim import build_optimizer, build_scheduler, clip_and_step
 from hybridflow.hybrid_engine.executor import HybridEngine
-from hybridflow.parallel.expert_parallel import is_expert_param
+from hybridflow.parallel import ulysses
 from hybridflow.parallel.layout import TrainMesh, build_train_model
 from hybridflow.protocol import Batch
 from hybridflow.run_plan import UpdatePlan
@@ -101,6 +101,9 @@ class TrainEngine:
         # The whole model's parameters (a pipeline stage keeps only its own): the resharding plan's.
         self.full_shapes = {n: (tuple(p.shape), p.element_size()) for n, p in model.named_parameters()}
         self.lora = any(is_adapter_param(n) for n in self.full_shapes)  # LoRA adapters injected (models/lora.py)
+        self.sp_group = mesh.sp_group  # Ulysses: token log-probs run with the packed sequence split over it (parallel/ulysses.py)
+        if self.sp_group is not None:
+            ulysses.install(model)
         self.module, self.pipe = build_train_model(model, mesh, device, fsdp, pipeline_schedule, head=token_head,
                                                    fused_head=None if logits_chunk is None else (fused_token_head, logits_chunk))
         self.optimizer = self.scheduler = None
@@ -122,8 +125,8 @@ class TrainEngine:
     def forward(self, batch: Batch, fn: Callable[[nn.Module, Batch], torch.Tensor], micro_batch_size: int,
                 max_tokens: int | None = None) -> torch.Tensor:
         """cat over micro-batches of fn(module, mb) (any head: values, scores, sequence log-probs)."""
-        if self.pipe is not None:
-            raise ValueError("a pipeline-parallel engine computes token log-probs only (TrainEngine.log_probs)")
+        if self.pipe is not None or self.sp_group is not None:
+            raise ValueError("a pipeline- or sequence-parallel engine computes token log-probs only (TrainEngine.log_probs)")
         self.module.eval()
         batch = batch.to(self.device)
         clear_routes(self.module)  # heads other than token log-probs route naturally
@@ -141,7 +144,7 @@ class TrainEngine:
             return (None, None) if out is None else (out[..., 0], out[..., 1] if with_entropy else None)
         logps, ents = [], []
         for mb in micro_batches(batch, micro_batch_size, max_tokens):
-            logp, ent = response_logprobs(self.module, mb, temperature, self.remove_padding, self.exact, self.logits_chunk, with_entropy)
+            logp, ent = self._token_logprobs(mb, temperature, self.remove_padding, self.exact, with_entropy)
             logps.append(logp)
             ents.append(ent)
         return torch.cat(logps), (torch.cat(ents) if with_entropy else None)
@@ -210,13 +213,19 @@ class TrainEngine:
         packed = self.remove_padding if remove_padding is None else remove_padding
         exact = self.exact and remove_padding is None  # (an objective with its own layout, SFT's, keeps it)
         for mb in micro_batches(batch, micro_batch_size, max_tokens):
-            loss_fn(*response_logprobs(self.module, mb, temperature, packed, exact, self.logits_chunk), mb).backward()
+            loss_fn(*self._token_logprobs(mb, temperature, packed, exact), mb).backward()
+
+    def _token_logprobs(self, mb: Batch, temperature: float, packed: bool, exact: bool, with_entropy: bool = True):
+        """(log-prob, entropy) [b, R] of mb's responses; under Ulysses always packed with the sequence split over the sp group."""
+        if self.sp_group is not None:
+            return ulysses.response_logprobs(self.module, mb, self.sp_group, temperature, self.logits_chunk, with_entropy)
+        return response_logprobs(self.module, mb, temperature, packed, exact, self.logits_chunk, with_entropy)
 
     def forward_backward_module(self, batch: Batch, loss_fn: Callable[[nn.Module, Batch], torch.Tensor], micro_batch_size: int) -> None:
         """Accumulate the gradient of sum over micro-batches of loss_fn(module, mb), for losses on
         another head than token log-probs (values, reward scores, sequence log-probs); no pipeline."""
-        if self.pipe is not None:
-            raise ValueError("a pipeline-parallel engine trains on token losses only (TrainEngine.forward_backward)")
+        if self.pipe is not None or self.sp_group is not None:
+            raise ValueError("a pipeline- or sequence-parallel engine trains on token losses only (TrainEngine.forward_backward)")
         self.module.train()
         clear_routes(self.module)  # heads other than token log-probs route naturally
         for mb in micro_batches(batch.to(self.device), micro_batch_size):
@@ -225,8 +234,7 @@ class TrainEngine:
     def step(self) -> float:
         """Clip the global gradient norm, step (skipped on inf/nan), zero the gradients; the norm."""
         lay = self.layout
-        experts = [p for n, p in self.module.named_parameters() if is_expert_param(n)] if lay.ep > 1 else []  # sharded by expert over ep
-        return clip_and_step(self.module, self.optimizer, self.grad_clip, None if lay.trivial else lay.tp * lay.dp, experts, lay.ep)
+        return clip_and_step(self.module, self.optimizer, self.grad_clip, None if lay.trivial else lay.tp * lay.dp)
 
     def scheduler_step(self) -> None:
         self.scheduler.step()

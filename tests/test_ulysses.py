@@ -1,0 +1,144 @@
+"""Ulysses sequence parallelism (`hybridflow/parallel/ulysses.py`, actor.ulysses_sequence_parallel_size).
+
+- sp2 (FSDP2 over both ranks, the sequence split in two) equals one process on a 5,001-token packed
+  micro-batch of 3 sequences: the per-token log-probs and entropies of `TrainEngine.log_probs`, the
+  loss, and every parameter's gradient before any optimizer step, through the chunked head and the
+  plain logits pass. Oracle: a plain HF forward (padded rows, transformers' own sdpa mask) of the
+  same checkpoint in float64, computed in each process. Tolerance: sp2 (fp32) may be at most 4x
+  further from the float64 oracle than the single-process fp32 HF forward is, plus 1e-6 of the
+  tensor's scale (where the fp32 error is near 0): fp32's rounding over a ~2.4k-token softmax and
+  ~64-wide dot products sets the reference's own error (~1e-6 here), and a different but exact
+  summation order (per-sequence attention, head blocks, chunked head) changes it by a small factor;
+  a wrong slice, position id, mask or gradient scale gives errors of order 1 instead.
+- bad input names the key before any worker starts; the dispatch gives the sp ranks the same rows.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+from conftest import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPT, RESP = 1500, 900
+PROMPT_LENS, RESP_LENS = (1500, 700, 1100), (900, 500, 301)  # 2,400 + 1,200 + 1,401 = 5,001 valid tokens (odd: one pad token at sp2)
+
+
+def _batch(vocab: int):
+    """A left-padded prompt + right-padded response micro-batch [3, P+R] (verl's layout) with
+    advantages [3, R] for a PPO-like token loss."""
+    import torch
+
+    from hybridflow.protocol import Batch
+
+    g = torch.Generator().manual_seed(0)
+    b = len(PROMPT_LENS)
+    ids = torch.randint(3, vocab, (b, PROMPT + RESP), generator=g)
+    mask = torch.zeros(b, PROMPT + RESP, dtype=torch.long)
+    for i, (p, r) in enumerate(zip(PROMPT_LENS, RESP_LENS)):
+        mask[i, PROMPT - p : PROMPT + r] = 1
+    ids = ids * mask
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    return Batch.from_dict(tensors={"input_ids": ids, "attention_mask": mask, "position_ids": pos, "responses": ids[:, PROMPT:],
+                                    "response_mask": mask[:, PROMPT:].float(), "advantages": torch.randn(b, RESP, generator=g)})
+
+
+def _loss(logp, ent, mb):
+    """A PPO-like token loss: -(A * log p) and an entropy bonus, mean over the response tokens."""
+    m = mb["response_mask"].to(logp.dtype)
+    return (-(mb["advantages"].to(logp.dtype) * logp) - 0.01 * ent).mul(m).sum() / m.sum()
+
+
+def _oracle(path: str, batch, dtype):
+    """(log-probs [b, R], entropies [b, R], loss, {name: grad}) from a plain HF forward in `dtype`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").to(dtype)
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"], use_cache=False)
+    logits = out.logits[:, PROMPT - 1 : -1]  # [b, R, V] predicting the response tokens
+    lsm = torch.log_softmax(logits, -1)
+    logp = lsm.gather(-1, batch["responses"][..., None]).squeeze(-1)
+    ent = -(lsm.exp() * lsm).sum(-1)
+    loss = _loss(logp, ent, batch)
+    loss.backward()
+    return logp.detach(), ent.detach(), loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def _check(name: str, got, ref32, ref64, out: dict) -> None:
+    import torch
+
+    got, ref32, ref64 = got.double(), ref32.double(), ref64.double()
+    err, base = float((got - ref64).abs().max()), float((ref32 - ref64).abs().max())
+    bound = 4 * base + 1e-6 * float(ref64.abs().max())
+    out[name] = (err, base)
+    assert err <= bound, f"{name}: sp2 vs float64 {err:.3g} > {bound:.3g} (single-process fp32 vs float64 {base:.3g})"
+    assert torch.isfinite(got).all()
+
+
+def _sp_worker(rank: int, world: int, port: int, path: str, result: str) -> None:
+    os.environ.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    import json
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    sys.path.insert(0, ROOT)
+    from torch.distributed.tensor import DTensor
+
+    from hybridflow.config.schema import FSDPConfig, OptimConfig
+    from hybridflow.engine.train_engine import TrainEngine
+    from hybridflow.parallel.dims import ParallelDims
+    from hybridflow.parallel.layout import train_mesh
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    batch = _batch(model.config.vocab_size)
+    lp64, ent64, loss64, g64 = _oracle(path, batch, torch.float64)
+    lp32, ent32, loss32, g32 = _oracle(path, batch, torch.float32)
+
+    layout = ParallelDims.for_world(world, sp=2)
+    engine = TrainEngine(model, train_mesh(layout, "cpu"), "cpu", FSDPConfig(), optim=OptimConfig(lr=1e-3), remove_padding=True, logits_chunk=256)
+    out: dict = {}
+    for chunk in (256, None):  # the chunked head (the workers' default) and the plain logits pass
+        engine.logits_chunk = chunk
+        lp, ent = engine.log_probs(batch, micro_batch_size=3, with_entropy=True)
+        m = batch["response_mask"].bool()
+        _check(f"logprob/{chunk}", lp[m], lp32[m], lp64[m], out)
+        _check(f"entropy/{chunk}", ent[m], ent32[m], ent64[m], out)
+
+    losses = []
+    engine.logits_chunk = 256
+    engine.forward_backward(batch, lambda lp, ent, mb: losses.append(_loss(lp, ent, mb)) or losses[-1], micro_batch_size=3)
+    _check("loss", losses[0].detach(), loss32, loss64, out)
+    for n, p in engine.module.named_parameters():
+        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        _check(f"grad/{n}", g, g32[n], g64[n], out)
+    if rank == 0:
+        with open(result, "w") as f:
+            json.dump(out, f)
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def tiny_long(tmp_path_factory):
+    from hybridflow.models.tiny import make_tiny_model
+
+    # 4 attention heads, 2 KV heads (GQA): sp2 leaves 2 query heads and 1 KV head per rank
+    return make_tiny_model(tmp_path_factory.mktemp("sp") / "m", hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                           intermediate_size=128, max_position_embeddings=4096)
+
+
+def test_sp2_equals_one_process_on_5k_tokens(tiny_long, tmp_path):
+    import json
+
+    import torch.multiprocessing as mp
+
+    result = tmp_path / "sp.json"
+    mp.spawn(_sp_worker, args=(2, free_port(), str(tiny_long), str(result)), nprocs=2)
+    out = json.loads(result.read_text())
+    assert {"loss", "logprob/256", "logprob/None", "entropy/256"} <= set(out) and sum(k.startswith("grad/") for k in out) >= 10
