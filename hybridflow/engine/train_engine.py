@@ -36,6 +36,7 @@ from hybridflow.engine.model import micro_batches, response_logprobs
 from hybridflow.engine.optim import build_optimizer, build_scheduler, clip_and_step
 from hybridflow.hybrid_engine.executor import HybridEngine
 from hybridflow.parallel import ulysses
+from hybridflow.parallel.expert_parallel import is_expert_param
 from hybridflow.parallel.layout import TrainMesh, build_train_model
 from hybridflow.protocol import Batch
 from hybridflow.run_plan import UpdatePlan
@@ -234,7 +235,8 @@ class TrainEngine:
     def step(self) -> float:
         """Clip the global gradient norm, step (skipped on inf/nan), zero the gradients; the norm."""
         lay = self.layout
-        return clip_and_step(self.module, self.optimizer, self.grad_clip, None if lay.trivial else lay.tp * lay.dp)
+        experts = [p for n, p in self.module.named_parameters() if is_expert_param(n)] if lay.ep > 1 else []  # sharded by expert over ep
+        return clip_and_step(self.module, self.optimizer, self.grad_clip, None if lay.trivial else lay.tp * lay.dp, experts, lay.ep)
 
     def scheduler_step(self) -> None:
         self.scheduler.step()

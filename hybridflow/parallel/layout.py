@@ -72,21 +72,23 @@ def train_mesh(layout: ParallelDims, device: str) -> TrainMesh:
     return TrainMesh(layout, pp_i, dp_i, tp_i, mesh, sp_group(layout.sp))
 
 
-def grad_norm_and_clip(params: list[nn.Parameter], max_norm: float, ranks_per_stage: int) -> float:
+def grad_norm_and_clip(params: list[nn.Parameter], max_norm: float, ranks_per_stage: int, expert_params: list[nn.Parameter] = (), ep: int = 1) -> float:
     """Global L2 gradient norm over the whole training layout (every TP x FSDP mesh and every
     pipeline stage: ONE all-reduce over the default group), then clip in place; returns the norm.
 
     Each rank adds the squares of its local gradient shards divided by how many ranks hold the
     same shard: within a stage (`ranks_per_stage` = tp x dp ranks) a DTensor on a mesh of M ranks
-    is held by ranks_per_stage / M copies of that mesh, times the sizes of its Replicate dims."""
+    is held by ranks_per_stage / M copies of that mesh, times the sizes of its Replicate dims; an
+    expert weight under expert parallelism (`expert_params`, FSDP2 over dp / ep) by ep times fewer."""
     grads = [p.grad for p in params if p.grad is not None]
     device = grads[0].device if grads else torch.device("cpu")
     total = torch.zeros((), dtype=torch.float32, device=device)
+    experts = {id(p.grad) for p in expert_params} if expert_params else set()
     for g in grads:
         copies = ranks_per_stage
         if isinstance(g, DTensor):
             mesh = g.device_mesh
-            copies //= mesh.size()
+            copies //= mesh.size() * (ep if id(g) in experts else 1)  # EP ranks hold other experts, not copies
             copies *= math.prod(mesh.size(i) for i, pl in enumerate(g.placements) if pl.is_replicate())
             g = g.to_local()
         total += g.float().pow(2).sum() / copies
@@ -118,7 +120,15 @@ def build_train_model(model: nn.Module, dims: TrainMesh, device: str, fcfg: FSDP
     # FSDP along the generation TP dim where the slice divides (`plan.fsdp_dim`): the switch to the
     # generation layout is then a micro-DP all-gather (FSDP layout) or moves the fewest bytes (3D).
     mesh = make_mesh(device, layout.dp) if dims.mesh is None else dims.dp_mesh
+    expert_mesh = None
+    if layout.ep > 1:  # experts cut to this EP rank's, FSDP2 over the ranks holding the same ones (parallel/expert_parallel.py)
+        from hybridflow.parallel.expert_parallel import apply_expert_parallel
+
+        ep_mesh = init_device_mesh(device, (layout.dp // layout.ep, layout.ep), mesh_dim_names=("edp", "ep"))
+        edp_i, ep_i = layout.ep_coords(dist.get_rank())
+        apply_expert_parallel(model, ep_mesh["ep"].get_group(), layout.ep, ep_i, layout.dp)
+        expert_mesh = ep_mesh["edp"]
     model = apply_fsdp2(model, mesh, fcfg.reshard_after_forward, fcfg.param_offload, shard_placement_fn=fsdp_shard_placement_fn(model, layout.dp),
-                        sharding_strategy=fcfg.sharding_strategy, mixed_precision=fcfg.mixed_precision)
+                        sharding_strategy=fcfg.sharding_strategy, mixed_precision=fcfg.mixed_precision, expert_mesh=expert_mesh)
     pipe = Pipeline(model, dims.pp_i, layout.pp, dims.pp_group, device, schedule) if layout.pp > 1 else None
     return model, pipe
