@@ -64,7 +64,7 @@ def _ep_worker(rank: int, world: int, port: int, path: str, out: str, ep: int) -
     arr.actor.ppo_mini_batch_size, arr.actor.ppo_micro_batch_size_per_gpu = ROWS, 2
     arr.rollout.n, arr.rollout.log_prob_micro_batch_size_per_gpu = 1, 2
     cfg.trainer.device, cfg.trainer.n_gpus_per_node = "cpu", world
-    w = ActorRolloutRefWorker(resolve(cfg).actor, role="actor", total_training_steps=1)
+    w = ActorRolloutRefWorker(resolve(cfg).actor, role="actor_rollout", total_training_steps=1)
     w.init_model()
     eng = w.actor
     experts = expert_modules(eng.module)
@@ -81,8 +81,12 @@ def _ep_worker(rank: int, world: int, port: int, path: str, out: str, ep: int) -
             g = torch.cat(parts)
         grads[name] = g
     norm = eng.step()
+    # The switch to HF generation (whole experts on every rank) after the step: bit-exact, the plan's bytes.
+    switch = w.reshard(measure_baseline=True, check=True)
+    switch = {"max_diff": switch["max_diff"], "bytes": switch["bytes_received"], "naive": switch["baseline"]["bytes_received"],
+              "min": w.plan.min_bytes(rank), "plan_naive": w.plan.naive_bytes(rank)}
     with open(f"{out}/{rank}", "wb") as f:
-        pickle.dump({"logp": logp, "grads": grads if rank == 0 else None, "norm": norm, "local_experts": local_experts}, f)
+        pickle.dump({"logp": logp, "grads": grads if rank == 0 else None, "norm": norm, "local_experts": local_experts, "switch": switch}, f)
     torch.distributed.destroy_process_group()
 
 
@@ -124,3 +128,11 @@ def test_ep_layouts_match_one_process(moe_dir, tmp_path, world, ep):
         torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-5, msg=name)
     for r in ranks:
         assert abs(r["norm"] - ref_norm) <= 1e-5 * ref_norm, (r["norm"], ref_norm)
+    # The switch to generation (gen_tp 1: every rank needs the whole model, whole experts) is bit-exact
+    # and receives the plan's minimum. By hand: every element is held by exactly one rank (experts split
+    # over ep x edp, the rest over all ranks), so the ranks together receive (world - 1) x the model.
+    model_bytes = sum(g.numel() for g in ref_grads.values()) * 4  # fp32
+    for r in ranks:
+        s = r["switch"]
+        assert s["max_diff"] == 0.0 and s["bytes"] == s["min"] and s["naive"] == s["plan_naive"], s
+    assert sum(r["switch"]["min"] for r in ranks) == (world - 1) * model_bytes

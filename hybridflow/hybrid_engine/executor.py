@@ -49,6 +49,7 @@ from hybridflow.hybrid_engine.staging import MIN_UNIT_BYTES, staging_numel, stag
 from hybridflow.hybrid_engine.trace import TraceRecorder
 from hybridflow.parallel.dims import ParallelDims
 from hybridflow.parallel.dtensor import crop, free_storage, held_box, local, own_storage, restore_storage  # noqa: F401  (crop, held_box re-exported)
+from hybridflow.parallel.expert_parallel import expert_modules, is_expert_param
 from hybridflow.protocol import WeightPiece
 
 logger = logging.getLogger("hybridflow")
@@ -91,7 +92,8 @@ def build_plan(train_model: nn.Module, gen_shard_dims: dict[str, int | None], di
         shapes = {n: (shape, itemsize or size, fsdp_dim(shape, gen_shard_dims[n], dims), gen_shard_dims[n]) for n, (shape, size) in full_shapes.items()}
     else:
         shapes = {n: (tuple(p.shape), itemsize or p.element_size(), train_shard_dim(p), gen_shard_dims[n]) for n, p in train_model.named_parameters()}
-    return ReshardPlan.build(shapes, dist.get_world_size(), dims.gen_tp, layout=dims)
+    experts = frozenset(n for n in shapes if is_expert_param(n)) if dims.ep > 1 else frozenset()  # sharded by expert over ep
+    return ReshardPlan.build(shapes, dist.get_world_size(), dims.gen_tp, layout=dims, experts=experts)
 
 
 class HybridEngine:
@@ -116,6 +118,8 @@ class HybridEngine:
         self.device = device
         self.train_model = train_model
         self.train = self._sharded_params()
+        # Expert parallelism: the EP group the experts are spread over (None at ep 1), for whole-tensor gathers (`_full`).
+        self.ep_group = next((m.ep_group for m in expert_modules(train_model) if hasattr(m, "ep_group")), None) if self.layout.ep > 1 else None
         dtypes = {p.dtype for p in self.train.values()}
         if len(dtypes) != 1:
             raise ValueError(f"the hybrid engine expects one parameter dtype, found {dtypes}")
@@ -530,6 +534,10 @@ class HybridEngine:
         if t is not None and t.dtype != self.dtype:
             t = t.detach().to(self.dtype)  # cast the shard, then gather: the wire carries the generation dtype
         full = None if t is None else (t.full_tensor() if isinstance(t, DTensor) else t.data)
+        if self.ep_group is not None and is_expert_param(p.name):  # full_tensor() has this EP rank's experts: gather the others
+            parts = [torch.empty_like(full) for _ in range(self.layout.ep)]
+            dist.all_gather(parts, full.contiguous(), group=self.ep_group)
+            full = torch.cat(parts)
         if self.layout.pp == 1:
             return full
         src = next(r for r in range(self.world) if volume(p.own[r]))

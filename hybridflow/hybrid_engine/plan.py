@@ -131,8 +131,10 @@ class ParamPlan:
         return any(self.recv_bytes(r) for r in range(len(self.need)))
 
 
-def _boxes(shape, train_dim, gen_dim, stage, layout, coords, gen, gen_tp, fsdp_only):
-    """(own, need, group, aligned) of one parameter: its training and generation boxes per rank."""
+def _boxes(shape, train_dim, gen_dim, stage, layout, coords, gen, gen_tp, fsdp_only, expert=False):
+    """(own, need, group, aligned) of one parameter: its training and generation boxes per rank.
+    expert: a routed expert weight [E, ...] under expert parallelism: EP rank dp_i % ep holds experts
+    [i * E/ep, (i+1) * E/ep), FSDP2 shards those over the dp / ep ranks holding the same ones (dim 0)."""
     n = layout.world
     full = shard_box(shape, None, 1, 0)
     empty = tuple((0, 0) for _ in shape)
@@ -140,6 +142,9 @@ def _boxes(shape, train_dim, gen_dim, stage, layout, coords, gen, gen_tp, fsdp_o
     for pp_i, dp_i, tp_i in coords:
         if pp_i != stage:
             own.append(empty)
+            continue
+        if expert:
+            own.append(sub_box(shard_box(shape, 0, layout.ep, dp_i % layout.ep), 0, layout.dp // layout.ep, dp_i // layout.ep))
             continue
         box = sub_box(full, gen_dim, layout.tp, tp_i) if layout.tp > 1 else full
         own.append(sub_box(box, train_dim, layout.dp, dp_i))
@@ -179,13 +184,15 @@ class ReshardPlan:
 
     @classmethod
     def build(cls, shapes: dict[str, tuple[tuple[int, ...], int, int | None, int | None]], world_size: int, gen_tp: int,
-              procs_per_node: int | None = None, layout: ParallelDims | None = None, consecutive: bool | None = None) -> "ReshardPlan":
+              procs_per_node: int | None = None, layout: ParallelDims | None = None, consecutive: bool | None = None,
+              experts: frozenset[str] | set[str] = frozenset()) -> "ReshardPlan":
         """shapes: name -> (shape, itemsize, training (FSDP) shard dim or None (replicated), generation
         shard dim or None (replicated)), in module order. `layout`: the layout over `world_size` ranks
         (None: FSDP over all of them); gen_tp, procs_per_node and consecutive (generation TP groups of
         consecutive ranks, rank r has TP index r % gen_tp: vLLM's launcher, moved by the general
         exchange; else HybridFlow's grouping) are set on it, None keeping the layout's. The layout
-        checks that they fit (ValueError)."""
+        checks that they fit (ValueError). experts: the routed expert weights, sharded by expert over
+        the layout's ep (`_boxes`; ignored at ep 1)."""
         dims = (layout or ParallelDims(dp=world_size)).with_gen(gen_tp, consecutive, procs_per_node)
         if dims.world != world_size:
             raise ValueError(f"training layout {dims.label} has {dims.world} ranks, not {world_size}")
@@ -200,9 +207,9 @@ class ReshardPlan:
         for name, (shape, itemsize, train_dim, gen_dim) in shapes.items():
             shape = tuple(shape) or (1,)
             layer = layer_of(name)
-            key = (shape, train_dim, gen_dim, layer_stage(layer, num_layers, dims.pp))
+            key = (shape, train_dim, gen_dim, layer_stage(layer, num_layers, dims.pp), dims.ep > 1 and name in experts)
             if key not in memo:
-                memo[key] = _boxes(shape, train_dim, gen_dim, key[3], dims, coords, gen, dims.gen_tp, fsdp_only)
+                memo[key] = _boxes(shape, train_dim, gen_dim, key[3], dims, coords, gen, dims.gen_tp, fsdp_only, key[4])
             own, need, group, aligned = memo[key]
             plan.params.append(ParamPlan(name, shape, itemsize, train_dim, gen_dim, layer, own, need, group, aligned))
         return plan
