@@ -89,15 +89,16 @@ class _Row:
     done: bool = False
     behaviour: list[float] = field(default_factory=list)
     untruncated: list[float] = field(default_factory=list)
-    passes: int = 0
+    last_pass: int = -1  # which of the call's target passes was this row's last
 
 
 def sample_exact(requests: Sequence[Request], target: torch.nn.Module, draft: DraftFn, tokenizer, device: str, seed_of: Callable[[Request, int], int],
                  draft_seed: Callable[[SamplingParams, int], int]) -> tuple[list[Completion], dict]:
     """Completions of `requests` (in order) sampled from `target`'s `exact_row_logits`, drafted by
     `draft`. seed_of(request, position): the seed of the request's own generator (acceptance and
-    resampling draws); draft_seed(params, round): the draft call's. Also returns counts: target
-    passes, draft calls, draft tokens proposed and kept."""
+    resampling draws); draft_seed(params, round): the draft call's. Also returns counts (target
+    passes, draft calls, draft tokens proposed and kept) and each request's last target pass (its
+    index among the call's target passes, in order: the mismatch doctor reads that pass's probes)."""
     pad = tokenizer.pad_token_id
     rows = [_Row(r, torch.Generator(device=device).manual_seed(seed_of(r, i)),
                  torch.full((r.params.max_new_tokens,), pad, dtype=torch.long, device=device)) for i, r in enumerate(requests)]
@@ -116,10 +117,12 @@ def sample_exact(requests: Sequence[Request], target: torch.nn.Module, draft: Dr
             stats["draft_calls"] += 1
             for row, d in zip(group, drafts):
                 proposed, kept = _verify(row, d, target, tokenizer)
+                row.last_pass = stats["target_passes"]
                 stats["target_passes"] += 1
                 stats["draft_tokens"] += proposed
                 stats["kept_tokens"] += kept
         rnd += 1
+    stats["last_pass"] = [row.last_pass for row in rows]
     completions = []
     for row in rows:
         params, n = row.request.params, row.n
@@ -141,7 +144,6 @@ def _verify(row: _Row, d: Draft, target: torch.nn.Module, tokenizer) -> tuple[in
     seq[start : start + len(tokens)] = torch.tensor(tokens, dtype=torch.long, device=seq.device)
     prompt = torch.tensor(row.request.prompt_ids, device=seq.device)
     logits = exact_row_logits(target, prompt, seq, T)  # [1, R, V], already / T; row t reads seq[:t] only
-    row.passes += 1
     kept = 0
     while row.n < R:
         t = row.n

@@ -106,21 +106,21 @@ def _rollout_side(gen_model: nn.Module, tokenizer, requests: list[Request], exac
     """The backend's completions, and per probe per request the activation [H] that predicted each token."""
     from hybridflow.rollout.hf_rollout import HFRollout
 
-    backend = HFRollout(gen_model, tokenizer, "cpu", exact=exact)
+    backend = HFRollout(copy.deepcopy(gen_model) if exact else gen_model, tokenizer, "cpu", exact=exact)
+    if exact:  # the copy drafts (rollout/exact_sampler.py), gen_model decides: only its verify passes are recorded
+        backend.exact_model = gen_model
     with recording(gen_model) as calls:
         completions = backend.generate_requests(requests)
     head = probes(gen_model)[-1][0]
     out: dict[str, list[list[torch.Tensor]]] = {}
     for name, outs in calls.items():
         rows: list[list[torch.Tensor]] = []
-        if exact:  # per request: one call per token (row p - 1 + t of call t), then the scoring pass
-            i = 0
-            for r, c in zip(requests, completions):
+        if exact:  # per request: its last verify pass (its rows before the end read only the kept tokens)
+            for r, c, k in zip(requests, completions, backend.exact_stats["last_pass"]):
                 p = len(r.prompt_ids)
                 # hidden states hold every position (token t's predictor: p - 1 + t); the head the R + 1 last (row t)
                 pos = (lambda t: t) if name == head else (lambda t, p=p: p - 1 + t)
-                rows.append([outs[i + t][0, pos(t)] for t in range(len(c.token_ids))])
-                i += len(c.token_ids) + 1
+                rows.append([outs[k][0, pos(t)] for t in range(len(c.token_ids))])
         else:  # one generate: the prefill (its last position predicts token 0), then a call per token
             for b, c in enumerate(completions):
                 rows.append([outs[t][b, -1] for t in range(len(c.token_ids))])
