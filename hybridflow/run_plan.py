@@ -86,9 +86,9 @@ class ProcessSpec:
             return False
 
 
-def _mesh(world: int, pp: int = 1, tp: int = 1, procs_per_node: int | None = None, ep: int = 1) -> ParallelDims:
+def _mesh(world: int, pp: int = 1, tp: int = 1, procs_per_node: int | None = None, ep: int = 1, sp: int = 1) -> ParallelDims:
     """A role's training layout over its `world` ranks (checked by the role's `problems()` first)."""
-    return ParallelDims.for_world(world, pp=pp, tp=tp, procs_per_node=procs_per_node, ep=ep)
+    return ParallelDims.for_world(world, pp=pp, tp=tp, procs_per_node=procs_per_node, ep=ep, sp=sp)
 
 
 @dataclass(frozen=True)
@@ -234,7 +234,8 @@ class ActorSpec:
     def layout(self) -> ParallelDims:
         """pp x tp x dp over the actor's pool (FSDP over dp; the colocated reference shares it)."""
         a = self.actor
-        return _mesh(self.world, a.pipeline_model_parallel_size, a.tensor_model_parallel_size, self.procs_per_node, a.expert_parallel_size)
+        return _mesh(self.world, a.pipeline_model_parallel_size, a.tensor_model_parallel_size, self.procs_per_node, a.expert_parallel_size,
+                     a.ulysses_sequence_parallel_size)
 
     def update_plan(self, dp: int) -> UpdatePlan:
         """The PPO update over dp data-parallel ranks."""
@@ -347,6 +348,12 @@ class ActorSpec:
             return n_workers
         if p.positive(f"{A}.expert_parallel_size", a.expert_parallel_size) and a.expert_parallel_size > 1:
             p.extend(expert_parallel_problems(self))
+        sp = a.ulysses_sequence_parallel_size
+        if p.positive(f"{A}.ulysses_sequence_parallel_size", sp) and sp > 1:
+            problems = sequence_parallel_problems(self)
+            p.extend(problems)
+            if not problems:
+                return n_workers // sp  # the sp workers of a group share their rows
         if tp == pp == 1:
             return n_workers
         problems, dp = actor_layout_problems(self)
@@ -641,6 +648,27 @@ def actor_layout_problems(spec: ActorSpec) -> tuple[list[str], int | None]:
     return out, dims.dp
 
 
+def sequence_parallel_problems(spec: ActorSpec) -> list[str]:
+    """actor.ulysses_sequence_parallel_size (> 1) against the workers, the model's heads and what Ulysses is wired with."""
+    a, key, n_workers = spec.actor, f"{A}.ulysses_sequence_parallel_size", spec.world
+    sp, mj = a.ulysses_sequence_parallel_size, model_json(spec.model.path)
+    heads = mj.get("num_attention_heads") or 0
+    archs = [str(x) for x in mj.get("architectures") or []]
+    reasons = [(n_workers % sp, f"must divide the actor's {n_workers} workers (trainer.nnodes * trainer.n_gpus_per_node; sp groups are sp "
+                                f"consecutive workers); set it to one of {divisors(n_workers)}"),
+               *[(n and n % sp, f"must divide the model's {what} ({n}): after the all-to-all each rank attends with whole heads; "
+                                f"set it to one of {divisors(n)}") for what, n in (("num_attention_heads", heads),
+                                                                                  ("num_key_value_heads", mj.get("num_key_value_heads") or heads))],
+               (a.tensor_model_parallel_size > 1 or a.pipeline_model_parallel_size > 1,
+                f"needs {A}.tensor_model_parallel_size=1 and {A}.pipeline_model_parallel_size=1 (Ulysses is built on the FSDP layout)"),
+               (a.expert_parallel_size > 1, f"is not combined with {A}.expert_parallel_size yet"),
+               (spec.rollout.rollout.exact, f"is not combined with {R}.exact (its log-probs run one sequence at a time)"),
+               (a.router_replay.mode != "disabled", f"is not combined with {A}.router_replay (the recorded experts are per padded row)"),
+               (any(x.endswith("ForConditionalGeneration") for x in archs), "is not wired for vision-language models (M-RoPE position ids)"),
+               (spec.kind == "dpo", "is not wired into hybridflow dpo")]
+    return [f"{key}={sp} {why}" for bad, why in reasons if bad]
+
+
 def expert_parallel_problems(spec: ActorSpec) -> list[str]:
     """actor.expert_parallel_size (> 1) against the model (MoE, its experts), the workers and what EP is wired with."""
     a, key, n_workers = spec.actor, f"{A}.expert_parallel_size", spec.world
@@ -657,7 +685,10 @@ def expert_parallel_problems(spec: ActorSpec) -> list[str]:
                 "needs fsdp_config.sharding_strategy FULL_SHARD or SHARD_GRAD_OP"),
                (spec.kind == "dpo", "is not wired into hybridflow dpo"),
                (spec.async_rollout, "is not supported with trainer.async_rollout (the rollout pool receives FSDP shards)"),
-               (spec.save_hf_model, "is not supported with trainer.save_hf_model (the full-weights gather does not collect experts over ep)")]
+               (spec.rollout.rollout.exact, f"is not combined with {R}.exact (its log-probs run one sequence at a time)"),
+               (a.use_dynamic_bsz or spec.rollout.rollout.log_prob_use_dynamic_bsz,
+                "needs fixed micro-batches (use_dynamic_bsz / log_prob_use_dynamic_bsz false): every MoE layer's all-to-all needs "
+                "each rank of an EP group to run the same number of forwards")]
     return [f"{key}={ep} {why}" for bad, why in reasons if bad]
 
 

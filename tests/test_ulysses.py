@@ -142,3 +142,57 @@ def test_sp2_equals_one_process_on_5k_tokens(tiny_long, tmp_path):
     mp.spawn(_sp_worker, args=(2, free_port(), str(tiny_long), str(result)), nprocs=2)
     out = json.loads(result.read_text())
     assert {"loss", "logprob/256", "logprob/None", "entropy/256"} <= set(out) and sum(k.startswith("grad/") for k in out) >= 10
+
+
+SP = "actor_rollout_ref.actor.ulysses_sequence_parallel_size"
+
+
+def _config(tmp_path, model: dict, overrides: list[str]):
+    import json
+
+    from hybridflow.config import load_config
+
+    (tmp_path / "model").mkdir(exist_ok=True)
+    (tmp_path / "model" / "config.json").write_text(json.dumps({"max_position_embeddings": 64, "num_hidden_layers": 2, **model}))
+    for name in ("train.parquet", "val.parquet"):
+        (tmp_path / name).write_text("")
+    return load_config(os.path.join(ROOT, "configs", "grpo_tiny.yaml"), [
+        f"actor_rollout_ref.model.path={tmp_path / 'model'}", f"data.train_files=[{tmp_path / 'train.parquet'}]",
+        f"data.val_files=[{tmp_path / 'val.parquet'}]", "trainer.n_gpus_per_node=4", "data.train_batch_size=8",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=8", *overrides])
+
+
+@pytest.mark.parametrize("model, overrides, expected", [
+    ({"num_attention_heads": 6, "num_key_value_heads": 6}, [f"{SP}=4"], f"{SP}=4 must divide the model's num_attention_heads (6)"),
+    ({"num_attention_heads": 4, "num_key_value_heads": 1}, [f"{SP}=2"], f"{SP}=2 must divide the model's num_key_value_heads (1)"),
+    ({"num_attention_heads": 12, "num_key_value_heads": 3}, [f"{SP}=3"], f"{SP}=3 must divide the actor's 4 workers"),
+    ({"num_attention_heads": 4, "num_key_value_heads": 2}, [f"{SP}=2", "actor_rollout_ref.actor.tensor_model_parallel_size=2"],
+     f"{SP}=2 needs actor_rollout_ref.actor.tensor_model_parallel_size=1"),
+    ({"num_attention_heads": 4, "num_key_value_heads": 2}, [f"{SP}=0"], f"{SP} must be a positive integer, got 0"),
+])
+def test_bad_sp_is_refused_naming_the_key(tmp_path, model, overrides, expected):
+    from hybridflow.config import ConfigError
+    from hybridflow.config.validate import validate_config
+
+    with pytest.raises(ConfigError) as e:
+        validate_config(_config(tmp_path, model, overrides))
+    assert expected in str(e.value), str(e.value)
+
+
+def test_sp_groups_share_rows_and_batch_sizes_count_data_ranks(tmp_path):
+    """sp2 on 4 workers: 2 data ranks; the sp ranks of a group get the same chunk, the first returns
+    it; the PPO mini-batch is per data rank (8 prompts x n over 2, not 4); the reference shares the layout."""
+    from hybridflow.config.derive import derive_defaults
+    from hybridflow.config.validate import validate_config
+    from hybridflow.parallel.dims import ParallelDims
+    from hybridflow.run_plan import resolve
+
+    cfg = _config(tmp_path, {"num_attention_heads": 4, "num_key_value_heads": 2}, [f"{SP}=2"])
+    validate_config(cfg)
+    derive_defaults(cfg)
+    spec = resolve(cfg).actor
+    lay = spec.layout
+    assert (lay.sp, lay.dp, lay.data_parallel, lay.label) == (2, 4, 2, "sp2xdp4") and ParallelDims.parse(lay.label).with_gen(lay.gen_tp, procs_per_node=lay.procs_per_node) == lay
+    assert [lay.dispatch(r) for r in range(4)] == [(0, 2, True), (0, 2, False), (1, 2, True), (1, 2, False)]
+    n = cfg.actor_rollout_ref.rollout.n
+    assert spec.update_plan(lay.data_parallel).mini_rows == 8 * n // 2

@@ -168,6 +168,12 @@ class ActorConfig:
     # this many data-parallel workers splits the experts (each holds num_experts / ep of them whole) and trades
     # tokens by all-to-all; FSDP2 shards the experts over the workers / ep that hold the same ones. 1 = off.
     expert_parallel_size: int = 1
+    # Ulysses sequence parallelism (verl's key; parallel/ulysses.py): each group of this many consecutive workers
+    # trains on the same rows with every packed micro-batch's sequence split between them (attention by all-to-all
+    # over heads; must divide the workers and the model's attention and KV heads); FSDP2 still shards over all
+    # workers, mini/micro-batch sizes count per group (workers / sp data-parallel ranks). The colocated reference
+    # scores in the same layout. 1 = off.
+    ulysses_sequence_parallel_size: int = 1
     pipeline_schedule: Literal["gpipe", "1f1b"] = "1f1b"
     ppo_epochs: int = 1
     clip_ratio: float = 0.2

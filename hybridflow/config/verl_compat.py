@@ -67,7 +67,10 @@ BEHAVIOUR: dict[str, tuple[Any, str]] = {
                                     "reference's log_prob_use_dynamic_bsz; here set the *_micro_batch_size_per_gpu keys"),
     "*max_token_len_per_gpu": (ANY, "only the actor's, the rollout's and the reference's token budgets are read"),
     "*.use_torch_compile": (ANY, "torch.compile is not applied (a speed switch: the same results); accepted with no effect"),
-    "*.ulysses_sequence_parallel_size": ((1,), f"sequence parallelism (Ulysses) is {_NOT_IMPL}"),
+    "actor_rollout_ref.ref.ulysses_sequence_parallel_size": (ANY, "the colocated reference scores in the actor's layout "
+                                                                  "(actor_rollout_ref.actor.ulysses_sequence_parallel_size)"),
+    "*.ulysses_sequence_parallel_size": ((1,), f"sequence parallelism (Ulysses) for the critic and reward model is {_NOT_IMPL}; the "
+                                               "actor's is actor_rollout_ref.actor.ulysses_sequence_parallel_size"),
     "*.checkpoint.contents": (ANY, "model, optimizer and extra state are always saved; set trainer.save_hf_model=true for an HF copy"),
     "*.optim.min_lr_ratio": ((None,), "set a number to use it (hybridflow's default is 0.0)"),
     "*.fsdp_config.wrap_policy.min_num_params": ((0,), "every decoder layer is its own FSDP unit"),

@@ -233,11 +233,3 @@ def response_logprobs(model: nn.Module, mb, group, temperature: float = 1.0, chu
     out = full[wanted]  # [b, R, 2]
     return out[..., 0], (out[..., 1] if with_entropy else None)
 
-
-def heads_problems(sp: int, heads: int, kv_heads: int, key: str = KEY) -> list[str]:
-    """sp must divide the attention and KV heads (each sp rank attends with whole heads)."""
-    from hybridflow.parallel.dims import divisors
-
-    return [f"{key} ({sp}) must divide the model's {what} ({n}): after the all-to-all each sequence-parallel rank attends "
-            f"with whole heads; set it to one of {divisors(n)}" for what, n in
-            (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)) if n and n % sp]

@@ -225,7 +225,7 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
     @functools.cached_property
     def update_plan(self) -> UpdatePlan:
         """The PPO update's rows per rank (first used by update_actor: a DPO or SFT run has no rollout.n)."""
-        return self.spec.update_plan(self.dp_size)
+        return self.spec.update_plan(self.train_layout.data_parallel)  # per data rank: the sp ranks of a group share rows
 
     @register(Dispatch.DP_COMPUTE, layout="train")
     def update_actor(self, data: Batch, optimizer_step: bool = True, loss_scale: float = 1.0) -> dict[str, float]:
