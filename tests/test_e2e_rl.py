@@ -282,12 +282,14 @@ def test_skipping_the_old_log_prob_pass_gives_the_same_update(ray_cluster, tiny_
 
 def test_padding_free_and_token_budget_updates_equal_the_plain_ones(ray_cluster, tiny_model_dir, task_dir, varied_reward, tmp_path):
     """actor/ref padding removal + token-budget micro-batches in the update and log-prob passes
-    (budget 64 tokens: 2-3 sequences each, where the plain run takes 4): the same updates."""
+    (budget 64 tokens: 2-3 sequences each, where the plain run takes 4), and Ulysses sequence
+    parallelism on top (sp2 over the 2 workers: one data rank, each micro-batch's packed sequence
+    split between them, parallel/ulysses.py): the same updates."""
     reward = f"custom_reward_function.path={varied_reward}"
     fast = ["actor_rollout_ref.model.use_remove_padding=true", "actor_rollout_ref.actor.use_dynamic_bsz=true",
             "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=64", "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
             "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=64", "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=true",
-            "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=64"]
+            "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=64", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"]
     runs = {}
     for name, extra in (("plain", []), ("fast", fast)):
         trainer = make_trainer(tiny_model_dir, task_dir, tmp_path / name, reward, "trainer.total_training_steps=1",
