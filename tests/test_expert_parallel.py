@@ -85,6 +85,22 @@ def _ep_worker(rank: int, world: int, port: int, path: str, out: str, ep: int) -
     switch = w.reshard(measure_baseline=True, check=True)
     switch = {"max_diff": switch["max_diff"], "bytes": switch["bytes_received"], "naive": switch["baseline"]["bytes_received"],
               "min": w.plan.min_bytes(rank), "plan_naive": w.plan.naive_bytes(rank)}
+    full = eng.state_dict()  # the full weights (export, save_hf_model): whole experts, gathered over ep
+    if rank == 0:
+        assert all(torch.equal(full[n], w.hybrid.gen[n].data) for n in full), "state_dict != the (checked) generation weights"
+
+    def two_steps():  # the gradient norms and the log-probs after two more optimizer steps
+        norms = []
+        for _ in range(2):
+            eng.forward_backward(part, lambda lp, ent, mb: _loss(lp, mb), 2)
+            norms.append(eng.step())
+        return norms, eng.log_probs(part, 2)[0]
+
+    w.save_checkpoint(f"{out}/ckpt")  # DCP: each EP rank's experts at their own offsets of [E, ...]
+    after = two_steps()
+    w.load_checkpoint(f"{out}/ckpt")  # model, AdamW moments, schedule, RNG
+    again = two_steps()
+    assert again[0] == after[0] and torch.equal(again[1], after[1]), f"rank {rank}: resume is not bit for bit"
     with open(f"{out}/{rank}", "wb") as f:
         pickle.dump({"logp": logp, "grads": grads if rank == 0 else None, "norm": norm, "local_experts": local_experts, "switch": switch}, f)
     torch.distributed.destroy_process_group()
@@ -112,7 +128,8 @@ EP4 = pytest.mark.skipif(os.environ.get("HYBRIDFLOW_EP4") != "1", reason="4 proc
 def test_ep_layouts_match_one_process(moe_dir, tmp_path, world, ep):
     """ep2 on 2 ranks (each rank 2 of the 4 experts whole, every other weight FSDP2-sharded over both), and
     ep2 x edp2 on 4 (each rank half of its EP rank's 2 experts: FSDP2 over the 2 ranks holding the same ones):
-    per-token log-probs, full gradients before any optimizer step, and the clipped-norm input equal one process."""
+    per-token log-probs, full gradients before any optimizer step, and the clipped-norm input equal one process;
+    then the switch to generation, the full state dict, and a checkpoint resume bit for bit (asserted on the ranks)."""
     import torch.multiprocessing as mp
 
     mp.spawn(_ep_worker, args=(world, free_port(), str(moe_dir), str(tmp_path), ep), nprocs=world)

@@ -36,7 +36,7 @@ from hybridflow.engine.model import micro_batches, response_logprobs
 from hybridflow.engine.optim import build_optimizer, build_scheduler, clip_and_step
 from hybridflow.hybrid_engine.executor import HybridEngine
 from hybridflow.parallel import ulysses
-from hybridflow.parallel.expert_parallel import is_expert_param
+from hybridflow.parallel.expert_parallel import full_expert_weights, is_expert_param
 from hybridflow.parallel.layout import TrainMesh, build_train_model
 from hybridflow.protocol import Batch
 from hybridflow.run_plan import UpdatePlan
@@ -270,7 +270,10 @@ class TrainEngine:
         """The full (unsharded) weights on CPU; a collective: every rank calls it."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        sd = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.layout.ep > 1:  # its expert weights hold this EP rank's experts only (parallel/expert_parallel.py)
+            sd.update({k: v.cpu() for k, v in full_expert_weights(self.module).items() if k in sd})
+        return sd
 
     def save_hf(self, out_dir: str, tokenizer, rank: int) -> str:
         """The full weights as an HF checkpoint (+ tokenizer), written by rank 0; a collective."""

@@ -123,10 +123,11 @@ def _ep_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, to
     return out.sum(1).to(hidden_states.dtype)
 
 
-def apply_expert_parallel(model: nn.Module, ep_group: Any, ep: int, ep_i: int, dp: int) -> list[nn.Module]:
+def apply_expert_parallel(model: nn.Module, ep_group: Any, ep: int, ep_i: int, dp: int, ckpt_mesh: Any = None) -> list[nn.Module]:
     """Keep EP rank ep_i's experts [E/ep, ...] of every MoE block of `model` (unsharded, before FSDP2)
     and dispatch their forward over `ep_group` (ep ranks); dp: the data-parallel ranks (the gradient
-    scale, module doc). Returns the experts modules (FSDP2 shards them over edp = dp / ep)."""
+    scale, module doc); ckpt_mesh: the (ep, edp) mesh the experts are saved on (`checkpoint_views`).
+    Returns the experts modules (FSDP2 shards them over edp = dp / ep)."""
     mods = expert_modules(model)
     if not mods:
         raise ValueError(f"{type(model).__name__} has no MoE blocks: expert parallelism needs a mixture-of-experts model")
@@ -138,9 +139,65 @@ def apply_expert_parallel(model: nn.Module, ep_group: Any, ep: int, ep_i: int, d
         for name in EXPERT_PARAMS:
             p = getattr(m, name)
             setattr(m, name, nn.Parameter(p.data[lo:hi].clone(), requires_grad=p.requires_grad))
-        m.num_experts_total, m.num_local_experts, m.ep_size, m.ep_group = total, hi - lo, ep, ep_group
+        m.num_experts_total, m.num_local_experts, m.ep_size, m.ep_group, m.ckpt_mesh = total, hi - lo, ep, ep_group, ckpt_mesh
         m.grad_scale = (dp // ep) / dp
         if not hasattr(m, "_apply_gate"):  # HF's decorator adds it; older classes: act(gate) * up
             m._apply_gate = types.MethodType(lambda self, gu: self.act_fn(gu.chunk(2, -1)[0]) * gu.chunk(2, -1)[1], m)
         m.forward = types.MethodType(_ep_forward, m)
     return mods
+
+
+def full_expert_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """{FQN: the whole [E, ...] tensor} of every routed expert weight of an EP model (after FSDP2): the
+    FSDP2 gather over edp, then the EP group's experts in order. A collective: every rank calls it."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for prefix, m in model.named_modules():
+        if getattr(m, "ep_group", None) is None:
+            continue
+        for name in EXPERT_PARAMS:
+            p = getattr(m, name)
+            t = (p.full_tensor() if isinstance(p, DTensor) else p.data).contiguous()  # [E/ep, ...]
+            parts = [torch.empty_like(t) for _ in range(m.ep_size)]
+            dist.all_gather(parts, t, group=m.ep_group)
+            out[f"{prefix}.{name}"] = torch.cat(parts)  # [E, ...]
+    return out
+
+
+def checkpoint_views(model: nn.Module, *state_dicts: dict) -> list[tuple[dict, str, Any]]:
+    """Point the expert entries of DCP state dicts (the model's {FQN: tensor}, the optimizer's
+    {"state": {FQN: {name: tensor}}}) at views of the same local shards as [E, ...] DTensors on the
+    (ep, edp) mesh, so each rank's experts have their own place in the checkpoint (as [E/ep, ...]
+    every EP rank would write the same offsets). In place; returns what to put back (`restore`) before
+    `set_state_dict`, which expects the FSDP2 layout. dcp.load writes through the views into the shards."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    shapes = {}
+    for prefix, m in model.named_modules():
+        if getattr(m, "ep_group", None) is not None:
+            for name in EXPERT_PARAMS:
+                shapes[f"{prefix}.{name}"] = (m.num_experts_total, *getattr(m, name).shape[1:]), m.ckpt_mesh
+    swapped = []
+
+    def view(container: dict, key: str, fqn: str) -> None:
+        t = container[key]
+        shape, mesh = shapes[fqn]
+        if isinstance(t, DTensor) and t.dim() == len(shape) and tuple(t.shape[1:]) == shape[1:]:
+            local = t.to_local()
+            container[key] = DTensor.from_local(local, mesh, [Shard(0), Shard(0)], run_check=False, shape=torch.Size(shape),
+                                                stride=torch.empty(shape, device="meta").stride())
+            swapped.append((container, key, t))
+
+    for sd in state_dicts:
+        for fqn in shapes:
+            if fqn in sd:
+                view(sd, fqn, fqn)
+            for key in list(sd.get("state", {}).get(fqn, {})) if isinstance(sd.get("state"), dict) else ():
+                view(sd["state"][fqn], key, fqn)
+    return swapped
+
+
+def restore(swapped: list[tuple[dict, str, Any]]) -> None:
+    for container, key, t in swapped:
+        container[key] = t

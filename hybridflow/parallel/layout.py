@@ -126,7 +126,8 @@ def build_train_model(model: nn.Module, dims: TrainMesh, device: str, fcfg: FSDP
 
         ep_mesh = init_device_mesh(device, (layout.dp // layout.ep, layout.ep), mesh_dim_names=("edp", "ep"))
         edp_i, ep_i = layout.ep_coords(dist.get_rank())
-        apply_expert_parallel(model, ep_mesh["ep"].get_group(), layout.ep, ep_i, layout.dp)
+        ckpt_mesh = DeviceMesh(device, ep_mesh.mesh.transpose(0, 1).contiguous(), mesh_dim_names=("ep", "edp"))  # [E, ...] in checkpoints
+        apply_expert_parallel(model, ep_mesh["ep"].get_group(), layout.ep, ep_i, layout.dp, ckpt_mesh)
         expert_mesh = ep_mesh["edp"]
     model = apply_fsdp2(model, mesh, fcfg.reshard_after_forward, fcfg.param_offload, shard_placement_fn=fsdp_shard_placement_fn(model, layout.dp),
                         sharding_strategy=fcfg.sharding_strategy, mixed_precision=fcfg.mixed_precision, expert_mesh=expert_mesh)
