@@ -328,3 +328,73 @@ def test_vlm_trainer_logprobs_equal_hf_and_frozen_tower(vlm_dir, tmp_path):
         changed = [k for k in before if k.startswith("model.language_model.layers.") and not torch.equal(before[k], after[k])]
         assert len(changed) > 10, (tp, changed)
         assert math.isfinite(ranks[0]["metrics"]["actor/pg_loss"])
+
+
+# --------------------------------------------------------------------------------------- rollout
+def test_hf_rollout_generates_with_each_rows_pixels(vlm_dir):
+    """The HF rollout's batch API on image prompts (left-padded, two image sizes) equals a plain HF generate of
+    each row alone with its pixel values (greedy); the result carries the rows' image inputs and the M-RoPE
+    position ids of prompt + response (the model's own rope index); the continuous-batching path refuses."""
+    from transformers import AutoConfig
+
+    from hybridflow.data.vision import encode_vision_prompt
+    from hybridflow.protocol import SamplingParams
+    from hybridflow.rollout.base import left_padded
+    from hybridflow.rollout.hf_rollout import HFRollout
+
+    processor, config = load_processor(vlm_dir), AutoConfig.from_pretrained(str(vlm_dir))
+    items = [encode_vision_prompt(processor, [{"role": "user", "content": "<image>Which colour?" + " x" * i}], [_img(c, s)])
+             for i, (c, s) in enumerate(PROMPT_IMAGES)]
+    ids, mask = left_padded([it["input_ids"] for it in items], processor.tokenizer.pad_token_id)
+    rows = [it["multi_modal_inputs"] for it in items]
+    from hybridflow.protocol import Batch
+
+    prompts = Batch.from_dict(tensors={"input_ids": ids, "attention_mask": mask, "position_ids": mask}, non_tensors={"multi_modal_inputs": rows})
+    model = _load_model(vlm_dir)
+    rollout = HFRollout(model, processor.tokenizer, "cpu", continuous=False)
+    params = SamplingParams(max_new_tokens=6, do_sample=False)
+    out = rollout.generate(prompts, params)
+    assert out["responses"].shape == (4, 6) and out["position_ids"].shape == (4, 3, ids.shape[1] + 6)
+    assert all(o is r for o, r in zip(out["multi_modal_inputs"], rows))
+    with torch.no_grad():
+        for r, it in enumerate(items):
+            one = torch.tensor([it["input_ids"]])
+            want = model.generate(input_ids=one, mm_token_type_ids=(one == config.image_token_id).long(), **it["multi_modal_inputs"],
+                                  max_new_tokens=6, do_sample=False)[0, one.shape[1]:]
+            n = int(out["response_mask"][r].sum())
+            assert out["responses"][r, :n].tolist() == want[:n].tolist(), r
+            # the position ids of the valid tokens: the model's own rope index of the unpadded sequence
+            full = torch.cat([one[0], out["responses"][r, :n]])[None]
+            theirs, _ = model.model.get_rope_index(full, mm_token_type_ids=(full == config.image_token_id).long(),
+                                                   image_grid_thw=it["multi_modal_inputs"]["image_grid_thw"])
+            valid = out["attention_mask"][r].bool()
+            assert torch.equal(out["position_ids"][r][:, valid], theirs[:, 0]), r
+    with pytest.raises(RuntimeError, match="continuous_batching=false"):
+        HFRollout(model, processor.tokenizer, "cpu", continuous=True).generate(prompts, params)
+
+
+def test_vlm_config_refusals_name_the_key(vlm_dir, tmp_path):
+    """Before any worker starts: what image prompts are not wired through, one line each naming the key; and
+    freeze_vision_tower on a text model."""
+    from hybridflow.config import HybridFlowConfig, load_config
+    from hybridflow.config.loader import ConfigError
+    from hybridflow.config.validate import validate_config
+    from hybridflow.models.tiny import make_tiny_model
+
+    for name in ("train.parquet", "val.parquet"):
+        (tmp_path / name).write_text("")
+    base = [f"data.train_files=[{tmp_path / 'train.parquet'}]", f"data.val_files=[{tmp_path / 'val.parquet'}]", "data.train_batch_size=4",
+            "actor_rollout_ref.rollout.n=4", "algorithm.adv_estimator=grpo"]
+    validate_config(load_config(None, [*base, f"actor_rollout_ref.model.path={vlm_dir}", "actor_rollout_ref.model.freeze_vision_tower=true"],
+                                schema=HybridFlowConfig))  # the VLM with the hf rollout is fine
+    bad = ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.continuous_batching=true", "actor_rollout_ref.rollout.exact=true"]
+    with pytest.raises(ConfigError) as e:
+        validate_config(load_config(None, [*base, f"actor_rollout_ref.model.path={vlm_dir}", *bad], schema=HybridFlowConfig))
+    lines = [line.strip(" -") for line in str(e.value).splitlines()]
+    for key in bad:
+        assert any(line.startswith(key + ":") and "vision-language" in line for line in lines), (key, lines)
+    text = make_tiny_model(tmp_path / "text")
+    with pytest.raises(ConfigError) as e:
+        validate_config(load_config(None, [*base, f"actor_rollout_ref.model.path={text}", "actor_rollout_ref.model.freeze_vision_tower=true"],
+                                    schema=HybridFlowConfig))
+    assert "actor_rollout_ref.model.freeze_vision_tower=true:" in str(e.value) and "text model" in str(e.value)

@@ -38,6 +38,7 @@ CHECK_MODULES = (
     "hybridflow.rollout.base",  # rollout_backend
     "hybridflow.agent.openai_agent",  # black_box_agent
     "hybridflow.models.routing",  # router_replay
+    "hybridflow.models.vlm_checks",  # vision_model
 )
 # name -> what the function registered under it takes and returns
 CHECKS = {
@@ -51,6 +52,8 @@ CHECKS = {
     "router_replay": "(mode, model_path, rollout_name, exact, pipeline_stages, multi_turn_or_agent) -> problems: actor.router_replay "
                      "against the model (MoE), the rollout backend (records the experts) and the layout",
     "rollout_backend": "(name, spec) -> problems: rollout.name names a registered (or importable) backend, and the backend's own checks of its RolloutSpec",
+    "vision_model": "(model_path, freeze_vision_tower, rollout_name, continuous_batching, exact, gen_tp, pipeline_stages, async_rollout, "
+                    "multi_turn_or_agent, adv_estimator) -> problems: what a vision-language policy runs with (and freeze_vision_tower needs one)",
 }
 _REGISTERED: dict[str, Callable] = {}
 
@@ -347,6 +350,9 @@ def validate_config(cfg: HybridFlowConfig, kind: Literal["rl", "dpo"] = "rl") ->
     p.extend(component_check("router_replay")(arr.actor.router_replay.mode, arr.model.path, arr.rollout.name, arr.rollout.exact,
                                               arr.actor.pipeline_model_parallel_size,
                                               bool(arr.rollout.multi_turn.enable or arr.rollout.agent.function or arr.rollout.agent.command)))
+    p.extend(component_check("vision_model")(arr.model.path, arr.model.freeze_vision_tower, roll.name, roll.continuous_batching, roll.exact,
+                                             roll.tensor_model_parallel_size, arr.actor.pipeline_model_parallel_size, t.async_rollout,
+                                             bool(roll.multi_turn.enable or roll.agent.function or roll.agent.command), alg.adv_estimator))
 
     # Roles and features that do not combine in one run.
     if t.async_rollout and alg.adv_estimator == "remax":

@@ -137,3 +137,36 @@ def is_vlm_dir(model_dir) -> bool:
         return True
     f = d / "processor_config.json"
     return f.is_file() and "image_processor" in json.loads(f.read_text())
+
+
+# ------------------------------------------------------------------------ what the RL trainer reads
+def prompt_dataset(files, tokenizer, model_path: str, max_prompt_length: int, prompt_key: str = "prompt", filter_overlong_prompts: bool = True,
+                   truncation: str = "error"):
+    """The prompts of an RL run: `RLDataset` for a text model, `VisionRLDataset` (with the checkpoint's processor)
+    for a vision-language one (`models/vlm.py::is_vlm_dir`)."""
+    from hybridflow.data.dataset import RLDataset
+    from hybridflow.data.vision import VisionRLDataset
+
+    if not is_vlm_dir(model_path):
+        return RLDataset(files, tokenizer, max_prompt_length, prompt_key, filter_overlong_prompts, truncation)
+    return VisionRLDataset(files, load_processor(model_path), max_prompt_length, prompt_key, filter_overlong_prompts, truncation)
+
+
+def prompt_collate(pad_token_id: int, model_path: str, max_prompt_length: int, padding: str = "max_length"):
+    """items -> Batch: `collate_rl`, or `collate_vision` (M-RoPE position ids, the rows' image inputs) for a VLM."""
+    from hybridflow.data.dataset import collate_rl
+    from hybridflow.data.vision import collate_vision
+
+    if not is_vlm_dir(model_path):
+        return lambda items: collate_rl(items, pad_token_id, max_prompt_length, padding)
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path)
+    return lambda items: collate_vision(items, pad_token_id, max_prompt_length, config, padding)
+
+
+def image_keys(model_path: str) -> list[str]:
+    """The batch keys a VLM's stages carry beside the text ones ([] for a text model): the rows' image inputs."""
+    from hybridflow.data.vision import MULTI_MODAL_KEY
+
+    return [MULTI_MODAL_KEY] if is_vlm_dir(model_path) else []

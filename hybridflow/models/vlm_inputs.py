@@ -23,6 +23,8 @@ MULTI_MODAL_KEY = "multi_modal_inputs"  # data/vision.py's key (verl's name)
 # The vision tower's parameters in transformers v5's Qwen2-VL / Qwen2.5-VL (model.visual.*: patch embedding,
 # blocks, merger): what actor_rollout_ref.model.freeze_vision_tower freezes (fnmatch patterns, as actor.freeze_modules).
 VISION_TOWER_PATTERNS = ("model.visual.*", "visual.*")
+# The config keys of the vision tokens (Qwen2-VL): a rollout never samples them (suppressed), so a response holds text only.
+VISION_TOKEN_KEYS = ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id")
 
 
 def is_multi_modal(mb: Any) -> bool:

@@ -212,11 +212,13 @@ def batch_requests(prompts: Batch, params: SamplingParams) -> list[Request]:
             for ids, mask in zip(prompts["input_ids"].tolist(), prompts["attention_mask"].tolist())]
 
 
-def generate_batch(backend, prompts: Batch, params: SamplingParams, pad_id: int) -> Batch:
+def generate_batch(backend, prompts: Batch, params: SamplingParams, pad_id: int, completions: list | None = None) -> Batch:
     """The batch API on top of `generate_requests`: completions are right-padded to
     max_new_tokens next to the prompts as given ([b, P], left-padded); completions that carry their
-    tokens' policy versions add rollout_policy_version [b, R] (-1 past each response)."""
-    completions = backend.generate_requests(batch_requests(prompts, params))
+    tokens' policy versions add rollout_policy_version [b, R] (-1 past each response).
+    completions: the prompts' completions when the backend made them otherwise (a VLM's image prompts)."""
+    if completions is None:
+        completions = backend.generate_requests(batch_requests(prompts, params))
     b, R = len(completions), params.max_new_tokens
     responses = torch.full((b, R), pad_id, dtype=torch.long)
     logps = torch.zeros((b, R), dtype=torch.float32)

@@ -38,6 +38,7 @@ from hybridflow.protocol import Batch, Completion, GenLayout, Request, SamplingP
 from hybridflow.rollout.base import Continuation, PrefixMissing, RolloutContext, generate_batch, left_padded, response_lengths
 from hybridflow.rollout.exact_sampler import Draft, sample_exact
 from hybridflow.rollout.scheduler import ContinuousScheduler, unsupported_reason
+from hybridflow.models.vlm_inputs import MULTI_MODAL_KEY, VISION_TOKEN_KEYS, forward_inputs
 
 
 class HFRollout:
@@ -140,7 +141,35 @@ class HFRollout:
                 self.scheduler.refusing = None
 
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
+        if MULTI_MODAL_KEY in prompts:  # image prompts: one per-call generate with the rows' pixel inputs (models/vlm_inputs.py)
+            return self._generate_images(prompts, params)
         return generate_batch(self, prompts, params, self.tokenizer.pad_token_id)
+
+    @torch.no_grad()
+    def _generate_images(self, prompts: Batch, params: SamplingParams) -> Batch:
+        """A VLM's prompts (input_ids / attention_mask [b, P] left-padded, multi_modal_inputs per row) through one
+        HF `generate` on the per-call path (the continuous-batching scheduler and the exact sampler take token ids
+        only: refused). The result carries the M-RoPE position ids [b, 3, P+R] of prompt + response."""
+        if self.scheduler is not None or self.exact:
+            raise RuntimeError("image prompts run on the per-call HF generate path: set actor_rollout_ref.rollout.continuous_batching=false "
+                               "and actor_rollout_ref.rollout.exact=false")
+        if not self.awake:
+            raise RuntimeError("the rollout is asleep (its weights are stale or freed): sync the weights (reshard) before generating")
+        from hybridflow.data.vision import rows_position_ids
+
+        ids, mask = prompts["input_ids"].to(self.device), prompts["attention_mask"].to(self.device)
+        _, mm = forward_inputs(prompts.to(self.device))  # pixel_values [sum P_i, D], image_grid_thw [n, 3]
+        cfg = self.model.config
+        mm["mm_token_type_ids"] = (ids == cfg.image_token_id).long()  # the model computes its rope index from it
+        # Never sample a vision token: a response's <|image_pad|> would be taken for an image's place in every later forward.
+        mm["suppress_tokens"] = [t for t in (getattr(cfg, k, None) for k in VISION_TOKEN_KEYS) if t is not None]
+        with self.call_lock:
+            completions = self._generate(ids, mask, params, mm)
+        out = generate_batch(self, prompts, params, self.tokenizer.pad_token_id, completions=completions)
+        rows = list(prompts[MULTI_MODAL_KEY])
+        out["position_ids"] = rows_position_ids(self.model.config, out["input_ids"], out["attention_mask"], rows)  # [b, 3, P+R]
+        out[MULTI_MODAL_KEY] = rows
+        return out
 
     @torch.no_grad()
     def generate_requests(self, requests: Sequence[Request]) -> list[Completion]:
@@ -175,8 +204,9 @@ class HFRollout:
                 out[i] = c
         return out
 
-    def _generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, params: SamplingParams) -> list[Completion]:
-        """One HF `generate` over left-padded prompts [b, P] -> one Completion per row."""
+    def _generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, params: SamplingParams,
+                  model_kwargs: dict | None = None) -> list[Completion]:
+        """One HF `generate` over left-padded prompts [b, P] -> one Completion per row (model_kwargs: a VLM's pixel inputs)."""
         tok = self.tokenizer
         torch.manual_seed(params.seed * 1000 + self.dp_index)
         stop_ids = [tok.eos_token_id, *params.stop_token_ids]
@@ -184,7 +214,8 @@ class HFRollout:
         temperature = params.effective_temperature
         gen_cfg = _generation_config(params, tok, params.max_new_tokens, output_logits=True)
         with self.recorder.capture() if self.recorder is not None else contextlib.nullcontext([]) as forwards:
-            out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=gen_cfg, tokenizer=tok)
+            out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=gen_cfg, tokenizer=tok,
+                                      **(model_kwargs or {}))
         gen = out.sequences[:, input_ids.shape[1] :]  # [b, R'] with R' <= R
         routes = self._routes(forwards, attention_mask, gen.shape[1]) if self.recorder is not None else [None] * gen.shape[0]
         logits = torch.stack(out.logits, dim=1).float() / temperature  # [b, R', V]

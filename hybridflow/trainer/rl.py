@@ -40,7 +40,8 @@ from hybridflow.algorithms import make_kl_controller
 from hybridflow.algorithms.rollout_correction import resolve as resolve_correction
 from hybridflow.config import ConfigError, HybridFlowConfig, save_config, to_dict, validate_config
 from hybridflow.config.pools import Role, pool_specs
-from hybridflow.data.dataset import RLDataset, collate_rl
+from hybridflow.data.dataset import RLDataset
+from hybridflow.models.vlm import image_keys, prompt_collate, prompt_dataset
 from hybridflow.planning.preflight import check_memory
 from hybridflow.protocol import Batch
 from hybridflow.rewards.loader import load_custom_reward_fn
@@ -129,9 +130,11 @@ class RLTrainer:
         before any worker starts."""
         d, mcfg, crf = self.cfg.data, self.run_plan.actor.model, self.cfg.custom_reward_function
         self.tokenizer = AutoTokenizer.from_pretrained(mcfg.tokenizer_source())
-        self.val_ds = RLDataset(d.val_files, self.tokenizer, d.max_prompt_length, d.prompt_key, d.filter_overlong_prompts,
-                                d.truncation) if d.val_files else None
-        self.collate = lambda items: collate_rl(items, self.tokenizer.pad_token_id, d.max_prompt_length, d.prompt_padding)
+        # A vision-language model's prompts carry their images (data/vision.py): its datasets, collate and batch keys.
+        self.image_keys = image_keys(mcfg.path)
+        self.val_ds = prompt_dataset(d.val_files, self.tokenizer, mcfg.path, d.max_prompt_length, d.prompt_key, d.filter_overlong_prompts,
+                                     d.truncation) if d.val_files else None
+        self.collate = prompt_collate(self.tokenizer.pad_token_id, mcfg.path, d.max_prompt_length, d.prompt_padding)
         self.train_ds, train_collate = self._train_data()
         self.loader = PromptLoader(self.train_ds, d.train_batch_size, train_collate, d.shuffle, d.seed)
         self.total_steps = self.cfg.trainer.total_training_steps or self.loader.batches_per_epoch * self.cfg.trainer.total_epochs
@@ -147,7 +150,8 @@ class RLTrainer:
     def _train_data(self):
         """The training dataset and its collate function (RL: prompts)."""
         d = self.cfg.data
-        return RLDataset(d.train_files, self.tokenizer, d.max_prompt_length, d.prompt_key, d.filter_overlong_prompts, d.truncation), self.collate
+        return prompt_dataset(d.train_files, self.tokenizer, self.run_plan.actor.model.path, d.max_prompt_length, d.prompt_key,
+                              d.filter_overlong_prompts, d.truncation), self.collate
 
     def _check_scorers(self) -> None:
         """Every data_source the rule reward will see has a scorer: checked on the data before any
@@ -254,7 +258,7 @@ class RLTrainer:
         if self.service is not None and group is self.rollout:  # validation on the rollout service: any version its replicas hold
             return self.service.generate(batch, params, waiting_for, self.run_plan.rollout.rollout.request_timeout_s)
         if self.agent is None:
-            call = group.submit("generate_sequences", batch.select(PROMPT_KEYS), params, release_after=release_after)
+            call = group.submit("generate_sequences", batch.select(PROMPT_KEYS + self.image_keys), params, release_after=release_after)
             return call.result(self.run_plan.rollout.rollout.request_timeout_s, waiting_for, REQUEST_TIMEOUT_KEY)
         out = self.agent.generate(group, batch, params)
         if release_after:
@@ -274,7 +278,7 @@ class RLTrainer:
 
     def _reward_baseline(self, batch: Batch) -> Batch:
         """ReMax: the reward of the greedy response to the same prompt, one scalar per sample."""
-        greedy = self.actor.generate_sequences(batch.select(PROMPT_KEYS), dataclasses.replace(self._sampling(), do_sample=False))
+        greedy = self.actor.generate_sequences(batch.select(PROMPT_KEYS + self.image_keys), dataclasses.replace(self._sampling(), do_sample=False))
         scores, _ = self.reward_fn(with_sample_info(greedy, batch))
         return Batch.from_dict(tensors={"reward_baselines": scores.sum(-1)})
 
@@ -288,11 +292,12 @@ class RLTrainer:
         actor_pool = self.pool_of(Role.ACTOR_ROLLOUT)
         agent_keys = (["raw_prompt", "extra_info"], ["agent_reward"]) if self.agent is not None else ([], [])
         routes = self._route_keys()
-        gen_stages = [Stage("gen", self._generate, PROMPT_KEYS + agent_keys[0], GEN_OUTPUTS + agent_keys[1] + routes, pool=actor_pool)]
+        images = self.image_keys  # a VLM's rows' image inputs, to generation and every training forward
+        gen_stages = [Stage("gen", self._generate, PROMPT_KEYS + images + agent_keys[0], GEN_OUTPUTS + agent_keys[1] + routes, pool=actor_pool)]
         # The trainer's old log-probs: recomputed when asked, with async rollout, for rollout correction
         # and for distillation (its advantage is teacher - student log-prob).
         recompute = self.run_plan.actor.actor.recompute_old_log_prob or roles.async_rollout or c.active or roles.use_teacher
-        old_log_prob = Stage("old_log_prob", actor.compute_log_prob, TRAIN_KEYS + routes, ["old_log_probs"], enabled=recompute)
+        old_log_prob = Stage("old_log_prob", actor.compute_log_prob, TRAIN_KEYS + images + routes, ["old_log_probs"], enabled=recompute)
         sync = Stage("reshard", self.weight_sync.reshard, [], [], pool=actor_pool)
         if roles.async_rollout:  # generation happens outside the flow, one batch ahead (train_step)
             gen_stages = []
@@ -308,13 +313,13 @@ class RLTrainer:
             old_log_prob,
             Stage("rollout_correction", functools.partial(driver_stages.rollout_correction, correction=c),
                   ["old_log_probs", "rollout_log_probs", "response_mask"], correction_keys, enabled=c.active),
-            Stage("ref", ref.compute_ref_log_prob if ref else None, TRAIN_KEYS, ["ref_log_prob"], enabled=roles.ref_log_prob),
+            Stage("ref", ref.compute_ref_log_prob if ref else None, TRAIN_KEYS + images, ["ref_log_prob"], enabled=roles.ref_log_prob),
             Stage("teacher", self.teacher.compute_teacher_log_prob if self.teacher else None, TRAIN_KEYS, ["teacher_log_prob"], enabled=roles.use_teacher),
             Stage("values", critic.compute_values if critic else None, TRAIN_KEYS, ["values"], enabled=roles.use_critic),
             Stage("adv", functools.partial(driver_stages.advantage, a=a, kl_ctrl=self.kl_ctrl), driver_stages.advantage_inputs(a, roles.use_critic),
                   ["token_level_rewards", "advantages", "returns"]),
             Stage("update_critic", critic.update_critic if critic else None, TRAIN_KEYS + ["values", "returns"], [], enabled=roles.use_critic),
-            Stage("update_actor", actor.update_actor, TRAIN_KEYS + routes + (["old_log_probs"] if recompute else []) + ["advantages"]
+            Stage("update_actor", actor.update_actor, TRAIN_KEYS + images + routes + (["old_log_probs"] if recompute else []) + ["advantages"]
                   + (["ref_log_prob"] if roles.ref_log_prob else []) + correction_keys, []),
             sync,
         ]
@@ -342,7 +347,7 @@ class RLTrainer:
 
     def _prepare_batch_keys(self) -> list[str]:
         """The keys a step's batch starts with (the loader's columns and the group ids)."""
-        keys = PROMPT_KEYS + SAMPLE_INFO_KEYS + ["uid"]
+        keys = PROMPT_KEYS + self.image_keys + SAMPLE_INFO_KEYS + ["uid"]
         if self.async_rollout:  # generated outside the flow (with its version per token; agents: their reward)
             keys += GEN_OUTPUTS + ["rollout_policy_version"] + (["agent_reward"] if self.agent is not None else []) + self._route_keys()
         if self.sample_flow is not None:  # dynamic sampling: generated and scored before the flow
