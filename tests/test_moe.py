@@ -166,10 +166,11 @@ def test_fsdp2_dp2_moe_matches_one_process(moe_dir, tmp_path):
 
 
 def test_grpo_step_on_moe_model_logs_expert_load(ray_cluster, task_dir, tmp_path):
-    """One GRPO step of the trainer on a tiny Qwen3-MoE (2 FSDP2 workers, HF rollout, weight check on)."""
+    """One GRPO step of the trainer on a tiny Qwen3-MoE (2 workers with expert parallelism: 2 experts each,
+    the rest FSDP2-sharded; HF rollout with whole experts, weight check on)."""
     model = make_tiny_model(tmp_path / "m", arch="qwen3_moe", hidden_size=32, intermediate_size=64, num_experts=4)
     rows = train_and_read_metrics(rl_overrides(model, task_dir, tmp_path / "run", "trainer.total_training_steps=1", "trainer.check_weight_sync=true",
-                                               "algorithm.adv_estimator=grpo"), tmp_path / "run")
+                                               "algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.expert_parallel_size=2"), tmp_path / "run")
     m = rows[-1]
     assert m["actor/moe/expert_load_min"] <= 1 / 4 <= m["actor/moe/expert_load_max"], m
     assert 0 < m["actor/moe/expert_load_entropy"] <= math.log(4) + 1e-9, m
