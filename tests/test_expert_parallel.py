@@ -153,3 +153,33 @@ def test_ep_layouts_match_one_process(moe_dir, tmp_path, world, ep):
         s = r["switch"]
         assert s["max_diff"] == 0.0 and s["bytes"] == s["min"] and s["naive"] == s["plan_naive"], s
     assert sum(r["switch"]["min"] for r in ranks) == (world - 1) * model_bytes
+
+
+def test_expert_parallel_refusals_name_the_key(moe_dir, tmp_path):
+    """Before any worker starts, one line naming the key: ep not dividing the experts or the workers,
+    ep with a dense model, ep with dynamic batch sizes."""
+    from hybridflow.config import HybridFlowConfig, load_config
+    from hybridflow.config.loader import ConfigError
+    from hybridflow.config.validate import validate_config
+
+    for name in ("train.parquet", "val.parquet"):
+        (tmp_path / name).write_text("")
+    key = "actor_rollout_ref.actor.expert_parallel_size"
+
+    def problems(model, *extra) -> list[str]:
+        base = [f"actor_rollout_ref.model.path={model}", f"data.train_files=[{tmp_path / 'train.parquet'}]", "trainer.n_gpus_per_node=2",
+                f"data.val_files=[{tmp_path / 'val.parquet'}]", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=4", *extra]
+        try:
+            validate_config(load_config(None, base, schema=HybridFlowConfig))
+        except ConfigError as e:
+            return [line.strip(" -") for line in str(e).splitlines()]
+        return []
+
+    assert not any(key in line for line in problems(moe_dir, f"{key}=2"))  # 4 experts over 2 EP ranks: fine
+    lines = problems(moe_dir, f"{key}=3")
+    assert any(line.startswith(f"{key}=3 must divide the model's 4 experts") for line in lines), lines
+    assert any(line.startswith(f"{key}=3 must divide the actor's 2 workers") for line in lines), lines
+    dense = make_tiny_model(tmp_path / "dense", hidden_size=32, intermediate_size=64)
+    assert any(line.startswith(f"{key}=2 needs a mixture-of-experts model") for line in problems(dense, f"{key}=2"))
+    lines = problems(moe_dir, f"{key}=2", "actor_rollout_ref.actor.use_dynamic_bsz=true")
+    assert any(line.startswith(f"{key}=2 needs fixed micro-batches") for line in lines), lines
