@@ -158,6 +158,10 @@ class ActorConfig:
     # Parameters (fnmatch patterns over FQNs, e.g. "*embed_tokens*") kept frozen: no gradient or
     # optimizer state, and the weight switch moves them once, then skips them (0 bytes).
     freeze_modules: list[str] = field(default_factory=list)
+    # verl's key. torch.compile each decoder layer's forward (engine/compile.py: inductor's C++ backend on CPU,
+    # Triton on CUDA) for the update and the log-prob passes; FSDP2's hooks stay eager around it. Plain FSDP
+    # layouts only (no TP / PP / SP / EP). Off by default: the first step pays the compile (docs/performance.md).
+    use_torch_compile: bool = False
     # 3D training layout (pp x dp x tp = the actor's workers; dp is what is left): TP = DTensor
     # Colwise/Rowwise on the decoder layers (the parallel config's model_parallel_size sets it),
     # PP = torch.distributed.pipelining stages of whole decoder layers. The colocated reference
@@ -295,6 +299,7 @@ class RefConfig:
     log_prob_use_dynamic_bsz: bool = False  # micro-batches by token budget (see actor.use_dynamic_bsz)
     log_prob_max_token_len_per_gpu: int = 16384
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+    use_torch_compile: Optional[bool] = None  # verl's key: the reference's compiled layers (None = actor.use_torch_compile)
 
 
 @dataclass
