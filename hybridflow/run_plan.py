@@ -191,10 +191,13 @@ class RefSpec:
     log_prob_max_token_len_per_gpu: int
     fsdp_config: FSDPConfig
     world: int = 1
+    use_torch_compile: bool = False  # ref.use_torch_compile, None resolved to the actor's
 
     @classmethod
-    def of(cls, ref: RefConfig, world: int) -> "RefSpec":
-        return cls(ref.log_prob_micro_batch_size_per_gpu, ref.log_prob_use_dynamic_bsz, ref.log_prob_max_token_len_per_gpu, ref.fsdp_config, world)
+    def of(cls, ref: RefConfig, world: int, actor_compile: bool = False) -> "RefSpec":
+        compile_ = actor_compile if ref.use_torch_compile is None else ref.use_torch_compile
+        return cls(ref.log_prob_micro_batch_size_per_gpu, ref.log_prob_use_dynamic_bsz, ref.log_prob_max_token_len_per_gpu, ref.fsdp_config, world,
+                   bool(compile_))
 
     @cached_property
     def layout(self) -> ParallelDims:
@@ -289,6 +292,15 @@ class ActorSpec:
         if he.delta_full_every < 0:
             p.append(f"actor_rollout_ref.hybrid_engine.delta_full_every must be >= 0 (0: only the first sync is full), got {he.delta_full_every}")
         p.fsdp(f"{A}.fsdp_config", a.fsdp_config, self.process.device)
+        if (a.use_torch_compile or self.ref.use_torch_compile) and (a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
+                                                                     a.ulysses_sequence_parallel_size, a.expert_parallel_size) != (1, 1, 1, 1):
+            key = f"{A}.use_torch_compile" if a.use_torch_compile else "actor_rollout_ref.ref.use_torch_compile"
+            p.append(f"{key}=true compiles decoder layers under plain FSDP only (engine/compile.py); this layout has "
+                     f"tp={a.tensor_model_parallel_size}, pp={a.pipeline_model_parallel_size}, sp={a.ulysses_sequence_parallel_size}, "
+                     f"ep={a.expert_parallel_size}: set it to false")
+        if a.use_torch_compile and self.rollout.rollout.exact:
+            p.append(f"{A}.use_torch_compile=true with {R}.exact=true: the exact mode needs the trainer's log-probs bitwise the "
+                     f"sampler's, and compiled layers fuse differently; set one of them to false")
         self._model_problems(p)
         if self.rollout.rollout.exact:
             p.extend(self.exact_refused())
@@ -592,7 +604,7 @@ def resolve(cfg: HybridFlowConfig, kind: str = "rl") -> RunPlan:
                           d.max_prompt_length + d.max_response_length, process, world(gen_role), keep,
                           arr.actor.router_replay.mode != "disabled")
     actor_pool = pools.get(placed.get(rp.Role.ACTOR_ROLLOUT, rp.DEFAULT_POOL))
-    ref = RefSpec.of(arr.ref, world(rp.Role.REF) if rp.Role.REF in roles else world(rp.Role.ACTOR_ROLLOUT))
+    ref = RefSpec.of(arr.ref, world(rp.Role.REF) if rp.Role.REF in roles else world(rp.Role.ACTOR_ROLLOUT), arr.actor.use_torch_compile)
     actor = ActorSpec(process, arr.model, arr.actor, ref, arr.hybrid_engine, rollout, cfg.dpo, arr.rollout.n, kind, d.train_batch_size,
                       world(rp.Role.ACTOR_ROLLOUT), actor_pool.workers_per_node if actor_pool else None, t.async_rollout,
                       "ref" in cfg.resource_pool.mapping, t.save_hf_model)

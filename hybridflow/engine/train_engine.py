@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from hybridflow.algorithms import entropy_from_logits, logprobs_from_logits
 from hybridflow.config.schema import FSDPConfig, HybridEngineConfig, OptimConfig
+from hybridflow.engine.compile import compile_decoder_layers
 from hybridflow.engine.fused_logprobs import token_head as fused_token_head
 from hybridflow.engine.model import micro_batches, response_logprobs
 from hybridflow.engine.optim import build_optimizer, build_scheduler, clip_and_step
@@ -92,16 +93,19 @@ class TrainEngine:
 
     def __init__(self, model: nn.Module, mesh: TrainMesh, device: str, fsdp: FSDPConfig, *, optim: OptimConfig | None = None,
                  total_steps: int = 1, grad_clip: float = 1.0, pipeline_schedule: str = "1f1b", remove_padding: bool = False,
-                 exact: bool = False, logits_chunk: int | None = None):
+                 exact: bool = False, logits_chunk: int | None = None, compile: bool = False):
         """exact: token log-probs run each sequence alone (`models/exact.py`), as the exact
         rollout mode's sampler does (actor_rollout_ref.rollout.exact). logits_chunk: token
         log-probs and entropies go through the LM head this many tokens at a time, never as
-        [tokens, vocab] logits (`engine/fused_logprobs.py`, model.use_fused_kernels); None = plain."""
+        [tokens, vocab] logits (`engine/fused_logprobs.py`, model.use_fused_kernels); None = plain.
+        compile: each decoder layer's forward torch.compile'd (`engine/compile.py`, use_torch_compile)."""
         self.mesh, self.layout, self.device = mesh, mesh.layout, device
         self.grad_clip, self.remove_padding, self.exact, self.logits_chunk = grad_clip, remove_padding, exact, logits_chunk
         # The whole model's parameters (a pipeline stage keeps only its own): the resharding plan's.
         self.full_shapes = {n: (tuple(p.shape), p.element_size()) for n, p in model.named_parameters()}
         self.lora = any(is_adapter_param(n) for n in self.full_shapes)  # LoRA adapters injected (models/lora.py)
+        if compile:  # before FSDP2: the compiled code replaces each layer's forward, FSDP2's hooks wrap it eagerly
+            compile_decoder_layers(model)
         self.sp_group = mesh.sp_group  # Ulysses: token log-probs run with the packed sequence split over it (parallel/ulysses.py)
         if self.sp_group is not None:
             ulysses.install(model)

@@ -101,7 +101,7 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
         if self.has_ref:
             self.ref = TrainEngine(load_hf_model(mcfg, self.device), self.dims, self.device, self.spec.ref.fsdp_config,
                                    pipeline_schedule=self.spec.actor.pipeline_schedule, remove_padding=self.remove_padding,
-                                   logits_chunk=mcfg.logprob_chunk())
+                                   logits_chunk=mcfg.logprob_chunk(), compile=self.spec.ref.use_torch_compile)
 
     def _init_actor(self, mcfg) -> None:
         acfg = self.spec.actor
@@ -119,7 +119,7 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
         self.gen_dtype = DTYPES[self.spec.rollout.generation_dtype]  # what a rollout pool holds (async: publish casts to it)
         self.actor = TrainEngine(model, self.dims, self.device, acfg.fsdp_config, optim=acfg.optim, total_steps=self.total_training_steps,
                                  grad_clip=acfg.grad_clip, pipeline_schedule=acfg.pipeline_schedule, remove_padding=self.remove_padding,
-                                 exact=self.spec.rollout.rollout.exact, logits_chunk=mcfg.logprob_chunk())
+                                 exact=self.spec.rollout.rollout.exact, logits_chunk=mcfg.logprob_chunk(), compile=acfg.use_torch_compile)
         # The objectives this worker trains with, built once: PPO (RL), SFT, DPO (`workers/preference.py`).
         self.ppo_loss = PPOLoss.of(acfg)
         self.sft_loss = SFTLoss(self.dp_size, self.dims.dp_group)
