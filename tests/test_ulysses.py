@@ -192,7 +192,35 @@ def test_sp_groups_share_rows_and_batch_sizes_count_data_ranks(tmp_path):
     derive_defaults(cfg)
     spec = resolve(cfg).actor
     lay = spec.layout
-    assert (lay.sp, lay.dp, lay.data_parallel, lay.label) == (2, 4, 2, "sp2xdp4") and ParallelDims.parse(lay.label).with_gen(lay.gen_tp, procs_per_node=lay.procs_per_node) == lay
+    assert (lay.sp, lay.dp, lay.data_parallel, lay.label) == (2, 4, 2, "sp2xdp4")
+    assert ParallelDims.parse(lay.label).with_gen(lay.gen_tp, procs_per_node=lay.procs_per_node) == lay
     assert [lay.dispatch(r) for r in range(4)] == [(0, 2, True), (0, 2, False), (1, 2, True), (1, 2, False)]
     n = cfg.actor_rollout_ref.rollout.n
     assert spec.update_plan(lay.data_parallel).mini_rows == 8 * n // 2
+
+
+def test_planner_divides_activations_by_sp_and_searches_sp_where_dp_does_not_fit():
+    """memory_plan: a rank holds seq_len / sp tokens of activations (each through the head); the
+    search offers sp layouts and ranks the smallest sp that fits first among equal switches."""
+    import dataclasses
+
+    from hybridflow.parallel.dims import ParallelDims
+    from hybridflow.planning.arch import load_arch
+    from hybridflow.planning.cost import GIB, Cluster, MemoryInputs, memory_plan, plan_for
+    from hybridflow.planning.search import search
+
+    arch, m = load_arch("qwen2.5-7b"), MemoryInputs(seq_len=32768, response_len=31744, rollout_seqs=16, logits_chunk=None)
+    acts = {}
+    for sp in (1, 2, 4):
+        lay = ParallelDims.for_world(8, sp=sp)
+        acts[sp] = memory_plan(plan_for(arch, lay, 1, 2), arch, lay, m, 0)["activations"]
+    layer = arch.layers * 32768 * arch.hidden * 34 * m.compute_bytes // 2  # Korthikanti's 34 s b h per layer, 16-bit
+    assert acts[1] == layer + 2 * 31744 * arch.vocab * 4  # plain logits: the response positions
+    for sp in (2, 4):
+        assert acts[sp] == layer // sp + 2 * (32768 // sp) * arch.vocab * 4  # every local position through the head
+    ranked, invalid = search(arch, Cluster(gpus_per_node=8), dataclasses.replace(m, logits_chunk=1024), gen_tps=[4])  # the default chunked head
+    fits = {r["train_layout"] for r in ranked}
+    assert "dp8" not in fits and {"sp2xdp8", "sp4xdp8"} <= fits and any("dp8" == i.train_layout and "does not fit" in i.reason for i in invalid)
+    assert [r["sp"] for r in ranked if r["train_layout"].startswith("sp")] == [2, 4]  # the smaller sp first
+    assert any(i.train_layout == "sp8xdp8" and "does not divide the 28 attention heads" in i.reason for i in invalid)
+    assert max(r["memory_per_rank_bytes"] for r in ranked) <= 80 * GIB

@@ -16,13 +16,19 @@ Stated model (docs/planning.md explains it and its limits):
 - Memory per rank (bytes): training shards, gradients, AdamW state, activations of the micro-batch
   (Korthikanti et al. 2022 without the attention-score term, i.e. flash/SDPA attention, no
   sequence parallel; x pp micro-batches in flight for 1F1B; the fp32 logits term on the last stage:
-  [tokens, V] for the plain logits pass, [chunk, V] for the chunked one, `logits_bytes`),
+  [tokens, V] for the plain logits pass, [chunk, V] for the chunked one, `logits_bytes`; under
+  Ulysses (layout.sp) a rank holds the activations of its seq_len / sp tokens, and every one of them
+  goes through the head),
   FSDP's unsharded layer buffers, generation weights and the KV cache of the rollout batch. Peak =
   max(training phase, generation phase). Not included: CUDA context, allocator fragmentation,
   temporary buffers of kernels — keep headroom.
 - Staging of the layer-wise switch (reported next to the peak, not in it): W layers in flight, each
   in a slot of the largest layer's staging need, W from `resharding_buffer_percent`
   (`MemoryInputs.buffer_percent`; unset: 2) by the engine's own rule (`hybrid_engine/staging.py`).
+- MoE (`expert_comm`): expert weights are sharded by expert over ep (the plan's boxes), FSDP2 gathers
+  a layer's experts over dp / ep only (`fsdp_unshard`); per training step the experts' FSDP2 traffic
+  and the tokens' all-to-all are predicted (uniform routing) and added to the ranking (`search.py`).
+  Activations use the dense formula (not the k routed copies of each token).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from hybridflow.parallel.dims import ParallelDims
 from hybridflow.hybrid_engine.plan import fsdp_dim as _fsdp_dim
 from hybridflow.hybrid_engine.staging import staging_plan, switch_units
 from hybridflow.models.lora import is_adapter_param
+from hybridflow.parallel.expert_parallel import is_expert_param
 from hybridflow.parallel.tensor_parallel import gen_shard_dim
 from hybridflow.planning.arch import Arch
 
@@ -92,18 +99,19 @@ def logits_bytes(tokens: int, vocab: int, chunk: int | None, buffers: int) -> in
     return buffers * (tokens if chunk is None else min(chunk, tokens)) * vocab * 4
 
 
-def train_logits_bytes(arch: Arch, m: MemoryInputs) -> int:
+def train_logits_bytes(arch: Arch, m: MemoryInputs, sp: int = 1) -> int:
     """The update's logits term on the last stage. Plain: the fp32 logits and their log-softmax over
     the micro-batch's tokens (2 x tokens x V x 4). Chunked: the chunk's logits, exp and product in
     forward (3 x chunk x V x 4) and, for a head in less than fp32, the fp32 accumulator of its
-    weight gradient (V x H x 4)."""
-    tokens = m.micro_batch * (m.response_len or m.seq_len)
+    weight gradient (V x H x 4). Ulysses (sp > 1): every one of the rank's seq_len / sp positions
+    goes through the head (`parallel/ulysses.py`)."""
+    tokens = m.micro_batch * (m.response_len or m.seq_len) if sp == 1 else m.micro_batch * math.ceil(m.seq_len / sp)
     if m.logits_chunk is None:
         return logits_bytes(tokens, arch.vocab, None, 2)
     return logits_bytes(tokens, arch.vocab, m.logits_chunk, 3) + (arch.vocab * arch.hidden * 4 if m.compute_bytes < 4 else 0)
 
 
-def logprob_pass_bytes(arch: Arch, m: MemoryInputs, entropy: bool = True) -> int:
+def logprob_pass_bytes(arch: Arch, m: MemoryInputs, entropy: bool = True, sp: int = 1) -> int:
     """Peak bytes of one no-grad log-prob micro-batch (old / ref / teacher log-probs) over the
     resident weights: the larger of
     - a decoder layer's forward at its MLP, (3 h + 3 i) x tokens x compute bytes: the layer's input,
@@ -112,8 +120,11 @@ def logprob_pass_bytes(arch: Arch, m: MemoryInputs, entropy: bool = True) -> int
     - the head: the final hidden states [b, s, h] and the kept positions [b, R, h], and the fp32
       vocabulary buffers (`logits_bytes`): with entropy the logits, the softmax and their product
       (3; 2 without entropy: the logits and the log-softmax), over b x (R + 1) positions (plain,
-      `logits_to_keep`) or one chunk."""
-    b, s, r = m.micro_batch, m.seq_len, m.response_len or m.seq_len
+      `logits_to_keep`) or one chunk.
+    Ulysses (sp > 1): the rank's seq_len / sp tokens, every one of them through the head."""
+    b, s, r = m.micro_batch, math.ceil(m.seq_len / sp), m.response_len or m.seq_len
+    if sp > 1:
+        r = s - 1  # rows = b x s below: every local position is scored
     layer = (3 * arch.hidden + 3 * arch.intermediate) * b * s * m.compute_bytes
     rows = b * (r + 1) if m.logits_chunk is None else b * r
     head = (b * s + b * r) * arch.hidden * m.compute_bytes + logits_bytes(rows, arch.vocab, m.logits_chunk, 3 if entropy else 2)
@@ -137,7 +148,33 @@ def plan_for(arch: Arch, layout: ParallelDims, gen_tp: int, itemsize: int, strat
     """The engine's plan for `arch` (no model built): exact per-rank boxes and bytes."""
     shapes = {n: (s, itemsize, fsdp_dim(n, s, arch, layout, strategy), gen_shard_dim(n, arch.tied))
               for n, s in arch.param_shapes(lora_rank).items()}
-    return ReshardPlan.build(shapes, layout.world, gen_tp, procs_per_node, layout=layout)
+    experts = frozenset(n for n in shapes if is_expert_param(n))  # sharded by expert over layout.ep (the plan's boxes)
+    return ReshardPlan.build(shapes, layout.world, gen_tp, procs_per_node, layout=layout, experts=experts)
+
+
+def expert_comm(arch: Arch, layout: ParallelDims, cluster: Cluster, m: MemoryInputs) -> dict:
+    """Per training step and rank, the MoE communication that ep changes (0 for a dense model), one PPO
+    epoch of ceil(rollout_seqs / dp / micro_batch) micro-batches, uniform routing:
+    - FSDP2 on the expert weights: this rank's [E/ep] experts per sparse layer are sharded over the
+      edp = dp / ep ranks holding the same ones: gathered in forward and again in backward (compute
+      bytes) and the gradients reduce-scattered (param bytes): (edp - 1) / edp of them received each;
+    - the tokens' all-to-all over the EP group (`parallel/expert_parallel.py`): tokens x k rows of H,
+      (ep - 1) / ep of them leave the rank, dispatch and combine in forward and in backward (4x; 6x
+      with gradient checkpointing, whose recomputation dispatches again).
+    Links: an EP group is ep consecutive ranks (intra-node when it fits a node); an edp group's ranks
+    are ep apart, intra-node only when all dp ranks are on one node."""
+    sparse = sum(arch.sparse(i) for i in range(arch.layers))
+    micro = math.ceil(m.rollout_seqs / layout.dp / m.micro_batch)
+    if not sparse:
+        return dict(expert_fsdp_bytes_per_step=0, a2a_bytes_per_step=0, expert_comm_seconds=0.0)
+    ep, edp, gpn = layout.ep, layout.dp // layout.ep, cluster.gpus_per_node
+    local = arch.experts * 3 * arch.expert_intermediate * arch.hidden // ep  # expert parameters per layer on an EP rank
+    fsdp = sparse * local * (edp - 1) / edp * (2 * m.compute_bytes + m.param_bytes)
+    a2a = sparse * m.micro_batch * m.seq_len * arch.top_k * arch.hidden * m.compute_bytes * (ep - 1) / ep * (6 if m.gradient_checkpointing else 4)
+    ep_bw = cluster.intra_node_bw if ep <= gpn and gpn % ep == 0 else cluster.inter_node_bw
+    edp_bw = cluster.intra_node_bw if layout.dp <= gpn or edp == 1 else cluster.inter_node_bw
+    return dict(expert_fsdp_bytes_per_step=int(micro * fsdp), a2a_bytes_per_step=int(micro * a2a),
+                expert_comm_seconds=micro * (fsdp / edp_bw + a2a / ep_bw))
 
 
 @dataclass
@@ -234,14 +271,16 @@ def memory_plan(plan: ReshardPlan, arch: Arch, layout: ParallelDims, m: MemoryIn
         held = own * m.param_bytes
     pp_i = layout.coords(rank)[0]
     layers = [p for p in plan.params if layer_stage(p.layer, arch.layers, layout.pp) == pp_i and p.layer.startswith("layers.")]
-    per_layer = sum(volume(p.own[rank]) for p in layers) / max(1, arch.layers // layout.pp)
-    unshard = 0 if m.strategy != "FULL_SHARD" else int(2 * per_layer * layout.dp * m.compute_bytes)  # current + prefetched layer
-    s, b, h, L = m.seq_len, m.micro_batch, arch.hidden, arch.layers // layout.pp
+    # a layer as its forward gathers it: dp shards of each parameter (an expert weight: the dp / ep shards of its EP rank's experts)
+    per_layer = sum(volume(p.own[rank]) * (layout.dp // layout.ep if layout.ep > 1 and is_expert_param(p.name) else layout.dp)
+                    for p in layers) / max(1, arch.layers // layout.pp)
+    unshard = 0 if m.strategy != "FULL_SHARD" else int(2 * per_layer * m.compute_bytes)  # current + prefetched layer
+    s, b, h, L = math.ceil(m.seq_len / layout.sp), m.micro_batch, arch.hidden, arch.layers // layout.pp  # Ulysses: s / sp tokens per rank
     full_layer = s * b * h * (10 + 24 / layout.tp) * m.compute_bytes / 2
     acts = (L * s * b * h * m.compute_bytes + full_layer) if m.gradient_checkpointing else L * full_layer
     acts *= layout.pp if pp_i == 0 else 1  # 1F1B: the first stage holds pp micro-batches' activations
     if pp_i == layout.pp - 1:
-        acts += train_logits_bytes(arch, m)  # the fp32 logits term: [tokens, V] plain, [chunk, V] chunked
+        acts += train_logits_bytes(arch, m, layout.sp)  # the fp32 logits term: [tokens, V] plain, [chunk, V] chunked
     gen_dp = plan.world_size // plan.gen_tp
     tokens = math.ceil(m.rollout_seqs / gen_dp) * m.seq_len
     kv = 2 * arch.layers * (arch.kv_heads // plan.gen_tp) * arch.head_dim * m.gen_bytes * tokens
@@ -290,7 +329,7 @@ def rows(arch: Arch, layout: ParallelDims, gen_tp: int, cluster: Cluster, m: Mem
     for mode, cost in predict_switch(plan, cluster, frozen_params(plan, m), borrow).items():
         peak = mem["peak"] if mode == "optimized" else max(mem["train_peak"], mem["gen_peak"] + naive_transient_bytes(plan))
         out.append(dict(
-            model=arch.name, train_layout=layout.label, gen_tp=gen_tp, gen_dp=layout.world // gen_tp, mode=mode,
+            model=arch.name, train_layout=layout.label, sp=layout.sp, gen_tp=gen_tp, gen_dp=layout.world // gen_tp, mode=mode,
             bytes_per_rank=max(cost.bytes_per_rank), bytes_per_rank_mean=sum(cost.bytes_per_rank) / len(cost.bytes_per_rank),
             first_switch_bytes_per_rank=first_switch if mode == "optimized" else max(cost.bytes_per_rank), lora_rank=m.lora_rank,
             cross_node_bytes=cost.cross_node_bytes, predicted_seconds=cost.predicted_seconds, collectives=cost.collectives,
@@ -299,5 +338,7 @@ def rows(arch: Arch, layout: ParallelDims, gen_tp: int, cluster: Cluster, m: Mem
             layers_in_flight=staging.slots if mode == "optimized" else 0, buffer_percent=m.buffer_percent, staging_note=staging.note,
             staging_bytes_per_rank=max(staging.staging_bytes(r) for r in range(plan.world_size)) if mode == "optimized" else 0,
             **delta,  # the cross-pool (async rollout) sync of these generation slices, whole and as a delta
+            ep=layout.ep, total_params=arch.num_params(), active_params=arch.active_params(),
+            **expert_comm(arch, layout, cluster, m),  # MoE: the experts' FSDP2 traffic and the tokens' all-to-all per step (0 if dense)
         ))
     return out

@@ -38,9 +38,9 @@ def _role_memory(arch: Arch, layout: ParallelDims, gen_tp: int, fc: FSDPConfig, 
     log_prob: the inputs of its no-grad log-prob micro-batch (the actor's old log-probs, with entropy)."""
     mem = worst_memory(plan_for(arch, layout, gen_tp, m.gen_bytes, m.strategy, lora_rank=m.lora_rank), arch, layout, m)
     if not trains:  # forward only: no gradients, optimizer state or generation
-        mem = dict(mem, grads=0, optimizer=0, gen_weights=0, kv_cache=0, activations=logprob_pass_bytes(arch, m, entropy=False))
+        mem = dict(mem, grads=0, optimizer=0, gen_weights=0, kv_cache=0, activations=logprob_pass_bytes(arch, m, entropy=False, sp=layout.sp))
     elif log_prob is not None:  # a phase of its own: the larger of the update's and the log-prob pass's activations
-        mem = dict(mem, activations=max(mem["activations"], logprob_pass_bytes(arch, log_prob, entropy=True)))
+        mem = dict(mem, activations=max(mem["activations"], logprob_pass_bytes(arch, log_prob, entropy=True, sp=layout.sp)))
     return mem
 
 
@@ -76,7 +76,8 @@ def pool_memory(cfg: HybridFlowConfig, roles: list[rp.Role] | None = None) -> di
         trains = role in (rp.Role.ACTOR_ROLLOUT, rp.Role.CRITIC)
         a = arr.actor  # the actor's 3D layout; other roles train or score with FSDP
         pp, tp = (a.pipeline_model_parallel_size, a.tensor_model_parallel_size) if role == rp.Role.ACTOR_ROLLOUT else (1, 1)
-        layout = ParallelDims(pp, tp, n // (pp * tp)) if n % (pp * tp) == 0 else ParallelDims(dp=n)
+        sp = a.ulysses_sequence_parallel_size if role == rp.Role.ACTOR_ROLLOUT and pp == tp == 1 and n % a.ulysses_sequence_parallel_size == 0 else 1
+        layout = ParallelDims(pp, tp, n // (pp * tp), sp=sp) if n % (pp * tp) == 0 else ParallelDims(dp=n)
         log_prob = None
         if role == rp.Role.ACTOR_ROLLOUT:  # the old-log-prob pass runs rollout.log_prob_micro_batch_size_per_gpu sequences
             log_prob = dataclasses.replace(m, micro_batch=arr.rollout.rollout.log_prob_micro_batch_size_per_gpu or MICRO_BATCH_CAP)

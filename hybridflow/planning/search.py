@@ -26,8 +26,13 @@ def layout_problems(arch: Arch, layout: ParallelDims, gpus_per_node: int | None 
     for what, heads in (("attention heads", arch.heads), ("KV heads", arch.kv_heads)):
         if heads % layout.tp:
             out.append(f"training tp={layout.tp} does not divide the {heads} {what}")
+    if layout.ep > 1 and (not arch.experts or arch.experts % layout.ep):
+        out.append(f"ep={layout.ep} needs an MoE model whose experts it divides ({arch.experts or 'dense'})")
     if arch.layers % layout.pp:
         out.append(f"pp={layout.pp} does not divide the {arch.layers} decoder layers")
+    for what, heads in (("attention heads", arch.heads), ("KV heads", arch.kv_heads)):
+        if heads % layout.sp:
+            out.append(f"sp={layout.sp} does not divide the {heads} {what} (Ulysses attends with whole heads per rank)")
     return out
 
 
@@ -45,7 +50,14 @@ def gen_tp_problems(arch: Arch, layout: ParallelDims, gen_tp: int) -> list[str]:
 
 
 def train_layouts(devices: int) -> list[ParallelDims]:
-    return [ParallelDims(pp, tp, devices // (pp * tp)) for pp in divisors(devices) for tp in divisors(devices // pp)]
+    """Every pp x tp x dp, and Ulysses sp (> 1, dividing dp) on the FSDP layout (pp = tp = 1)."""
+    return ([ParallelDims(pp, tp, devices // (pp * tp)) for pp in divisors(devices) for tp in divisors(devices // pp)]
+            + [ParallelDims(dp=devices, sp=sp) for sp in divisors(devices)[1:]])
+
+
+def ep_layouts(arch: Arch, devices: int) -> list[ParallelDims]:
+    """An MoE model's expert-parallel layouts: FSDP over every device with ep (> 1) dividing the devices and the experts."""
+    return [ParallelDims(dp=devices, ep=ep) for ep in divisors(devices)[1:] if arch.experts and arch.experts % ep == 0]
 
 
 @dataclass
@@ -57,9 +69,10 @@ class Invalid:
 
 def search(arch: Arch, cluster: Cluster, m: MemoryInputs, switch_dtype: str = "bf16", layouts: list[ParallelDims] | None = None,
            gen_tps: list[int] | None = None) -> tuple[list[dict], list[Invalid]]:
-    """(ranked optimized rows, each with its naive seconds; invalid combinations with reasons)."""
+    """(ranked optimized rows, each with its naive seconds; invalid combinations with reasons). An MoE
+    model's rows rank by the switch plus the experts' training communication per step (`cost.expert_comm`)."""
     ranked, invalid = [], []
-    for layout in layouts or train_layouts(cluster.world):
+    for layout in layouts or [*train_layouts(cluster.world), *ep_layouts(arch, cluster.world)]:
         bad = layout_problems(arch, layout, cluster.gpus_per_node)
         if bad:
             invalid.append(Invalid(layout.label, None, "; ".join(bad)))
@@ -77,5 +90,7 @@ def search(arch: Arch, cluster: Cluster, m: MemoryInputs, switch_dtype: str = "b
             opt["naive_seconds"] = naive["predicted_seconds"]
             opt["headroom_bytes"] = cluster.memory_bytes - opt["memory_per_rank_bytes"]
             ranked.append(opt)
-    ranked.sort(key=lambda r: (r["predicted_seconds"], -r["headroom_bytes"]))
+    # sp moves no weight-switch bytes and its all-to-alls are not modelled: among equal switches the
+    # smallest sp that fits ranks first, so sp shows up where activations need it (they shrink by sp)
+    ranked.sort(key=lambda r: (r["predicted_seconds"] + r["expert_comm_seconds"], r["sp"], -r["headroom_bytes"]))
     return ranked, invalid
