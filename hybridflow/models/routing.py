@@ -68,8 +68,12 @@ class RouteRecorder:
         self.layers, self.experts, self.top_k = _moe_routers(model, "it has no routers to record")
         self.dtype = routes_dtype(self.experts)
         self._calls: list[torch.Tensor] | None = None
-        for r in self.layers:
-            r.register_forward_hook(self._hook)
+        self.handles = [r.register_forward_hook(self._hook) for r in self.layers]
+
+    def remove(self) -> None:
+        """Take the hooks off the routers (a recorder for one replay, e.g. the mismatch doctor's)."""
+        for h in self.handles:
+            h.remove()
 
     @classmethod
     def attach(cls, model: nn.Module) -> "RouteRecorder | None":

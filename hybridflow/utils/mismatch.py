@@ -20,6 +20,10 @@ largest activation); a difference that grows gradually from the first layer on, 
 is kernels summing in another order, not a layer. In the exact mode both sides compute the same
 numbers, so the first non-zero difference is named.
 
+An MoE model's table has one more column: per decoder layer, the share of the replayed tokens
+(prompt and response) whose top-k expert set differs between the two sides (the rollout's record,
+`models/routing.py`, against the trainer's own routers), where routing replay would step in.
+
 A vLLM run (where vLLM is installed) replays through vLLM itself (`diagnose_vllm`): the engine in
 this process on an HF checkpoint of the cast weights, one request at a time (the prefix cache reset
 before each, so its prefill computes every prompt token), with the same hooks on vLLM's modules: a
@@ -35,6 +39,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Iterator
@@ -43,6 +48,8 @@ import torch
 import torch.nn as nn
 
 from hybridflow.algorithms import logprobs_from_logits
+from hybridflow.models.moe import moe_shape, routers
+from hybridflow.models.routing import RouteRecorder, routing_agreement
 from hybridflow.protocol import Completion, Request, SamplingParams
 
 
@@ -60,12 +67,16 @@ class Report:
     logprob_max: float
     logprob_mean: float
     named: str | None  # where the difference starts (None: no difference at all)
+    # MoE: per decoder layer with a router, the share of tokens whose top-k expert set differs between the sides
+    routing_differs: dict[str, float] | None = None
 
     def table(self) -> str:
-        lines = [f"{'probe':<28} {'max |diff|':>12} {'mean |diff|':>12}"]
+        moe = self.routing_differs is not None
+        lines = [f"{'probe':<28} {'max |diff|':>12} {'mean |diff|':>12}" + (f" {'experts differ':>15}" if moe else "")]
         for p in self.probes:
             mark = "   <- the difference starts here" if p.name == self.named else ""
-            lines.append(f"{p.name:<28} {p.max:>12.3g} {p.mean:>12.3g}{mark}")
+            share = f" {self.routing_differs[p.name]:>15.3f}" if moe and p.name in self.routing_differs else (f" {'':>15}" if moe else "")
+            lines.append(f"{p.name:<28} {p.max:>12.3g} {p.mean:>12.3g}{share}{mark}")
         lines.append(f"{'log-prob of the sampled token':<28} {self.logprob_max:>12.3g} {self.logprob_mean:>12.3g}")
         if self.named:
             lines.append(f"first layer that differs: {self.named}")
@@ -73,6 +84,8 @@ class Report:
             lines.append("no layer stands out: the differences stay at rounding level (kernels that sum in another order)")
         else:
             lines.append("no probe differs: the two sides agree bit for bit")
+        if moe:
+            lines.append("experts differ: the share of the replayed tokens (prompt and response) whose top-k experts differ between the sides")
         return "\n".join(lines)
 
 
@@ -102,15 +115,27 @@ def recording(model: nn.Module) -> Iterator[dict[str, list[torch.Tensor]]]:
             h.remove()
 
 
-def _rollout_side(gen_model: nn.Module, tokenizer, requests: list[Request], exact: bool) -> tuple[list[Completion], dict[str, list[list[torch.Tensor]]]]:
-    """The backend's completions, and per probe per request the activation [H] that predicted each token."""
+def _rollout_side(gen_model: nn.Module, tokenizer, requests: list[Request], exact: bool
+                  ) -> tuple[list[Completion], dict[str, list[list[torch.Tensor]]], list[torch.Tensor] | None]:
+    """The backend's completions, per probe per request the activation [H] that predicted each token,
+    and for an MoE model per request the experts each position ran through ([p + n, L, k], -1 = none)."""
     from hybridflow.rollout.hf_rollout import HFRollout
 
-    backend = HFRollout(copy.deepcopy(gen_model) if exact else gen_model, tokenizer, "cpu", exact=exact)
+    is_moe = moe_shape(getattr(gen_model, "config", None)) is not None and bool(routers(gen_model))
+    moe = RouteRecorder(gen_model) if exact and is_moe else None  # exact: the verify passes' routing, recorded here
+    backend = HFRollout(copy.deepcopy(gen_model) if exact else gen_model, tokenizer, "cpu", exact=exact, record_routes=is_moe and not exact)
     if exact:  # the copy drafts (rollout/exact_sampler.py), gen_model decides: only its verify passes are recorded
         backend.exact_model = gen_model
-    with recording(gen_model) as calls:
+    with recording(gen_model) as calls, moe.capture() if moe is not None else contextlib.nullcontext([]) as forwards:
         completions = backend.generate_requests(requests)
+    if moe is not None:
+        moe.remove()
+    if backend.recorder is not None:
+        backend.recorder.remove()
+    routes = [c.routed_experts for c in completions] if backend.recorder is not None else None  # [p + n, L, k] each
+    if moe is not None:  # the last verify pass of each request; its last token is never fed back (as the generate record has it)
+        routes = [_unfed_last(forwards[k][: len(r.prompt_ids) + len(c.token_ids)]) for r, c, k in
+                  zip(requests, completions, backend.exact_stats["last_pass"])]
     head = probes(gen_model)[-1][0]
     out: dict[str, list[list[torch.Tensor]]] = {}
     for name, outs in calls.items():
@@ -125,13 +150,21 @@ def _rollout_side(gen_model: nn.Module, tokenizer, requests: list[Request], exac
             for b, c in enumerate(completions):
                 rows.append([outs[t][b, -1] for t in range(len(c.token_ids))])
         out[name] = rows
-    return completions, out
+    return completions, out, routes
+
+
+def _unfed_last(routes: torch.Tensor) -> torch.Tensor:
+    """routes [n, L, k] with the last position's ids set to -1 (not recorded)."""
+    routes = routes.clone()
+    routes[-1] = -1
+    return routes
 
 
 def _trainer_side(train_model: nn.Module, pad_id: int, requests: list[Request], completions: list[Completion], R: int,
-                  exact: bool) -> dict[str, list[list[torch.Tensor]]]:
+                  exact: bool) -> tuple[dict[str, list[list[torch.Tensor]]], list[torch.Tensor] | None]:
+    """Per probe per request the trainer's activation [H] at each response token's predicting position,
+    and for an MoE model per request the experts its own routers chose ([p + n, L, k])."""
     head = probes(train_model)[-1][0]
-    """Per probe per request the trainer's activation [H] at each response token's predicting position."""
     from hybridflow.engine.model import response_logits
     from hybridflow.models.exact import exact_row_logits
     from hybridflow.rollout.base import rollout_batch
@@ -147,12 +180,19 @@ def _trainer_side(train_model: nn.Module, pad_id: int, requests: list[Request], 
     batch = rollout_batch(ids, mask, responses, torch.zeros(responses.shape), lengths, requests[0].params)
     T = requests[0].params.effective_temperature
     out: dict[str, list[list[torch.Tensor]]] = {}
-    with torch.no_grad(), recording(train_model) as calls:
+    moe = RouteRecorder.attach(train_model)
+    with torch.no_grad(), recording(train_model) as calls, moe.capture() if moe is not None else contextlib.nullcontext([]) as forwards:
         if exact:
             for r, resp in zip(requests, responses):
                 exact_row_logits(train_model, torch.tensor(r.prompt_ids), resp, T)
         else:
             response_logits(train_model, batch, T)
+    routes = None
+    if moe is not None:  # per request [p + n, L, k]: an exact pass per row, or rows of the padded [b, P + R] forward
+        moe.remove()
+        spans = [(len(r.prompt_ids), len(c.token_ids)) for r, c in zip(requests, completions)]
+        routes = ([f[: p + n] for f, (p, n) in zip(forwards, spans)] if exact else
+                  [forwards[0].view(len(requests), P + R, *forwards[0].shape[1:])[i, P - p : P + n] for i, (p, n) in enumerate(spans)])
     for name, outs in calls.items():
         rows = []
         for i, (r, c) in enumerate(zip(requests, completions)):
@@ -163,17 +203,28 @@ def _trainer_side(train_model: nn.Module, pad_id: int, requests: list[Request], 
             else:
                 rows.append([o[b, start + t] for t in range(len(c.token_ids))])
         out[name] = rows
-    return out
+    return out, routes
 
 
 def diagnose(train_model: nn.Module, gen_model: nn.Module, tokenizer, prompts: list[list[int]], params: SamplingParams,
              exact: bool = False, jump: float = 10.0) -> Report:
     """Replay `prompts` through both sides (module docstring) and compare them probe by probe."""
     requests = [Request(p, params) for p in prompts]
-    completions, gen = _rollout_side(gen_model, tokenizer, requests, exact)
-    train = _trainer_side(train_model, tokenizer.pad_token_id, requests, completions, params.max_new_tokens, exact)
+    completions, gen, gen_routes = _rollout_side(gen_model, tokenizer, requests, exact)
+    train, train_routes = _trainer_side(train_model, tokenizer.pad_token_id, requests, completions, params.max_new_tokens, exact)
     eps = torch.finfo(next(gen_model.parameters()).dtype).eps
-    return _compare([n for n, _ in probes(gen_model)], gen, train, completions, params, 0.0 if exact else eps, jump)
+    report = _compare([n for n, _ in probes(gen_model)], gen, train, completions, params, 0.0 if exact else eps, jump)
+    if gen_routes is None or train_routes is None:
+        return report
+    differs = routing_agreement(torch.cat(gen_routes)[None], torch.cat(train_routes)[None], torch.ones(1, sum(len(r) for r in gen_routes)))
+    return dataclasses.replace(report, routing_differs=dict(zip(_router_layers(gen_model), differs)))
+
+
+def _router_layers(model: nn.Module) -> list[str]:
+    """The probe name (decoder layer) of each router of `model`, in router order."""
+    names = {m: n for n, m in model.named_modules()}
+    layers = [n for n, _ in probes(model)]
+    return [max((n for n in layers if names[r].startswith(n + ".")), key=len) for r in routers(model)]
 
 
 def _vllm_probes(model: nn.Module, names: list[str]) -> list[tuple[str, nn.Module, object]]:
@@ -253,7 +304,7 @@ def diagnose_vllm(train_model: nn.Module, gen_model: nn.Module, tokenizer, promp
         backend.load_weights((n, p.detach()) for n, p in gen_model.named_parameters())
     requests = [Request(p, params) for p in prompts]
     completions, gen = _vllm_side(backend, names, gen_model.config.vocab_size, requests)
-    train = _trainer_side(train_model, tokenizer.pad_token_id, requests, completions, params.max_new_tokens, False)
+    train, _ = _trainer_side(train_model, tokenizer.pad_token_id, requests, completions, params.max_new_tokens, False)
     return _compare(names, gen, train, completions, params, torch.finfo(dtype).eps, jump)
 
 
