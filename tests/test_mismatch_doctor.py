@@ -69,6 +69,8 @@ def test_the_doctor_reports_where_the_experts_differ_on_an_moe_model(moe_three_l
     params = SamplingParams(max_new_tokens=8, temperature=1.0, seed=1)
     same = diagnose(train, copy.deepcopy(train), tok, prompts, params, exact=exact)
     assert same.routing_differs == {"model.layers.0": 0.0, "model.layers.1": 0.0, "model.layers.2": 0.0}, same.table()
+    if exact:  # the exact mode holds for MoE as for dense: the sampler's numbers are the trainer's, routing included
+        assert all(p.max == 0.0 for p in same.probes) and same.logprob_max == 0.0
     gen = copy.deepcopy(train)
     with torch.no_grad():
         gate = gen.model.layers[1].mlp.gate.weight  # [E, H]
