@@ -26,14 +26,14 @@ PROMPT, RESP = 1500, 900
 PROMPT_LENS, RESP_LENS = (1500, 700, 1100), (900, 500, 301)  # 2,400 + 1,200 + 1,401 = 5,001 valid tokens (odd: one pad token at sp2)
 
 
-def _batch(vocab: int):
+def _batch(vocab: int, seed: int = 0):
     """A left-padded prompt + right-padded response micro-batch [3, P+R] (verl's layout) with
     advantages [3, R] for a PPO-like token loss."""
     import torch
 
     from hybridflow.protocol import Batch
 
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     b = len(PROMPT_LENS)
     ids = torch.randint(3, vocab, (b, PROMPT + RESP), generator=g)
     mask = torch.zeros(b, PROMPT + RESP, dtype=torch.long)
@@ -97,11 +97,15 @@ def _sp_worker(rank: int, world: int, port: int, path: str, result: str) -> None
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    batch = _batch(model.config.vocab_size)
-    lp64, ent64, loss64, g64 = _oracle(path, batch, torch.float64)
-    lp32, ent32, loss32, g32 = _oracle(path, batch, torch.float32)
-
     layout = ParallelDims.for_world(world, sp=2)
+    dp_i, dp, _ = layout.dispatch(rank)  # world 4: two data ranks, each its own micro-batch over an sp pair
+    refs = {dtype: [_oracle(path, _batch(model.config.vocab_size, seed=d), dtype) for d in range(dp)] for dtype in (torch.float64, torch.float32)}
+    batch = _batch(model.config.vocab_size, seed=dp_i)
+    lp64, ent64, loss64, _ = refs[torch.float64][dp_i]
+    lp32, ent32, loss32, _ = refs[torch.float32][dp_i]
+    # FSDP2 averages the gradient over the data ranks: the reference is the mean of theirs
+    g64, g32 = ({n: sum(r[3][n] for r in refs[dtype]) / dp for n in refs[dtype][0][3]} for dtype in (torch.float64, torch.float32))
+
     engine = TrainEngine(model, train_mesh(layout, "cpu"), "cpu", FSDPConfig(), optim=OptimConfig(lr=1e-3), remove_padding=True, logits_chunk=256)
     out: dict = {}
     for chunk in (256, None):  # the chunked head (the workers' default) and the plain logits pass
@@ -224,3 +228,19 @@ def test_planner_divides_activations_by_sp_and_searches_sp_where_dp_does_not_fit
     assert [r["sp"] for r in ranked if r["train_layout"].startswith("sp")] == [2, 4]  # the smaller sp first
     assert any(i.train_layout == "sp8xdp8" and "does not divide the 28 attention heads" in i.reason for i in invalid)
     assert max(r["memory_per_rank_bytes"] for r in ranked) <= 80 * GIB
+
+
+if __name__ == "__main__":  # sp2 x fsdp2 (4 processes, 2 data ranks): .venv/bin/python tests/test_ulysses.py 4
+    import json
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    from hybridflow.models.tiny import make_tiny_model
+
+    world, tmp = int(sys.argv[1]) if len(sys.argv) > 1 else 2, tempfile.mkdtemp()
+    path = make_tiny_model(os.path.join(tmp, "m"), hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                           max_position_embeddings=4096)
+    mp.spawn(_sp_worker, args=(world, free_port(), str(path), os.path.join(tmp, "r.json")), nprocs=world)
+    for k, (err, base) in json.load(open(os.path.join(tmp, "r.json"))).items():
+        print(f"{k:55s} sp vs float64 {err:.3g}   one-process fp32 vs float64 {base:.3g}")
