@@ -116,16 +116,17 @@ def main(argv: list[str] | None = None) -> int:
         p.set_defaults(fn=fn)
     p = sub.add_parser("demo", help="the main job: data, tiny model, SFT warm start, GRPO on 2 workers (or another --recipe)")
     p.add_argument("--output-dir", default="runs/demo")
-    p.add_argument("--recipe", default="grpo", choices=["grpo", "dpo", "rm-grpo", "online-dpo", "tool", "guess", "distill", "agent", "code"],
+    p.add_argument("--recipe", default="grpo", choices=["grpo", "dpo", "rm-grpo", "online-dpo", "tool", "guess", "distill", "agent", "code", "vision"],
                    help="grpo (default): rule-reward GRPO; dpo: offline DPO on preference pairs; rm-grpo: train a reward "
                         "model on the pairs, then GRPO with it as the only reward; online-dpo: sample, rank by the rule, DPO; "
                         "tool: 3-digit multiplication with a calculator tool, multi-turn GRPO; guess: a number-guessing environment; "
                         "distill: on-policy distillation from a larger SFT-trained teacher, no reward; agent: the tool recipe's task played "
                         "by a black-box agent (examples/openai_agent/agent.py) through the OpenAI-compatible endpoint; code: the digit_max "
-                        "triples with a program as the answer, GRPO with the sandboxed code reward")
+                        "triples with a program as the answer, GRPO with the sandboxed code reward; vision: a tiny Qwen2-VL names the colour "
+                        "of a drawn circle, SFT on wrong-rule demonstrations, then GRPO")
     p.add_argument("--sft-steps", type=int, default=None)
     p.add_argument("--rl-steps", type=int, default=None)
-    p.add_argument("--arch", default="qwen2", choices=["qwen2", "llama", "qwen3_moe", "mixtral", "qwen2_moe"],
+    p.add_argument("--arch", default="qwen2", choices=["qwen2", "llama", "qwen3_moe", "mixtral", "qwen2_moe", "qwen2_vl", "qwen2_5_vl"],
                    help="the tiny model's architecture (make-model --arch); the MoE ones have 4 experts, 2 per token")
     p.add_argument("--seed", type=int, default=None,
                    help="seed of the task data, the tiny model's initialisation, the SFT and the RL run (default: the recipe's own)")

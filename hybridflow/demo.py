@@ -18,6 +18,8 @@ Other recipes (`--recipe`) replace step 4, from the same SFT model and the same 
   wrong rule's `f=lambda:min(3,8,1)` in 75% of the SFT demonstrations), GRPO with the built-in code
   reward (data_source "code": the program runs in the sandbox against `assert f() == 8`); its
   held-out pass rate is `val-core/code/acc/mean@1`.
+- vision: a tiny Qwen2-VL on PIL-drawn circles ("which colour is the circle?"), SFT demonstrations naming the
+  next colour of the cycle 75% of the time, then GRPO with the exact-answer reward (`data/vision_task.py`).
 - distill: on-policy distillation without any reward: a larger tiny model (3 layers, hidden 192)
   trained by SFT on correct answers is the teacher; the student samples, the teacher scores each
   sampled token, and the student's per-token advantage is teacher - student log-prob.
@@ -34,7 +36,7 @@ from hybridflow.run_plan import resolve
 
 DATA_SOURCE = "digit_max"
 # The data_source of a recipe's held-out accuracy (tool, guess, agent and code have their own tasks; the others share digit_max).
-RECIPE_TASK = {"tool": "multiply", "guess": "guess", "agent": "agent", "code": "code"}
+RECIPE_TASK = {"tool": "multiply", "guess": "guess", "agent": "agent", "code": "code", "vision": "vision_colour"}
 
 
 def val_key(recipe: str) -> str:
@@ -46,7 +48,8 @@ VAL_KEY = val_key("grpo")
 
 SFT_STEPS = 300
 RL_STEPS = 60
-RECIPE_STEPS = {"grpo": RL_STEPS, "dpo": 40, "rm-grpo": 40, "online-dpo": 40, "tool": 20, "guess": 40, "distill": 40, "agent": 10, "code": 30}
+RECIPE_STEPS = {"grpo": RL_STEPS, "dpo": 40, "rm-grpo": 40, "online-dpo": 40, "tool": 20, "guess": 40, "distill": 40, "agent": 10, "code": 30,
+                "vision": 40}
 RM_STEPS = 100
 # the tool recipe's SFT in two stages from the random model: the copy stage (every call exact) then the biased mix
 TOOL_COPY_STEPS, TOOL_SFT_STEPS, TOOL_LAYERS = 450, 250, 2
@@ -56,7 +59,9 @@ GUESS_MAX_PROMPT, GUESS_MAX_RESPONSE = 56, 448  # the prompt is 48 tokens; 10 gu
 EXAMPLE_AGENT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "openai_agent", "agent.py")
 CODE_MAX_RESPONSE = 24  # f=lambda:max(3,8,1) is 19 tokens, then <|im_end|>
 CODE_SFT_MAX_LENGTH = 56  # the 28-token prompt and the program
-TOOL_MAX_PROMPT, TOOL_MAX_RESPONSE = 160, 160  # the compact tool prompt is 147 tokens; call (78) + result (34) + answer (22) = 134
+TOOL_MAX_PROMPT, TOOL_MAX_RESPONSE = 160, 160
+# the vision recipe: the prompt is 52 tokens (4 of them the image's), "yellow" + <|im_end|> is 7
+VISION_MAX_PROMPT, VISION_MAX_RESPONSE, VISION_SFT_STEPS = 64, 8, 300  # the compact tool prompt is 147 tokens; call (78) + result (34) + answer (22) = 134
 
 
 def _policy_run(train, val, model_dir: str, out_dir: str, steps: int, prompts: int, micro: int, *extra: str) -> HybridFlowConfig:
@@ -92,6 +97,13 @@ def demo_code_rl_config(files: dict, model_dir: str, out_dir: str, steps: int, *
     """The demo's GRPO run on the code task (`make_code_task`): responses up to CODE_MAX_RESPONSE tokens,
     scored by the built-in code reward (one sandbox run per sample and check)."""
     return demo_rl_config(files, model_dir, out_dir, steps, f"data.max_response_length={CODE_MAX_RESPONSE}", *overrides)
+
+
+def demo_vision_rl_config(files: dict, model_dir: str, out_dir: str, steps: int, *overrides: str) -> HybridFlowConfig:
+    """The vision recipe's GRPO run (`data/vision_task.py`: which colour is the circle): 8 image prompts x 8 samples on
+    2 workers, the vision tower trained too (the wrong rule lives in the language model's answer, not in what it sees)."""
+    return demo_rl_config(files, model_dir, out_dir, steps, f"data.max_prompt_length={VISION_MAX_PROMPT}",
+                          f"data.max_response_length={VISION_MAX_RESPONSE}", *overrides)
 
 
 def demo_multi_turn_sft_config(sft_file, base_model: str, out: str, steps: int, max_length: int, name: str = "sft") -> SFTConfig:
@@ -187,6 +199,11 @@ def run_recipe(recipe: str, files: dict, sft_dir: str, out: str, steps: int, *ov
         cfg = demo_code_rl_config(files, sft_dir, f"{out}/code_grpo", steps, *overrides)
         print(f"[demo] GRPO with the code reward (programs run in the sandbox against an assert): {steps} steps, "
               f"{cfg.data.train_batch_size} prompts x {resolve(cfg).rollout.rollout.n} samples, {_workers(cfg)}", flush=True)
+        result = _fit(RLTrainer(cfg))
+    elif recipe == "vision":
+        cfg = demo_vision_rl_config(files, sft_dir, f"{out}/vision_grpo", steps, *overrides)
+        print(f"[demo] GRPO on image prompts (a tiny Qwen2-VL): {steps} steps, {cfg.data.train_batch_size} prompts x "
+              f"{resolve(cfg).rollout.rollout.n} samples, {_workers(cfg)}", flush=True)
         result = _fit(RLTrainer(cfg))
     elif recipe == "dpo":
         cfg = demo_dpo_config(files, sft_dir, f"{out}/dpo", steps, *overrides)
@@ -285,6 +302,12 @@ def prepare_recipe(recipe: str, out: str, seed: int | None = None, sft_steps: in
         base = make_tiny_model(os.path.join(out, "tiny_model"), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                max_position_embeddings=1024, **model_kw)
         stages = [demo_multi_turn_sft_config(files["sft"], base, out, sft_steps or GUESS_SFT_STEPS, GUESS_MAX_PROMPT + GUESS_MAX_RESPONSE)]
+    elif recipe == "vision":  # its own task: PIL-drawn circles, "which colour is the circle?", a tiny VLM
+        from hybridflow.data.vision_task import make_vision_task
+
+        files = make_vision_task(os.path.join(out, "data"), **data_seed)
+        base = make_tiny_model(os.path.join(out, "tiny_model"), **{**model_kw, "arch": arch if arch in ("qwen2_vl", "qwen2_5_vl") else "qwen2_vl"})
+        stages = [demo_sft_config(files["sft"], base, out, sft_steps or VISION_SFT_STEPS, VISION_MAX_PROMPT + VISION_MAX_RESPONSE)]
     elif recipe == "code":  # digit_max's triples and split, a program as the answer
         files = make_code_task(os.path.join(out, "data"), **data_seed)
         base = make_tiny_model(os.path.join(out, "tiny_model"), hidden_size=128, intermediate_size=256, num_hidden_layers=2, **model_kw)

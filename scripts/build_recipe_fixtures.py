@@ -12,7 +12,7 @@ it), then runs the recipe's RL from the fixture (`hybridflow demo --sft-model DI
 
 Run after changing a recipe's task, tiny model, tokenizer or SFT config (~5 minutes each here):
 
-    .venv/bin/python scripts/build_recipe_fixtures.py --recipe tool guess code
+    .venv/bin/python scripts/build_recipe_fixtures.py --recipe tool guess code vision
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def build(recipe: str) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--recipe", nargs="+", choices=["tool", "guess", "code"], required=True)
+    ap.add_argument("--recipe", nargs="+", choices=["tool", "guess", "code", "vision"], required=True)
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     for recipe in args.recipe:

@@ -29,7 +29,7 @@ from typing import Any, Sequence
 
 import torch
 
-from hybridflow.data.dataset import DataError, RLDataset, collate_rl
+from hybridflow.data.dataset import SFT_REQUIRED, DataError, RLDataset, SFTDataset, _check_chat, collate_rl, collate_sft, text_ids
 from hybridflow.protocol import Batch
 
 IMAGE_PLACEHOLDER = "<image>"
@@ -196,5 +196,45 @@ def collate_vision(items: list[dict], pad_token_id: int, max_prompt_length: int,
     mm = [it.get(MULTI_MODAL_KEY) or {} for it in items]
     grid = pack_multi_modal_inputs(mm).get("image_grid_thw")
     batch["position_ids"] = mrope_position_ids(model_config, batch["input_ids"], batch["attention_mask"], grid)
+    batch[MULTI_MODAL_KEY] = mm
+    return batch
+
+
+# ---------------------------------------------------------------------------------------------- SFT
+class VisionSFTDataset(SFTDataset):
+    """`SFTDataset` rows with images (verl's multimodal SFT shape: ``images`` next to ``prompt`` / ``response``):
+    ids = the processor's prompt (image tokens expanded) + response + eos, right-padded to max_length; truncation
+    cuts the response only (a prompt that leaves no room is refused), so image tokens are never cut. Each item
+    also carries its row's ``multi_modal_inputs``; `collate_vision_sft` adds the M-RoPE position ids."""
+
+    def __init__(self, files, processor, max_length: int, prompt_key: str = "prompt", response_key: str = "response", image_key: str = "images"):
+        self.processor, self.image_key = processor, image_key
+        self.multi_modal: list[dict] = []  # per sample, in SFTDataset.samples' order (encode_row runs once per row, in order)
+        super().__init__(files, processor.tokenizer, max_length, prompt_key, response_key)
+
+    def encode_row(self, file: str, row_no: int, row: dict) -> tuple[list[int], list[int]]:
+        prompt = _check_chat(file, row_no, row, self.prompt_key, SFT_REQUIRED)
+        response = row.get(self.response_key)
+        if not isinstance(response, str):
+            raise DataError(f"{file} row {row_no}: column {self.response_key!r} must be a string ({SFT_REQUIRED})")
+        images = row_images(file, row_no, row, prompt, self.image_key)
+        try:
+            enc = encode_vision_prompt(self.processor, prompt, images)
+        except Exception as e:  # noqa: BLE001 - the processor's error, with file and row
+            raise DataError(f"{file} row {row_no}: the processor refused the row: {type(e).__name__}: {e}") from e
+        self.multi_modal.append(enc[MULTI_MODAL_KEY])
+        r_ids = text_ids(self.tokenizer, response) + [self.eos_token_id]
+        return enc["input_ids"] + r_ids, [0] * len(enc["input_ids"]) + [1] * len(r_ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {**super().__getitem__(i), MULTI_MODAL_KEY: self.multi_modal[i]}
+
+
+def collate_vision_sft(items: list[dict], model_config) -> Batch:
+    """`collate_sft` of `VisionSFTDataset` items: input_ids / attention_mask / loss_mask [B, L] (right-padded), the
+    M-RoPE position_ids [B, 3, L] and the rows' image inputs (non-tensor ``multi_modal_inputs``)."""
+    mm = [it[MULTI_MODAL_KEY] for it in items]
+    batch = collate_sft([{k: v for k, v in it.items() if k != MULTI_MODAL_KEY} for it in items])
+    batch["position_ids"] = rows_position_ids(model_config, batch["input_ids"], batch["attention_mask"], mm)
     batch[MULTI_MODAL_KEY] = mm
     return batch

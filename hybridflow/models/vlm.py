@@ -170,3 +170,21 @@ def image_keys(model_path: str) -> list[str]:
     from hybridflow.data.vision import MULTI_MODAL_KEY
 
     return [MULTI_MODAL_KEY] if is_vlm_dir(model_path) else []
+
+
+def sft_data(files, model_path: str, max_length: int, prompt_key: str = "prompt", response_key: str = "response"):
+    """(dataset, collate) of an SFT run on a vision-language model (`data/vision.py::VisionSFTDataset`), None for a text model."""
+    if not is_vlm_dir(model_path):
+        return None
+    from transformers import AutoConfig
+
+    from hybridflow.data.vision import VisionSFTDataset, collate_vision_sft
+
+    config = AutoConfig.from_pretrained(model_path)
+    return VisionSFTDataset(files, load_processor(model_path), max_length, prompt_key, response_key), lambda items: collate_vision_sft(items, config)
+
+
+def save_processor(model_path: str, out_dir: str) -> None:
+    """A trained VLM's checkpoint keeps its processor (the weights' writer saves the tokenizer only); no-op for a text model."""
+    if is_vlm_dir(model_path):
+        load_processor(model_path).save_pretrained(str(out_dir))

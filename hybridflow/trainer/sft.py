@@ -19,6 +19,7 @@ from hybridflow.config.derive import derive_sft_defaults
 from hybridflow.config.schema import DEFAULT_POOL, ActorConfig, ActorRolloutRefConfig, PoolSpec
 from hybridflow.config.pools import ModelPart
 from hybridflow.data.dataset import SFTDataset, collate_sft
+from hybridflow.models.vlm import save_processor, sft_data as vlm_sft_data
 from hybridflow.trainer.loader import PromptLoader
 from hybridflow.trainer.placement import start_groups
 from hybridflow.run_plan import resolve
@@ -40,9 +41,11 @@ def run_sft(cfg: SFTConfig, log_every: int = 50, stop_after: int | None = None) 
     validate_sft_config(cfg)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_source())
     mt = cfg.multiturn
-    dataset = (MultiTurnSFTDataset(cfg.train_files, tokenizer, cfg.max_length, mt.messages_key, mt.tools_key, mt.format) if mt.enable
-               else SFTDataset(cfg.train_files, tokenizer, cfg.max_length, cfg.prompt_key, cfg.response_key))
-    loader = PromptLoader(dataset, cfg.train_batch_size, collate_sft, shuffle=True, seed=cfg.trainer.seed)
+    images = None if mt.enable else vlm_sft_data(cfg.train_files, cfg.model.path, cfg.max_length, cfg.prompt_key, cfg.response_key)  # a VLM's rows
+    dataset, collate = images or ((MultiTurnSFTDataset(cfg.train_files, tokenizer, cfg.max_length, mt.messages_key, mt.tools_key, mt.format)
+                                   if mt.enable else SFTDataset(cfg.train_files, tokenizer, cfg.max_length, cfg.prompt_key, cfg.response_key)),
+                                  collate_sft)
+    loader = PromptLoader(dataset, cfg.train_batch_size, collate, shuffle=True, seed=cfg.trainer.seed)
     t = cfg.trainer
     worker = policy_worker(resolve(_actor_config(cfg)).actor, {ModelPart.ACTOR}, total_training_steps=cfg.total_steps)
     # trainer.launcher: Ray workers on a reserved pool, or this process as one torchrun rank.
@@ -61,6 +64,7 @@ def run_sft(cfg: SFTConfig, log_every: int = 50, stop_after: int | None = None) 
             if main and "console" in t.logger and (step % log_every == 0 or step == cfg.total_steps):
                 print(f"sft step {step:>4d}/{cfg.total_steps}  loss {metrics['train/loss']:.4f}  lr {metrics['train/lr']:.2e}", flush=True)
         wg.save_hf_model(os.path.abspath(cfg.save_dir))
+        save_processor(cfg.model.path, os.path.abspath(cfg.save_dir))  # a VLM's image processor beside its weights
     finally:
         if tracker is not None:
             tracker.close()
