@@ -84,3 +84,23 @@ def test_compile_refused_where_untested(extra, pattern):
     cfg = load_config(None, ["actor_rollout_ref.model.path=x", "actor_rollout_ref.actor.use_torch_compile=true", *extra])
     with pytest.raises(ConfigError, match=pattern):
         validate_config(cfg)
+
+
+def test_bf16_on_cpu_runs_eager_attention_with_the_same_log_probs(tmp_path):
+    """bf16 compute on CPU switches SDPA to eager attention (engine/cpu_kernels.py); fp32 keeps SDPA.
+    Both implement the same masked attention: on left-padded rows and packed ones (remove_padding)
+    their fp32 log-probs agree to rounding (a few fp32 units of |log p| <= log V ~ 5)."""
+    from transformers import AutoModelForCausalLM
+
+    from hybridflow.engine.cpu_kernels import prefer_cpu_bf16_attention
+
+    path = make_tiny_model(str(tmp_path / "tiny"), hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+    sdpa = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    eager = copy.deepcopy(sdpa)
+    assert not prefer_cpu_bf16_attention(eager, torch.float32, "cpu") and not prefer_cpu_bf16_attention(eager, torch.bfloat16, "cuda")
+    assert prefer_cpu_bf16_attention(eager, torch.bfloat16, "cpu") and eager.config._attn_implementation == "eager"
+    mb = _batch(sdpa.config.vocab_size)
+    valid = mb["attention_mask"][:, -mb["responses"].shape[1]:].bool()
+    for packed in (False, True):
+        a, b = (response_logprobs(m, mb, remove_padding=packed, chunk=16)[0] for m in (sdpa, eager))
+        assert (a - b)[valid].abs().max() <= 64 * U32 * 8

@@ -55,11 +55,12 @@ def _fp32_bound(hidden, weight, temperature):
     return 2 * (logit + (math.log(weight.shape[0]) + z) * U32 * 8)
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_chunked_equals_plain_and_float64_with_gradients(temperature):
+@pytest.mark.parametrize("temperature,chunk", [(1.0, 8), (0.7, 8), (0.7, 64)])
+def test_chunked_equals_plain_and_float64_with_gradients(temperature, chunk):
     hidden, weight, targets = _data()
     g_lp, g_ent = torch.randn(37), torch.randn(37)
-    lp, ent = chunked_logprobs(hidden, weight, targets, temperature, chunk=8)  # 37 tokens: 4 full chunks and 1 of 5
+    # 37 tokens: chunk 8 = 4 full chunks and 1 of 5 (the head's gradient summed in fp32); 64 = one chunk (its product directly)
+    lp, ent = chunked_logprobs(hidden, weight, targets, temperature, chunk=chunk)
     (lp * g_lp + ent * g_ent).sum().backward()
     gh, gw = hidden.grad.clone(), weight.grad.clone()
     hidden.grad = weight.grad = None
@@ -88,13 +89,19 @@ def test_chunked_bf16_weights_match_the_plain_pass_within_bf16_rounding():
     """bf16 hidden states and head (mixed precision): logits rounded to bf16 (u = 2^-8) before fp32,
     as the plain pass does; the two differ by the matmul's blocking only."""
     hidden, weight, targets = _data(dtype=torch.bfloat16)
-    lp, ent = chunked_logprobs(hidden, weight, targets, 1.0, chunk=16)
-    lp.sum().backward()
-    z = F.linear(hidden, weight).float()
-    plp = logprobs_from_logits(z, targets)
-    bound = 2 * 2.0**-8 * (z.abs().max(-1).values + math.log(weight.shape[0]))  # one bf16 rounding of each logit
-    assert ((lp - plp).abs() <= bound).all() and ((ent - entropy_from_logits(z)).abs() <= bound).all()
-    assert hidden.grad.dtype == torch.bfloat16 and weight.grad.dtype == torch.bfloat16
+    grads = []
+    for chunk in (16, 64):  # several chunks (fp32 accumulator for the head's gradient), one chunk (a bf16 product rounded once)
+        lp, ent = chunked_logprobs(hidden, weight, targets, 1.0, chunk=chunk)
+        lp.sum().backward()
+        z = F.linear(hidden, weight).float()
+        plp = logprobs_from_logits(z, targets)
+        bound = 2 * 2.0**-8 * (z.abs().max(-1).values + math.log(weight.shape[0]))  # one bf16 rounding of each logit
+        assert ((lp - plp).abs() <= bound).all() and ((ent - entropy_from_logits(z)).abs() <= bound).all()
+        assert hidden.grad.dtype == torch.bfloat16 and weight.grad.dtype == torch.bfloat16
+        grads.append(weight.grad.float())
+        hidden.grad = weight.grad = None
+    # both round the same fp32-accumulated sum of the 37 tokens' terms once to bf16: they differ by at most one bf16 ulp (<= 2^-7 relative)
+    assert ((grads[0] - grads[1]).abs() <= 2.0**-7 * grads[0].abs() + 1e-6).all()
 
 
 def test_no_entropy_asked_leaves_zeros_and_no_entropy_gradient():

@@ -83,7 +83,11 @@ class ChunkedLogProbs(torch.autograd.Function):
         use_ent = ctx.with_entropy and g_ent is not None
         n = hidden.shape[0]
         grad_h = torch.empty_like(hidden) if need_h else None  # [N, H]
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None  # [V, H] fp32 accumulator
+        # [V, H]: one chunk's product directly in the weight's dtype (a bf16 matmul accumulates in fp32 and rounds once, as
+        # the cast of an fp32 accumulator would; on a CPU with AMX it runs ~10x faster than upcasting both operands);
+        # several chunks sum into an fp32 accumulator.
+        single = n <= chunk
+        grad_w = None if single or not need_w else torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
             h = hidden[s:e]  # [c, H]
@@ -104,7 +108,9 @@ class ChunkedLogProbs(torch.autograd.Function):
             dz = dz.to(weight.dtype)
             if need_h:
                 grad_h[s:e] = dz @ weight  # [c, H]
-            if need_w:
+            if need_w and single:
+                grad_w = dz.t() @ h  # [V, H]
+            elif need_w:
                 grad_w.addmm_(dz.t().float() if dz.dtype != torch.float32 else dz.t(), h.float() if h.dtype != torch.float32 else h)  # [V, H]
         return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None
 

@@ -32,12 +32,14 @@ from torch.distributed.tensor import DTensor
 from hybridflow.algorithms import entropy_from_logits, logprobs_from_logits
 from hybridflow.config.schema import FSDPConfig, HybridEngineConfig, OptimConfig
 from hybridflow.engine.compile import compile_decoder_layers
+from hybridflow.engine.cpu_kernels import prefer_cpu_bf16_attention
 from hybridflow.engine.fused_logprobs import token_head as fused_token_head
 from hybridflow.engine.model import micro_batches, response_logprobs
 from hybridflow.engine.optim import build_optimizer, build_scheduler, clip_and_step
 from hybridflow.hybrid_engine.executor import HybridEngine
 from hybridflow.parallel import ulysses
 from hybridflow.parallel.expert_parallel import full_expert_weights, is_expert_param
+from hybridflow.parallel.fsdp import MIXED_PRECISION_DTYPES
 from hybridflow.parallel.layout import TrainMesh, build_train_model
 from hybridflow.protocol import Batch
 from hybridflow.run_plan import UpdatePlan
@@ -104,6 +106,8 @@ class TrainEngine:
         # The whole model's parameters (a pipeline stage keeps only its own): the resharding plan's.
         self.full_shapes = {n: (tuple(p.shape), p.element_size()) for n, p in model.named_parameters()}
         self.lora = any(is_adapter_param(n) for n in self.full_shapes)  # LoRA adapters injected (models/lora.py)
+        if fsdp.mixed_precision in MIXED_PRECISION_DTYPES:  # bf16 compute on CPU: attention as two AMX matmuls (engine/cpu_kernels.py)
+            prefer_cpu_bf16_attention(model, MIXED_PRECISION_DTYPES[fsdp.mixed_precision], device)
         if compile:  # before FSDP2: the compiled code replaces each layer's forward, FSDP2's hooks wrap it eagerly
             compile_decoder_layers(model)
         self.sp_group = mesh.sp_group  # Ulysses: token log-probs run with the packed sequence split over it (parallel/ulysses.py)
