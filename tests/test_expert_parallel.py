@@ -153,6 +153,12 @@ def test_ep_layouts_match_one_process(moe_dir, tmp_path, world, ep):
         s = r["switch"]
         assert s["max_diff"] == 0.0 and s["bytes"] == s["min"] and s["naive"] == s["plan_naive"], s
     assert sum(r["switch"]["min"] for r in ranks) == (world - 1) * model_bytes
+    from hybridflow.parallel.dims import ParallelDims
+    from hybridflow.planning.arch import load_arch
+    from hybridflow.planning.cost import plan_for
+
+    planned = plan_for(load_arch(str(moe_dir)), ParallelDims(dp=world, ep=ep), 1, 4)  # `hybridflow plan`, from config.json alone
+    assert [planned.min_bytes(i) for i in range(world)] == [r["switch"]["bytes"] for r in ranks]
 
 
 def test_expert_parallel_refusals_name_the_key(moe_dir, tmp_path):
@@ -183,3 +189,38 @@ def test_expert_parallel_refusals_name_the_key(moe_dir, tmp_path):
     assert any(line.startswith(f"{key}=2 needs a mixture-of-experts model") for line in problems(dense, f"{key}=2"))
     lines = problems(moe_dir, f"{key}=2", "actor_rollout_ref.actor.use_dynamic_bsz=true")
     assert any(line.startswith(f"{key}=2 needs fixed micro-batches") for line in lines), lines
+
+
+def test_planner_knows_experts_by_hand():
+    """`hybridflow plan`'s MoE numbers for Qwen3-30B-A3B on 8 x 8 devices, each against arithmetic written out."""
+    from hybridflow.parallel.dims import ParallelDims
+    from hybridflow.planning.arch import load_arch
+    from hybridflow.planning.cost import Cluster, MemoryInputs, expert_comm, memory_plan, plan_for
+
+    arch, cluster, m = load_arch("qwen3-30b-a3b"), Cluster(nodes=8, gpus_per_node=8), MemoryInputs()
+    h, layers, experts, width = 2048, 48, 128, 768
+    attn = 4096 * h + 2 * 512 * h + h * 4096 + 2 * 128  # q, k, v, o (32 / 4 heads of 128), q/k norms
+    dense = attn + experts * h + 2 * h  # + router, 2 norms: what a layer has besides its experts
+    expert = 3 * width * h  # gate_up [2I, H] + down [H, I]
+    total = 2 * 151936 * h + layers * (dense + experts * expert) + h  # embeddings, lm_head, final norm
+    assert arch.num_params() == total == 30_532_122_624
+    assert arch.active_params() == total - layers * (experts - 8) * expert == 3_353_032_704  # top-8 of 128
+
+    ep8 = ParallelDims(dp=64, ep=8)
+    plan = plan_for(arch, ep8, 1, 2)  # bf16 switch to gen_tp 1: every dim here divides by 64, each rank holds 1/64
+    assert all(plan.min_bytes(r) == (total - total // 64) * 2 for r in (0, 9, 63))
+    # FSDP2 gathers a layer whole for its forward (2 in flight): at ep8 its experts only up to the EP rank's 16 of 128
+    assert memory_plan(plan, arch, ep8, m, 0)["fsdp_unshard"] == 2 * (dense + experts // 8 * expert) * 2
+    assert memory_plan(plan_for(arch, ParallelDims(dp=64), 1, 2), arch, ParallelDims(dp=64), m, 0)["fsdp_unshard"] == 2 * (dense + experts * expert) * 2
+
+    # Per step: 1024 sequences of 2048 tokens over 64 ranks, micro-batch 1 -> 16 micro-batches per rank.
+    micro, tokens = 1024 // 64, 2048
+    c = expert_comm(arch, ep8, cluster, m)
+    fsdp = layers * (experts // 8 * expert) * 7 / 8 * (2 * 2 + 4)  # the EP rank's experts, 7/8 from the other edp ranks: 2 gathers bf16 + fp32 grads
+    a2a = layers * tokens * 8 * h * 2 * 7 / 8 * 4  # tokens x top-8 rows of H, bf16, 7/8 leave the rank, dispatch + combine, fwd + bwd
+    assert c["expert_fsdp_bytes_per_step"] == int(micro * fsdp) == 405_874_409_472
+    assert c["a2a_bytes_per_step"] == int(micro * a2a) == 180_388_626_432
+    assert c["expert_comm_seconds"] == pytest.approx(micro * (fsdp / 25e9 + a2a / 200e9))  # edp groups span nodes; an EP group is one node
+    plain = expert_comm(arch, ParallelDims(dp=64), cluster, m)  # FSDP over 64 without ep: every expert gathered over all ranks
+    assert plain["a2a_bytes_per_step"] == 0 and plain["expert_fsdp_bytes_per_step"] == int(micro * layers * experts * expert * 63 / 64 * 8)
+    assert plain["expert_comm_seconds"] > 8 * c["expert_comm_seconds"]

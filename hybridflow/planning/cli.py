@@ -165,9 +165,19 @@ def main_plan(argv: list[str] | None = None) -> int:
         first = out[0]["first_switch_bytes_per_rank"] if out else 0
         print(f"LoRA rank {m.lora_rank} (all-linear): the optimized rows move the adapters per switch; the first switch moves "
               f"{first / GB:.3f} GB per rank (the base, once)")
-    print_rows(out, "ranked by predicted switch seconds, then memory headroom:" if args.search else "")
+    if arch.experts:
+        print(f"MoE: {arch.experts} experts, top-{arch.top_k}, {arch.active_params() / 1e9:.2f}B of the {arch.num_params() / 1e9:.2f}B "
+              f"parameters active per token; expert weights sharded over ep, whole in generation")
+    title = ("ranked by predicted switch + expert communication seconds per step (FSDP / EP layouts first), then memory headroom:"
+             if arch.experts else "ranked by predicted switch seconds, then memory headroom:")
+    print_rows(out, title if args.search else "")
     if out:
         print_memory(out[0])
+        if arch.experts:
+            r = out[0]
+            print(f"expert communication per step and rank ({r['train_layout']}): FSDP2 gathers of the experts "
+                  f"{r['expert_fsdp_bytes_per_step'] / GB:.1f} GB, token all-to-all {r['a2a_bytes_per_step'] / GB:.1f} GB, "
+                  f"{r['expert_comm_seconds']:.2f} s predicted" + ("" if r["expert_comm_modelled"] else " (TP / PP activations not modelled)"))
     if not args.search:
         print_delta([r for r in out if r["mode"] == "optimized"])
     for i in invalid:

@@ -339,6 +339,7 @@ def rows(arch: Arch, layout: ParallelDims, gen_tp: int, cluster: Cluster, m: Mem
             staging_bytes_per_rank=max(staging.staging_bytes(r) for r in range(plan.world_size)) if mode == "optimized" else 0,
             **delta,  # the cross-pool (async rollout) sync of these generation slices, whole and as a delta
             ep=layout.ep, total_params=arch.num_params(), active_params=arch.active_params(),
+            expert_comm_modelled=not arch.experts or layout.pp == layout.tp == 1,  # TP / PP layouts move activations: not modelled
             **expert_comm(arch, layout, cluster, m),  # MoE: the experts' FSDP2 traffic and the tokens' all-to-all per step (0 if dense)
         ))
     return out

@@ -70,7 +70,8 @@ class Invalid:
 def search(arch: Arch, cluster: Cluster, m: MemoryInputs, switch_dtype: str = "bf16", layouts: list[ParallelDims] | None = None,
            gen_tps: list[int] | None = None) -> tuple[list[dict], list[Invalid]]:
     """(ranked optimized rows, each with its naive seconds; invalid combinations with reasons). An MoE
-    model's rows rank by the switch plus the experts' training communication per step (`cost.expert_comm`)."""
+    model's rows rank by the switch plus the experts' training communication per step (`cost.expert_comm`),
+    the FSDP / EP layouts first: TP and PP layouts move activations in every layer, which is not modelled."""
     ranked, invalid = [], []
     for layout in layouts or [*train_layouts(cluster.world), *ep_layouts(arch, cluster.world)]:
         bad = layout_problems(arch, layout, cluster.gpus_per_node)
@@ -92,5 +93,5 @@ def search(arch: Arch, cluster: Cluster, m: MemoryInputs, switch_dtype: str = "b
             ranked.append(opt)
     # sp moves no weight-switch bytes and its all-to-alls are not modelled: among equal switches the
     # smallest sp that fits ranks first, so sp shows up where activations need it (they shrink by sp)
-    ranked.sort(key=lambda r: (r["predicted_seconds"] + r["expert_comm_seconds"], r["sp"], -r["headroom_bytes"]))
+    ranked.sort(key=lambda r: (not r["expert_comm_modelled"], r["predicted_seconds"] + r["expert_comm_seconds"], r["sp"], -r["headroom_bytes"]))
     return ranked, invalid
