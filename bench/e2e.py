@@ -60,6 +60,7 @@ def arithmetic_rows(n: int, seed: int = 0) -> list[dict]:
 
 
 LORA_KEYS = ("param_bytes", "grad_bytes", "optimizer_bytes")
+COMPILE_KEYS = ("compile/graphs", "compile/graph_breaks", "compile/recompiles")
 
 
 def planned_state(model: str, lora_rank: int, dp: int = 2) -> dict:
@@ -74,8 +75,9 @@ def planned_state(model: str, lora_rank: int, dp: int = 2) -> dict:
 
 
 def run_hybridflow(model: str, train: str, reward: str, out: str, steps: int, lora_rank: int = 0, precision: str = "fp32",
-                   split: bool = False) -> dict:
-    """split: async rollout on split pools (1 + 1 workers) instead of 2 colocated workers."""
+                   split: bool = False, compile: bool = False) -> dict:
+    """split: async rollout on split pools (1 + 1 workers) instead of 2 colocated workers; compile:
+    the actor's decoder layers torch.compile'd (actor.use_torch_compile)."""
     from hybridflow.config import HybridFlowConfig, load_config
     from hybridflow.trainer.rl import RLTrainer
 
@@ -90,20 +92,26 @@ def run_hybridflow(model: str, train: str, reward: str, out: str, steps: int, lo
         "trainer.progress_bar=false", "trainer.logger=[jsonl]", f"trainer.default_local_dir={out}", "trainer.device=cpu",
         "actor_rollout_ref.hybrid_engine.measure_baseline=false", f"actor_rollout_ref.model.lora_rank={lora_rank}",
         *(["actor_rollout_ref.actor.fsdp_config.mixed_precision=bf16"] if precision == "bf16" else []),  # bf16 compute and generation
-        *(SPLIT_POOLS if split else ()),
+        *(SPLIT_POOLS if split else ()), f"actor_rollout_ref.actor.use_torch_compile={str(compile).lower()}",
     ], schema=HybridFlowConfig)
     trainer = RLTrainer(cfg)
     try:
-        hist = [h for h in trainer.fit()["history"] if h["step"] > 0][1:]  # the first step warms up
+        first, *hist = [h for h in trainer.fit()["history"] if h["step"] > 0]  # the first step warms up (and compiles)
         stats = trainer.actor.shard_stats()  # per rank, after the last optimizer step
     finally:
         trainer.shutdown()
     step = statistics.median(h["timing_s/step"] for h in hist)
     tokens = statistics.median(h["response_length/mean"] * PROMPTS * SAMPLES for h in hist)
     system = f"hybridflow+lora{lora_rank}" if lora_rank else "hybridflow async" if split else "hybridflow"
+    system += " compiled" if compile else ""
     row = {"system": system, "step_seconds": step, "tokens_per_second": tokens / step,
            "prompt_len": statistics.median(h["prompt_length/mean"] for h in hist), "response_len": statistics.median(h["response_length/mean"] for h in hist),
            **{k: max(s[k] for s in stats) for k in LORA_KEYS}, **planned_state(model, lora_rank, dp=1 if split else 2)}
+    for k in COMPILE_KEYS:  # dynamo's counts on the workers after the last step (the ranks' mean), and the first step's time (compiling)
+        if f"actor/{k}" in hist[-1]:
+            row[k] = hist[-1][f"actor/{k}"]
+    if compile:
+        row["first_step_seconds"] = first["timing_s/step"]
     for s in STAGES:
         if f"timing_s/{s}" in hist[0]:
             row[f"timing_s/{s}"] = statistics.median(h[f"timing_s/{s}"] for h in hist)
@@ -170,7 +178,10 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--lora-rank", type=int, default=0, help="also run hybridflow with LoRA adapters of this rank (all-linear)")
     ap.add_argument("--no-trl", action="store_true", help="hybridflow rows only")
+    ap.add_argument("--no-tiny", action="store_true", help="only the --model rows (not the demo's tiny model)")
     ap.add_argument("--async-rollout", action="store_true", help="also hybridflow with async rollout on split pools (1 worker trains, 1 generates)")
+    ap.add_argument("--compile", default="0", help="comma-separated 0 / 1: hybridflow rows without / with actor.use_torch_compile (compiled "
+                    "decoder layers; the rows print dynamo's graph, graph-break and recompile counts and the first step's seconds)")
     ap.add_argument("--precision", default="fp32", help="comma-separated: fp32 and/or bf16 (hybridflow: fsdp_config.mixed_precision=bf16, "
                     "bf16 generation; TRL: bf16=True); each precision's MFU is against that dtype's measured peak")
     args = ap.parse_args()
@@ -188,7 +199,8 @@ def main() -> None:
         f.write(REWARD)
     rows = arithmetic_rows(PROMPTS * (args.steps + 1))
     train = str(write_parquet(rows, os.path.join(tmp, "train.parquet")))
-    models = {"tiny": make_tiny_model(os.path.join(tmp, "tiny"), hidden_size=128, intermediate_size=256, num_hidden_layers=2)}
+    models = {} if args.no_tiny and args.model else {"tiny": make_tiny_model(os.path.join(tmp, "tiny"), hidden_size=128, intermediate_size=256,
+                                                                             num_hidden_layers=2)}
     if args.model:
         models[os.path.basename(os.path.normpath(args.model))] = args.model
     # This machine's matmul peak, measured now: hybridflow's 2 workers run 1 thread each, TRL one process with torch's threads.
@@ -200,7 +212,8 @@ def main() -> None:
     out = []
     for name, path in models.items():
         for prec in precisions:
-            systems = [("hybridflow", lambda: run_hybridflow(str(path), train, reward, os.path.join(tmp, f"hf_{name}_{prec}"), args.steps, precision=prec))]
+            systems = [("hybridflow", lambda c=c: run_hybridflow(str(path), train, reward, os.path.join(tmp, f"hf_{name}_{prec}_{c}"), args.steps,
+                                                                 precision=prec, compile=c == "1")) for c in args.compile.split(",")]
             if args.lora_rank:
                 systems.append(("hybridflow+lora", lambda: run_hybridflow(str(path), train, reward, os.path.join(tmp, f"lora_{name}_{prec}"), args.steps,
                                                                           args.lora_rank, precision=prec)))
@@ -227,16 +240,20 @@ def main() -> None:
                     r["vs_trl"] = r["step_seconds"] / trl["step_seconds"]
     for r in out:
         r.setdefault("vs_trl", float("nan"))
-        for s in (*(f"timing_s/{s}" for s in STAGES), *LORA_KEYS, *(f"plan/{k}" for k in LORA_KEYS), "mfu/gen", "mfu/update"):
+        for s in (*(f"timing_s/{s}" for s in STAGES), *LORA_KEYS, *(f"plan/{k}" for k in LORA_KEYS), "mfu/gen", "mfu/update", *COMPILE_KEYS,
+                  "first_step_seconds"):
             r.setdefault(s, float("nan"))
         for k in (*LORA_KEYS, *(f"plan/{k}" for k in LORA_KEYS)):
             r[k] = r[k] / 2**20  # MiB
-    columns = [("system", "system", "<16"), ("model", "model", "<14"), ("precision", "prec", "<5"), ("step_seconds", "step s", ">7.2f"),
+    columns = [("system", "system", "<19"), ("model", "model", "<14"), ("precision", "prec", "<5"), ("step_seconds", "step s", ">7.2f"),
                ("tokens_per_second", "tok/s", ">7.1f"), ("vs_trl", "vs TRL", ">7.2f")]
     columns += [(f"timing_s/{s}", s, f">{max(7, len(s))}.2f") for s in STAGES]
     # FLOPs per step (GFLOP) and the fraction of this machine's fp32 matmul peak reached (MFU)
     columns += [("gflop/gen", "GF gen", ">7.2f"), ("gflop/update", "GF upd", ">7.2f"), ("mfu/gen", "MFU gen", ">7.3f"),
                 ("mfu/update", "MFU upd", ">7.3f"), ("mfu/step", "MFU step", ">8.3f")]
+    # compiled rows: dynamo's graphs / graph breaks / recompiles on the workers, and the first (compiling) step's seconds
+    columns += [("compile/graphs", "graphs", ">6.0f"), ("compile/graph_breaks", "breaks", ">6.0f"), ("compile/recompiles", "recomp", ">6.0f"),
+                ("first_step_seconds", "1st step", ">8.1f")]
     # trainable state per rank (MiB): measured on the workers after the last step, and the planner's figure
     columns += [("param_bytes", "params", ">8.2f"), ("plan/param_bytes", "plan", ">8.2f"), ("grad_bytes", "grads", ">8.2f"),
                 ("plan/grad_bytes", "plan", ">8.2f"), ("optimizer_bytes", "optim", ">8.2f"), ("plan/optimizer_bytes", "plan", ">8.2f")]

@@ -69,7 +69,7 @@ def test_compiled_layers_equal_eager_within_fp32_rounding(tmp_path):
     out_c, out_e, out_64 = _pass(compiled, mb), _pass(eager, mb), _pass(exact64, mb)
     after = compile_stats()
     assert after["compile/graph_breaks"] == before["compile/graph_breaks"]
-    assert after["compile/frames"] - before["compile/frames"] == 1  # both layers run one compiled graph
+    assert after["compile/graphs"] - before["compile/graphs"] == 1  # both layers run one compiled graph
     for i, what in enumerate(("log-probs", "entropies", "loss")):
         _check(what, out_c[i], out_e[i], out_64[i])
     for n in out_64[3]:

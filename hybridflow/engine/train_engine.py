@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from hybridflow.algorithms import entropy_from_logits, logprobs_from_logits
 from hybridflow.config.schema import FSDPConfig, HybridEngineConfig, OptimConfig
-from hybridflow.engine.compile import compile_decoder_layers
+from hybridflow.engine.compile import compile_decoder_layers, compile_stats
 from hybridflow.engine.cpu_kernels import prefer_cpu_bf16_attention
 from hybridflow.engine.fused_logprobs import token_head as fused_token_head
 from hybridflow.engine.model import micro_batches, response_logprobs
@@ -108,6 +108,7 @@ class TrainEngine:
         self.lora = any(is_adapter_param(n) for n in self.full_shapes)  # LoRA adapters injected (models/lora.py)
         if fsdp.mixed_precision in MIXED_PRECISION_DTYPES:  # bf16 compute on CPU: attention as two AMX matmuls (engine/cpu_kernels.py)
             prefer_cpu_bf16_attention(model, MIXED_PRECISION_DTYPES[fsdp.mixed_precision], device)
+        self.compiled = compile
         if compile:  # before FSDP2: the compiled code replaces each layer's forward, FSDP2's hooks wrap it eagerly
             compile_decoder_layers(model)
         self.sp_group = mesh.sp_group  # Ulysses: token log-probs run with the packed sequence split over it (parallel/ulysses.py)
@@ -198,6 +199,8 @@ class TrainEngine:
                     means.add({f"{plan.metric_prefix}/grad_norm": self.step()})
         metrics = means.means()
         metrics[f"{plan.metric_prefix}/lr"] = self.lr
+        if self.compiled:  # dynamo's process-wide counts so far: graphs built, graph breaks, recompiles (engine/compile.py)
+            metrics.update({f"{plan.metric_prefix}/{k}": float(v) for k, v in compile_stats().items()})
         if optimizer_step:
             self.scheduler_step()
         return metrics
