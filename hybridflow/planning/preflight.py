@@ -77,7 +77,8 @@ def pool_memory(cfg: HybridFlowConfig, roles: list[rp.Role] | None = None) -> di
         a = arr.actor  # the actor's 3D layout; other roles train or score with FSDP
         pp, tp = (a.pipeline_model_parallel_size, a.tensor_model_parallel_size) if role == rp.Role.ACTOR_ROLLOUT else (1, 1)
         sp = a.ulysses_sequence_parallel_size if role == rp.Role.ACTOR_ROLLOUT and pp == tp == 1 and n % a.ulysses_sequence_parallel_size == 0 else 1
-        layout = ParallelDims(pp, tp, n // (pp * tp), sp=sp) if n % (pp * tp) == 0 else ParallelDims(dp=n)
+        ep = a.expert_parallel_size if role == rp.Role.ACTOR_ROLLOUT and pp == tp == 1 and sp == 1 and n % a.expert_parallel_size == 0 else 1
+        layout = ParallelDims(pp, tp, n // (pp * tp), sp=sp, ep=ep) if n % (pp * tp) == 0 else ParallelDims(dp=n)
         log_prob = None
         if role == rp.Role.ACTOR_ROLLOUT:  # the old-log-prob pass runs rollout.log_prob_micro_batch_size_per_gpu sequences
             log_prob = dataclasses.replace(m, micro_batch=arr.rollout.rollout.log_prob_micro_batch_size_per_gpu or MICRO_BATCH_CAP)
