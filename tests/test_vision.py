@@ -271,18 +271,23 @@ def _vlm_worker(rank: int, world: int, port: int, path: str, out: str) -> None:
         arr.actor.optim.lr = 1e-2
         arr.rollout.n, arr.rollout.log_prob_micro_batch_size_per_gpu = 1, 2
         cfg.trainer.device, cfg.trainer.n_gpus_per_node = "cpu", world
-        w = ActorRolloutRefWorker(resolve(cfg).actor, role="actor", total_training_steps=1)
+        # dp 2 also holds the HF rollout: the weight switch before and after the update (the frozen tower moves once)
+        w = ActorRolloutRefWorker(resolve(cfg).actor, role="actor_rollout" if tp == 1 else "actor", total_training_steps=1)
         w.init_model()
         units = sorted(type(m).__name__ for m in w.actor.module.modules() if isinstance(m, FSDPModule))
+        switches = [w.reshard(check=True)] if tp == 1 else []
         part = batch.chunk(w.dp_size)[w.dims.dp_i]
         old = w.compute_log_prob(part)["old_log_probs"]
         before = w.actor.state_dict()
         part.tensors["old_log_probs"] = old
         metrics = w.update_actor(part)
         after = w.actor.state_dict()
+        if tp == 1:
+            switches.append(w.reshard(check=True))
+            switches = [{k: s[k] for k in ("bytes_received", "skipped_bytes", "max_diff")} for s in switches] + [w.plan.min_bytes(rank)]
         with open(f"{out}/tp{tp}_{rank}", "wb") as f:
             pickle.dump({"logp": old, "units": units, "metrics": metrics, "before": before if rank == 0 else None,
-                         "after": after if rank == 0 else None}, f)
+                         "after": after if rank == 0 else None, "switches": switches}, f)
     torch.distributed.destroy_process_group()
 
 
@@ -307,7 +312,9 @@ def test_vlm_trainer_logprobs_equal_hf_and_frozen_tower(vlm_dir, tmp_path):
     """The actor worker with image batches on 2 ranks, dp 2 (FSDP2) and tp 2 (TP over the text layers): its
     log-probs equal a plain HF forward of each row with the same pixel values (before any optimizer step); the
     vision blocks are FSDP2 units next to the decoder layers; with freeze_vision_tower one update changes the
-    language model and leaves every vision-tower weight as it was."""
+    language model and leaves every vision-tower weight as it was. At dp 2 the worker also holds the HF rollout:
+    the weight switch before and after the update leaves the generation weights equal to the trained ones, moves
+    the planner's minimum the first time and skips exactly the frozen tower's half the second time."""
     import pickle
 
     import torch.multiprocessing as mp
@@ -328,6 +335,15 @@ def test_vlm_trainer_logprobs_equal_hf_and_frozen_tower(vlm_dir, tmp_path):
         changed = [k for k in before if k.startswith("model.language_model.layers.") and not torch.equal(before[k], after[k])]
         assert len(changed) > 10, (tp, changed)
         assert math.isfinite(ranks[0]["metrics"]["actor/pg_loss"])
+    # the weight switch (dp 2 -> HF rollout, gen tp 1): generation weights equal the trained ones after each switch; the
+    # first moves the planner's minimum (tower included), the second skips the frozen tower's bytes and moves the rest
+    tower_bytes = 4 * sum(p.numel() for n, p in _load_model(vlm_dir).named_parameters() if n.startswith("model.visual."))  # fp32
+    for rank, r in enumerate(pickle.load(open(tmp_path / f"tp1_{k}", "rb")) for k in range(2)):
+        first, second, min_bytes = r["switches"]
+        assert first["max_diff"] == 0.0 and second["max_diff"] == 0.0, r["switches"]
+        assert first["bytes_received"] == min_bytes and first["skipped_bytes"] == 0, r["switches"]
+        assert second["skipped_bytes"] > 0 and second["bytes_received"] == min_bytes - second["skipped_bytes"], r["switches"]
+        assert second["skipped_bytes"] == tower_bytes // 2, (rank, r["switches"], tower_bytes)  # each rank receives the half it lacks
 
 
 # --------------------------------------------------------------------------------------- rollout
