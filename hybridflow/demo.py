@@ -344,6 +344,8 @@ def main(args) -> int:
     out = os.path.abspath(args.output_dir)
     os.makedirs(out, exist_ok=True)
     arch = getattr(args, "arch", "qwen2")
+    if recipe == "vision" and arch not in ("qwen2_vl", "qwen2_5_vl"):
+        arch = "qwen2_vl"  # the vision recipe's model is a VLM (what prepare_recipe builds; the summary says so)
     files, base, sft_stages = prepare_recipe(recipe, out, seed, args.sft_steps, arch)
     print(f"[demo] task data in {out}/data, tiny model in {base}", flush=True)
     sft_model = getattr(args, "sft_model", None)
