@@ -213,9 +213,10 @@ class HFRollout:
         sample = params.sampling
         temperature = params.effective_temperature
         gen_cfg = _generation_config(params, tok, params.max_new_tokens, output_logits=True)
+        model_kwargs = dict(model_kwargs or {})
+        gen_cfg.suppress_tokens = model_kwargs.pop("suppress_tokens", None)  # a VLM's vision tokens (`_generate_images`)
         with self.recorder.capture() if self.recorder is not None else contextlib.nullcontext([]) as forwards:
-            out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=gen_cfg, tokenizer=tok,
-                                      **(model_kwargs or {}))
+            out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=gen_cfg, tokenizer=tok, **model_kwargs)
         gen = out.sequences[:, input_ids.shape[1] :]  # [b, R'] with R' <= R
         routes = self._routes(forwards, attention_mask, gen.shape[1]) if self.recorder is not None else [None] * gen.shape[0]
         logits = torch.stack(out.logits, dim=1).float() / temperature  # [b, R', V]
