@@ -35,6 +35,7 @@ from hybridflow.engine.compile import compile_decoder_layers, compile_stats
 from hybridflow.engine.cpu_kernels import prefer_cpu_bf16_attention
 from hybridflow.engine.fused_logprobs import token_head as fused_token_head
 from hybridflow.engine.model import micro_batches, response_logprobs
+from hybridflow.engine import sequence_parallel
 from hybridflow.engine.optim import build_optimizer, build_scheduler, clip_and_step
 from hybridflow.hybrid_engine.executor import HybridEngine
 from hybridflow.parallel import ulysses
@@ -230,7 +231,7 @@ class TrainEngine:
     def _token_logprobs(self, mb: Batch, temperature: float, packed: bool, exact: bool, with_entropy: bool = True):
         """(log-prob, entropy) [b, R] of mb's responses; under Ulysses always packed with the sequence split over the sp group."""
         if self.sp_group is not None:
-            return ulysses.response_logprobs(self.module, mb, self.sp_group, temperature, self.logits_chunk, with_entropy)
+            return sequence_parallel.response_logprobs(self.module, mb, self.sp_group, temperature, self.logits_chunk, with_entropy)
         return response_logprobs(self.module, mb, temperature, packed, exact, self.logits_chunk, with_entropy)
 
     def forward_backward_module(self, batch: Batch, loss_fn: Callable[[nn.Module, Batch], torch.Tensor], micro_batch_size: int) -> None:

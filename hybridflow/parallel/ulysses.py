@@ -19,7 +19,7 @@ registered in transformers' attention registry (`ALL_ATTENTION_FUNCTIONS`) under
 the model switched to it (`install`); a forward that is not sequence-parallel (no `ulysses` kwarg)
 runs transformers' own sdpa path with its mask, so the same module still works unsharded.
 
-Log-probs: each rank computes (log p(next token), entropy) at its own T/sp positions (through the
+Log-probs (`engine/sequence_parallel.py`): each rank computes (log p(next token), entropy) at its own T/sp positions (through the
 chunked head when on), then they are all-gathered to [T] (`gather_seq`) and the response positions
 picked as the unsharded packed pass does; every sp rank then holds the same [b, R] and computes the
 same loss. The gather's backward keeps this rank's slice of the gradient times sp: summed over the
@@ -161,7 +161,8 @@ def install(model: nn.Module) -> nn.Module:
 
 
 @contextlib.contextmanager
-def _sharded_forward():
+def sharded_forward():
+    """Around a sequence-parallel model call: the mask registry entry builds no mask inside it."""
     token = _SHARDED_FORWARD.set(True)
     try:
         yield
@@ -200,36 +201,3 @@ def pack(mb, sp: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.T
     row = torch.full(mask.shape, -1, dtype=torch.long, device=mask.device)
     row[mask] = torch.arange(t0, device=mask.device)
     return ids, pos, cu, row
-
-
-def response_logprobs(model: nn.Module, mb, group, temperature: float = 1.0, chunk: int | None = None,
-                      with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(log p(response token) [b, R], entropy [b, R] or None) fp32, what `engine.model.response_logprobs`
-    returns for the packed micro-batch, computed with the sequence split over `group` (module doc).
-    Every rank of the group must call it with the same micro-batch."""
-    from hybridflow.algorithms import entropy_from_logits, logprobs_from_logits
-    from hybridflow.engine.fused_logprobs import fused_head_problem, head_returns_logprobs
-
-    sp, rank = dist.get_world_size(group), dist.get_rank(group)
-    resp = mb["responses"]  # [b, R]
-    b, resp_len = resp.shape
-    ids, pos, cu, row = pack(mb, sp)
-    n = ids.shape[0] // sp
-    lo, hi = rank * n, (rank + 1) * n
-    targets = torch.roll(ids, -1)[lo:hi]  # [n]: position p predicts token p+1 (the last one's is never read)
-    kwargs = {"input_ids": ids[lo:hi][None], "position_ids": pos[lo:hi][None], "use_cache": False, "ulysses": SeqShard(group, cu)}
-    with _sharded_forward():
-        if chunk is not None and fused_head_problem(model) is None:
-            with head_returns_logprobs(model, targets[None], temperature, chunk, with_entropy):
-                local = model(**kwargs, logits_to_keep=0).logits[0]  # [n, 2]
-        else:
-            logits = model(**kwargs, logits_to_keep=0).logits[0].float()  # [n, V]
-            logits = logits / temperature if temperature != 1.0 else logits
-            local = torch.stack([logprobs_from_logits(logits, targets),
-                                 entropy_from_logits(logits) if with_entropy else torch.zeros_like(targets, dtype=logits.dtype)], dim=-1)
-            del logits
-    full = gather_seq(local, group)  # [T, 2]
-    wanted = row[:, -resp_len - 1 : -1].clamp(min=0)  # [b, R]: positions after a response's end read token 0's
-    out = full[wanted]  # [b, R, 2]
-    return out[..., 0], (out[..., 1] if with_entropy else None)
-
