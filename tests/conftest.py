@@ -209,6 +209,17 @@ def run_torchrun(*args: str, timeout: int = 600):
     return proc
 
 
+def join_gloo(rank: int, world: int, port: int) -> None:
+    """In a spawned test rank: the variables a worker of ours sees, one thread, offline, and the
+    gloo group on 127.0.0.1:port."""
+    import torch
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now (for a gloo group's MASTER_PORT in multi-process tests)."""
     import socket

@@ -10,12 +10,13 @@ step (AdamW's first step divides by |g| and would amplify that rounding).
 
 from __future__ import annotations
 
-import os
 import pickle
 import socket
 
 import pytest
 import torch
+
+from conftest import join_gloo
 
 STARTS_PROCESSES = True
 ROWS, PROMPT, RESPONSE = 4, 6, 5
@@ -35,11 +36,6 @@ def _batch(vocab: int):
     return Batch.from_dict(tensors={"input_ids": ids, "attention_mask": mask, "position_ids": pos, "responses": ids[:, PROMPT:], "response_mask": resp_mask})
 
 
-def _join(rank: int, world: int, port: int) -> None:
-    """A spawned rank: one thread, offline, in the gloo group on 127.0.0.1:port."""
-    os.environ.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
 
 
 def _two_ranks(fn, model_dir, out) -> list:
@@ -54,7 +50,7 @@ def _two_ranks(fn, model_dir, out) -> list:
 
 
 def _rank(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
-    _join(rank, world, port)
+    join_gloo(rank, world, port)
     from hybridflow.config.schema import FSDPConfig, ModelConfig, OptimConfig
     from hybridflow.engine import TrainEngine
     from hybridflow.models.hf import load_hf_model
@@ -155,7 +151,7 @@ class _MeanNLL:
 
 
 def _train_rank(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
-    _join(rank, world, port)
+    join_gloo(rank, world, port)
     from hybridflow.config.schema import FSDPConfig, ModelConfig, OptimConfig
     from hybridflow.engine import TrainEngine
     from hybridflow.models.hf import load_hf_model

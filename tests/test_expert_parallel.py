@@ -19,7 +19,7 @@ import pickle
 
 import pytest
 import torch
-from conftest import free_port
+from conftest import free_port, join_gloo
 
 from hybridflow.models.tiny import make_tiny_model
 
@@ -48,10 +48,7 @@ def _loss(logp: torch.Tensor, mb) -> torch.Tensor:
 
 
 def _ep_worker(rank: int, world: int, port: int, path: str, out: str, ep: int) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    join_gloo(rank, world, port)
     from hybridflow.config.schema import HybridFlowConfig
     from hybridflow.parallel.expert_parallel import expert_modules, is_expert_param
     from hybridflow.run_plan import resolve

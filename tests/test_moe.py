@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import pickle
 
 import pytest
 import torch
-from conftest import free_port, rl_overrides, train_and_read_metrics
+from conftest import free_port, join_gloo, rl_overrides, train_and_read_metrics
 
 from hybridflow.models.tiny import make_tiny_model
 
@@ -117,10 +116,7 @@ def _data(vocab: int):
 
 
 def _dp2_worker(rank: int, world: int, port: int, path: str, out: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    join_gloo(rank, world, port)
     from hybridflow.config.schema import HybridFlowConfig
     from torch.distributed.fsdp import FSDPModule
     from hybridflow.run_plan import resolve

@@ -10,7 +10,6 @@ from __future__ import annotations
 import io
 import json
 import math
-import os
 
 import numpy as np
 import pytest
@@ -24,7 +23,7 @@ from hybridflow.data.vision_task import BACKGROUND, COLOURS, QUESTION, draw_circ
 from hybridflow.models.tiny import build_char_tokenizer, main_make_model
 from hybridflow.models.vlm import is_vlm_dir, load_processor
 from hybridflow.rewards.scorers import compute_score
-from conftest import free_port
+from conftest import free_port, join_gloo
 
 
 @pytest.fixture(scope="module")
@@ -251,10 +250,7 @@ def _vlm_worker(rank: int, world: int, port: int, path: str, out: str) -> None:
     """Both layouts in one pair of processes (one start-up): dp 2 (FSDP2), then tp 2 (TP over the text layers)."""
     import pickle
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    join_gloo(rank, world, port)
     from torch.distributed.fsdp import FSDPModule
     from transformers import AutoConfig
 
