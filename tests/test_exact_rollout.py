@@ -70,14 +70,15 @@ def test_exact_mode_refuses_what_it_cannot_hold(tiny_model_dir, task_dir, tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision, gen_tp", [("fp32", 1), ("bf16", 2)])
+@pytest.mark.parametrize("precision, gen_tp", [("fp32", 2), ("bf16", 1)])
 def test_exact_grpo_has_zero_mismatch_and_zero_first_update_kl(ray_cluster, tiny_model_dir, task_dir, varied_reward, tmp_path, precision,
                                                                gen_tp, capsys):
     """10 GRPO steps, 2 workers (FSDP2 training): rollout/logprob_diff_max is 0.0 every step, and so
     is actor/ppo_kl (one mini-batch per step: the first update's ratio is exactly 1), while the
-    weights move. gen_tp 1: two replicas sample with the generation model the hybrid engine fills;
-    gen_tp 2: one replica samples with the training engine's module. (fp32 at gen_tp 2 and bf16 at
-    gen_tp 1: bench/exact_rollout.py.) The mismatch doctor replaying the last checkpoint outside the
+    weights move. gen_tp 1: two replicas sample with the generation model the hybrid engine fills
+    (in bf16 the trainer keeps SDPA instead of the CPU bf16 eager switch, or the two differ by
+    ~2.5e-3); gen_tp 2: one replica samples with the training engine's module. (fp32 at gen_tp 1 and
+    bf16 at gen_tp 2: bench/exact_rollout.py.) The mismatch doctor replaying the last checkpoint outside the
     run (plain HF models, the parameters cast as FSDP2 and the weight sync cast them) agrees."""
     extra = [f"actor_rollout_ref.rollout.tensor_model_parallel_size={gen_tp}"]
     extra += ["actor_rollout_ref.actor.fsdp_config.mixed_precision=bf16"] if precision == "bf16" else []

@@ -107,7 +107,9 @@ class TrainEngine:
         # The whole model's parameters (a pipeline stage keeps only its own): the resharding plan's.
         self.full_shapes = {n: (tuple(p.shape), p.element_size()) for n, p in model.named_parameters()}
         self.lora = any(is_adapter_param(n) for n in self.full_shapes)  # LoRA adapters injected (models/lora.py)
-        if fsdp.mixed_precision in MIXED_PRECISION_DTYPES:  # bf16 compute on CPU: attention as two AMX matmuls (engine/cpu_kernels.py)
+        # bf16 compute on CPU: attention as two AMX matmuls (engine/cpu_kernels.py); not in the exact mode, whose
+        # sampler (the generation model at gen_tp 1) must run the trainer's very kernels
+        if fsdp.mixed_precision in MIXED_PRECISION_DTYPES and not exact:
             prefer_cpu_bf16_attention(model, MIXED_PRECISION_DTYPES[fsdp.mixed_precision], device)
         self.compiled = compile
         if compile:  # before FSDP2: the compiled code replaces each layer's forward, FSDP2's hooks wrap it eagerly
