@@ -1,17 +1,20 @@
 """Where a worker's update time goes: one micro-batch's forward + backward, op by op.
 
-    .venv/bin/python bench/profile_update.py --model runs/models/smollm2-135m
-    .venv/bin/python bench/profile_update.py            # the demo's tiny model
+    .venv/bin/python bench/profile_update.py --model runs/models/smollm2-135m --precision fp32,bf16 --compile 0,1
+    .venv/bin/python bench/profile_update.py            # the demo's tiny model, fp32
 
-Runs what each of bench/e2e.py's 2 workers runs in its update, on one thread: 16 sequences of
---prompt + --response tokens, the response log-probs (`response_logits`, `logits_to_keep`) and
-entropies, a policy-gradient-shaped loss, backward; without FSDP's collectives (the e2e table has
-those as the gap between this and `timing_s/update_actor`). One warm-up pass, then --passes
-profiled ones (torch.profiler, self CPU time per op). Each allocator setting runs in a fresh
-process: `worker` is the workers' default (MALLOC_MMAP_THRESHOLD_=65536, every tensor over 64 KiB
-its own mmap, so RSS measures what is held), `glibc` the C library's default (what TRL's process
-runs with). Rows per setting: op category, seconds per pass, share, and for matmuls the achieved
-GFLOP/s against this machine's measured 1-thread peak (`flops.matmul_peak`).
+Runs what each of bench/e2e.py's 2 workers runs in its update, on one thread: FSDP2 on a group of
+one rank (its parameter copies and, under --precision bf16, the MixedPrecisionPolicy casts; no peer
+to wait for: the e2e table has the collectives as the gap between this and `timing_s/update_actor`),
+16 sequences of --prompt + --response tokens, the response log-probs and entropies through the
+engine's pass (`response_logprobs`, the chunked head unless --chunk 0), a policy-gradient-shaped
+loss, backward; with --compile 1 the decoder layers torch.compile'd (actor.use_torch_compile; the
+fused kernels appear by name). Two warm-up passes, then --passes profiled ones (torch.profiler, self
+CPU time per op). Each setting (--allocator x --precision x --compile) runs in a fresh process:
+allocator `glibc` is the workers' default, `worker` adds MALLOC_MMAP_THRESHOLD_=65536 (every tensor
+over 64 KiB its own mmap). Rows per setting: op category, seconds per pass, share, and for matmuls
+the achieved GFLOP/s against this machine's measured 1-thread peak of the row's precision
+(`flops.matmul_peak`).
 """
 
 from __future__ import annotations
@@ -61,6 +64,11 @@ def child(args) -> None:
     # The worker's layout on one rank: FSDP2 over a world of 1 (its parameter casts under bf16, no peer to wait for).
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=0, world_size=1)
     model = load_hf_model(ModelConfig(path=args.model), "cpu").train()
+    if args.precision != "fp32":  # as the engine does: bf16 on CPU runs eager attention (engine/cpu_kernels.py)
+        from hybridflow.engine.cpu_kernels import prefer_cpu_bf16_attention
+        from hybridflow.parallel.fsdp import MIXED_PRECISION_DTYPES
+
+        prefer_cpu_bf16_attention(model, MIXED_PRECISION_DTYPES[args.precision], "cpu")
     if args.compile == "1":
         import torch._inductor.config as inductor_config
 
