@@ -40,24 +40,6 @@ GIB = 1024**3
 SEQS, PROMPT, RESPONSE, CHUNK = 16, 16, 1024, 1024
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
-
-
-def _reset_peak() -> bool:
-    """Reset VmHWM to the current resident set (Linux >= 4.0); False where the kernel refuses."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def run_case(chunk: int | None, seqs: int, prompt: int, response: int) -> dict:
     """In this (fresh) process: build the model and the batch, then one no-grad log-prob pass with
     entropy; the pass's peak resident bytes over the resident set before it."""
@@ -67,6 +49,7 @@ def run_case(chunk: int | None, seqs: int, prompt: int, response: int) -> dict:
     from hybridflow.engine.model import response_logprobs
     from hybridflow.planning.arch import PRESETS
     from hybridflow.protocol import Batch
+    from hybridflow.utils.memory import reset_peak, status_bytes
 
     shape = {k: v for k, v in PRESETS["smollm2-135m"].items() if k != "model_type"}
     torch.manual_seed(0)
@@ -81,17 +64,17 @@ def run_case(chunk: int | None, seqs: int, prompt: int, response: int) -> dict:
                                   "responses": ids[:, prompt:]})
     with torch.no_grad():  # warm-up on 1 sequence: first-call allocations (kernels, caches) are not the pass's
         response_logprobs(model, mb.index(slice(0, 1)), 1.0, chunk=chunk, with_entropy=True)
-    before = _status_kib("VmRSS")
-    exact = _reset_peak()
+    before = status_bytes("VmRSS")
+    exact = reset_peak()
     t0 = time.perf_counter()
     with torch.no_grad():
         logp, ent = response_logprobs(model, mb, 1.0, chunk=chunk, with_entropy=True)
     seconds = time.perf_counter() - t0
-    peak = _status_kib("VmHWM") if exact else None
+    peak = status_bytes("VmHWM") if exact else None
     import resource
 
-    return {"chunk": chunk, "pass_bytes": (peak - before) * 1024 if exact else None, "process_peak_bytes": (peak or 0) * 1024,
-            "maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "rss_before_bytes": before * 1024,
+    return {"chunk": chunk, "pass_bytes": peak - before if exact else None, "process_peak_bytes": peak or 0,
+            "maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "rss_before_bytes": before,
             "seconds": seconds, "logp_sum": float(logp.double().sum()), "ent_sum": float(ent.double().sum()), "peak_reset": exact}
 
 

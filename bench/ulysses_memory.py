@@ -44,19 +44,6 @@ MODEL = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_ke
 PROMPT, CHUNK = 512, 1024
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
 def trajectories(rows: int, tokens: int, vocab: int, seed: int = 0):
     """`rows` multi-turn rows of `tokens` tokens: PROMPT prompt tokens, then the response as
     assistant turns (in the loss) and tool outputs (masked) of 256-1,024 tokens alternating."""
@@ -100,6 +87,7 @@ def _worker(rank: int, world: int, sp: int, port: int, path: str, tokens: int, o
     from hybridflow.parallel import ulysses
     from hybridflow.parallel.dims import ParallelDims
     from hybridflow.parallel.layout import train_mesh
+    from hybridflow.utils.memory import reset_peak, status_bytes
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     layout = ParallelDims.for_world(world, sp=sp)
@@ -114,17 +102,18 @@ def _worker(rank: int, world: int, sp: int, port: int, path: str, tokens: int, o
     engine.step()
     batch = trajectories(dp, tokens, vocab).index(slice(dp_i, dp_i + 1))  # this data rank's row
     dist.barrier()
-    before = _status_kib("VmRSS")
-    _reset_peak()
+    before = status_bytes("VmRSS")
+    if not reset_peak():
+        raise RuntimeError("this kernel cannot reset VmHWM (/proc/self/clear_refs): the peak would be the process's")
     t0 = time.perf_counter()
     engine.module.train()  # what forward_backward does for one micro-batch, with a reading between forward and backward
     loss = _loss(*engine._token_logprobs(batch, 1.0, True, False), batch)
-    saved = _status_kib("VmRSS")  # the forward's tensors kept for backward
+    saved = status_bytes("VmRSS")  # the forward's tensors kept for backward
     loss.backward()
     seconds = time.perf_counter() - t0
-    peak = _status_kib("VmHWM")
+    peak = status_bytes("VmHWM")
     with open(f"{out}.{rank}", "w") as f:
-        json.dump({"rank": rank, "peak_bytes": (peak - before) * 1024, "saved_bytes": (saved - before) * 1024, "rss_before_bytes": before * 1024,
+        json.dump({"rank": rank, "peak_bytes": peak - before, "saved_bytes": saved - before, "rss_before_bytes": before,
                    "seconds": seconds}, f)
     dist.barrier()
     dist.destroy_process_group()

@@ -209,6 +209,23 @@ def run_torchrun(*args: str, timeout: int = 600):
     return proc
 
 
+def random_rl_batch(vocab: int, rows: int, prompt: int, response: int, seed: int = 0):
+    """A seeded micro-batch of random tokens: left-padded prompts of 2..prompt tokens, full responses,
+    random advantages (`Batch` with input_ids / attention_mask / position_ids [rows, prompt + response],
+    responses / response_mask / advantages [rows, response])."""
+    import torch
+
+    from hybridflow.protocol import Batch
+
+    g = torch.Generator().manual_seed(seed)
+    plen = torch.randint(2, prompt + 1, (rows,), generator=g)
+    mask = torch.cat([(torch.arange(prompt)[None] >= prompt - plen[:, None]).long(), torch.ones(rows, response, dtype=torch.long)], 1)
+    ids = torch.randint(3, vocab, (rows, prompt + response), generator=g) * mask
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    return Batch.from_dict(tensors={"input_ids": ids, "attention_mask": mask, "position_ids": pos, "responses": ids[:, prompt:],
+                                    "response_mask": torch.ones(rows, response), "advantages": torch.randn(rows, response, generator=g)})
+
+
 def join_gloo(rank: int, world: int, port: int) -> None:
     """In a spawned test rank: the variables a worker of ours sees, one thread, offline, and the
     gloo group on 127.0.0.1:port."""

@@ -19,7 +19,7 @@ import pickle
 
 import pytest
 import torch
-from conftest import free_port, join_gloo
+from conftest import free_port, join_gloo, random_rl_batch
 
 from hybridflow.models.tiny import make_tiny_model
 
@@ -32,15 +32,7 @@ def moe_dir(tmp_path_factory):
 
 
 def _data(vocab: int):
-    from hybridflow.protocol import Batch
-
-    g = torch.Generator().manual_seed(0)
-    plen = torch.randint(2, PROMPT + 1, (ROWS,), generator=g)
-    mask = torch.cat([(torch.arange(PROMPT)[None] >= PROMPT - plen[:, None]).long(), torch.ones(ROWS, RESPONSE, dtype=torch.long)], 1)
-    ids = torch.randint(3, vocab, (ROWS, PROMPT + RESPONSE), generator=g) * mask
-    pos = (mask.cumsum(1) - 1).clamp(min=0)
-    return Batch.from_dict(tensors={"input_ids": ids, "attention_mask": mask, "position_ids": pos, "responses": ids[:, PROMPT:],
-                                    "response_mask": torch.ones(ROWS, RESPONSE), "advantages": torch.randn(ROWS, RESPONSE, generator=g)})
+    return random_rl_batch(vocab, ROWS, PROMPT, RESPONSE)
 
 
 def _loss(logp: torch.Tensor, mb) -> torch.Tensor:

@@ -12,12 +12,23 @@ from __future__ import annotations
 import torch
 
 
-def _status(key: str) -> int:
+def status_bytes(key: str) -> int:
+    """A memory field of /proc/self/status (VmRSS, VmHWM, ...) in bytes; 0 where there is none."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith(key):
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def reset_peak() -> bool:
+    """Reset this process's VmHWM to its current resident set (Linux >= 4.0); False where the kernel refuses."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 
 class PeakMemory:
@@ -33,12 +44,8 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats()
             self.before = torch.cuda.memory_allocated()
         else:
-            try:
-                with open("/proc/self/clear_refs", "w") as f:
-                    f.write("5")  # reset VmHWM to the current RSS
-            except OSError:
-                pass
-            self.before = _status("VmRSS")
+            reset_peak()
+            self.before = status_bytes("VmRSS")
         return self
 
     def __exit__(self, *exc) -> None:
@@ -46,7 +53,7 @@ class PeakMemory:
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated()
         else:
-            peak = _status("VmHWM")
+            peak = status_bytes("VmHWM")
         self.extra_bytes = max(0, peak - self.before)
 
 
@@ -62,4 +69,4 @@ def allocation_bytes(nbytes: int, device: str = "cpu") -> int:
 
 
 def rss_bytes() -> int:
-    return _status("VmRSS")
+    return status_bytes("VmRSS")
