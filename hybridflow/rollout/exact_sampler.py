@@ -167,6 +167,5 @@ def _verify(row: _Row, d: Draft, target: torch.nn.Module, tokenizer) -> tuple[in
             break
     row.done = row.done or row.n >= R
     # rows < n read only kept tokens (row n - 1 predicts the last; it does not read it): the trainer's numbers
-    final = row.response.clone()
-    row.untruncated = logprobs_from_logits(logits, final[None])[0, : row.n].tolist()
+    row.untruncated = logprobs_from_logits(logits, row.response[None])[0, : row.n].tolist()
     return len(tokens), kept
