@@ -684,9 +684,12 @@ def sequence_parallel_problems(spec: ActorSpec) -> list[str]:
 def expert_parallel_problems(spec: ActorSpec) -> list[str]:
     """actor.expert_parallel_size (> 1) against the model (MoE, its experts), the workers and what EP is wired with."""
     a, key, n_workers = spec.actor, f"{A}.expert_parallel_size", spec.world
+    from hybridflow.models.moe import moe_shape
+
     ep, mj = a.expert_parallel_size, model_json(spec.model.path)
-    experts = mj.get("num_experts") or mj.get("num_local_experts") or mj.get("n_routed_experts")
-    if mj and not (experts and mj.get("num_experts_per_tok")):
+    shape = moe_shape(mj)
+    experts = shape[0] if shape else None
+    if mj and shape is None:
         return [f"{key}={ep} needs a mixture-of-experts model; {spec.model.path!r} is dense: set it to 1"]
     reasons = [(bool(experts) and experts % ep, f"must divide the model's {experts} experts (each EP rank holds experts / ep whole); "
                                                 f"set it to one of {divisors(experts or 1)}"),

@@ -79,14 +79,14 @@ def _check(name: str, got, ref32, ref64, out: dict) -> None:
 
 
 def _sp_worker(rank: int, world: int, port: int, path: str, result: str) -> None:
-    os.environ.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     import json
 
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    from conftest import join_gloo
+
+    join_gloo(rank, world, port)
     sys.path.insert(0, ROOT)
     from torch.distributed.tensor import DTensor
 

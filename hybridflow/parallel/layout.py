@@ -125,7 +125,7 @@ def build_train_model(model: nn.Module, dims: TrainMesh, device: str, fcfg: FSDP
         from hybridflow.parallel.expert_parallel import apply_expert_parallel
 
         ep_mesh = init_device_mesh(device, (layout.dp // layout.ep, layout.ep), mesh_dim_names=("edp", "ep"))
-        edp_i, ep_i = layout.ep_coords(dist.get_rank())
+        _, ep_i = layout.ep_coords(dist.get_rank())
         ckpt_mesh = DeviceMesh(device, ep_mesh.mesh.transpose(0, 1).contiguous(), mesh_dim_names=("ep", "edp"))  # [E, ...] in checkpoints
         apply_expert_parallel(model, ep_mesh["ep"].get_group(), layout.ep, ep_i, layout.dp, ckpt_mesh)
         expert_mesh = ep_mesh["edp"]

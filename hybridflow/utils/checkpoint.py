@@ -51,8 +51,10 @@ def save_sharded(path: str, model, optimizer, scheduler, flatten_optimizer: bool
     os.makedirs(path, exist_ok=True)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(flatten_optimizer, trainable_only))
     swapped = checkpoint_views(model, model_sd, optim_sd)  # expert parallelism: each EP rank's experts at their own offsets
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-    restore(swapped)  # the optimizer's state dict may be its live one
+    try:
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    finally:
+        restore(swapped)  # the optimizer's state dict may be its live one
     extra = {"scheduler": scheduler.state_dict() if scheduler is not None else None, "rng": rng_state()}
     torch.save(extra, os.path.join(path, f"extra_rank{dist.get_rank()}.pt"))
     dist.barrier()
@@ -63,8 +65,10 @@ def load_sharded(path: str, model, optimizer, scheduler, flatten_optimizer: bool
     model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     state = {"model": model_sd, "optim": optim_sd}
     swapped = checkpoint_views(model, model_sd, optim_sd)
-    dcp.load(state, checkpoint_id=path)
-    restore(swapped)
+    try:
+        dcp.load(state, checkpoint_id=path)
+    finally:
+        restore(swapped)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
     extra = torch.load(os.path.join(path, f"extra_rank{dist.get_rank()}.pt"), weights_only=False)
     if scheduler is not None and extra["scheduler"] is not None:
