@@ -701,7 +701,7 @@ def expert_parallel_problems(spec: ActorSpec) -> list[str]:
                (spec.kind == "dpo", "is not wired into hybridflow dpo"),
                (spec.async_rollout, "is not supported with trainer.async_rollout (the rollout pool receives FSDP shards)"),
                (spec.rollout.rollout.exact, f"is not combined with {R}.exact (its log-probs run one sequence at a time)"),
-               (a.use_dynamic_bsz or spec.rollout.rollout.log_prob_use_dynamic_bsz,
+               (a.use_dynamic_bsz or spec.rollout.rollout.log_prob_use_dynamic_bsz or spec.ref.log_prob_use_dynamic_bsz,
                 "needs fixed micro-batches (use_dynamic_bsz / log_prob_use_dynamic_bsz false): every MoE layer's all-to-all needs "
                 "each rank of an EP group to run the same number of forwards")]
     return [f"{key}={ep} {why}" for bad, why in reasons if bad]

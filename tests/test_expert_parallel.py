@@ -176,8 +176,9 @@ def test_expert_parallel_refusals_name_the_key(moe_dir, tmp_path):
     assert any(line.startswith(f"{key}=3 must divide the actor's 2 workers") for line in lines), lines
     dense = make_tiny_model(tmp_path / "dense", hidden_size=32, intermediate_size=64)
     assert any(line.startswith(f"{key}=2 needs a mixture-of-experts model") for line in problems(dense, f"{key}=2"))
-    lines = problems(moe_dir, f"{key}=2", "actor_rollout_ref.actor.use_dynamic_bsz=true")
-    assert any(line.startswith(f"{key}=2 needs fixed micro-batches") for line in lines), lines
+    for dynamic in ("actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=true"):
+        lines = problems(moe_dir, f"{key}=2", dynamic)  # the colocated reference runs on the actor's EP mesh too
+        assert any(line.startswith(f"{key}=2 needs fixed micro-batches") for line in lines), (dynamic, lines)
 
 
 def test_planner_knows_experts_by_hand():
