@@ -59,9 +59,9 @@ GUESS_MAX_PROMPT, GUESS_MAX_RESPONSE = 56, 448  # the prompt is 48 tokens; 10 gu
 EXAMPLE_AGENT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "openai_agent", "agent.py")
 CODE_MAX_RESPONSE = 24  # f=lambda:max(3,8,1) is 19 tokens, then <|im_end|>
 CODE_SFT_MAX_LENGTH = 56  # the 28-token prompt and the program
-TOOL_MAX_PROMPT, TOOL_MAX_RESPONSE = 160, 160
+TOOL_MAX_PROMPT, TOOL_MAX_RESPONSE = 160, 160  # the compact tool prompt is 147 tokens; call (78) + result (34) + answer (22) = 134
 # the vision recipe: the prompt is 52 tokens (4 of them the image's), "yellow" + <|im_end|> is 7
-VISION_MAX_PROMPT, VISION_MAX_RESPONSE, VISION_SFT_STEPS = 64, 8, 300  # the compact tool prompt is 147 tokens; call (78) + result (34) + answer (22) = 134
+VISION_MAX_PROMPT, VISION_MAX_RESPONSE, VISION_SFT_STEPS = 64, 8, 300
 
 
 def _policy_run(train, val, model_dir: str, out_dir: str, steps: int, prompts: int, micro: int, *extra: str) -> HybridFlowConfig:

@@ -21,12 +21,8 @@ the model's own forward), the final norm, and the chunked log-prob head (`fused_
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.nn as nn
-
-log = logging.getLogger(__name__)
 
 _COMPILED = "_hybridflow_compiled"
 _CLASSES: set[type] = set()  # the layer classes compiled in this process (each one code object, its first graph not a recompile)
@@ -63,9 +59,3 @@ def compile_stats() -> dict[str, int]:
     graphs = int(counters["stats"].get("unique_graphs", 0))
     return {"compile/graphs": graphs, "compile/graph_breaks": int(sum(counters["graph_break"].values())),
             "compile/recompiles": max(0, graphs - len(_CLASSES))}  # graphs beyond the first of each compiled layer class
-
-
-def graph_break_reasons() -> dict[str, int]:
-    from torch._dynamo.utils import counters
-
-    return dict(counters["graph_break"])

@@ -51,6 +51,11 @@ def routes_dtype(experts: int) -> torch.dtype:
     return torch.int8 if experts <= 127 else torch.int16 if experts <= 32767 else torch.int32
 
 
+def has_routers(model: nn.Module) -> bool:
+    """Whether `model` is a mixture-of-experts model whose routers can be recorded."""
+    return moe_shape(getattr(model, "config", None)) is not None and bool(routers(model))
+
+
 def _moe_routers(model: nn.Module, why: str) -> tuple[list[nn.Module], int, int]:
     """`model`'s routers in layer order, its experts and top-k; a dense model raises naming `why`."""
     shape = moe_shape(getattr(model, "config", None))
@@ -77,7 +82,7 @@ class RouteRecorder:
 
     @classmethod
     def attach(cls, model: nn.Module) -> "RouteRecorder | None":
-        return cls(model) if moe_shape(getattr(model, "config", None)) is not None and routers(model) else None
+        return cls(model) if has_routers(model) else None
 
     def _hook(self, module: nn.Module, inputs: tuple, out: Any) -> None:
         if self._calls is not None and isinstance(out, tuple) and len(out) == 3:

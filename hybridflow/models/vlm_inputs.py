@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-MULTI_MODAL_KEY = "multi_modal_inputs"  # data/vision.py's key (verl's name)
+from hybridflow.data.vision import MULTI_MODAL_KEY, pack_multi_modal_inputs  # the rows' image inputs (verl's key)
+
 # The vision tower's parameters in transformers v5's Qwen2-VL / Qwen2.5-VL (model.visual.*: patch embedding,
 # blocks, merger): what actor_rollout_ref.model.freeze_vision_tower freezes (fnmatch patterns, as actor.freeze_modules).
 VISION_TOWER_PATTERNS = ("model.visual.*", "visual.*")
@@ -36,8 +37,6 @@ def forward_inputs(mb: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(position_ids for the model, extra forward kwargs) of a micro-batch: a text batch's [b, L] and {};
     a VLM's [3, b, L] and {pixel_values [sum P_i, D], image_grid_thw [sum n_i, 3]} on input_ids' device
     ({} when no row has an image)."""
-    from hybridflow.data.vision import pack_multi_modal_inputs
-
     pos = mb["position_ids"]
     if pos.dim() == 3:
         pos = pos.transpose(0, 1)  # [b, 3, L] -> [3, b, L]

@@ -48,8 +48,8 @@ import torch
 import torch.nn as nn
 
 from hybridflow.algorithms import logprobs_from_logits
-from hybridflow.models.moe import moe_shape, routers
-from hybridflow.models.routing import RouteRecorder, routing_agreement
+from hybridflow.models.moe import routers
+from hybridflow.models.routing import RouteRecorder, has_routers, routing_agreement
 from hybridflow.protocol import Completion, Request, SamplingParams
 
 
@@ -121,17 +121,18 @@ def _rollout_side(gen_model: nn.Module, tokenizer, requests: list[Request], exac
     and for an MoE model per request the experts each position ran through ([p + n, L, k], -1 = none)."""
     from hybridflow.rollout.hf_rollout import HFRollout
 
-    is_moe = moe_shape(getattr(gen_model, "config", None)) is not None and bool(routers(gen_model))
+    is_moe = has_routers(gen_model)
     moe = RouteRecorder(gen_model) if exact and is_moe else None  # exact: the verify passes' routing, recorded here
     backend = HFRollout(copy.deepcopy(gen_model) if exact else gen_model, tokenizer, "cpu", exact=exact, record_routes=is_moe and not exact)
     if exact:  # the copy drafts (rollout/exact_sampler.py), gen_model decides: only its verify passes are recorded
         backend.exact_model = gen_model
-    with recording(gen_model) as calls, moe.capture() if moe is not None else contextlib.nullcontext([]) as forwards:
-        completions = backend.generate_requests(requests)
-    if moe is not None:
-        moe.remove()
-    if backend.recorder is not None:
-        backend.recorder.remove()
+    try:
+        with recording(gen_model) as calls, moe.capture() if moe is not None else contextlib.nullcontext([]) as forwards:
+            completions = backend.generate_requests(requests)
+    finally:  # the caller's model keeps no hook of ours
+        for recorder in (moe, backend.recorder):
+            if recorder is not None:
+                recorder.remove()
     routes = [c.routed_experts for c in completions] if backend.recorder is not None else None  # [p + n, L, k] each
     if moe is not None:  # the last verify pass of each request; its last token is never fed back (as the generate record has it)
         routes = [_unfed_last(forwards[k][: len(r.prompt_ids) + len(c.token_ids)]) for r, c, k in
@@ -181,15 +182,18 @@ def _trainer_side(train_model: nn.Module, pad_id: int, requests: list[Request], 
     T = requests[0].params.effective_temperature
     out: dict[str, list[list[torch.Tensor]]] = {}
     moe = RouteRecorder.attach(train_model)
-    with torch.no_grad(), recording(train_model) as calls, moe.capture() if moe is not None else contextlib.nullcontext([]) as forwards:
-        if exact:
-            for r, resp in zip(requests, responses):
-                exact_row_logits(train_model, torch.tensor(r.prompt_ids), resp, T)
-        else:
-            response_logits(train_model, batch, T)
+    try:
+        with torch.no_grad(), recording(train_model) as calls, moe.capture() if moe is not None else contextlib.nullcontext([]) as forwards:
+            if exact:
+                for r, resp in zip(requests, responses):
+                    exact_row_logits(train_model, torch.tensor(r.prompt_ids), resp, T)
+            else:
+                response_logits(train_model, batch, T)
+    finally:
+        if moe is not None:
+            moe.remove()
     routes = None
     if moe is not None:  # per request [p + n, L, k]: an exact pass per row, or rows of the padded [b, P + R] forward
-        moe.remove()
         spans = [(len(r.prompt_ids), len(c.token_ids)) for r, c in zip(requests, completions)]
         routes = ([f[: p + n] for f, (p, n) in zip(forwards, spans)] if exact else
                   [forwards[0].view(len(requests), P + R, *forwards[0].shape[1:])[i, P - p : P + n] for i, (p, n) in enumerate(spans)])
