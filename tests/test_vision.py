@@ -149,7 +149,7 @@ def test_collated_batch_runs_the_model_like_its_own_rope_index(vlm_dir, tmp_path
     assert out.shape == (4, ids.shape[1] + 3)
 
 
-@pytest.mark.parametrize("case", ["missing_file", "bad_bytes", "more_placeholders", "fewer_placeholders", "text_only_model"])
+@pytest.mark.parametrize("case", ["missing_file", "bad_bytes", "eps_bytes", "more_placeholders", "fewer_placeholders", "text_only_model"])
 def test_bad_image_names_file_and_row(vlm_dir, tmp_path, case):
     rows = _rows(tmp_path)
     bad = dict(rows[0])
@@ -159,6 +159,9 @@ def test_bad_image_names_file_and_row(vlm_dir, tmp_path, case):
     elif case == "bad_bytes":
         bad["images"] = [{"bytes": b"\x89PNG not really", "path": None}]
         want = "cannot decode image"
+    elif case == "eps_bytes":  # a format whose decoder would start Ghostscript: not identified at all (EPS would reach load())
+        bad["images"] = [{"bytes": b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 8 8\nshowpage\n", "path": None}]
+        want = "UnidentifiedImageError"
     elif case == "more_placeholders":
         bad["prompt"] = [{"role": "user", "content": "<image><image>Which?"}]
         want = "2 <image> placeholder(s), more than the 1 image(s)"
@@ -405,6 +408,10 @@ def test_vlm_config_refusals_name_the_key(vlm_dir, tmp_path):
     lines = [line.strip(" -") for line in str(e.value).splitlines()]
     for key in bad:
         assert any(line.startswith(key + ":") and "vision-language" in line for line in lines), (key, lines)
+    from hybridflow.models.vlm_checks import vision_model_problems
+
+    distill = vision_model_problems(str(vlm_dir), False, "hf", False, False, 1, 1, False, False, "on_policy_distill")
+    assert [line.split(":")[0] for line in distill] == ["algorithm.adv_estimator=on_policy_distill"], distill  # the teacher gets no pixels
     text = make_tiny_model(tmp_path / "text")
     with pytest.raises(ConfigError) as e:
         validate_config(load_config(None, [*base, f"actor_rollout_ref.model.path={text}", "actor_rollout_ref.model.freeze_vision_tower=true"],

@@ -67,11 +67,15 @@ def load_image(value: Any, file: str, row_no: int, j: int):
         except OSError as e:
             raise DataError(f"{where}: cannot read image file {full}: {e}") from e
     try:
-        img = Image.open(io.BytesIO(data))
+        # raster formats only: the data is untrusted, and Pillow's other decoders include EPS (an external Ghostscript process)
+        img = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
         img.load()  # decode now, not inside a training step
     except Exception as e:  # noqa: BLE001 - re-raised with file and row
         raise DataError(f"{where}: cannot decode image ({src}): {type(e).__name__}: {e}") from e
     return img.convert("RGB")
+
+
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 
 
 def count_placeholders(messages: Sequence[dict]) -> int:

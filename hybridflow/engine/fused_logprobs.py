@@ -86,7 +86,7 @@ class ChunkedLogProbs(torch.autograd.Function):
         # [V, H]: one chunk's product directly in the weight's dtype (a bf16 matmul accumulates in fp32 and rounds once, as
         # the cast of an fp32 accumulator would; on a CPU with AMX it runs ~10x faster than upcasting both operands);
         # several chunks sum into an fp32 accumulator.
-        single = n <= chunk
+        single = 0 < n <= chunk
         grad_w = None if single or not need_w else torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for s in range(0, n, chunk):
             e = min(n, s + chunk)

@@ -48,6 +48,9 @@ def vision_model_problems(model_path: str, freeze_vision_tower: bool, rollout_na
         out.append(f"trainer.async_rollout=true: {what}; the rollout service's requests carry token ids only: set it to false")
     if multi_turn_or_agent:
         out.append(f"{R}.multi_turn / {R}.agent: {what}; images in agent loops are not wired: disable multi-turn")
+    if adv_estimator == "on_policy_distill":
+        out.append(f"algorithm.adv_estimator=on_policy_distill: {what}; the teacher's forward is not given the rows' pixel inputs: "
+                   f"use grpo, rloo or reinforce_plus_plus")
     if adv_estimator == "gae":
         out.append(f"algorithm.adv_estimator=gae needs a critic (a value head), not built for {what}: use grpo, rloo or reinforce_plus_plus")
     return out
