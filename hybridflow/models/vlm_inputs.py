@@ -15,11 +15,13 @@ micro-batch always runs left-padded; the log-probs are the same.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from hybridflow.data.vision import MULTI_MODAL_KEY, pack_multi_modal_inputs  # the rows' image inputs (verl's key)
+from hybridflow.protocol import Request
 
 # The vision tower's parameters in transformers v5's Qwen2-VL / Qwen2.5-VL (model.visual.*: patch embedding,
 # blocks, merger): what actor_rollout_ref.model.freeze_vision_tower freezes (fnmatch patterns, as actor.freeze_modules).
@@ -44,3 +46,18 @@ def forward_inputs(mb: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return pos, {}
     device = mb["input_ids"].device
     return pos, {k: v.to(device) for k, v in pack_multi_modal_inputs(list(mb[MULTI_MODAL_KEY])).items()}
+
+
+@dataclass(frozen=True)
+class ImageRequest(Request):
+    """A generation request whose prompt holds images (a multi-turn trajectory's, `agent/images.py`): the pixel inputs of
+    every image in the prompt, in the order of their ``<|image_pad|>`` runs: ``{"pixel_values": [P, D], "image_grid_thw":
+    [n, 3]}``. Only the HF rollout's per-call path takes it (the continuous-batching scheduler and the exact sampler see
+    token ids only and refuse it). Not compared or hashed: the prompt ids already differ where the images' sizes do."""
+
+    multi_modal_inputs: dict = field(default_factory=dict, compare=False)
+
+
+def request_images(r: Request) -> dict:
+    """A request's pixel inputs ({} for a text request)."""
+    return getattr(r, "multi_modal_inputs", None) or {}

@@ -38,7 +38,7 @@ from hybridflow.protocol import Batch, Completion, GenLayout, Request, SamplingP
 from hybridflow.rollout.base import Continuation, PrefixMissing, RolloutContext, generate_batch, left_padded, response_lengths
 from hybridflow.rollout.exact_sampler import Draft, sample_exact
 from hybridflow.rollout.scheduler import ContinuousScheduler, unsupported_reason
-from hybridflow.models.vlm_inputs import MULTI_MODAL_KEY, VISION_TOKEN_KEYS, forward_inputs
+from hybridflow.models.vlm_inputs import MULTI_MODAL_KEY, VISION_TOKEN_KEYS, forward_inputs, pack_multi_modal_inputs, request_images
 
 
 class HFRollout:
@@ -159,16 +159,24 @@ class HFRollout:
 
         ids, mask = prompts["input_ids"].to(self.device), prompts["attention_mask"].to(self.device)
         _, mm = forward_inputs(prompts.to(self.device))  # pixel_values [sum P_i, D], image_grid_thw [n, 3]
-        cfg = self.model.config
-        mm["mm_token_type_ids"] = (ids == cfg.image_token_id).long()  # the model computes its rope index from it
-        # Never sample a vision token: a response's <|image_pad|> would be taken for an image's place in every later forward.
-        mm["suppress_tokens"] = [t for t in (getattr(cfg, k, None) for k in VISION_TOKEN_KEYS) if t is not None]
         with self.call_lock:
-            completions = self._generate(ids, mask, params, mm)
+            completions = self._generate(ids, mask, params, self._vlm_kwargs(ids, mm))
         out = generate_batch(self, prompts, params, self.tokenizer.pad_token_id, completions=completions)
         rows = list(prompts[MULTI_MODAL_KEY])
         out["position_ids"] = rows_position_ids(self.model.config, out["input_ids"], out["attention_mask"], rows)  # [b, 3, P+R]
         out[MULTI_MODAL_KEY] = rows
+        return out
+
+    def _vlm_kwargs(self, ids: torch.Tensor, mm: dict) -> dict | None:
+        """A VLM's extra `generate` kwargs for left-padded prompts ids [b, P] and their images' pixel inputs mm (rows packed in
+        order: pixel_values [sum P_i, D], image_grid_thw [n, 3]; {} when none has an image); None for a text model."""
+        cfg = self.model.config
+        if getattr(cfg, "image_token_id", None) is None:
+            return None
+        out = {k: v.to(self.device) for k, v in mm.items()}
+        out["mm_token_type_ids"] = (ids == cfg.image_token_id).long()  # the model computes its rope index from it
+        # Never sample a vision token: a response's <|image_pad|> would be taken for an image's place in every later forward.
+        out["suppress_tokens"] = [t for t in (getattr(cfg, k, None) for k in VISION_TOKEN_KEYS) if t is not None]
         return out
 
     @torch.no_grad()
@@ -181,6 +189,9 @@ class HFRollout:
         if not self.awake:
             raise RuntimeError("the rollout is asleep (its weights are stale or freed): sync the weights (reshard) before generating")
         if self.scheduler is not None:
+            if any(request_images(r) for r in requests):  # the scheduler's steps carry token ids only
+                raise RuntimeError("requests with images (a multi-turn trajectory's) run on the per-call HF generate path: "
+                                   "set actor_rollout_ref.rollout.continuous_batching=false")
             return self.scheduler.generate(requests)
         with self.call_lock:  # concurrent calls (a replica's concurrency group) run one after another here
             return self._generate_per_call(requests)
@@ -191,6 +202,8 @@ class HFRollout:
             rest = iter(self._generate_per_call(plain) if plain else [])
             return [PrefixMissing((), (), "length") if isinstance(r, Continuation) else next(rest) for r in requests]
         if self.exact:  # one request at a time, whatever its params
+            if any(request_images(r) for r in requests):
+                raise RuntimeError("the exact sampler scores token ids only: requests with images need actor_rollout_ref.rollout.exact=false")
             (self.exact_model or self.model).eval()
             return self._generate_exact(requests)
         pad = self.tokenizer.pad_token_id
@@ -200,7 +213,10 @@ class HFRollout:
         out: list[Completion | None] = [None] * len(requests)
         for params, rows in groups.items():
             input_ids, attention_mask = left_padded([requests[i].prompt_ids for i in rows], pad)  # the prompts end where generation starts
-            for i, c in zip(rows, self._generate(input_ids.to(self.device), attention_mask.to(self.device), params)):
+            input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
+            # a VLM: the group's images in row order (ImageRequest; rows without images add none), the vision tokens suppressed
+            mm = self._vlm_kwargs(input_ids, pack_multi_modal_inputs([request_images(requests[i]) for i in rows]))
+            for i, c in zip(rows, self._generate(input_ids, attention_mask, params, mm)):
                 out[i] = c
         return out
 
