@@ -5,8 +5,9 @@
     message, reward, done = env.step(model_text)   # after every assistant turn
 
 The loop appends ``message`` as a ``user`` turn (its token delta, see ``format.message_delta_ids``)
-until ``done``. Rewards from ``step`` are per turn; the loop decides how they reach the trajectory
-(e.g. summed into the final score).
+until ``done``. For a vision-language policy ``message`` may also be a list of content parts, text and
+images (``{"type": "image", "image": <PIL image or bytes>}``: `agent/images.py`). Rewards from
+``step`` are per turn; the loop decides how they reach the trajectory (e.g. summed into the final score).
 
 Row selection: ``extra_info.env`` names the environment (ours), or verl's interaction field
 ``extra_info.interaction_kwargs.name``; per-env options come from ``extra_info.env_kwargs`` (or

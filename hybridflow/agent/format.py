@@ -29,6 +29,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+from hybridflow.agent.images import ImageError, has_images, render_with_images, split_images
 from hybridflow.agent.registry import class_registry
 from hybridflow.agent.tools import ToolCall, ToolResult
 from hybridflow.data.chat import chat_ids
@@ -41,6 +42,8 @@ __all__ = [
     "apply_chat_template_with_tools",
     "get_format",
     "message_delta_ids",
+    "message_delta_inputs",
+    "prompt_inputs",
     "register_format",
     "template_supports_tools",
     "turn_end_ids",
@@ -81,9 +84,12 @@ class ToolCallFormat:
         raise NotImplementedError
 
     def tool_message(self, result: ToolResult | str, name: str | None = None) -> dict[str, Any]:
-        """The chat message that carries a tool's answer (the template decides how it looks)."""
+        """The chat message that carries a tool's answer (the template decides how it looks): its text, or with the
+        result's images a content list, the images first (``{"type": "image", "image": ...}``) and then the text."""
         text = result.text if isinstance(result, ToolResult) else str(result)
-        msg: dict[str, Any] = {"role": "tool", "content": text}
+        images = result.images if isinstance(result, ToolResult) else []
+        content: Any = [*({"type": "image", "image": im} for im in images), {"type": "text", "text": text}] if images else text
+        msg: dict[str, Any] = {"role": "tool", "content": content}
         if name is not None:
             msg["name"] = name
         return msg
@@ -273,3 +279,49 @@ def turn_end_ids(tokenizer, stop_ids: Sequence[int] | None = None, **kwargs: Any
         f"the chat template never writes a stop token {sorted(stops)} after an assistant message; "
         "pass stop_ids= with the token(s) generation stops at"
     )
+
+
+
+def prompt_inputs(tokenizer, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None, fmt: str | ToolCallFormat = "hermes",
+                  processor: Any = None) -> tuple[list[int], dict]:
+    """`apply_chat_template_with_tools` (tokenized) for messages that may carry image parts (`agent/images.py`): (ids, the
+    images' pixel inputs {"pixel_values": [P, D], "image_grid_thw": [n, 3]}, {} without images). With a processor (a VLM)
+    the rendered text always goes through it, so a text that spells the image token is refused, not fed without pixels.
+    ImageError: an image for a text-only model (processor None), an image that cannot be decoded, a stray image token."""
+    if processor is None:
+        if has_images(messages):
+            raise ImageError("this model is text-only (it has no image processor), so a message cannot carry an image")
+        return list(apply_chat_template_with_tools(tokenizer, messages, tools, fmt)), {}
+    rendered, images = split_images(messages)
+    return render_with_images(processor, apply_chat_template_with_tools(tokenizer, rendered, tools, fmt, tokenize=False), images)
+
+
+def message_delta_inputs(
+    tokenizer,
+    message: Mapping[str, Any] | Sequence[Mapping[str, Any]],
+    processor: Any = None,
+    add_generation_prompt: bool = True,
+    *,
+    after_eos: bool = False,
+    stop_ids: Sequence[int] | None = None,
+) -> tuple[list[int], dict]:
+    """`message_delta_ids` for messages that may carry image parts: (delta ids, their images' pixel inputs; {} without images).
+
+    With a processor (a VLM) the delta is measured as the text's is, through the processor: ``processor(template(base +
+    msgs)) - processor(template(base))``, so each image's ``<|image_pad|>`` run has the length the processor gives it in the
+    whole conversation (grid_t * grid_h * grid_w / merge_size**2) and its pixel inputs are the processor's for that image.
+    ImageError as in `prompt_inputs`."""
+    msgs = [dict(message)] if isinstance(message, Mapping) else [dict(m) for m in message]
+    if processor is None:
+        if has_images(msgs):
+            raise ImageError("this model is text-only (it has no image processor), so a message cannot carry an image")
+        return message_delta_ids(tokenizer, msgs, add_generation_prompt, after_eos=after_eos, stop_ids=stop_ids), {}
+    rendered, images = split_images(msgs)
+    base, _ = render_with_images(processor, tokenizer.apply_chat_template(list(DELTA_BASE), add_generation_prompt=False, tokenize=False), [])
+    full_text = tokenizer.apply_chat_template([*DELTA_BASE, *rendered], add_generation_prompt=add_generation_prompt, tokenize=False)
+    full, mm = render_with_images(processor, full_text, images)
+    if full[: len(base)] != base:
+        raise ChatTemplateError("the chat template is not append-only through the processor: the rendering with "
+                                f"{[m.get('role') for m in msgs]} does not start with the rendering of the conversation alone")
+    delta = full[len(base):]
+    return (turn_end_ids(tokenizer, stop_ids) + delta) if after_eos else delta, mm

@@ -9,6 +9,11 @@ A trajectory starts from the row's chat prompt (with the tool schemas in it) and
                  tokens for those messages (mask 0, log-prob 0)
     env turn     (an environment instead of tools) `env.step(text)` -> message, reward, done
 
+A tool's or environment's message may carry images (a VLM policy, `AgentSettings.processor`): its delta is the
+processor's tokens for it, each image's `<|image_pad|>` run expanded (mask 0), and the trajectory keeps the images' pixel
+inputs in order (`Trajectory.image_inputs`); every later request carries all of them (`ImageRequest`), and the training row
+gets them as its `multi_modal_inputs` (`agent/images.py`).
+
 until the model answers without a tool call, `max_assistant_turns` is reached, the environment is
 done, or the trajectory's token budget (data.max_response_length) is spent. The result is one row:
 `response_ids` with `response_mask` (1 = model token, 0 = tool / environment token) and per-token
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import importlib
 import inspect
 import time
@@ -33,9 +39,11 @@ from typing import Any, Callable, Mapping, Sequence
 
 from hybridflow.agent.registry import class_registry
 from hybridflow.agent.envs import Environment, env_name_for_row, make_env_for_row
-from hybridflow.agent.format import apply_chat_template_with_tools, get_format, message_delta_ids
+from hybridflow.agent.format import get_format, message_delta_inputs, prompt_inputs
+from hybridflow.agent.images import ImageError, decode_image, trajectory_image_inputs
 from hybridflow.agent.threads import in_own_thread
 from hybridflow.agent.tools import Tool, ToolResult, ToolSession, truncate_middle
+from hybridflow.models.vlm_inputs import ImageRequest
 from hybridflow.protocol import Completion, Request, SamplingParams
 
 # one backend call, completions in order: blocking (run in a thread of its own) or a coroutine function (awaited)
@@ -72,11 +80,19 @@ class Trajectory:
     agent_timeout: bool = False
     session_kind: str = ""  # "openai": played by a black-box agent through the endpoint
     session: str = field(default_factory=lambda: uuid.uuid4().hex)  # its requests' session (one replica serves its turns)
+    # per message with images, in order: (response tokens up to its end, 0 = the prompt's; its images' pixel inputs
+    # {"pixel_values": [P, D], "image_grid_thw": [n, 3]}), so a branch cut at a message boundary keeps exactly its images
+    image_inputs: list[tuple[int, dict]] = field(default_factory=list)
+
+    @property
+    def multi_modal_inputs(self) -> dict:
+        """All its images' pixel inputs, in the order of their <|image_pad|> runs (the batch row's multi_modal_inputs; {} if none)."""
+        return trajectory_image_inputs(self.image_inputs)
 
     def append(self, ids: Sequence[int], model: bool, log_probs: Sequence[float] | None = None,
-               untruncated_log_probs: Sequence[float] | None = None, versions: Sequence[int] | None = None) -> None:
+               untruncated_log_probs: Sequence[float] | None = None, versions: Sequence[int] | None = None, images: dict | None = None) -> None:
         """versions: per model token, the policy version that sampled it (tool tokens, or a turn
-        without versions, keep the last one's)."""
+        without versions, keep the last one's); images: the pixel inputs of the images whose tokens `ids` hold."""
         last = self.versions[-1] if self.versions else -1
         self.versions.extend([last] * len(ids) if versions is None else [int(v) for v in versions])
         self.response_ids.extend(int(t) for t in ids)
@@ -84,6 +100,8 @@ class Trajectory:
         zeros = [0.0] * len(ids)
         self.log_probs.extend(float(x) for x in (zeros if log_probs is None else log_probs))
         self.untruncated_log_probs.extend(float(x) for x in (zeros if untruncated_log_probs is None else untruncated_log_probs))
+        if images:
+            self.image_inputs.append((len(self.response_ids), images))
 
 
 @dataclass(frozen=True)
@@ -98,6 +116,7 @@ class AgentSettings:
     black_box: Any = None  # openai_agent.BlackBoxAgent: rows without agent_name play through the endpoint
     endpoint: Any = None  # openai_server.EndpointSettings (with black_box)
     tool_timeout_s: float | None = 120.0  # one tool call / environment turn (awaited); past it the model reads an error
+    processor: Any = None  # a VLM policy's processor: messages with images are tokenised by it (agent/images.py); None: text only
 
 
 class SessionClosed(RuntimeError):
@@ -118,8 +137,8 @@ class RequestBatcher:
         while it generates, e.g. replicas that batch continuously: a new turn need not wait for the
         slowest request of the call before it)."""
         self.generate_fn, self.base, self.max_in_flight = generate_fn, base, max_in_flight
-        # (prompt ids, its max new tokens, session, its own params or None: the base's, seeded, result)
-        self.pending: list[tuple[tuple[int, ...], int, str | None, SamplingParams | None, bool, asyncio.Future]] = []
+        # (prompt ids, its max new tokens, session, its own params or None: the base's, seeded, its images' pixel inputs, result)
+        self.pending: list[tuple[tuple[int, ...], int, str | None, SamplingParams | None, bool, dict | None, asyncio.Future]] = []
         self.calls = 0
         self.latencies: list[float] = []  # per answered request: seconds from submission to its completion
         self._task: asyncio.Task | None = None
@@ -128,9 +147,10 @@ class RequestBatcher:
         self._running: set[asyncio.Task] = set()  # calls started without awaiting them (max_in_flight > 1)
 
     async def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, session: str | None = None,
-                       params: SamplingParams | None = None, seeded: bool = False) -> Completion:
+                       params: SamplingParams | None = None, seeded: bool = False, images: dict | None = None) -> Completion:
+        """images: the pixel inputs of every image in the prompt, in order (its request goes out as an `ImageRequest`)."""
         fut = asyncio.get_running_loop().create_future()
-        self.pending.append((tuple(prompt_ids), max_new_tokens, session, params, seeded, fut))
+        self.pending.append((tuple(prompt_ids), max_new_tokens, session, params, seeded, images or None, fut))
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._drain())
         start = time.monotonic()
@@ -167,11 +187,12 @@ class RequestBatcher:
             self.calls += 1
             # Requests of equal settings share one SamplingParams, at the longest limit among them (the
             # HF backend batches equal params into one generate); each is cut to its own limit after.
-            keys = [(p or self.base).with_(max_new_tokens=0, **({} if seeded else {"seed": seed})) for _, _, _, p, seeded, _ in batch]
+            keys = [(p or self.base).with_(max_new_tokens=0, **({} if seeded else {"seed": seed})) for _, _, _, p, seeded, *_ in batch]
             longest: dict[SamplingParams, int] = {}
             for k, (_, n, *_) in zip(keys, batch):
                 longest[k] = max(longest.get(k, 0), n)
-            requests = [Request(ids, k.with_(max_new_tokens=longest[k]), session) for k, (ids, _, session, *_) in zip(keys, batch)]
+            requests = [ImageRequest(ids, k.with_(max_new_tokens=longest[k]), session, images) if images else
+                        Request(ids, k.with_(max_new_tokens=longest[k]), session) for k, (ids, _, session, _, _, images, _) in zip(keys, batch)]
             self.in_flight += 1
             if self.max_in_flight == 1:
                 await self._call(batch, requests)
@@ -245,14 +266,15 @@ class AgentLoop:
 
     async def _run(self, row: Mapping[str, Any], batcher: RequestBatcher) -> Trajectory:
         schemas = [t.schema for t in self.tools]
-        traj = Trajectory(prompt_ids=list(apply_chat_template_with_tools(self.tok, self.first_messages(row), schemas, self.s.format)))
+        ids, images = prompt_inputs(self.tok, self.first_messages(row), schemas, self.s.format, self.s.processor)
+        traj = Trajectory(prompt_ids=ids, image_inputs=[(0, images)] if images else [])
         budget = self.s.response_budget
         while True:
             left = budget - len(traj.response_ids)
             if left <= 0:
                 traj.finish = "length"
                 break
-            c = await batcher.generate(traj.prompt_ids + traj.response_ids, left, traj.session)
+            c = await batcher.generate(traj.prompt_ids + traj.response_ids, left, traj.session, images=traj.multi_modal_inputs)
             traj.append(c.token_ids, model=True, log_probs=c.log_probs, untruncated_log_probs=c.untruncated, versions=c.versions)
             traj.num_turns += 1
             if c.finish_reason != "stop":  # cut by the budget: the turn never closed, nothing may follow it
@@ -265,16 +287,32 @@ class AgentLoop:
             if traj.num_turns >= self.s.max_assistant_turns:
                 traj.finish = "max_turns"
                 break
-            delta = message_delta_ids(self.tok, reply, add_generation_prompt=True, after_eos=True)
+            delta, images = message_delta_inputs(self.tok, reply, self.s.processor, add_generation_prompt=True, after_eos=True)
             if len(traj.response_ids) + len(delta) >= budget:  # no room for the reply and another model token
                 traj.finish = "truncated"
                 break
-            traj.append(delta, model=False)
+            traj.append(delta, model=False, images=images)
         traj.finished_at = time.monotonic()
         return traj
 
     def clip(self, text: str) -> str:
         return truncate_middle(text, self.s.max_tool_response_length)
+
+    def _shown(self, result: ToolResult, name: str) -> ToolResult:
+        """What the model reads of a tool's result: its text clipped, its images decoded (a tool's image that cannot be
+        decoded becomes an error the model reads). ValueError: images for a text-only policy (a setup error, not the model's)."""
+        if self.s.processor is not None:  # the image token spelled in a tool's text would be a place with no pixels behind it
+            result = dataclasses.replace(result, text=result.text.replace(getattr(self.s.processor, "image_token", "<|image_pad|>"), ""))
+        if not result.images:
+            return dataclasses.replace(result, text=self.clip(result.text))
+        if self.s.processor is None:
+            raise ValueError(f"tool {name!r} returned {len(result.images)} image(s), but the policy is a text-only model (no image "
+                             f"processor): a tool for it must return text")
+        try:
+            images = [decode_image(im) for im in result.images]
+        except ImageError as e:
+            return ToolResult(self.clip(f"Error: tool {name!r} returned an image that cannot be shown: {e}"), error=True)
+        return dataclasses.replace(result, text=self.clip(result.text), images=images)
 
 
 @register_agent_loop("single_turn_agent")
@@ -312,7 +350,7 @@ class ToolAgentLoop(AgentLoop):
             traj.sandbox_weaker += int(result.metrics.get("sandbox_weaker", 0))
             traj.tool_control_chars += int(result.metrics.get("control_chars", 0))
             traj.reward += float(result.reward)
-            replies.append(self.fmt.tool_message(self.clip(result.text), name=call.name))
+            replies.append(self.fmt.tool_message(self._shown(result, call.name), name=call.name))
         for err in parsed.errors:  # a malformed call: the model reads why
             traj.tool_calls += 1
             traj.tool_errors += 1
@@ -351,6 +389,8 @@ class EnvAgentLoop(AgentLoop):
         if done:
             traj.finish = "env_done"
             return None
+        if isinstance(message, list):  # content parts: text and images (a VLM policy; agent/images.py)
+            return [{"role": "user", "content": [dict(p, text=self.clip(p["text"])) if p.get("type") == "text" else p for p in message]}]
         return [{"role": "user", "content": self.clip(message)}]
 
 

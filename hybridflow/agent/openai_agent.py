@@ -291,7 +291,7 @@ class OpenAIAgentLoop(AgentLoop):
         # not by validating a config (which imports this module's checks) or a torchrun-only install
         from hybridflow.agent.openai_server import LiveEndpoint
 
-        return LiveEndpoint(settings.endpoint, tokenizer, batcher).serve()
+        return LiveEndpoint(settings.endpoint, tokenizer, batcher, settings.processor).serve()
 
     async def run(self, row: Mapping[str, Any], batcher: RequestBatcher) -> Trajectory:
         agent, endpoint = self.s.black_box, self.shared

@@ -21,6 +21,13 @@ Streaming is not served (400 naming `stream`), nor `response_format` other than 
 (400 naming the field: refused rather than ignored); a body nested too deeply or holding a lone
 UTF-16 surrogate is a 400 too.
 
+Images (a vision-language policy: the endpoint is given its processor): user and tool messages may hold
+OpenAI's ``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}`` parts. Each is decoded
+when the request arrives (raster formats only, `agent/images.py`), so a remote URL (never fetched), bad
+base64, bytes that are no image, an image over `images.MAX_IMAGE_PIXELS`, an image in a system or assistant
+message, or any image sent to a text-only model gets a 400 naming ``messages[i].content[j].image_url``; the
+session records the images' placeholder tokens (mask 0) and pixel inputs with the segment (`sessions.py`).
+
 Sampling during training: temperature / top_p / top_k are the run's (`rollout.*`, or val_kwargs
 in validation), since the trainer's log-probs are computed under them; a request asking for
 others is served with the run's and counted (`agent/sampling_overridden`). `sampling="request"`
@@ -47,6 +54,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from hybridflow.agent.format import get_format
+from hybridflow.agent.images import ImageError, decode_image, image_digest
 from hybridflow.agent.loop import SessionClosed
 from hybridflow.agent.sessions import Session
 from hybridflow.protocol import Completion, SamplingParams
@@ -102,8 +110,9 @@ class Counters:
 class LiveEndpoint:
     """The endpoint of one step: its sessions, served on the step's asyncio loop (`serve`)."""
 
-    def __init__(self, settings: EndpointSettings, tokenizer: Any, batcher: Any):  # batcher: loop.RequestBatcher
-        self.s, self.tok, self.batcher = settings, tokenizer, batcher
+    def __init__(self, settings: EndpointSettings, tokenizer: Any, batcher: Any, processor: Any = None):
+        """batcher: loop.RequestBatcher; processor: a VLM's (messages may carry images), None for a text model."""
+        self.s, self.tok, self.batcher, self.processor = settings, tokenizer, batcher, processor
         self.sessions: dict[str, Session] = {}
         self.counters = Counters()
         self.stop_ids = {int(tokenizer.eos_token_id), *batcher.base.stop_token_ids}
@@ -115,7 +124,7 @@ class LiveEndpoint:
     # ------------------------------------------------------------------ sessions
     def open_session(self) -> Session:
         sid = uuid.uuid4().hex
-        s = Session(sid, self.tok, self.s.fmt, self.s.response_budget, self.s.max_prompt_tokens)
+        s = Session(sid, self.tok, self.s.fmt, self.s.response_budget, self.s.max_prompt_tokens, self.processor)
         self.sessions[sid] = s
         return s
 
@@ -313,27 +322,30 @@ class LiveEndpoint:
     async def _chat(self, request, sid: str) -> dict:
         session = self._session(request, sid)
         body = await self._body(request)
-        messages = _messages(body.get("messages"), self.s.max_messages)
+        messages = _images(_messages(body.get("messages"), self.s.max_messages), self.processor is not None)
         tools = _tools(body.get("tools"))
         choice = _tool_choice(body.get("tool_choice"), tools)
         try:
             plan = session.plan(messages, tools)
+        except ImageError as e:  # e.g. a text that spells the image token
+            raise APIError(400, str(e)[:500], param="messages", code="invalid_image") from None
         except ValueError as e:
             raise APIError(400, str(e), param="messages", code="context_length_exceeded") from None
         self._admit(session, plan)
         params, seeded, n, want_logprobs = self._params(body, min(plan.left, self._tokens_left(session)), session, chat=True)
         prompt, seg = plan.ids, session.place(plan, params.max_new_tokens * n)  # every check passed: recorded from here on
         try:
-            completions, choices = await self._chat_choices(session, seg, messages, tools, choice, prompt, params, seeded, n, want_logprobs)
+            completions, choices = await self._chat_choices(session, seg, messages, tools, choice, prompt, params, seeded, n, want_logprobs,
+                                                            session.segments[seg].multi_modal_inputs)
         finally:
             session.release(seg)
         return self._reply("chat.completion", prompt, completions, choices)
 
     async def _chat_choices(self, session: Session, seg: int, messages, tools, choice, prompt, params: SamplingParams, seeded: bool,
-                            n: int, want_logprobs: bool) -> tuple[list, list]:
+                            n: int, want_logprobs: bool, images: dict | None = None) -> tuple[list, list]:
         """Generate the n choices of a placed chat request and record them in its segment (the first)
-        and branches of it (the others)."""
-        completions = await asyncio.gather(*(self.batcher.generate(prompt, params.max_new_tokens, session.id, params, seeded)
+        and branches of it (the others). images: the pixel inputs of every image in the prompt, in order."""
+        completions = await asyncio.gather(*(self.batcher.generate(prompt, params.max_new_tokens, session.id, params, seeded, images)
                                              for _ in range(n)))
         fmt = get_format(self.s.fmt)
         choices = []
@@ -374,6 +386,8 @@ class LiveEndpoint:
             raise APIError(400, "the prompt is empty", param="prompt")
         try:
             plan = session.plan_ids(ids)
+        except ImageError as e:
+            raise APIError(400, str(e)[:500], param="prompt", code="invalid_image") from None
         except ValueError as e:
             raise APIError(400, str(e), param="prompt", code="context_length_exceeded") from None
         self._admit(session, plan)
@@ -382,7 +396,7 @@ class LiveEndpoint:
             raise APIError(400, "n > 1 is not supported on /v1/completions (one continuation per segment)", param="n")
         ids, seg = plan.ids, session.place(plan, params.max_new_tokens)
         try:
-            c = await self.batcher.generate(ids, params.max_new_tokens, session.id, params, seeded)
+            c = await self.batcher.generate(ids, params.max_new_tokens, session.id, params, seeded, session.segments[seg].multi_modal_inputs)
             session.record(seg, None, c, None, self.stop_ids)
         finally:
             session.release(seg)
@@ -496,9 +510,10 @@ def _messages(messages: Any, limit: int) -> list[dict]:
             raise APIError(400, f"{where}.role must be one of {list(ROLES)}, got {str(m.get('role'))[:40]!r}", param=f"{where}.role")
         content = m.get("content")
         ok = content is None or isinstance(content, str) or (
-            isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content))
+            isinstance(content, list) and all(isinstance(p, dict) and (p.get("type") == "text" and isinstance(p.get("text"), str)
+                                                                       or p.get("type") == "image_url") for p in content))
         if not ok:
-            raise APIError(400, f"{where}.content must be a string or a list of text parts", param=f"{where}.content")
+            raise APIError(400, f"{where}.content must be a string or a list of text and image_url parts", param=f"{where}.content")
         if content is None and not (m["role"] == "assistant" and m.get("tool_calls")):
             raise APIError(400, f"{where}.content is missing", param=f"{where}.content")
         calls = m.get("tool_calls")
@@ -512,6 +527,38 @@ def _messages(messages: Any, limit: int) -> list[dict]:
                     raise APIError(400, f"{where}.tool_calls: each needs function.name and function.arguments (a JSON object string)",
                                    param=f"{where}.tool_calls")
     return messages
+
+
+def _images(messages: list[dict], vision: bool) -> list[dict]:
+    """The messages with each image_url part decoded: ``{"type": "image", "image": <RGB PIL image>, "digest": ...}`` (the
+    digest of its URL identifies it when the agent sends the history again). A 400 naming messages[i].content[j].image_url
+    for an image the model cannot take (a text-only model; a system or assistant message) or that cannot be decoded."""
+    out = messages
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if not isinstance(content, list) or not any(p.get("type") == "image_url" for p in content):
+            continue
+        parts = []
+        for j, p in enumerate(content):
+            if p.get("type") != "image_url":
+                parts.append(p)
+                continue
+            where = f"messages[{i}].content[{j}].image_url"
+            try:
+                if not vision:
+                    raise ImageError("this model is text-only (it has no image processor): it cannot take an image")
+                if m["role"] not in ("user", "tool"):
+                    raise ImageError(f"images are taken in user and tool messages, not in a {m['role']} message")
+                value = p.get("image_url")
+                if not isinstance(value, dict) or not isinstance(value.get("url"), str):
+                    raise ImageError('expected {"url": "data:image/...;base64,..."}')
+                parts.append({"type": "image", "image": decode_image(value["url"]), "digest": image_digest(value["url"])})
+            except ImageError as e:
+                raise APIError(400, f"{where}: {e}"[:500], param=where, code="invalid_image") from None
+        if out is messages:
+            out = list(messages)
+        out[i] = {**m, "content": parts}
+    return out
 
 
 def _lone_surrogate(value: Any, where: str = "body") -> str | None:

@@ -19,8 +19,12 @@ trajectory for training is its last segment (the one that ended the episode, whi
 judges); earlier segments are counted (`dropped_segments`), not trained.
 
 Shapes: a segment is an `agent.loop.Trajectory` (prompt ids, response ids with mask 1 on sampled
-tokens and 0 on template / tool / user tokens, per-token log-probs and policy versions).
-No HTTP here: `openai_server.py` calls `prompt_for` and `record`.
+tokens and 0 on template / tool / user tokens, per-token log-probs and policy versions, and the pixel
+inputs of the images its messages carried, `image_inputs`). With a VLM's processor, user and tool messages
+may hold image parts (`agent/images.py`; the endpoint decodes them first): their tokens are the processor's
+(mask 0), a message is identified by its text and its images' digests, and every request on the segment is
+generated with all of its images so far.
+No HTTP here: `openai_server.py` calls `plan`, `place` and `record`.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from hybridflow.agent.format import apply_chat_template_with_tools, get_format, message_delta_ids
+from hybridflow.agent.format import get_format, message_delta_inputs, prompt_inputs
+from hybridflow.agent.images import ImageError, image_digest, is_image_part
 from hybridflow.agent.loop import Trajectory
 from hybridflow.protocol import Completion
 
@@ -55,10 +60,19 @@ def _call_key(call: Mapping[str, Any]) -> tuple[str, str]:
     return str(fn.get("name", "")), args
 
 
+def _call_args(call: Mapping[str, Any]) -> dict:
+    args = (call.get("function") or {}).get("arguments", "{}")
+    return json.loads(args) if isinstance(args, str) else dict(args)
+
+
 def message_key(m: Mapping[str, Any]) -> tuple:
-    """What identifies a message when an agent sends our reply back: role, text, and tool calls by
-    name and decoded arguments (clients re-serialise the JSON and add fields such as refusal: null)."""
-    return (m.get("role"), _text(m.get("content")).strip(), tuple(_call_key(c) for c in m.get("tool_calls") or ()))
+    """What identifies a message when an agent sends our reply back: role, text, tool calls by name and
+    decoded arguments (clients re-serialise the JSON and add fields such as refusal: null), and the digests
+    of its images."""
+    content = m.get("content")
+    parts = content if isinstance(content, list) else ()
+    images = tuple(p.get("digest") or image_digest(p.get("image", p.get("image_url"))) for p in parts if is_image_part(p))
+    return (m.get("role"), _text(content).strip(), tuple(_call_key(c) for c in m.get("tool_calls") or ()), images)
 
 
 def template_messages(messages: Sequence[Mapping[str, Any]], fmt: str) -> list[dict]:
@@ -69,8 +83,14 @@ def template_messages(messages: Sequence[Mapping[str, Any]], fmt: str) -> list[d
         role = "system" if m.get("role") == "developer" else m.get("role")
         text = _text(m.get("content"))
         if role == "assistant" and m.get("tool_calls"):
-            text = get_format(fmt).render_calls(text, [(n, json.loads(a)) for n, a in map(_call_key, m["tool_calls"])])
-        msg = {"role": role, "content": text}
+            # the arguments in the order the client sent them (ours: the order the model wrote them); _call_key's sorted
+            # spelling is for comparing only, and re-rendering it would count every call with unsorted keys as a mismatch
+            text = get_format(fmt).render_calls(text, [(n, _call_args(c)) for (n, _), c in zip(map(_call_key, m["tool_calls"]), m["tool_calls"])])
+        content = m.get("content")
+        if isinstance(content, list) and any(is_image_part(p) for p in content):  # text and image parts, in order
+            msg = {"role": role, "content": [p if is_image_part(p) else {"type": "text", "text": str(p.get("text", ""))} for p in content]}
+        else:
+            msg = {"role": role, "content": text}
         if role == "tool" and m.get("name"):
             msg["name"] = m["name"]
         out.append(msg)
@@ -96,6 +116,7 @@ class Placement:
     length: int = 0  # its response tokens the prompt keeps
     delta: tuple[int, ...] | list[int] = ()  # the new messages' tokens (mask 0)
     mismatch: bool = False  # the plain rendering of the messages differs from `ids`
+    images: dict = field(default_factory=dict)  # a new segment: its prompt's images' pixel inputs; else the new messages'
 
 
 @dataclass
@@ -107,6 +128,7 @@ class Session:
     fmt: str
     response_budget: int  # tokens of one segment's response (model + template), data.max_response_length
     max_prompt_tokens: int  # data.max_prompt_length: a new segment's prompt
+    processor: Any = None  # a VLM's processor: messages may carry images (agent/images.py); None: text only
     key: str = field(default_factory=lambda: "hf-" + secrets.token_urlsafe(24))
     segments: list[Trajectory] = field(default_factory=list)
     points: list[_Point] = field(default_factory=list)
@@ -137,12 +159,13 @@ class Session:
         keys = tuple(message_key(m) for m in messages)
         best = max((p for p in self.points if len(p.keys) < len(keys) and keys[: len(p.keys)] == p.keys), key=lambda p: len(p.keys), default=None)
         if best is None:
-            return self._new(list(apply_chat_template_with_tools(self.tokenizer, template_messages(messages, self.fmt), tools, self.fmt)))
+            return self._new(*prompt_inputs(self.tokenizer, template_messages(messages, self.fmt), tools, self.fmt, self.processor))
         seg = self.segments[best.segment]
-        delta = message_delta_ids(self.tokenizer, template_messages(messages[len(best.keys):], self.fmt), add_generation_prompt=True, after_eos=True)
+        delta, images = message_delta_inputs(self.tokenizer, template_messages(messages[len(best.keys):], self.fmt), self.processor,
+                                             add_generation_prompt=True, after_eos=True)
         ids = seg.prompt_ids + seg.response_ids[: best.length] + delta
-        plain = apply_chat_template_with_tools(self.tokenizer, template_messages(messages, self.fmt), tools, self.fmt)
-        return self._continue(ids, best.segment, best.length, delta, mismatch=list(plain) != ids)
+        plain, _ = prompt_inputs(self.tokenizer, template_messages(messages, self.fmt), tools, self.fmt, self.processor)
+        return self._continue(ids, best.segment, best.length, delta, mismatch=list(plain) != ids, images=images)
 
     def plan_ids(self, ids: Sequence[int]) -> "Placement":
         """/v1/completions: token ids (a tokenized text prompt). Continues the latest segment whose
@@ -152,21 +175,21 @@ class Session:
             seg = self.segments[i]
             have = seg.prompt_ids + seg.response_ids
             if len(ids) > len(have) and ids[: len(have)] == have and seg.response_ids:
-                return self._continue(ids, i, len(seg.response_ids), ids[len(have):], mismatch=False)
-        return self._new(ids)
+                return self._continue(ids, i, len(seg.response_ids), _no_image_tokens(ids[len(have):], self.processor), mismatch=False)
+        return self._new(_no_image_tokens(ids, self.processor))
 
-    def _continue(self, ids: list[int], segment: int, length: int, delta: list[int], mismatch: bool) -> "Placement":
+    def _continue(self, ids: list[int], segment: int, length: int, delta: list[int], mismatch: bool, images: dict | None = None) -> "Placement":
         left = self.response_budget - length - len(delta)
         if left <= 0:
             raise ValueError(f"the conversation has used this trajectory's token budget ({self.response_budget} response tokens, "
                              f"data.max_response_length): {length + len(delta)} with the new messages")
-        return Placement(ids, left, segment, length, delta, mismatch)
+        return Placement(ids, left, segment, length, delta, mismatch, images or {})
 
-    def _new(self, ids: list[int]) -> "Placement":
+    def _new(self, ids: list[int], images: dict | None = None) -> "Placement":
         if len(ids) > self.max_prompt_tokens:
             raise ValueError(f"the prompt is {len(ids)} tokens; this run's prompts take at most {self.max_prompt_tokens} "
                              f"(data.max_prompt_length)")
-        return Placement(ids, self.response_budget)
+        return Placement(ids, self.response_budget, images=images or {})
 
     def place(self, p: "Placement", max_new_tokens: int = 0) -> int:
         """Commit a plan: the segment index its reply goes to, reserved until ``release``. A branch
@@ -176,12 +199,12 @@ class Session:
         self.requests += 1
         self.mismatches += int(p.mismatch)
         if p.segment is None:
-            self.segments.append(Trajectory(prompt_ids=p.ids, session=self.id))
+            self.segments.append(Trajectory(prompt_ids=p.ids, session=self.id, image_inputs=[(0, p.images)] if p.images else []))
             at = len(self.segments) - 1
         else:
             free = len(self.segments[p.segment].response_ids) == p.length and not self.in_flight.get(p.segment)
             at = p.segment if free else self.branch(p.segment, p.length)
-            self.segments[at].append(p.delta, model=False)
+            self.segments[at].append(p.delta, model=False, images=p.images)
         self.in_flight.setdefault(at, []).append(max_new_tokens)
         return at
 
@@ -226,10 +249,21 @@ class Session:
         return max(sum(1 for s in self.segments if s.num_turns) - 1, 0)
 
 
+def _no_image_tokens(ids: list[int], processor: Any) -> list[int]:
+    """`ids` (new prompt tokens of /v1/completions), refused (ImageError) when they hold a VLM's image token: a token ids
+    prompt carries no pixels, and an image token without its pixels fails every forward over it."""
+    pad = getattr(processor, "image_token_id", None)
+    if pad is not None and pad in ids:
+        raise ImageError(f"the prompt holds the image token (id {pad}); a token or text prompt carries no pixels: send images to "
+                         f"/v1/chat/completions as image_url content parts")
+    return ids
+
+
 def _truncated(seg: Trajectory, n: int) -> Trajectory:
     """A new segment holding `seg`'s first n response tokens (a branch)."""
     out = Trajectory(prompt_ids=list(seg.prompt_ids), session=seg.session)
     out.response_ids, out.response_mask = seg.response_ids[:n], seg.response_mask[:n]
     out.log_probs, out.untruncated_log_probs, out.versions = seg.log_probs[:n], seg.untruncated_log_probs[:n], seg.versions[:n]
     out.num_turns = sum(1 for a, b in zip([0, *out.response_mask], out.response_mask) if b and not a)
+    out.image_inputs = [(end, mm) for end, mm in seg.image_inputs if end <= n]  # a cut falls between messages: whole ones kept
     return out

@@ -81,6 +81,9 @@ class ToolResult:
     reward: float = 0.0
     error: bool = False
     metrics: dict[str, Any] = field(default_factory=dict)
+    # images the model sees with the text (a render tool's): PIL images or PNG / JPEG / ... bytes, in order; a VLM's
+    # agent loop tokenises them as its processor does (agent/images.py), a text-only model's refuses them
+    images: list[Any] = field(default_factory=list)
 
     @classmethod
     def coerce(cls, value: Any) -> "ToolResult":
@@ -91,10 +94,11 @@ class ToolResult:
             return cls(value)
         if isinstance(value, tuple) and 1 <= len(value) <= 3:
             text = value[0]
+            images = list(getattr(text, "image", None) or [])  # verl >= 0.5's ToolResponse(text, image, video)
             text = getattr(text, "text", text)  # verl >= 0.5 wraps the text in a ToolResponse
             reward = float(value[1]) if len(value) > 1 and value[1] is not None else 0.0
             metrics = dict(value[2]) if len(value) > 2 and isinstance(value[2], Mapping) else {}
-            return cls("" if text is None else str(text), reward, False, metrics)
+            return cls("" if text is None else str(text), reward, False, metrics, images)
         raise TypeError(f"a tool's execute returned {type(value).__name__}; expected ToolResult, str or (text, reward, metrics)")
 
 

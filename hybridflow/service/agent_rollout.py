@@ -142,9 +142,18 @@ def packed_to_batch(packed: PackedTrajectories, params: SamplingParams) -> Batch
     return out
 
 
-def trajectories_to_batch(trajs: list[Trajectory], pad_id: int, params: SamplingParams) -> Batch:
-    """The rollout batch of `trajs` (shapes in the module docstring; R = params.max_new_tokens)."""
-    return packed_to_batch(pack_trajectories(trajs, pad_id, params.max_new_tokens), params)
+def trajectories_to_batch(trajs: list[Trajectory], pad_id: int, params: SamplingParams, model_config: Any = None) -> Batch:
+    """The rollout batch of `trajs` (shapes in the module docstring; R = params.max_new_tokens). model_config: a VLM's
+    (agent/images.py): each row's images travel as its `multi_modal_inputs` (the single-turn VLM rows' key and shapes) and
+    position_ids become the M-RoPE index [b, 3, P+R], so the trainer's log-prob pass sees the images the rollout saw."""
+    out = packed_to_batch(pack_trajectories(trajs, pad_id, params.max_new_tokens), params)
+    if model_config is not None:
+        from hybridflow.data.vision import MULTI_MODAL_KEY, rows_position_ids
+
+        rows = [t.multi_modal_inputs for t in trajs]
+        out["position_ids"] = rows_position_ids(model_config, out["input_ids"], out["attention_mask"], rows)  # [b, 3, P+R]
+        out[MULTI_MODAL_KEY] = rows
+    return out
 
 
 class AgentRollout:
