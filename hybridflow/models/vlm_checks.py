@@ -4,8 +4,8 @@ prompts and what is refused, one line per problem naming the key, before any wor
 Wired: FSDP2 / TP training of the actor and the reference (log-probs with the rows' pixel inputs), the HF rollout's
 per-call generate with images at rollout tensor_model_parallel_size 1, the colocated weight switch, GRPO-style
 estimators. Refused (not wired for images yet): vLLM, the continuous-batching scheduler and the exact sampler
-(they take token ids only), a critic (a value head on a VLM), pipeline stages, async rollout, multi-turn agents,
-TP generation (untested).
+(they take token ids only), a critic (a value head on a VLM), pipeline stages, async rollout, multi-turn agents in the
+trainer (the agent loop itself takes images: agent/images.py), TP generation (untested).
 """
 
 from __future__ import annotations
@@ -47,7 +47,9 @@ def vision_model_problems(model_path: str, freeze_vision_tower: bool, rollout_na
     if async_rollout:
         out.append(f"trainer.async_rollout=true: {what}; the rollout service's requests carry token ids only: set it to false")
     if multi_turn_or_agent:
-        out.append(f"{R}.multi_turn / {R}.agent: {what}; images in agent loops are not wired: disable multi-turn")
+        out.append(f"{R}.multi_turn / {R}.agent: {what}; the trainer's multi-turn rollout does not load its processor or carry the rows' "
+                   f"images yet (the agent loop and the OpenAI-compatible endpoint take images when given the processor: docs/vision.md): "
+                   f"disable multi-turn")
     if adv_estimator == "on_policy_distill":
         out.append(f"algorithm.adv_estimator=on_policy_distill: {what}; the teacher's forward is not given the rows' pixel inputs: "
                    f"use grpo, rloo or reinforce_plus_plus")
