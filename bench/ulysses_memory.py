@@ -10,8 +10,9 @@ token loss), after one warm-up step on a short batch (optimizer state, allocator
 - sp2: 2 ranks, one row split in two 4,096-token slices (`parallel/ulysses.py`).
 - dp2xsp2 (--world 4): 4 ranks, two rows, each split over an sp pair.
 All modes run the same attention kernel: dp runs Ulysses' attention over a group of one rank (the
-all-to-all is then a copy), i.e. per-sequence causal SDPA without a [T, T] mask, which is also the
-planner's assumption (flash/SDPA attention, no scores term); so the table isolates the split.
+all-to-all is then a copy), i.e. per-sequence causal SDPA without a [T, T] mask, and the planner is
+told so (`MemoryInputs(attention="ulysses")`, `cost.layer_activation_bytes`); so the table isolates
+the split.
 
 Memory is each rank's resident-set high-water mark (VmHWM), reset just before the micro-batch
 (`/proc/self/clear_refs`), minus the resident set then: every byte the forward and backward touched
@@ -127,7 +128,9 @@ def predicted(path: str, world: int, sp: int, tokens: int) -> dict:
     from hybridflow.planning.cost import MemoryInputs, memory_plan, plan_for
 
     arch, layout = load_arch(path), ParallelDims.for_world(world, sp=sp)
-    m = MemoryInputs(param_bytes=4, compute_bytes=4, micro_batch=1, seq_len=tokens, response_len=tokens - PROMPT, logits_chunk=CHUNK)
+    # every mode runs Ulysses' attention kernel (dp over a group of one rank: module doc), so the planner is told so
+    m = MemoryInputs(param_bytes=4, compute_bytes=4, micro_batch=1, seq_len=tokens, response_len=tokens - PROMPT, logits_chunk=CHUNK,
+                     attention="ulysses")
     parts = memory_plan(plan_for(arch, layout, 1, 4), arch, layout, m, 0)
     return {k: parts[k] for k in ("activations", "grads", "fsdp_unshard")} | {"step": parts["activations"] + parts["grads"] + parts["fsdp_unshard"]}
 

@@ -120,10 +120,16 @@ def test_memory_plan_shards_and_kv_cache():
     # KV cache: 2 (K, V) x 32 layers x 8 KV heads x 128 x 2 bytes = 128 KiB per token, a quarter per
     # gen_tp-4 rank; 2 generation replicas share the sequences.
     kv_per_token = 128 * 1024 // 4
-    # training: 34 x s x b x h bytes of activations per layer (Korthikanti et al. 2022, 16-bit, no
-    # recompute, tp 1, without the attention-score term) + fp32 logits and their log-softmax on the
-    # one stage; FULL_SHARD holds two layers unsharded in bf16 (the current and the prefetched one)
-    acts = 32 * 34 * 1024 * 4096 + 2 * 1024 * 128256 * 4
+    # training, per token and decoder layer in bf16 (what an HF layer saves for backward; tp 1, SDPA with a
+    # padding mask): 2 RMSNorms x (fp32 input 4h + fp32 rsqrt 4 + normalised and weighted output 2h + 2h),
+    # q/k/v (k, v repeated to the 32 heads) and the output 4 x 4096 x 2, fp32 log-sum-exp 32 x 4, the bf16
+    # mask row 1024 x 2, MLP gate / act / up / product 4 x 14336 x 2; then the final norm (8h + 4) once,
+    # and the fp32 logits and their log-softmax on the one stage; FULL_SHARD holds two layers unsharded in
+    # bf16 (the current and the prefetched one)
+    per_layer = 2 * (4096 * 8 + 4) + 4 * 4096 * 2 + 32 * 4 + 1024 * 2 + 4 * 14336 * 2
+    assert per_layer == 215_176  # 52.5 h bytes per token (Korthikanti et al.'s 34 h for a 16-bit GPT layer)
+    backbone = 1024 * (32 * per_layer + 4096 * 8 + 4)
+    acts = backbone + 2 * 1024 * 128256 * 4
     unshard = 2 * layer * 2
     train_peak = n // 2 + n // 2 + n + acts + unshard  # fp32 params + grads (1/8 each), Adam's two moments
 
@@ -143,15 +149,100 @@ def test_memory_plan_shards_and_kv_cache():
     # (3 x 1024 x V x 4; the micro-batch's 1,024 tokens are one chunk) and, the head being bf16, the
     # fp32 accumulator of its weight gradient (V x h x 4)
     (chunked, _) = rows(arch, ParallelDims(dp=8), 4, Cluster(), MemoryInputs(rollout_seqs=256, seq_len=1024, logits_chunk=1024))
-    assert chunked["memory"]["activations"] == 32 * 34 * 1024 * 4096 + 3 * 1024 * 128256 * 4 + 128256 * 4096 * 4
+    assert chunked["memory"]["activations"] == backbone + 3 * 1024 * 128256 * 4 + 128256 * 4096 * 4
     (chunked, _) = rows(arch, ParallelDims(dp=8), 4, Cluster(), MemoryInputs(rollout_seqs=256, seq_len=1024, micro_batch=8, logits_chunk=1024))
-    assert chunked["memory"]["activations"] == 8 * 32 * 34 * 1024 * 4096 + 3 * 1024 * 128256 * 4 + 128256 * 4096 * 4  # 8 x the tokens, 1 chunk
+    assert chunked["memory"]["activations"] == 8 * backbone + 3 * 1024 * 128256 * 4 + 128256 * 4096 * 4  # 8 x the tokens, 1 chunk
 
     (opt, naive) = rows(arch, ParallelDims(dp=8), 4, Cluster(), MemoryInputs(rollout_seqs=1024, seq_len=1024, logits_chunk=None))
     gen_peak = n // 2 + n + gen_weights + 16 * GIB
     assert embed > layer and gen_peak > train_peak
     assert opt["memory_per_rank_bytes"] == gen_peak
     assert naive["memory_per_rank_bytes"] == gen_peak + embed * 2
+
+
+# Decoder-layer shapes for the saved-tensor oracle: the tiny model's Qwen2 (q/k/v biases), SmolLM2-135M's Llama layer
+# (9 / 3 heads of 64, MLP 1536) and a Qwen3 layer (per-head q/k norms, head_dim 96 != hidden / heads).
+LAYER_SHAPES = {
+    "qwen2-tiny": dict(model_type="qwen2", hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256),
+    "smollm2": dict(model_type="llama", hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64, intermediate_size=1536),
+    "qwen3": dict(model_type="qwen3", hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=96, intermediate_size=384),
+}
+
+
+def _saved_by_one_layer(shape: dict, dtype: torch.dtype, attention: str, b: int, s: int, monkeypatch) -> int:
+    """Bytes autograd keeps for backward from decoder layer 0 of a real HF model (two layers, random
+    weights) in a training forward of b left-padded sequences of s tokens: every tensor a
+    saved_tensors_hook sees during that layer's forward, counted once per storage, less the
+    parameters and what the model shares across layers (the layer's RoPE cos / sin and mask kwargs)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(shape)
+    hf = AutoConfig.for_model(cfg.pop("model_type"), **cfg, num_hidden_layers=2, vocab_size=256, max_position_embeddings=4 * s)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf).to(dtype).train()
+    kwargs = {}
+    if attention == "ulysses":  # the Ulysses kernel on one rank: its all-to-alls are copies (what a group of one does)
+        from hybridflow.parallel import ulysses
+
+        monkeypatch.setattr(ulysses, "all_to_all", lambda x, group, scatter_dim, gather_dim: x.clone())
+        ulysses.install(model)
+        kwargs["ulysses"] = ulysses.SeqShard(None, torch.tensor([0, s]))
+        assert b == 1  # one packed row
+    else:
+        model.set_attn_implementation(attention)
+    skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    layer = model.model.layers[0]
+    forward = layer.forward
+
+    def hooked(*args, **kw):
+        shared = [*kw.get("position_embeddings", ()), kw.get("attention_mask")]
+        skip.update(t.untyped_storage().data_ptr() for t in shared if isinstance(t, torch.Tensor))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            return forward(*args, **kw)
+
+    layer.forward = hooked
+    mask = torch.ones(b, s, dtype=torch.long)
+    mask[1:, : s // 4] = 0  # left padding: transformers builds (and SDPA gets) a padding mask
+    ids = torch.randint(3, 256, (b, s), generator=torch.Generator().manual_seed(0))
+    if attention == "ulysses":
+        from hybridflow.parallel import ulysses
+
+        with ulysses.sharded_forward():
+            model(input_ids=ids, position_ids=torch.arange(s)[None], **kwargs)
+    else:
+        model(input_ids=ids, attention_mask=mask)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("name,dtype,attention,b", [
+    ("qwen2-tiny", torch.float32, "sdpa", 2), ("qwen2-tiny", torch.bfloat16, "eager", 2), ("qwen2-tiny", torch.float32, "ulysses", 1),
+    ("smollm2", torch.float32, "sdpa", 2), ("smollm2", torch.bfloat16, "sdpa", 2), ("smollm2", torch.bfloat16, "eager", 2),
+    ("smollm2", torch.bfloat16, "ulysses", 1), ("qwen3", torch.bfloat16, "sdpa", 2), ("qwen3", torch.float32, "eager", 2),
+])
+def test_layer_activation_bytes_equal_what_autograd_saves(name, dtype, attention, b, monkeypatch):
+    """The planner's per-layer activation term (`cost.layer_activation_bytes`, from the config alone)
+    against the oracle: the bytes autograd saves for backward in a real HF decoder layer, counted by
+    saved_tensors_hooks (`_saved_by_one_layer`). Equal to the byte on torch 2.13 / transformers 5.25;
+    the 1% tolerance leaves room for small bookkeeping tensors another version may save (e.g. CUDA's
+    dropout seeds), not for a missing [tokens, hidden] tensor (>= 4% of a layer's bytes in every case here)."""
+    from hybridflow.planning.cost import layer_activation_bytes
+
+    s = 64
+    cfg = dict(LAYER_SHAPES[name], num_hidden_layers=2, vocab_size=256)
+    arch = Arch.from_config(cfg, name)
+    measured = _saved_by_one_layer(LAYER_SHAPES[name], dtype, attention, b, s, monkeypatch)
+    predicted = layer_activation_bytes(arch, b, s, dtype.itemsize, attention=attention)
+    assert predicted == pytest.approx(measured, rel=0.01), (measured / (b * s), predicted / (b * s))
+    # the old constant, Korthikanti et al.'s 34 h bytes per token in 16-bit, under-counts these layers
+    assert measured > 34 * arch.hidden * b * s * dtype.itemsize / 2
 
 
 def test_logprob_pass_memory_by_hand():
@@ -170,6 +261,29 @@ def test_logprob_pass_memory_by_hand():
     # a short chunk: a decoder layer's MLP (3 h + 3 i per token) is the larger transient
     small = logprob_pass_bytes(arch, MemoryInputs(compute_bytes=4, micro_batch=16, seq_len=1040, response_len=1024, logits_chunk=64))
     assert small == (3 * 576 + 3 * 1536) * 16 * 1040 * 4
+
+
+def test_preflight_counts_the_engines_attention_kernel(tiny_model_dir):
+    """The pre-flight memory check plans the kernel the engine runs: eager (with its [heads, s, s]
+    probabilities) for bf16 compute on CPU (engine/cpu_kernels.py), SDPA on CUDA, in fp32 and in the
+    exact rollout mode."""
+    from hybridflow.config.loader import load_config
+    from hybridflow.config.schema import MICRO_BATCH_CAP
+    from hybridflow.planning.cost import layer_activation_bytes
+    from hybridflow.planning.preflight import pool_memory
+
+    base = [f"actor_rollout_ref.model.path={tiny_model_dir}", "data.train_files=[x]", "actor_rollout_ref.actor.fsdp_config.mixed_precision=bf16"]
+
+    def acts(*extra: str) -> int:
+        return next(iter(pool_memory(load_config(None, [*base, *extra])).values()))["parts"]["actor_rollout"]["activations"]
+
+    cpu, cuda, exact = acts("trainer.device=cpu"), acts("trainer.device=cuda"), acts("trainer.device=cpu", "actor_rollout_ref.rollout.exact=true")
+    cfg = load_config(None, base)
+    arch, seq = load_arch(str(tiny_model_dir)), cfg.data.max_prompt_length + cfg.data.max_response_length
+    b = cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu or MICRO_BATCH_CAP  # the pre-flight's micro-batch when unset
+    per_layer = {k: layer_activation_bytes(arch, b, seq, 2, attention=k) for k in ("eager", "sdpa")}
+    assert cpu - cuda == arch.layers * (per_layer["eager"] - per_layer["sdpa"]) > 0
+    assert exact == cuda
 
 
 def test_search_ranks_and_says_why(tmp_path):

@@ -216,18 +216,22 @@ def test_planner_divides_activations_by_sp_and_searches_sp_where_dp_does_not_fit
 
     from hybridflow.parallel.dims import ParallelDims
     from hybridflow.planning.arch import load_arch
-    from hybridflow.planning.cost import GIB, Cluster, MemoryInputs, memory_plan, plan_for
+    from hybridflow.planning.cost import GIB, Cluster, MemoryInputs, layer_activation_bytes, memory_plan, norm_bytes, plan_for
     from hybridflow.planning.search import search
 
-    arch, m = load_arch("qwen2.5-7b"), MemoryInputs(seq_len=32768, response_len=31744, rollout_seqs=16, logits_chunk=None)
+    arch, m = load_arch("qwen2.5-7b"), MemoryInputs(seq_len=16384, response_len=15360, rollout_seqs=16, logits_chunk=None)
     acts = {}
     for sp in (1, 2, 4):
         lay = ParallelDims.for_world(8, sp=sp)
         acts[sp] = memory_plan(plan_for(arch, lay, 1, 2), arch, lay, m, 0)["activations"]
-    layer = arch.layers * 32768 * arch.hidden * 34 * m.compute_bytes // 2  # Korthikanti's 34 s b h per layer, 16-bit
-    assert acts[1] == layer + 2 * 31744 * arch.vocab * 4  # plain logits: the response positions
-    for sp in (2, 4):
-        assert acts[sp] == layer // sp + 2 * (32768 // sp) * arch.vocab * 4  # every local position through the head
+
+    def backbone(tokens: int, attention: str) -> int:  # the decoder layers' saved tensors and the final norm's (planning/cost.py)
+        return arch.layers * layer_activation_bytes(arch, 1, tokens, 2, attention=attention) + tokens * (norm_bytes(arch.hidden, 2) + 2 * arch.hidden)
+
+    assert acts[1] == backbone(16384, "sdpa") + 2 * 15360 * arch.vocab * 4  # plain logits: the response positions
+    for sp in (2, 4):  # the rank's tokens through Ulysses' attention (no mask), every local position through the head
+        assert acts[sp] == backbone(16384 // sp, "ulysses") + 2 * (16384 // sp) * arch.vocab * 4
+    assert acts[2] / acts[1] < 0.5 and acts[4] / acts[1] < 0.25  # at least 1 / sp: SDPA's padding-mask row per token goes too
     ranked, invalid = search(arch, Cluster(gpus_per_node=8), dataclasses.replace(m, logits_chunk=1024), gen_tps=[4])  # the default chunked head
     fits = {r["train_layout"] for r in ranked}
     assert "dp8" not in fits and {"sp2xdp8", "sp4xdp8"} <= fits and any("dp8" == i.train_layout and "does not fit" in i.reason for i in invalid)

@@ -48,6 +48,11 @@ def parser() -> argparse.ArgumentParser:
     w.add_argument("--response-length", type=int, default=1024)
     w.add_argument("--micro-batch", type=int, default=1, help="sequences per training micro-batch per device")
     w.add_argument("--gradient-checkpointing", action="store_true")
+    w.add_argument("--attention", default="sdpa", choices=["sdpa", "eager"],
+                   help="the attention kernel outside Ulysses (sp > 1 layouts run Ulysses'): eager keeps [heads, s, s] probabilities "
+                        "per layer (what the engine runs for bf16 on CPU)")
+    w.add_argument("--remove-padding", action="store_true", help="actor_rollout_ref.model.use_remove_padding: a micro-batch's "
+                                                                 "sequences packed into one row (the mask / scores then span b x s tokens)")
     w.add_argument("--logits-chunk", type=int, default=1024, metavar="N",
                    help="tokens per chunk of the chunked log-prob pass (actor_rollout_ref.model.fused_kernel_chunk_size); "
                         "0: the plain [tokens, vocab] logits pass (actor_rollout_ref.model.use_fused_kernels=false)")
@@ -83,6 +88,7 @@ def memory_from(args) -> MemoryInputs:
                         strategy=args.fsdp, micro_batch=args.micro_batch, seq_len=args.prompt_length + args.response_length,
                         response_len=args.response_length, logits_chunk=args.logits_chunk or None,
                         rollout_seqs=args.batch_size * args.n, gradient_checkpointing=args.gradient_checkpointing, lora_rank=args.lora_rank,
+                        attention=args.attention, packed=args.remove_padding,
                         buffer_percent=args.resharding_buffer_percent)
 
 

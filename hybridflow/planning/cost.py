@@ -14,8 +14,9 @@ Stated model (docs/planning.md explains it and its limits):
   is the training shards'). The naive switch gathers every full parameter over its holders
   (one collective per parameter, same per-link formula), then slices.
 - Memory per rank (bytes): training shards, gradients, AdamW state, activations of the micro-batch
-  (Korthikanti et al. 2022 without the attention-score term, i.e. flash/SDPA attention, no
-  sequence parallel; x pp micro-batches in flight for 1F1B; the fp32 logits term on the last stage:
+  (what an HF decoder layer saves for backward, from the config: `layer_activation_bytes`, measured
+  tensor by tensor with saved-tensor hooks; x pp micro-batches in flight for 1F1B; the final norm and
+  the fp32 logits term on the last stage:
   [tokens, V] for the plain logits pass, [chunk, V] for the chunked one, `logits_bytes`; under
   Ulysses (layout.sp) a rank holds the activations of its seq_len / sp tokens, and every one of them
   goes through the head),
@@ -28,7 +29,8 @@ Stated model (docs/planning.md explains it and its limits):
 - MoE (`expert_comm`): expert weights are sharded by expert over ep (the plan's boxes), FSDP2 gathers
   a layer's experts over dp / ep only (`fsdp_unshard`); per training step the experts' FSDP2 traffic
   and the tokens' all-to-all are predicted (uniform routing) and added to the ranking (`search.py`).
-  Activations use the dense formula (not the k routed copies of each token).
+  Activations: a sparse layer's MLP term counts the token's top_k experts (`mlp_width`), not the k
+  routed copies of its hidden state.
 """
 
 from __future__ import annotations
@@ -91,6 +93,8 @@ class MemoryInputs:
     buffer_percent: float | None = None  # actor_rollout_ref.hybrid_engine.resharding_buffer_percent (None: 2 layers in flight)
     response_len: int | None = None  # tokens per sequence whose log-probs are computed (None: seq_len)
     logits_chunk: int | None = 1024  # model.fused_kernel_chunk_size under model.use_fused_kernels; None: the plain logits pass
+    attention: str = "sdpa"  # sdpa | eager | ulysses: the attention kernel (`layer_activation_bytes`; layout.sp > 1 runs ulysses)
+    packed: bool = False  # model.use_remove_padding: a micro-batch's sequences in one row (the mask / eager's scores span b x s tokens)
 
 
 def logits_bytes(tokens: int, vocab: int, chunk: int | None, buffers: int) -> int:
@@ -111,6 +115,62 @@ def train_logits_bytes(arch: Arch, m: MemoryInputs, sp: int = 1) -> int:
     return logits_bytes(tokens, arch.vocab, m.logits_chunk, 3) + (arch.vocab * arch.hidden * 4 if m.compute_bytes < 4 else 0)
 
 
+ATTENTION_KINDS = ("sdpa", "eager", "ulysses")
+
+
+def norm_bytes(width: int, c: int, rows: int = 1) -> int:
+    """Bytes an HF RMSNorm saves per token (Llama/Qwen: the input upcast to fp32, x * rsqrt(mean(x^2)),
+    cast back, times the weight): its fp32 input [width] (a copy when c < 4), the fp32 rsqrt [rows] and
+    the normalised value [width] in the compute dtype (c bytes); rows > 1 for Qwen3's per-head q/k norms."""
+    return width * (4 + c) + 4 * rows
+
+
+def mlp_width(arch: Arch, layer: int) -> int:
+    """The MLP width a token goes through in `layer`: the dense intermediate size, or an MoE layer's
+    top_k experts (+ the shared expert): the routed copies of the token themselves are not counted."""
+    return arch.top_k * arch.expert_intermediate + arch.shared_intermediate if arch.sparse(layer) else arch.intermediate
+
+
+def layer_activation_bytes(arch: Arch, b: int, s: int, c: int, tp: int = 1, attention: str = "sdpa", packed: bool = False,
+                           layer: int = 0) -> int:
+    """Bytes one HF decoder layer (Llama / Mistral / Qwen2 / Qwen3; transformers 5) keeps for backward,
+    for a micro-batch of b sequences of s tokens in compute dtype c bytes, TP degree tp (q, kv and the
+    MLP split, the norms replicated). Per token, q = heads x head_dim, kv = kv_heads x head_dim:
+
+    - 2 RMSNorms (input, post-attention): each `norm_bytes(h)` = h (4 + c) + 4, plus the weighted output
+      [h] (c bytes), which is the next projections' input: 2 (h (4 + 2c) + 4);
+    - Qwen3's q/k norms: `norm_bytes(q, heads)` + `norm_bytes(kv, kv_heads)`;
+    - attention, by kernel (`attention`):
+      sdpa: q, k, v after RoPE and the output [q] each, 4 q c (transformers repeats k/v to every head
+        under a padding mask), the fp32 log-sum-exp [heads] (the output is the o_proj input: same
+        storage), and the padding mask as SDPA converts it from bool to the compute dtype, in every
+        layer: [span] per token (span: s, or b x s when the micro-batch is packed into one row). A
+        batch without padding runs causal SDPA with no mask and k/v at kv width: (2 q - 2 kv) c + span c less;
+      ulysses (`parallel/ulysses.py`): the same on [heads / sp, T] after the all-to-all, plus the output
+        again after the trade back (the o_proj input): 5 q c + 4 heads;
+      eager (`engine/cpu_kernels.py`: bf16 on CPU): q, K^T, V (repeated) and the output, 4 q c, plus
+        the softmax probabilities [heads, span] in fp32 and, when c < 4, their compute-dtype copy;
+    - MLP of width i (`mlp_width`): gate, act(gate), up and act(gate) x up [i] each, 4 i c.
+
+    Not per layer (not here): RoPE's cos / sin [s, head_dim] and the bool mask transformers builds,
+    once per forward and shared by every layer. tests/test_planning.py checks this against the bytes
+    autograd saves on real HF layers (saved_tensors_hooks), fp32 and bf16, sdpa, eager and ulysses."""
+    if attention not in ATTENTION_KINDS:
+        raise ValueError(f"attention {attention!r}: one of {', '.join(ATTENTION_KINDS)}")
+    h, q, kv, heads = arch.hidden, arch.heads * arch.head_dim // tp, arch.kv_heads * arch.head_dim // tp, arch.heads // tp
+    per_token = 2 * (norm_bytes(h, c) + h * c) + 4 * mlp_width(arch, layer) // tp * c
+    if arch.qk_norm:
+        per_token += norm_bytes(q, c, heads) + norm_bytes(kv, c, arch.kv_heads // tp)
+    span = b * s if packed else s  # the keys a query's row of scores (or of the mask) spans
+    if attention == "eager":
+        per_token += 4 * q * c + heads * span * (4 + (c if c < 4 else 0))
+    elif attention == "sdpa":
+        per_token += 4 * q * c + 4 * heads + span * c
+    else:  # ulysses: causal SDPA inside each packed sequence, no mask
+        per_token += 5 * q * c + 4 * heads
+    return b * s * per_token
+
+
 def logprob_pass_bytes(arch: Arch, m: MemoryInputs, entropy: bool = True, sp: int = 1) -> int:
     """Peak bytes of one no-grad log-prob micro-batch (old / ref / teacher log-probs) over the
     resident weights: the larger of
@@ -120,12 +180,16 @@ def logprob_pass_bytes(arch: Arch, m: MemoryInputs, entropy: bool = True, sp: in
     - the head: the final hidden states [b, s, h] and the kept positions [b, R, h], and the fp32
       vocabulary buffers (`logits_bytes`): with entropy the logits, the softmax and their product
       (3; 2 without entropy: the logits and the log-softmax), over b x (R + 1) positions (plain,
-      `logits_to_keep`) or one chunk.
+      `logits_to_keep`) or one chunk;
+    - eager attention (m.attention): the probabilities [b, heads, s, span] in fp32 and their
+      compute-dtype copy (`layer_activation_bytes`).
     Ulysses (sp > 1): the rank's seq_len / sp tokens, every one of them through the head."""
     b, s, r = m.micro_batch, math.ceil(m.seq_len / sp), m.response_len or m.seq_len
     if sp > 1:
         r = s - 1  # rows = b x s below: every local position is scored
     layer = (3 * arch.hidden + 3 * arch.intermediate) * b * s * m.compute_bytes
+    if m.attention == "eager" and sp == 1:  # the probabilities [b, heads, s, span] in fp32 and their compute-dtype copy
+        layer = max(layer, b * s * arch.heads * (b * s if m.packed else s) * (4 + (m.compute_bytes if m.compute_bytes < 4 else 0)))
     rows = b * (r + 1) if m.logits_chunk is None else b * r
     head = (b * s + b * r) * arch.hidden * m.compute_bytes + logits_bytes(rows, arch.vocab, m.logits_chunk, 3 if entropy else 2)
     return max(layer, head)
@@ -276,11 +340,13 @@ def memory_plan(plan: ReshardPlan, arch: Arch, layout: ParallelDims, m: MemoryIn
                     for p in layers) / max(1, arch.layers // layout.pp)
     unshard = 0 if m.strategy != "FULL_SHARD" else int(2 * per_layer * m.compute_bytes)  # current + prefetched layer
     s, b, h, L = math.ceil(m.seq_len / layout.sp), m.micro_batch, arch.hidden, arch.layers // layout.pp  # Ulysses: s / sp tokens per rank
-    full_layer = s * b * h * (10 + 24 / layout.tp) * m.compute_bytes / 2
-    acts = (L * s * b * h * m.compute_bytes + full_layer) if m.gradient_checkpointing else L * full_layer
+    attention = "ulysses" if layout.sp > 1 else m.attention
+    saved = [layer_activation_bytes(arch, b, s, m.compute_bytes, layout.tp, attention, m.packed, i) for i in range(pp_i * L, (pp_i + 1) * L)]
+    # gradient checkpointing: each layer keeps its input [b, s, h]; backward recomputes one layer at a time
+    acts = (L * s * b * h * m.compute_bytes + max(saved)) if m.gradient_checkpointing else sum(saved)
     acts *= layout.pp if pp_i == 0 else 1  # 1F1B: the first stage holds pp micro-batches' activations
-    if pp_i == layout.pp - 1:
-        acts += train_logits_bytes(arch, m, layout.sp)  # the fp32 logits term: [tokens, V] plain, [chunk, V] chunked
+    if pp_i == layout.pp - 1:  # the final norm (its weighted output is the head's input), the fp32 logits term: [tokens, V] plain, [chunk, V] chunked
+        acts += b * s * (norm_bytes(h, m.compute_bytes) + h * m.compute_bytes) + train_logits_bytes(arch, m, layout.sp)
     gen_dp = plan.world_size // plan.gen_tp
     tokens = math.ceil(m.rollout_seqs / gen_dp) * m.seq_len
     kv = 2 * arch.layers * (arch.kv_heads // plan.gen_tp) * arch.head_dim * m.gen_bytes * tokens

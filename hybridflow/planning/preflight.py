@@ -4,7 +4,8 @@ Per pool, every role placed on it keeps its resident state (parameters; optimize
 trains) for the whole run, and the phases take turns: the actor's update (gradients, activations,
 FSDP's unsharded layers), the actor's generation (generation weights, KV cache), the critic's
 update, the forward-only roles' log-prob passes (the logits term is [tokens, vocab], or [chunk,
-vocab] under model.use_fused_kernels). Pool peak = resident + the largest phase, from the same
+vocab] under model.use_fused_kernels; the attention kernel is the engine's: eager, with its
+[heads, s, s] probabilities, for bf16 on CPU). Pool peak = resident + the largest phase, from the same
 cost model as `hybridflow plan` (cost.py). The budget per worker: `trainer.memory_budget_gib`
 when set; else the GPU's memory on CUDA; else, on CPU, this machine's RAM shared by every worker.
 """
@@ -30,6 +31,16 @@ BUDGET_KEY = "trainer.memory_budget_gib"
 
 def _strategy(fc: FSDPConfig) -> str:
     return fc.sharding_strategy or ("FULL_SHARD" if fc.reshard_after_forward else "SHARD_GRAD_OP")
+
+
+def _attention(cfg: HybridFlowConfig, fc: FSDPConfig, exact: bool) -> str:
+    """The attention kernel a role's engine runs outside Ulysses: eager for bf16 compute on CPU
+    (`engine/cpu_kernels.py`, not in the exact mode), else SDPA (Ulysses, sp > 1, is the layout's)."""
+    if fc.mixed_precision not in ("bf16", "bfloat16") or exact or cfg.trainer.device == "cuda":
+        return "sdpa"
+    import torch
+
+    return "eager" if cfg.trainer.device == "cpu" or not torch.cuda.is_available() else "sdpa"
 
 
 def _role_memory(arch: Arch, layout: ParallelDims, gen_tp: int, fc: FSDPConfig, m: MemoryInputs, trains: bool,
@@ -63,8 +74,10 @@ def pool_memory(cfg: HybridFlowConfig, roles: list[rp.Role] | None = None) -> di
                  }.get(role, arr.actor.ppo_micro_batch_size_per_gpu) or MICRO_BATCH_CAP
         chunk = {rp.Role.CRITIC: None, rp.Role.REWARD_MODEL: cfg.reward_model.model.logprob_chunk(),
                  rp.Role.TEACHER: cfg.teacher.model.logprob_chunk()}.get(role, arr.model.logprob_chunk())
+        mcfg = {rp.Role.CRITIC: critic.model, rp.Role.REWARD_MODEL: cfg.reward_model.model, rp.Role.TEACHER: cfg.teacher.model}.get(role, arr.model)
+        exact = role in (rp.Role.ACTOR_ROLLOUT, rp.Role.REF) and arr.rollout.rollout.exact
         m = MemoryInputs(param_bytes=4, compute_bytes=compute, gen_bytes=gen, strategy=_strategy(fc), seq_len=seq, response_len=d.max_response_length,
-                         logits_chunk=chunk, micro_batch=micro,
+                         logits_chunk=chunk, micro_batch=micro, attention=_attention(cfg, fc, exact), packed=bool(getattr(mcfg, "use_remove_padding", False)),
                          rollout_seqs=d.train_batch_size * rollout_n(cfg),
                          gradient_checkpointing=arr.model.enable_gradient_checkpointing, param_offload=fc.param_offload,
                          lora_rank={rp.Role.ACTOR_ROLLOUT: arr.model.lora_rank, rp.Role.CRITIC: critic.model.lora_rank}.get(role, 0))
