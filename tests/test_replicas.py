@@ -36,6 +36,8 @@ class VersionReplica(Worker):
     def __init__(self, hang_file: str = ""):
         super().__init__()
         self.held, self.hang_file, self.rng, self.slowdown, self.delay = -1, hang_file, random.Random(self.rank), 1.0, 0.0
+        if hang_file and os.path.exists(hang_file + ".slow_process"):  # a process that takes a while to start (a loaded machine)
+            time.sleep(float(open(hang_file + ".slow_process").read()))
 
     def dispatch_layout(self, layout):
         return self.rank, self.world_size, True
@@ -306,3 +308,45 @@ def test_a_replica_restart_blocks_no_healthy_replica(pool_group):
     assert replicas.incarnation == [1, 0] and not replicas.restarting
     out = replicas.submit("generate_requests", Batch.from_dict(non_tensors={"request": requests})).result(30)
     assert [c.token_ids for c in out["completion"]] == [(0, 0)] * 4  # both up, the restarted one holding the latest weights
+
+
+def test_a_restart_whose_process_starts_slowly_is_waited_for_by_every_caller(pool_group):
+    """The new process of a restarted replica takes 4 s to start, twice the 2 s request deadline (a Ray
+    actor importing torch on a loaded machine took over 8 s). Deadlines count from a call's start on
+    its worker, so the restart waits for the process, then gives its calls 2 s; another caller waiting
+    for that restart waits as long. Before, the restarter's init call was probed while the actor was
+    still being constructed (no answer: "late") and a waiting caller gave up after 2 s of wall clock:
+    `test_a_hung_replica_is_named_within_its_deadline_and_replaced` failed that way under load."""
+    group, hang = pool_group
+    replicas = ReplicaSet(group, "rollout", max_restarts=2, timeout_s=2.0)
+    replicas.submit("receive_weights", 7).result(30)
+    slow = f"{hang}.slow_process"
+    with open(slow, "w") as f:
+        f.write("4")
+    errors: list[BaseException] = []
+
+    def restart() -> None:
+        try:
+            replicas.recover(WorkerDiedError("killed", (0,)), list(replicas.incarnation))
+        except BaseException as e:  # noqa: BLE001  (asserted below)
+            errors.append(e)
+
+    thread = threading.Thread(target=restart)
+    try:
+        thread.start()
+        deadline = time.monotonic() + 10
+        while 0 not in replicas.restarting:
+            assert time.monotonic() < deadline, "the restart did not begin"
+            time.sleep(0.005)
+        start = time.monotonic()
+        replicas.submit("receive_weights", 8).result(30)  # waits for replica 0's restart, then reaches both replicas
+        waited = time.monotonic() - start
+    finally:
+        os.remove(slow)
+        thread.join(60)
+    assert not errors, errors
+    assert waited > 2.0, waited  # it did wait out the slow start, past the request deadline
+    assert replicas.incarnation == [1, 0] and replicas.restarts == 1
+    requests = [Request((1,), SamplingParams(max_new_tokens=2)) for _ in range(4)]
+    out = replicas.submit("generate_requests", Batch.from_dict(non_tensors={"request": requests})).result(30)
+    assert [c.token_ids for c in out["completion"]] == [(8, 8)] * 4  # both replicas hold the latest weights

@@ -298,16 +298,25 @@ class RayWorkerGroup:
     def pids(self) -> list[int]:
         return ray.get([w._group_pid.remote() for w in self.workers])
 
-    def replace_worker(self, rank: int) -> None:
+    def replace_worker(self, rank: int, start_timeout_s: float | None = None) -> None:
         """Kill rank `rank`'s actor and start a new one in its slot (same placement bundle, class,
         arguments and environment; named `<name>_<rank>_r<n>`, n counting this group's
         replacements). It joins no process group: only workers that need none (a generation
-        replica of one process) can be replaced."""
+        replica of one process) can be replaced. start_timeout_s: wait until the new process
+        answers a probe (it is up: interpreter, imports, constructor), at most that long. Calls'
+        deadlines count from their start on the worker, and an actor still being constructed
+        answers no probe, so a caller that times the new worker's first call should wait for this first."""
         remote_cls, init_kwargs, options = self._start
         ray.kill(self.workers[rank], no_restart=True)
         self.replaced += 1
         self.workers[rank] = remote_cls.options(**{**options[rank], "name": f"{options[rank]['name']}_r{self.replaced}"}).remote(**init_kwargs)
         _probed(self.workers[rank], self.worker_cls)
+        if start_timeout_s is not None and hasattr(self.worker_cls, "_group_calls"):
+            probe = self.workers[rank]._group_calls.options(concurrency_group=PROBE_GROUP).remote([])
+            if not ray.wait([probe], timeout=start_timeout_s)[0]:
+                pool = getattr(self.pool, "name", "global_pool")
+                raise WorkerTimeoutError(f"the replacement of rank {rank} (pool {pool!r}) did not start within {start_timeout_s:g} s", (rank,))
+            ray.get(probe)  # a constructor that raised: its error here
 
     def shutdown(self) -> None:
         for w in self.workers:

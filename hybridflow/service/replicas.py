@@ -40,6 +40,12 @@ logger = logging.getLogger("hybridflow")
 SYNC_METHODS = ("receive_weights", "weight_fingerprints")
 REQUEST_TIMEOUT_KEY = "actor_rollout_ref.rollout.request_timeout_s"  # the deadline of every wait on generation
 MAX_SESSIONS = 100_000  # sessions remembered for routing (the oldest forgotten first)
+# A restart has two bounds: the new process's start (a Ray actor: an interpreter importing torch; it took
+# over 8 s on a loaded 2-core machine, and an actor being constructed answers no probe) within
+# PROCESS_START_S, then its init and weight calls within timeout_s (request_timeout_s, counted from their
+# start on the worker as every call's deadline). A caller waiting for a restart another caller runs waits
+# for both, so it never gives up on a restart that is still in time.
+PROCESS_START_S = 120.0
 
 
 class ReplicaRestarted(WorkerCallError):
@@ -85,11 +91,13 @@ class ReplicaSet:
         return _Recovering(self, method, args, kwargs, pending, seen)
 
     def _wait_for_restarts(self, ranks, what: str) -> None:
-        """Under self.cond: until none of `ranks` is being restarted (at most timeout_s)."""
+        """Under self.cond: until none of `ranks` is being restarted (at most a process start + timeout_s,
+        the restart's own bound)."""
         wanted = set(ranks)
-        if not self.cond.wait_for(lambda: not (self.restarting & wanted), self.timeout_s):
+        bound = None if self.timeout_s is None else PROCESS_START_S + self.timeout_s
+        if not self.cond.wait_for(lambda: not (self.restarting & wanted), bound):
             raise WorkerTimeoutError(f"{what}: rollout replica(s) {sorted(self.restarting & wanted)} (pool {self.pool.name!r}) did not "
-                                     f"restart within {self.timeout_s} s (actor_rollout_ref.rollout.request_timeout_s)",
+                                     f"restart within {bound:.0f} s (a process start + actor_rollout_ref.rollout.request_timeout_s)",
                                      tuple(sorted(self.restarting & wanted)))
 
     def _route(self, data: Batch) -> tuple[list[int], Pending]:
@@ -210,7 +218,7 @@ class ReplicaSet:
 
     def _restart(self, rank: int, latest: tuple[tuple, dict] | None) -> Any:
         """A new process in the replica's slot: the model, then the latest weights (in call order)."""
-        self.group.replace_worker(rank)
+        self.group.replace_worker(rank, start_timeout_s=None if self.timeout_s is None else PROCESS_START_S)
         worker = self.group.workers[rank]
         calls = [getattr(worker, f"{self.role}__init_model").remote()]
         if latest is not None:
