@@ -28,10 +28,10 @@ import io
 import re
 from typing import Any, Mapping, Sequence
 
-from hybridflow.data.vision import IMAGE_FORMATS, pack_multi_modal_inputs
+from hybridflow.data.vision import IMAGE_FORMATS, IMAGE_PLACEHOLDER, pack_multi_modal_inputs, vision_messages
 
-__all__ = ["ImageError", "MAX_IMAGE_PIXELS", "decode_image", "has_images", "image_digest", "is_image_part", "render_with_images",
-           "split_images", "trajectory_image_inputs"]
+__all__ = ["ImageError", "MAX_IMAGE_PIXELS", "decode_image", "has_images", "image_digest", "is_image_part", "placeholder_messages",
+           "render_with_images", "split_images", "trajectory_image_inputs"]
 
 # width * height of one image, checked from its header before it is decoded: a 1 MB PNG can hold 100M+ pixels of zeros
 MAX_IMAGE_PIXELS = 4096 * 4096
@@ -154,3 +154,24 @@ def trajectory_image_inputs(image_inputs: Sequence[tuple[int, dict]]) -> dict:
     """A trajectory's images (`Trajectory.image_inputs`: (where, pixel inputs) per message, in order) as one row of the
     batch's ``multi_modal_inputs``: {"pixel_values": [sum P, D], "image_grid_thw": [n, 3]}, {} without images."""
     return pack_multi_modal_inputs([mm for _, mm in image_inputs])
+
+
+def placeholder_messages(messages: Sequence[Mapping[str, Any]], images: Sequence) -> list[dict]:
+    """A data row's prompt in verl's multimodal shape (``<image>`` placeholders in string contents, the row's ``images`` in
+    order) -> messages whose image parts carry their image (``{"type": "image", "image": <PIL image>}``), what the agent
+    loop tokenises through the processor. A row without placeholders comes back unchanged. ImageError when the counts
+    differ (the dataset checks them when it reads the rows; this guards a batch built by hand)."""
+    n = sum(m["content"].count(IMAGE_PLACEHOLDER) for m in messages if isinstance(m.get("content"), str))
+    if n != len(images):
+        raise ImageError(f"the prompt has {n} {IMAGE_PLACEHOLDER} placeholder(s) for {len(images)} image(s)")
+    if not n:
+        return [dict(m) for m in messages]
+    it = iter(images)
+    out = []
+    for m in messages:
+        if not isinstance(m.get("content"), str) or IMAGE_PLACEHOLDER not in m["content"]:
+            out.append(dict(m))
+            continue
+        split = vision_messages([m])[0]["content"]  # "a<image>b" -> text, image, text parts
+        out.append({**m, "content": [dict(p, image=next(it)) if p["type"] == "image" else p for p in split]})
+    return out

@@ -53,7 +53,7 @@ CHECKS = {
                      "against the model (MoE), the rollout backend (records the experts) and the layout",
     "rollout_backend": "(name, spec) -> problems: rollout.name names a registered (or importable) backend, and the backend's own checks of its RolloutSpec",
     "vision_model": "(model_path, freeze_vision_tower, rollout_name, continuous_batching, exact, gen_tp, pipeline_stages, async_rollout, "
-                    "multi_turn_or_agent, adv_estimator) -> problems: what a vision-language policy runs with (and freeze_vision_tower needs one)",
+                    "black_box_agent, adv_estimator) -> problems: what a vision-language policy runs with (and freeze_vision_tower needs one)",
 }
 _REGISTERED: dict[str, Callable] = {}
 
@@ -352,7 +352,7 @@ def validate_config(cfg: HybridFlowConfig, kind: Literal["rl", "dpo"] = "rl") ->
                                               bool(arr.rollout.multi_turn.enable or arr.rollout.agent.function or arr.rollout.agent.command)))
     p.extend(component_check("vision_model")(arr.model.path, arr.model.freeze_vision_tower, roll.name, roll.continuous_batching, roll.exact,
                                              roll.tensor_model_parallel_size, arr.actor.pipeline_model_parallel_size, t.async_rollout,
-                                             bool(roll.multi_turn.enable or roll.agent.function or roll.agent.command), alg.adv_estimator))
+                                             bool(roll.agent.function or roll.agent.command), alg.adv_estimator))
 
     # Roles and features that do not combine in one run.
     if t.async_rollout and alg.adv_estimator == "remax":

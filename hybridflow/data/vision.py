@@ -15,7 +15,9 @@ What travels in `Batch` (verl's names):
   value in all three; pads 0). The HF model takes it as [3, B, L]: ``position_ids.transpose(0, 1)``;
 - non-tensor ``multi_modal_inputs``: per row ``{"pixel_values": [P_i, C * T * patch**2], "image_grid_thw": [n_i, 3]}``
   (``{}`` for a row without images); `pack_multi_modal_inputs` concatenates a micro-batch's rows in order,
-  which is the layout the model's forward takes.
+  which is the layout the model's forward takes;
+- non-tensor ``multi_modal_data`` (verl's): per row ``{"image": [PIL.Image, ...]}``, the decoded images, which a multi-turn
+  rollout renders the prompt from with its tool schemas (read on the driver; no worker stage selects it).
 
 Simplified: images only (no video); the pixel inputs are computed once when the data is read and kept in
 memory (fine for the small images of the built-in task; a large image set would process lazily).
@@ -34,6 +36,9 @@ from hybridflow.protocol import Batch
 
 IMAGE_PLACEHOLDER = "<image>"
 MULTI_MODAL_KEY = "multi_modal_inputs"
+# verl's key of a row's decoded images ({"image": [PIL.Image, ...]}, in placeholder order): what a multi-turn rollout
+# renders the row's prompt from (with the tool schemas), on the driver only (no stage sends it to a worker)
+RAW_IMAGES_KEY = "multi_modal_data"
 
 
 # ------------------------------------------------------------------------------------------ images
@@ -186,7 +191,7 @@ class VisionRLDataset(RLDataset):
     def encode_prompt(self, file: str, row_no: int, row: dict, rec: dict) -> dict[str, Any]:
         images = row_images(file, row_no, row, rec["prompt"], self.image_key)
         try:
-            return encode_vision_prompt(self.processor, rec["prompt"], images)
+            return {**encode_vision_prompt(self.processor, rec["prompt"], images), RAW_IMAGES_KEY: {"image": images}}
         except DataError:
             raise
         except Exception as e:  # noqa: BLE001 - the processor's error, with file and row
@@ -201,6 +206,7 @@ def collate_vision(items: list[dict], pad_token_id: int, max_prompt_length: int,
     grid = pack_multi_modal_inputs(mm).get("image_grid_thw")
     batch["position_ids"] = mrope_position_ids(model_config, batch["input_ids"], batch["attention_mask"], grid)
     batch[MULTI_MODAL_KEY] = mm
+    batch[RAW_IMAGES_KEY] = [it.get(RAW_IMAGES_KEY) or {"image": []} for it in items]
     return batch
 
 

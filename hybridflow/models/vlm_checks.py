@@ -3,9 +3,11 @@ prompts and what is refused, one line per problem naming the key, before any wor
 
 Wired: FSDP2 / TP training of the actor and the reference (log-probs with the rows' pixel inputs), the HF rollout's
 per-call generate with images at rollout tensor_model_parallel_size 1, the colocated weight switch, GRPO-style
-estimators. Refused (not wired for images yet): vLLM, the continuous-batching scheduler and the exact sampler
-(they take token ids only), a critic (a value head on a VLM), pipeline stages, async rollout, multi-turn agents in the
-trainer (the agent loop itself takes images: agent/images.py), TP generation (untested).
+estimators, multi-turn rollouts with tools / environments on the driver (images in the prompt and in tool or
+environment messages: service/agent_rollout.py). Refused (not wired for images yet): vLLM, the continuous-batching
+scheduler and the exact sampler (they take token ids only), a critic (a value head on a VLM), pipeline stages, async
+rollout (so no rollout managers either), black-box agents in the trainer (the row they get holds no images), TP
+generation (untested).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ A, R = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
 
 @register_check("vision_model")
 def vision_model_problems(model_path: str, freeze_vision_tower: bool, rollout_name: str, continuous_batching: bool, exact: bool, gen_tp: int,
-                          pipeline_stages: int, async_rollout: bool, multi_turn_or_agent: bool, adv_estimator: str) -> list[str]:
+                          pipeline_stages: int, async_rollout: bool, black_box_agent: bool, adv_estimator: str) -> list[str]:
     from hybridflow.models.vlm import is_vlm_dir
 
     try:
@@ -46,10 +48,10 @@ def vision_model_problems(model_path: str, freeze_vision_tower: bool, rollout_na
         out.append(f"{A}.pipeline_model_parallel_size={pipeline_stages}: {what}; pipeline stages do not carry pixel inputs: set it to 1")
     if async_rollout:
         out.append(f"trainer.async_rollout=true: {what}; the rollout service's requests carry token ids only: set it to false")
-    if multi_turn_or_agent:
-        out.append(f"{R}.multi_turn / {R}.agent: {what}; the trainer's multi-turn rollout does not load its processor or carry the rows' "
-                   f"images yet (the agent loop and the OpenAI-compatible endpoint take images when given the processor: docs/vision.md): "
-                   f"disable multi-turn")
+    if black_box_agent:
+        out.append(f"{R}.agent.function / {R}.agent.command: {what}; a black-box agent gets the row as JSON, without its images, "
+                   f"and the trainer's endpoint is not tried with images: use {R}.multi_turn with tools or environments (they "
+                   f"take images: docs/vision.md), or unset the agent")
     if adv_estimator == "on_policy_distill":
         out.append(f"algorithm.adv_estimator=on_policy_distill: {what}; the teacher's forward is not given the rows' pixel inputs: "
                    f"use grpo, rloo or reinforce_plus_plus")

@@ -12,6 +12,11 @@ trajectories become the same batch a single-turn rollout returns, with tool toke
     tokens included), rollout_log_probs / rollout_untruncated_log_probs [b, R] (0 on tool tokens),
     and with async rollout rollout_policy_version [b, R] (the weights that sampled each turn).
 
+A vision-language policy (`models/vlm.py::is_vlm_dir`): the processor is loaded from the checkpoint, a row's
+trajectory starts from its prompt with its images (`<image>` placeholders, the batch's `multi_modal_data`), a tool's or
+environment's images join it (agent/images.py), and the batch adds each row's `multi_modal_inputs` (the trajectory's
+pixel inputs in order: the prompt's, then the messages') with position_ids as the M-RoPE index [b, 3, P+R].
+
 On rollout managers (service/managers.py) each manager packs its shard (`AgentRollout.pack`: tensors,
 the agent/* metrics' sums) and the driver merges the packs (`AgentRollout.merge`): the same batch,
 with nothing per trajectory or per turn left on the driver.
@@ -147,22 +152,40 @@ def trajectories_to_batch(trajs: list[Trajectory], pad_id: int, params: Sampling
     (agent/images.py): each row's images travel as its `multi_modal_inputs` (the single-turn VLM rows' key and shapes) and
     position_ids become the M-RoPE index [b, 3, P+R], so the trainer's log-prob pass sees the images the rollout saw."""
     out = packed_to_batch(pack_trajectories(trajs, pad_id, params.max_new_tokens), params)
-    if model_config is not None:
-        from hybridflow.data.vision import MULTI_MODAL_KEY, rows_position_ids
+    return with_images(out, trajs, model_config) if model_config is not None else out
 
-        rows = [t.multi_modal_inputs for t in trajs]
-        out["position_ids"] = rows_position_ids(model_config, out["input_ids"], out["attention_mask"], rows)  # [b, 3, P+R]
-        out[MULTI_MODAL_KEY] = rows
+
+def with_images(out: Batch, trajs: Sequence[Trajectory], model_config: Any) -> Batch:
+    """`out` (the rollout batch of `trajs`, in row order) with each row's images: `multi_modal_inputs` per row
+    ({"pixel_values": [P_i, D], "image_grid_thw": [n_i, 3]}, {} without images) and position_ids the M-RoPE index
+    [b, 3, P+R] over prompt + response (the single-turn VLM rows' layout)."""
+    from hybridflow.data.vision import MULTI_MODAL_KEY, rows_position_ids
+
+    rows = [t.multi_modal_inputs for t in trajs]
+    out["position_ids"] = rows_position_ids(model_config, out["input_ids"], out["attention_mask"], rows)  # [b, 3, P+R]
+    out[MULTI_MODAL_KEY] = rows
     return out
 
 
 class AgentRollout:
     """The step's multi-turn rollouts through a rollout group (`generate_requests`)."""
 
+    model_config: Any = None  # a vision-language policy's HF config (its rope index for the batch); None: a text policy
+
     def __init__(self, multi_turn: MultiTurnConfig, max_response_length: int, tokenizer: Any, agent: AgentConfig | None = None,
-                 max_prompt_length: int = 0, model_name: str = "policy"):
+                 max_prompt_length: int = 0, model_name: str = "policy", model_path: str = ""):
+        """model_path: the policy's checkpoint; a vision-language one's processor and config are loaded from it (images in
+        the prompts, tools' and environments' messages, and the batch)."""
         self.tokenizer = tokenizer
         self.settings = agent_settings(multi_turn, max_response_length, agent, max_prompt_length, model_name)
+        if model_path:
+            from hybridflow.models.vlm import is_vlm_dir, load_processor
+
+            if is_vlm_dir(model_path):
+                from transformers import AutoConfig
+
+                self.settings = dataclasses.replace(self.settings, processor=load_processor(model_path))
+                self.model_config = AutoConfig.from_pretrained(model_path)
         path = multi_turn.tool_config_path
         self.tools = load_tool_config(path) if path else []
         self._last: list[Trajectory] | None = []
@@ -182,7 +205,8 @@ class AgentRollout:
         """The rollout batch of the step's trajectories (in row order), their rewards and agent/* metrics
         (latencies: its model turns', seconds)."""
         self._last, self._last_parts = trajs, None
-        return self.from_packed(self.pack(trajs), params, generate_calls, latencies)
+        out = self.from_packed(self.pack(trajs), params, generate_calls, latencies)
+        return with_images(out, trajs, self.model_config) if self.model_config is not None else out
 
     def pack(self, trajs: Sequence[Trajectory]) -> PackedTrajectories:
         """`trajs` as tensors, R = the trajectories' token budget (a rollout manager packs its shard with this)."""
@@ -199,6 +223,8 @@ class AgentRollout:
               latencies: Sequence[float] = ()) -> Batch:
         """The batch of rollout managers' shards: (the shard's row indices, its pack, a Ray ref to its
         trajectories, fetched only if someone reads `last`)."""
+        if self.model_config is not None:  # a pack holds no pixel inputs (the managers run with async rollout, refused for a VLM)
+            raise NotImplementedError("rollout managers' packs carry no images: a vision-language policy's trajectories run on the driver")
         self._last, self._last_parts = None, [(rows, ref) for rows, _, ref in parts]
         packed = merge_packed([(rows, p) for rows, p, _ in parts], int(self.tokenizer.pad_token_id))
         return self.from_packed(packed, params, generate_calls, latencies)
@@ -219,8 +245,15 @@ class AgentRollout:
 
 
 def agent_rows(prompts: Batch) -> list[dict]:
-    """The rows a batch's trajectories start from: raw_prompt (chat messages) and extra_info (tools_kwargs, env, agent_name)."""
-    return [{"raw_prompt": list(prompts["raw_prompt"][i]), "extra_info": dict(prompts["extra_info"][i] or {})} for i in range(len(prompts))]
+    """The rows a batch's trajectories start from: raw_prompt (chat messages) and extra_info (tools_kwargs, env, agent_name).
+    A VLM's rows (the batch's `multi_modal_data`: each row's images): the prompt's `<image>` placeholders become image parts
+    holding those images (`agent/images.py::placeholder_messages`), which the processor tokenises with the tool schemas."""
+    from hybridflow.agent.images import placeholder_messages
+    from hybridflow.data.vision import RAW_IMAGES_KEY
+
+    images = list(prompts[RAW_IMAGES_KEY]) if RAW_IMAGES_KEY in prompts else [None] * len(prompts)
+    return [{"raw_prompt": placeholder_messages(list(prompts["raw_prompt"][i]), images[i]["image"]) if images[i] else list(prompts["raw_prompt"][i]),
+             "extra_info": dict(prompts["extra_info"][i] or {})} for i in range(len(prompts))]
 
 
 def served_model_name(path: str) -> str:

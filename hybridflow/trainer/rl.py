@@ -41,6 +41,7 @@ from hybridflow.algorithms.rollout_correction import resolve as resolve_correcti
 from hybridflow.config import ConfigError, HybridFlowConfig, save_config, to_dict, validate_config
 from hybridflow.config.pools import Role, pool_specs
 from hybridflow.data.dataset import RLDataset
+from hybridflow.data.vision import RAW_IMAGES_KEY
 from hybridflow.models.vlm import image_keys, prompt_collate, prompt_dataset
 from hybridflow.planning.preflight import check_memory
 from hybridflow.protocol import Batch
@@ -145,7 +146,9 @@ class RLTrainer:
         # Multi-turn (tools / environments): the agent loop on the driver; tool config read now.
         mt = self.run_plan.rollout.rollout.multi_turn
         self.agent = AgentRollout(mt, d.max_response_length, self.tokenizer, self.run_plan.rollout.rollout.agent, d.max_prompt_length,
-                                  served_model_name(mcfg.path)) if mt.enable else None
+                                  served_model_name(mcfg.path), mcfg.path) if mt.enable else None
+        # a VLM's multi-turn rollout renders each row's prompt from its decoded images (the driver's gen stage only)
+        self.raw_image_keys = [RAW_IMAGES_KEY] if self.image_keys and self.agent is not None else []
 
     def _train_data(self):
         """The training dataset and its collate function (RL: prompts)."""
@@ -290,9 +293,10 @@ class RLTrainer:
         a, roles, c = self.cfg.algorithm, self.roles, self.correction
         actor, ref, critic = self.actor, self.ref, self.critic
         actor_pool = self.pool_of(Role.ACTOR_ROLLOUT)
-        agent_keys = (["raw_prompt", "extra_info"], ["agent_reward"]) if self.agent is not None else ([], [])
-        routes = self._route_keys()
         images = self.image_keys  # a VLM's rows' image inputs, to generation and every training forward
+        # multi-turn: a trajectory's images (the prompt's, then its tools' / environment's) replace the row's image inputs
+        agent_keys = (["raw_prompt", "extra_info"] + self.raw_image_keys, ["agent_reward"] + images) if self.agent is not None else ([], [])
+        routes = self._route_keys()
         gen_stages = [Stage("gen", self._generate, PROMPT_KEYS + images + agent_keys[0], GEN_OUTPUTS + agent_keys[1] + routes, pool=actor_pool)]
         # The trainer's old log-probs: recomputed when asked, with async rollout, for rollout correction
         # and for distillation (its advantage is teacher - student log-prob).
@@ -347,7 +351,7 @@ class RLTrainer:
 
     def _prepare_batch_keys(self) -> list[str]:
         """The keys a step's batch starts with (the loader's columns and the group ids)."""
-        keys = PROMPT_KEYS + self.image_keys + SAMPLE_INFO_KEYS + ["uid"]
+        keys = PROMPT_KEYS + self.image_keys + self.raw_image_keys + SAMPLE_INFO_KEYS + ["uid"]
         if self.async_rollout:  # generated outside the flow (with its version per token; agents: their reward)
             keys += GEN_OUTPUTS + ["rollout_policy_version"] + (["agent_reward"] if self.agent is not None else []) + self._route_keys()
         if self.sample_flow is not None:  # dynamic sampling: generated and scored before the flow
