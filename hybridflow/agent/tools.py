@@ -46,6 +46,7 @@ from hybridflow.config.validate import register_check
 __all__ = [
     "CalculatorTool",
     "PythonTool",
+    "RenderTool",
     "Tool",
     "ToolCall",
     "ToolConfigError",
@@ -510,6 +511,28 @@ class CalculatorTool(Tool):
             return ToolResult(format_number(evaluate_arithmetic(expr, self.config)))
         except CalcError as e:
             return ToolResult(f"error: {e}", error=True)
+
+
+# ------------------------------------------------------------------------------------ render
+@register_tool("render")
+class RenderTool(Tool):
+    """Shows the row's canvas in colour (the ``vision_render`` task, `data/vision_task.py`): the row's
+    ``tools_kwargs.render.create_kwargs`` name the circle (colour, cx, cy, r, size); the result is its PNG, which a
+    vision-language policy reads as the tool message's image tokens (`agent/images.py`). A text-only policy cannot
+    take it (the agent loop refuses a tool image without a processor)."""
+
+    default_schema = function_schema("render", "Show the canvas in colour.", {}, [])
+
+    async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs: Any) -> ToolResult:
+        from hybridflow.data.vision_task import COLOURS, draw_circle, png_bytes
+
+        shape = self._instances.get(instance_id) or {}
+        try:
+            img = draw_circle(shape["colour"], int(shape["cx"]), int(shape["cy"]), int(shape["r"]), int(shape.get("size", 56)))
+        except (KeyError, TypeError, ValueError) as e:
+            return ToolResult(f"error: nothing to render ({type(e).__name__}: {e}); the row's tools_kwargs.render.create_kwargs "
+                              f"must name colour (one of {', '.join(COLOURS)}), cx, cy, r", error=True)
+        return ToolResult("rendered", images=[png_bytes(img)])
 
 
 # ------------------------------------------------------------------------------------ python

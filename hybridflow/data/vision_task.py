@@ -11,6 +11,11 @@ it, and GRPO with the exact-answer reward (`rewards/vision.py`) is what removes 
 
 The images are exact: no anti-aliasing, so every pixel is either white or exactly the circle's colour
 (tests count them).
+
+``vision_render`` (`make_vision_render_task`, multi-turn with images): the prompt's image shows the circle in grey
+(``HIDDEN``), so the colour cannot be read from it; the model may call the ``render`` tool (`agent/tools.py::RenderTool`,
+configured by the written ``tool_config.yaml``; the row's ``tools_kwargs`` hold the circle), whose tool message carries the
+coloured canvas as an image. The reward is the same exact answer (data source ``vision_colour``).
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ VISION_DATA_SOURCE = "vision_colour"
 COLOURS: dict[str, tuple[int, int, int]] = {"red": (220, 30, 30), "green": (30, 170, 50), "blue": (30, 60, 220), "yellow": (230, 200, 20)}
 BACKGROUND = (255, 255, 255)
 QUESTION = "<image>Which colour is the circle?"
+HIDDEN = (128, 128, 128)  # vision_render: the prompt's circle, before the render tool shows its colour
+RENDER_QUESTION = "<image>The circle is grey here. Call render to see its colour, then say which colour it is."
 
 
 def wrong_colour(colour: str) -> str:
@@ -31,12 +38,12 @@ def wrong_colour(colour: str) -> str:
     return names[(names.index(colour) + 1) % len(names)]
 
 
-def draw_circle(colour: str, cx: int, cy: int, r: int, size: int = 56):
-    """A ``size`` x ``size`` RGB image: white, one filled circle of ``COLOURS[colour]`` (pixel centres within r of (cx, cy))."""
+def draw_circle(colour: str, cx: int, cy: int, r: int, size: int = 56, fill: tuple[int, int, int] | None = None):
+    """A ``size`` x ``size`` RGB image: white, one filled circle of ``COLOURS[colour]`` (or ``fill``) (pixel centres within r of (cx, cy))."""
     from PIL import Image, ImageDraw
 
     img = Image.new("RGB", (size, size), BACKGROUND)
-    ImageDraw.Draw(img).ellipse([cx - r, cy - r, cx + r, cy + r], fill=COLOURS[colour])
+    ImageDraw.Draw(img).ellipse([cx - r, cy - r, cx + r, cy + r], fill=fill or COLOURS[colour])
     return img
 
 
@@ -95,3 +102,26 @@ def make_vision_task(out_dir, n_train: int = 256, n_val: int = 64, sft_copies: i
         "val": write_parquet(rl_rows("val", val), out / "val.parquet"),
         "sft": write_parquet(sft_rows, out / "sft.parquet"),
     }
+
+
+def make_vision_render_task(out_dir, n_train: int = 64, n_val: int = 16, size: int = 56, seed: int = 0) -> dict[str, pathlib.Path]:
+    """Write the ``vision_render`` task: ``train.parquet`` / ``val.parquet`` (verl's multimodal rows: the grey circle in
+    ``images``, the circle in ``extra_info.tools_kwargs.render.create_kwargs``) and ``tool_config.yaml`` (the render tool)."""
+    import json
+
+    out = pathlib.Path(out_dir)
+
+    def rows(split: str, n: int, split_seed: int) -> list[dict]:
+        rng = random.Random(split_seed)
+        drawn = [_draw_sample(rng, size) for _ in range(n)]
+        return [{"data_source": VISION_DATA_SOURCE, "prompt": [{"role": "user", "content": RENDER_QUESTION}],
+                 "images": [{"bytes": png_bytes(draw_circle(colour, geo["cx"], geo["cy"], geo["r"], size, fill=HIDDEN)), "path": None}],
+                 "ability": "vision", "reward_model": {"style": "rule", "ground_truth": colour},
+                 "extra_info": {"split": split, "index": i, "tools_kwargs": {"render": {"create_kwargs": {"colour": colour, **geo, "size": size}}}}}
+                for i, (colour, geo, _img) in enumerate(drawn)]
+
+    tool_config = out / "tool_config.yaml"
+    out.mkdir(parents=True, exist_ok=True)
+    tool_config.write_text(json.dumps({"tools": [{"class_name": "render", "config": {"type": "native"}}]}))  # JSON is YAML
+    return {"train": write_parquet(rows("train", n_train, seed * 2 + 1), out / "train.parquet"),
+            "val": write_parquet(rows("val", n_val, seed * 2 + 2), out / "val.parquet"), "tool_config": tool_config}
