@@ -292,7 +292,8 @@ def _vlm_worker(rank: int, world: int, port: int, path: str, out: str) -> None:
 
 def _hf_logprobs(path, batch, items, P):
     """The oracle: per row, a plain single-process HF forward of the unpadded prompt + response with the row's
-    pixel values; the model computes its own rope index (mm_token_type_ids, as its processor returns)."""
+    pixel values; the model computes its own rope index (mm_token_type_ids, as its processor returns); float64
+    log-softmax with the vision tokens' logits -inf (tests/test_vision_logprobs.py)."""
     from transformers import AutoConfig
 
     model, config = _load_model(path), AutoConfig.from_pretrained(str(path))
@@ -302,7 +303,9 @@ def _hf_logprobs(path, batch, items, P):
             n = int(batch["response_mask"][r].sum())
             ids = torch.tensor([it["input_ids"] + batch["responses"][r, :n].tolist()])
             logits = model(input_ids=ids, mm_token_type_ids=(ids == config.image_token_id).long(), **it["multi_modal_inputs"]).logits
-            lp = torch.log_softmax(logits[0, len(it["input_ids"]) - 1 : -1].double(), -1)  # [n, V]
+            z = logits[0, len(it["input_ids"]) - 1 : -1].double()  # [n, V]
+            z[:, [config.vision_start_token_id, config.vision_end_token_id, config.image_token_id, config.video_token_id]] = float("-inf")
+            lp = torch.log_softmax(z, -1)  # the vision tokens left out, as the rollout samples (never them) and the trainer scores
             out[r, :n] = lp.gather(-1, batch["responses"][r, :n, None])[:, 0].float()
     return out
 

@@ -27,7 +27,7 @@ from hybridflow.agent.openai_server import EndpointSettings, LiveEndpoint
 from hybridflow.agent.tools import Tool, ToolResult
 from hybridflow.models.tiny import main_make_model
 from hybridflow.models.vlm import load_processor
-from hybridflow.models.vlm_inputs import ImageRequest
+from hybridflow.models.vlm_inputs import ImageRequest, suppressed_token_ids
 from hybridflow.protocol import Completion, SamplingParams
 
 RENDER = {"type": "function", "function": {"name": "render", "description": "Draw a canvas of the given size.",
@@ -187,20 +187,23 @@ def test_the_trainers_log_probs_over_a_trajectory_with_images_equal_a_plain_hf_f
             ids = torch.tensor([traj.prompt_ids + traj.response_ids])
             n, P = len(traj.response_ids), len(traj.prompt_ids)
 
-            def logp(pixels):
+            def logp(pixels, suppress=()):
                 logits = model(input_ids=ids, mm_token_type_ids=(ids == config.image_token_id).long(),
                                pixel_values=torch.cat([o["pixel_values"] for o in pixels]),
                                image_grid_thw=torch.cat([o["image_grid_thw"] for o in pixels])).logits
-                return torch.log_softmax(logits[0, P - 1 : -1].double(), -1).gather(-1, ids[0, P:, None])[:, 0].float()  # [n]
+                z = logits[0, P - 1 : -1].double()  # [n, V]
+                z[:, list(suppress)] = float("-inf")  # the tokens the rollout never samples, left out of the softmax
+                return torch.log_softmax(z, -1).gather(-1, ids[0, P:, None])[:, 0].float()  # [n]
 
             want = logp(oracle)
             assert torch.equal(batch["responses"][r, :n], ids[0, P:]) and int(batch["attention_mask"][r].sum()) == P + n
             # fp32 forwards of a 0.19M-parameter model, padded against unpadded: ~1e-6 apart
             torch.testing.assert_close(ours[r, :n], want, rtol=0, atol=2e-5, msg=name)
             sampled = torch.arange(n) >= _last_turn_start(traj)  # the HF-sampled last turn
-            # the rollout's log-probs under the temperature alone (its behaviour ones are renormalised without the four
-            # suppressed vision tokens, ~0.02 higher here): the sampled turn was generated with the same images
-            torch.testing.assert_close(torch.tensor(traj.untruncated_log_probs)[sampled], want[sampled], rtol=0, atol=1e-5, msg=name)
+            # the rollout's log-probs under the temperature alone, renormalised without the four vision tokens it never samples
+            # (the trainer's TrainEngine leaves them out too: engine/model.py): the sampled turn was generated with the same images
+            masked = logp(oracle, suppressed_token_ids(config))
+            torch.testing.assert_close(torch.tensor(traj.untruncated_log_probs)[sampled], masked[sampled], rtol=0, atol=1e-5, msg=name)
             other = logp([{**o, "pixel_values": torch.flip(o["pixel_values"], dims=[0])} for o in oracle])
             assert (other - want)[sampled].abs().max() > 1e-4, name  # the pixels reach the log-probs
 

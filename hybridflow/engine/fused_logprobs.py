@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 import torch.nn as nn
@@ -44,11 +44,13 @@ log = logging.getLogger(__name__)
 DEFAULT_CHUNK = 1024  # tokens per chunk: [1024, 49152] fp32 logits = 192 MiB
 
 
-def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float, suppress: torch.Tensor | None) -> torch.Tensor:
     """fp32 logits [c, V] of hidden states h [c, H] under weight [V, H], divided by the temperature,
-    with the plain pass's ops (F.linear in the weight's dtype, .float(), / T)."""
+    with the plain pass's ops (F.linear in the weight's dtype, .float(), / T); the `suppress` columns
+    (token ids [k], a VLM's vision tokens) -inf, as `engine/model.py::suppress_logits` sets them."""
     z = F.linear(h, weight).float()
-    return z / temperature if temperature != 1.0 else z
+    z = z / temperature if temperature != 1.0 else z
+    return z.index_fill_(-1, suppress, float("-inf")) if suppress is not None else z
 
 
 class ChunkedLogProbs(torch.autograd.Function):
@@ -56,23 +58,26 @@ class ChunkedLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float, chunk: int,
-                with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                with_entropy: bool, suppress: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         n = hidden.shape[0]
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)  # [N]
         ent = torch.zeros(n, dtype=torch.float32, device=hidden.device)  # [N] (zeros when not asked)
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)  # [N], saved for backward
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
-            z = _chunk_logits(hidden[s:e], weight, temperature)  # [c, V]
+            z = _chunk_logits(hidden[s:e], weight, temperature, suppress)  # [c, V]
             lse_c = torch.logsumexp(z, dim=-1)  # [c]
             lse[s:e] = lse_c
             logp[s:e] = z.gather(-1, targets[s:e, None]).squeeze(-1) - lse_c
             if with_entropy:
                 z.sub_(lse_c[:, None])  # z - lse = log p, in place: [c, V]
-                ent[s:e] = -(z.exp() * z).sum(-1)  # H = -sum p log p
+                p = z.exp()
+                if suppress is not None:  # p = 0 there; 0 * -inf would be nan
+                    z.index_fill_(-1, suppress, 0.0)
+                ent[s:e] = -(p * z).sum(-1)  # H = -sum p log p
             del z
         ctx.save_for_backward(hidden, weight, targets, lse, ent)
-        ctx.temperature, ctx.chunk, ctx.with_entropy = temperature, chunk, with_entropy
+        ctx.temperature, ctx.chunk, ctx.with_entropy, ctx.suppress = temperature, chunk, with_entropy, suppress
         return logp, ent
 
     @staticmethod
@@ -91,7 +96,7 @@ class ChunkedLogProbs(torch.autograd.Function):
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
             h = hidden[s:e]  # [c, H]
-            z = _chunk_logits(h, weight, T)  # [c, V], recomputed
+            z = _chunk_logits(h, weight, T, ctx.suppress)  # [c, V], recomputed
             lse_c = lse[s:e, None]  # [c, 1]
             p = (z - lse_c).exp_()  # [c, V]
             gl = g_lp[s:e, None] if g_lp is not None else torch.zeros_like(lse_c)  # [c, 1]
@@ -102,6 +107,8 @@ class ChunkedLogProbs(torch.autograd.Function):
             else:
                 dz = p.mul_(gl).neg_()  # [c, V]
             del z
+            if ctx.suppress is not None:  # constants (-inf) in forward: no gradient (p * inf above is nan there)
+                dz.index_fill_(-1, ctx.suppress, 0.0)
             dz.scatter_add_(-1, targets[s:e, None], gl)
             if T != 1.0:
                 dz.div_(T)
@@ -112,16 +119,18 @@ class ChunkedLogProbs(torch.autograd.Function):
                 grad_w = dz.t() @ h  # [V, H]
             elif need_w:
                 grad_w.addmm_(dz.t().float() if dz.dtype != torch.float32 else dz.t(), h.float() if h.dtype != torch.float32 else h)  # [V, H]
-        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None
+        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None, None
 
 
 def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                     chunk: int = DEFAULT_CHUNK, with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                     chunk: int = DEFAULT_CHUNK, with_entropy: bool = True, suppress: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """(log p(targets), entropy) fp32 [...] of hidden [..., H] under the LM head weight [V, H] and
-    targets [...]; entropy is zeros unless with_entropy. At most [chunk, V] logits at once."""
+    targets [...]; entropy is zeros unless with_entropy. At most [chunk, V] logits at once.
+    suppress: token ids left out of the softmax (logits -inf; a VLM's vision tokens)."""
     lead = hidden.shape[:-1]
     h = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
-    lp, ent = ChunkedLogProbs.apply(h, weight, targets.reshape(-1).long(), float(temperature), max(1, int(chunk)), with_entropy)
+    ids = torch.tensor(list(suppress), dtype=torch.long, device=hidden.device) if suppress else None  # [k]
+    lp, ent = ChunkedLogProbs.apply(h, weight, targets.reshape(-1).long(), float(temperature), max(1, int(chunk)), with_entropy, ids)
     return lp.view(lead), ent.view(lead)
 
 
@@ -136,14 +145,14 @@ def _whole_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def token_head(hidden: torch.Tensor, head: nn.Linear, targets: torch.Tensor, temperature: float, chunk: int,
-               with_entropy: bool = True) -> torch.Tensor:
+               with_entropy: bool = True, suppress: Sequence[int] = ()) -> torch.Tensor:
     """(log-prob, entropy) [b, T, 2] of targets [b, T] from the last hidden states [b, T, H] (after the
     final norm) and the LM head `head`: what the plain pass's `token_head(logits, targets)` returns."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(hidden, DTensor):  # a TP input hook made it a replicated DTensor
         hidden = hidden.to_local()
-    lp, ent = chunked_logprobs(hidden, _whole_weight(head.weight), targets, temperature, chunk, with_entropy)
+    lp, ent = chunked_logprobs(hidden, _whole_weight(head.weight), targets, temperature, chunk, with_entropy, suppress)
     return torch.stack([lp, ent], dim=-1)
 
 
@@ -171,7 +180,8 @@ def warn_once(reason: str) -> None:
 
 
 @contextlib.contextmanager
-def head_returns_logprobs(model: nn.Module, targets: torch.Tensor, temperature: float, chunk: int, with_entropy: bool) -> Iterator[None]:
+def head_returns_logprobs(model: nn.Module, targets: torch.Tensor, temperature: float, chunk: int, with_entropy: bool,
+                          suppress: Sequence[int] = ()) -> Iterator[None]:
     """Within the block, `model`'s LM head returns (log-prob, entropy) [b, K, 2] of `targets` [b, K]
     for the hidden states [b, K, H] it is given, instead of logits [b, K, V]. The head is replaced
     inside the model's own forward, where FSDP2 has gathered its weight (and reduce-scatters its
@@ -182,7 +192,7 @@ def head_returns_logprobs(model: nn.Module, targets: torch.Tensor, temperature: 
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:  # hidden [b, K, H]
         mesh = hidden.device_mesh if isinstance(hidden, DTensor) else None
-        out = token_head(hidden, head, targets, temperature, chunk, with_entropy)  # [b, K, 2]
+        out = token_head(hidden, head, targets, temperature, chunk, with_entropy, suppress)  # [b, K, 2]
         return DTensor.from_local(out, mesh, [Replicate()] * mesh.ndim, run_check=False) if mesh is not None else out
 
     saved = head.__dict__.get("forward")  # an instance-level forward someone else set (None: the class's)

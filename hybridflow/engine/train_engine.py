@@ -46,6 +46,7 @@ from hybridflow.protocol import Batch
 from hybridflow.run_plan import UpdatePlan
 from hybridflow.models.lora import is_adapter_param, merged_state_dict
 from hybridflow.models.routing import clear as clear_routes
+from hybridflow.models.vlm_inputs import suppressed_token_ids
 from hybridflow.utils.checkpoint import load_sharded, save_sharded
 
 # loss_fn(log_prob [b, R], entropy [b, R], mb) -> scalar: the micro-batch's share of the loss.
@@ -107,6 +108,9 @@ class TrainEngine:
         # The whole model's parameters (a pipeline stage keeps only its own): the resharding plan's.
         self.full_shapes = {n: (tuple(p.shape), p.element_size()) for n, p in model.named_parameters()}
         self.lora = any(is_adapter_param(n) for n in self.full_shapes)  # LoRA adapters injected (models/lora.py)
+        # A VLM's vision tokens, which the rollout never samples: every token log-prob and entropy here (old, reference,
+        # the update's) leaves them out of the softmax too, so the policy trained is the one sampled (models/vlm_inputs.py)
+        self.suppress = suppressed_token_ids(getattr(model, "config", None))
         # bf16 compute on CPU: attention as two AMX matmuls (engine/cpu_kernels.py); not in the exact mode, whose
         # sampler (the generation model at gen_tp 1) must run the trainer's very kernels
         if fsdp.mixed_precision in MIXED_PRECISION_DTYPES and not exact:
@@ -115,6 +119,9 @@ class TrainEngine:
         if compile:  # before FSDP2: the compiled code replaces each layer's forward, FSDP2's hooks wrap it eagerly
             compile_decoder_layers(model)
         self.sp_group = mesh.sp_group  # Ulysses: token log-probs run with the packed sequence split over it (parallel/ulysses.py)
+        if self.suppress and (self.sp_group is not None or mesh.layout.pp > 1):
+            raise ValueError("a vision-language model's token log-probs run on FSDP2 / TP only: Ulysses and pipeline stages carry no "
+                             "pixel inputs (set the sequence-parallel and pipeline sizes to 1)")
         if self.sp_group is not None:
             ulysses.install(model)
         self.module, self.pipe = build_train_model(model, mesh, device, fsdp, pipeline_schedule, head=token_head,
@@ -234,7 +241,7 @@ class TrainEngine:
         """(log-prob, entropy) [b, R] of mb's responses; under Ulysses always packed with the sequence split over the sp group."""
         if self.sp_group is not None:
             return sequence_parallel.response_logprobs(self.module, mb, self.sp_group, temperature, self.logits_chunk, with_entropy)
-        return response_logprobs(self.module, mb, temperature, packed, exact, self.logits_chunk, with_entropy)
+        return response_logprobs(self.module, mb, temperature, packed, exact, self.logits_chunk, with_entropy, self.suppress)
 
     def forward_backward_module(self, batch: Batch, loss_fn: Callable[[nn.Module, Batch], torch.Tensor], micro_batch_size: int) -> None:
         """Accumulate the gradient of sum over micro-batches of loss_fn(module, mb), for losses on

@@ -16,7 +16,7 @@ micro-batch always runs left-padded; the log-probs are the same.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -28,6 +28,25 @@ from hybridflow.protocol import Request
 VISION_TOWER_PATTERNS = ("model.visual.*", "visual.*")
 # The config keys of the vision tokens (Qwen2-VL): a rollout never samples them (suppressed), so a response holds text only.
 VISION_TOKEN_KEYS = ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id")
+
+
+def suppressed_token_ids(config: Any) -> tuple[int, ...]:
+    """The token ids a policy never samples: a VLM's vision tokens (`VISION_TOKEN_KEYS` of its config), () for a text model
+    (no ``vision_config``). The one place both sides read: the HF rollout suppresses them when sampling, and the trainer's
+    log-prob pass (`engine/model.py`) masks their logits to -inf before the log-softmax, so the policy trained is the one
+    sampled (without it, the rollout's log-probs sit ~0.02 above the trainer's on the tiny VLM)."""
+    if getattr(config, "vision_config", None) is None:
+        return ()
+    return tuple(int(t) for t in (getattr(config, k, None) for k in VISION_TOKEN_KEYS) if t is not None)
+
+
+def suppress_logits(logits: torch.Tensor, suppress: Sequence[int]) -> torch.Tensor:
+    """logits [..., V] with the columns `suppress` set to -inf (out of place: autograd gives them no gradient), so the
+    log-softmax is the distribution renormalised without those tokens, the one the HF rollout samples from for a VLM.
+    `logits` itself when `suppress` is empty (a text model)."""
+    if not suppress:
+        return logits
+    return logits.index_fill(-1, torch.tensor(list(suppress), device=logits.device), float("-inf"))
 
 
 def is_multi_modal(mb: Any) -> bool:

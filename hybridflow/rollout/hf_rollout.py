@@ -38,7 +38,7 @@ from hybridflow.protocol import Batch, Completion, GenLayout, Request, SamplingP
 from hybridflow.rollout.base import Continuation, PrefixMissing, RolloutContext, generate_batch, left_padded, response_lengths
 from hybridflow.rollout.exact_sampler import Draft, sample_exact
 from hybridflow.rollout.scheduler import ContinuousScheduler, unsupported_reason
-from hybridflow.models.vlm_inputs import MULTI_MODAL_KEY, VISION_TOKEN_KEYS, forward_inputs, pack_multi_modal_inputs, request_images
+from hybridflow.models.vlm_inputs import MULTI_MODAL_KEY, forward_inputs, pack_multi_modal_inputs, request_images, suppress_logits, suppressed_token_ids
 
 
 class HFRollout:
@@ -175,8 +175,9 @@ class HFRollout:
             return None
         out = {k: v.to(self.device) for k, v in mm.items()}
         out["mm_token_type_ids"] = (ids == cfg.image_token_id).long()  # the model computes its rope index from it
-        # Never sample a vision token: a response's <|image_pad|> would be taken for an image's place in every later forward.
-        out["suppress_tokens"] = [t for t in (getattr(cfg, k, None) for k in VISION_TOKEN_KEYS) if t is not None]
+        # Never sample a vision token: a response's <|image_pad|> would be taken for an image's place in every later forward
+        # (the trainer's log-prob pass leaves the same ids out of its softmax: engine/model.py).
+        out["suppress_tokens"] = list(suppressed_token_ids(cfg))
         return out
 
     @torch.no_grad()
@@ -235,7 +236,9 @@ class HFRollout:
             out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=gen_cfg, tokenizer=tok, **model_kwargs)
         gen = out.sequences[:, input_ids.shape[1] :]  # [b, R'] with R' <= R
         routes = self._routes(forwards, attention_mask, gen.shape[1]) if self.recorder is not None else [None] * gen.shape[0]
-        logits = torch.stack(out.logits, dim=1).float() / temperature  # [b, R', V]
+        # [b, R', V]; the suppressed tokens -inf, as in the scores sampled from: the policy's own distribution (a VLM's, as the
+        # trainer computes it), before any truncation
+        logits = suppress_logits(torch.stack(out.logits, dim=1).float() / temperature, gen_cfg.suppress_tokens or ())
         untruncated = logprobs_from_logits(logits, gen).cpu()  # [b, R']
         # HF's processed scores: logits / T with the tokens top-k / top-p cut set to -inf
         scores = torch.stack(out.scores, dim=1).float() if sample else logits  # [b, R', V]
