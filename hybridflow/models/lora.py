@@ -14,11 +14,17 @@ training and generation share names and the switch needs no renaming.
 
 The reference policy is this model with its adapters disabled (`adapters_disabled`): the same base
 operations in the same order, so reference log-probs equal the base model's bit for bit.
+
+A vision-language model gets adapters on its language model only: the vision tower's linear layers
+(Qwen2-VL's `model.visual.blocks.N.attn.qkv / proj`, `mlp.fc1 / fc2`; Qwen2.5-VL's `mlp.gate_proj / up_proj /
+down_proj`, which `target_modules` names would match too; the merger's `model.visual.merger.mlp.0 / 2`) are
+excluded whatever the targets, so the tower stays the frozen base (`models/vlm_inputs.py::VISION_TOWER_PATTERNS`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 from typing import TYPE_CHECKING, Iterator
 
 from hybridflow.config.schema import ModelConfig
@@ -43,12 +49,32 @@ def base_name(name: str) -> str:
     return name.replace(".base_layer.", ".")
 
 
+# peft's exclude_modules as one regex (re.fullmatch on a module's name): the vision tower of a VLM (transformers v5 nests
+# it as model.visual, v4 as visual), whose modules never get an adapter.
+VISION_TOWER_MODULES = r"(model\.)?visual(\..*)?"
+
+
+def _is_vlm(m: ModelConfig) -> bool:
+    from hybridflow.models.vlm import is_vlm_dir
+
+    try:
+        return bool(m.path) and is_vlm_dir(m.path)
+    except (OSError, ValueError):  # an unreadable checkpoint fails where it is loaded
+        return False
+
+
 def lora_config(m: ModelConfig, exclude: tuple[str, ...] = ()):
+    """peft's LoraConfig of `m`; `exclude`: module names (or name suffixes) without an adapter; a VLM's (`m.path` holds an
+    image processor) vision tower is excluded too, so the same config builds the trainer's, the rollout's and the
+    exported adapter's layers."""
     from peft import LoraConfig
 
     targets = m.target_modules[0] if list(m.target_modules) == ["all-linear"] else list(m.target_modules)
+    skip: list[str] | str | None = list(exclude) or None
+    if _is_vlm(m):  # one regex: peft takes a list of names or a single pattern
+        skip = "|".join([VISION_TOWER_MODULES, *(rf"(.*\.)?{re.escape(x)}" for x in exclude)])
     return LoraConfig(r=m.lora_rank, lora_alpha=m.lora_alpha, target_modules=targets, lora_dropout=m.lora_dropout, bias="none",
-                      exclude_modules=list(exclude) or None)
+                      exclude_modules=skip)
 
 
 def apply_lora(model: nn.Module, m: ModelConfig, full: tuple[str, ...] = ()) -> nn.Module:
