@@ -93,10 +93,12 @@ def test_rollout_logprobs_equal_the_trainers_masked_pass(vlm):
 def test_masked_logprob_gradients_are_finite_and_the_chunked_head_matches():
     """Backward through the -inf columns: log-prob and entropy gradients (entropy coefficient 0, 3 and -0.5: the -inf * g_H
     terms that would be nan) are finite, 0 for the suppressed logits, and the chunked head's equal autograd's of the plain
-    pass."""
+    pass. A position whose target is itself suppressed (a tool's image token in a multi-turn response, mask 0) keeps its
+    plain logits: a finite log-prob, so no masked product turns nan."""
     g = torch.Generator().manual_seed(0)
     hidden, weight = torch.randn(7, 16, generator=g, dtype=torch.float64), torch.randn(40, 16, generator=g, dtype=torch.float64)
     targets, suppress = torch.randint(0, 36, (7,), generator=g), (36, 37, 38, 39)
+    targets[4] = 38  # an image token as the target
     for coef in (0.0, 3.0, -0.5):
         grads = []
         for chunked in (False, True):
@@ -104,11 +106,13 @@ def test_masked_logprob_gradients_are_finite_and_the_chunked_head_matches():
             if chunked:
                 lp, ent = chunked_logprobs(h, w, targets, temperature=0.7, chunk=3, suppress=suppress)
             else:
-                z = suppress_logits(h @ w.T / 0.7, suppress)  # [7, 40]
+                z = suppress_logits(h @ w.T / 0.7, suppress, targets)  # [7, 40]
                 lp, ent = torch.log_softmax(z, -1).gather(-1, targets[:, None])[:, 0], masked_entropy(z, suppress)
             (lp.sum() + coef * ent.sum()).backward()
             assert torch.isfinite(h.grad).all() and torch.isfinite(w.grad).all(), (coef, chunked)
-            assert torch.equal(w.grad[list(suppress)], torch.zeros(4, 16, dtype=torch.float64)), (coef, chunked)
+            assert torch.isfinite(lp).all() and torch.isfinite(ent).all(), (coef, chunked)
+            plain = torch.log_softmax(hidden[4] @ weight.T / 0.7, -1)[38]  # row 4 unmasked
+            torch.testing.assert_close(lp[4].double().detach(), plain, rtol=1e-5, atol=1e-5)
             grads.append((lp.detach(), ent.detach(), h.grad, w.grad))
         for a, b in zip(*grads):  # the chunked head's logits are fp32 (the plain pass's .float()): fp32 rounding apart
             torch.testing.assert_close(a.double(), b.double(), rtol=1e-5, atol=1e-5)

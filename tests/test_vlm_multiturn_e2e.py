@@ -157,14 +157,14 @@ def test_multi_turn_grpo_with_a_render_tools_image(ray_cluster, tmp_path):
         traj = trajs[tuple(ids.tolist())]
         assert [resp[a:b] for v, a, b in _runs(mask) if v == 1] == sampled[traj.session] and len(sampled[traj.session]) == 2
         # the trainer's old log-probs (before the update) = a plain HF forward of the unpadded row with the oracle pixels.
-        # Where the trainer leaves the vision tokens out of its softmax, as the rollout samples (their log-prob -inf on an
-        # image token of a tool message), the oracle renormalises without them too; the model's tokens are compared.
+        # The trainer leaves the vision tokens out of its softmax, as the rollout samples (not at a position whose token is
+        # one, a tool's image token: its log-prob stays finite), so the oracle renormalises without them; the model's tokens
+        # are compared.
         full = ids[None]
         with torch.no_grad():
             logits = model(input_ids=full, mm_token_type_ids=(full == config.image_token_id).long(), pixel_values=oracle["pixel_values"],
                            image_grid_thw=oracle["image_grid_thw"]).logits[0, -n - 1 : -1].double()  # [n, V]
-        if bool(torch.isinf(batch["old_log_probs"][r, pads[0]])):
-            logits[:, [getattr(config, k) for k in VISION_TOKEN_KEYS]] = float("-inf")
+        logits[:, [getattr(config, k) for k in VISION_TOKEN_KEYS]] = float("-inf")
         want = torch.log_softmax(logits, -1).gather(-1, full[0, -n:, None])[:, 0].float()  # [n]
         model_tokens = torch.tensor(mask, dtype=torch.bool)
         for key in ("old_log_probs", "ref_log_prob"):

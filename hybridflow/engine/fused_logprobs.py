@@ -44,13 +44,23 @@ log = logging.getLogger(__name__)
 DEFAULT_CHUNK = 1024  # tokens per chunk: [1024, 49152] fp32 logits = 192 MiB
 
 
-def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float, suppress: torch.Tensor | None) -> torch.Tensor:
+def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float, suppress: torch.Tensor | None = None,
+                  rows: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 logits [c, V] of hidden states h [c, H] under weight [V, H], divided by the temperature,
     with the plain pass's ops (F.linear in the weight's dtype, .float(), / T); the `suppress` columns
-    (token ids [k], a VLM's vision tokens) -inf, as `engine/model.py::suppress_logits` sets them."""
+    (token ids [k], a VLM's vision tokens) -inf in the `rows` [c] (bool) that `_suppressed_rows` picks, as
+    `models/vlm_inputs.py::suppress_logits` sets them."""
     z = F.linear(h, weight).float()
     z = z / temperature if temperature != 1.0 else z
-    return z.index_fill_(-1, suppress, float("-inf")) if suppress is not None else z
+    if suppress is not None:
+        z[:, suppress] = z[:, suppress].masked_fill(rows[:, None], float("-inf"))  # [c, k]
+    return z
+
+
+def _suppressed_rows(targets: torch.Tensor, suppress: torch.Tensor | None) -> torch.Tensor | None:
+    """[c] bool: the positions whose logits get the suppressed columns -inf: all but those whose target is itself suppressed
+    (a tool's image token, mask 0: its log-prob stays finite; `suppress_logits`)."""
+    return None if suppress is None else ~torch.isin(targets, suppress)
 
 
 class ChunkedLogProbs(torch.autograd.Function):
@@ -65,7 +75,7 @@ class ChunkedLogProbs(torch.autograd.Function):
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)  # [N], saved for backward
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
-            z = _chunk_logits(hidden[s:e], weight, temperature, suppress)  # [c, V]
+            z = _chunk_logits(hidden[s:e], weight, temperature, suppress, _suppressed_rows(targets[s:e], suppress))  # [c, V]
             lse_c = torch.logsumexp(z, dim=-1)  # [c]
             lse[s:e] = lse_c
             logp[s:e] = z.gather(-1, targets[s:e, None]).squeeze(-1) - lse_c
@@ -73,7 +83,7 @@ class ChunkedLogProbs(torch.autograd.Function):
                 z.sub_(lse_c[:, None])  # z - lse = log p, in place: [c, V]
                 p = z.exp()
                 if suppress is not None:  # p = 0 there; 0 * -inf would be nan
-                    z.index_fill_(-1, suppress, 0.0)
+                    z.masked_fill_(z.isneginf(), 0.0)
                 ent[s:e] = -(p * z).sum(-1)  # H = -sum p log p
             del z
         ctx.save_for_backward(hidden, weight, targets, lse, ent)
@@ -96,7 +106,8 @@ class ChunkedLogProbs(torch.autograd.Function):
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
             h = hidden[s:e]  # [c, H]
-            z = _chunk_logits(h, weight, T, ctx.suppress)  # [c, V], recomputed
+            rows = _suppressed_rows(targets[s:e], ctx.suppress)  # [c] or None
+            z = _chunk_logits(h, weight, T, ctx.suppress, rows)  # [c, V], recomputed
             lse_c = lse[s:e, None]  # [c, 1]
             p = (z - lse_c).exp_()  # [c, V]
             gl = g_lp[s:e, None] if g_lp is not None else torch.zeros_like(lse_c)  # [c, 1]
@@ -108,7 +119,7 @@ class ChunkedLogProbs(torch.autograd.Function):
                 dz = p.mul_(gl).neg_()  # [c, V]
             del z
             if ctx.suppress is not None:  # constants (-inf) in forward: no gradient (p * inf above is nan there)
-                dz.index_fill_(-1, ctx.suppress, 0.0)
+                dz[:, ctx.suppress] = dz[:, ctx.suppress].masked_fill(rows[:, None], 0.0)
             dz.scatter_add_(-1, targets[s:e, None], gl)
             if T != 1.0:
                 dz.div_(T)

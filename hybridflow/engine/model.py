@@ -27,13 +27,13 @@ def _keeps_logits(model: nn.Module) -> bool:
 
 
 def masked_entropy(logits: torch.Tensor, suppress: Sequence[int]) -> torch.Tensor:
-    """Entropy [...] of logits [..., V] whose `suppress` columns are -inf: `entropy_from_logits`, with those columns'
-    p * z terms 0 (their p is 0; 0 * -inf would be nan, in the value and in backward)."""
+    """Entropy [...] of logits [..., V] whose `suppress` columns may be -inf (`suppress_logits`): `entropy_from_logits`, with
+    those p * z terms 0 (their p is 0; 0 * -inf would be nan, in the value and in backward)."""
     if not suppress:
         return entropy_from_logits(logits)
     logits = logits.float()
     p = torch.softmax(logits, dim=-1)
-    finite = logits.index_fill(-1, torch.tensor(list(suppress), device=logits.device), 0.0)
+    finite = torch.where(torch.isneginf(logits), 0.0, logits)  # the suppressed logits (where `suppress_logits` set them)
     return torch.logsumexp(logits, dim=-1) - (p * finite).sum(dim=-1)
 
 
@@ -46,7 +46,8 @@ def response_logits(model: nn.Module, mb: Batch, temperature: float = 1.0, remov
     restart at 0 per sequence (transformers then masks attention across sequences), and the logits
     are gathered back to [b, R, V]; positions after a response's end (masked out) get row 0's.
     exact: each row alone through `exact_row_logits` (its prompt without the left padding).
-    suppress: token ids whose logits are -inf (a VLM's vision tokens, never sampled: `suppress_logits`)."""
+    suppress: token ids whose logits are -inf (a VLM's vision tokens, never sampled: `suppress_logits`), except at the
+    positions whose response token is one of them (a tool's image tokens, mask 0)."""
     resp_len = mb["responses"].shape[1]
     keep = _keeps_logits(model)
     remove_padding = remove_padding and not is_multi_modal(mb)  # a VLM micro-batch runs padded (models/vlm_inputs.py)
@@ -55,7 +56,7 @@ def response_logits(model: nn.Module, mb: Batch, temperature: float = 1.0, remov
     if exact:
         prompt_mask = mb["attention_mask"][:, : -resp_len].bool()  # [b, P]
         return suppress_logits(torch.cat([exact_row_logits(model, ids[:-resp_len][m], resp, temperature)
-                                          for ids, m, resp in zip(mb["input_ids"], prompt_mask, mb["responses"])]), suppress)
+                                          for ids, m, resp in zip(mb["input_ids"], prompt_mask, mb["responses"])]), suppress, mb["responses"])
     if remove_padding:
         mask = mb["attention_mask"].bool()  # [b, P+R]
         row = torch.full(mask.shape, -1, dtype=torch.long, device=mask.device)
@@ -68,7 +69,7 @@ def response_logits(model: nn.Module, mb: Batch, temperature: float = 1.0, remov
         kwargs = {"logits_to_keep": resp_len + 1} if keep else {}
         out = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], position_ids=pos, use_cache=False, **kwargs, **mm)
         logits = out.logits[:, -resp_len - 1 : -1, :].float()
-    return suppress_logits(logits / temperature if temperature != 1.0 else logits, suppress)
+    return suppress_logits(logits / temperature if temperature != 1.0 else logits, suppress, mb["responses"])
 
 
 def response_logprobs(model: nn.Module, mb: Batch, temperature: float = 1.0, remove_padding: bool = False, exact: bool = False,

@@ -40,13 +40,21 @@ def suppressed_token_ids(config: Any) -> tuple[int, ...]:
     return tuple(int(t) for t in (getattr(config, k, None) for k in VISION_TOKEN_KEYS) if t is not None)
 
 
-def suppress_logits(logits: torch.Tensor, suppress: Sequence[int]) -> torch.Tensor:
+def suppress_logits(logits: torch.Tensor, suppress: Sequence[int], targets: torch.Tensor | None = None) -> torch.Tensor:
     """logits [..., V] with the columns `suppress` set to -inf (out of place: autograd gives them no gradient), so the
     log-softmax is the distribution renormalised without those tokens, the one the HF rollout samples from for a VLM.
-    `logits` itself when `suppress` is empty (a text model)."""
+    `logits` itself when `suppress` is empty (a text model).
+
+    targets [...]: the token each position scores; where it is itself a suppressed token (an image token of a tool's
+    message in a multi-turn response: mask 0, never sampled) the position keeps its plain logits, so its log-prob stays
+    finite (-inf there would make every masked product 0 * -inf = nan)."""
     if not suppress:
         return logits
-    return logits.index_fill(-1, torch.tensor(list(suppress), device=logits.device), float("-inf"))
+    ids = torch.tensor(list(suppress), device=logits.device)
+    masked = logits.index_fill(-1, ids, float("-inf"))
+    if targets is None:
+        return masked
+    return torch.where(torch.isin(targets, ids)[..., None], logits, masked)
 
 
 def is_multi_modal(mb: Any) -> bool:
