@@ -162,3 +162,22 @@ def test_the_backend_owns_its_memory_and_keeps_static_pieces_asleep(tiny_model_d
     kept = HFRollout(model, tok, "cpu")  # keep_buffers (default): sleep frees nothing
     kept.sleep()
     assert all(p.data.untyped_storage().nbytes() > 0 for p in kept.params.values())
+
+
+@pytest.mark.parametrize("continuous", [False, True])
+def test_the_lm_head_gets_a_contiguous_input(tiny_model_dir, continuous):
+    """HF's prefill cuts the last position out of the hidden states ([b, 1, H] with the strides of
+    [b, P, H]) before the LM head, and PyTorch's CPU linear runs a strided input on a slow path (2.6 s
+    against 7 ms for SmolLM2's head in bf16: bench/e2e.py's bf16 generation was slower than fp32's). The
+    HF rollout hands the head contiguous inputs on both of its generation paths, same tokens."""
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    prompts = [tok.encode("12 34 56"), tok.encode("7 8"), tok.encode("1 2 3 4 5 6 7")]
+    params = SamplingParams(max_new_tokens=4, temperature=0.0, seed=0)
+    plain = [c.token_ids for c in HFRollout(model, tok, "cpu", continuous=False).generate_requests([Request(p, params) for p in prompts])]
+    seen: list[bool] = []
+    model.get_output_embeddings().register_forward_hook(lambda _m, args, _out: seen.append(args[0].is_contiguous()))
+    backend = HFRollout(model, tok, "cpu", continuous=continuous)
+    out = backend.generate_requests([Request(p, params) for p in prompts])
+    assert seen and all(seen), seen
+    assert [c.token_ids for c in out] == plain
