@@ -74,6 +74,16 @@ def planned_state(model: str, lora_rank: int, dp: int = 2) -> dict:
     return {"plan/param_bytes": mem["params"], "plan/grad_bytes": mem["grads"], "plan/optimizer_bytes": mem["optimizer"]}
 
 
+def bf16_units() -> str:
+    """Which bf16 matmul units this CPU has (/proc/cpuinfo's flags): AMX tiles, AVX-512-BF16, or neither."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next((line for line in f if line.startswith("flags")), "").split())
+    except OSError:
+        return "unknown (no /proc/cpuinfo)"
+    return "AMX (amx_bf16)" if "amx_bf16" in flags else "AVX-512-BF16, no AMX" if "avx512_bf16" in flags else "no bf16 matmul units"
+
+
 def run_hybridflow(model: str, train: str, reward: str, out: str, steps: int, lora_rank: int = 0, precision: str = "fp32",
                    split: bool = False, compile: bool = False) -> dict:
     """split: async rollout on split pools (1 + 1 workers) instead of 2 colocated workers; compile:
@@ -208,7 +218,8 @@ def main() -> None:
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     precisions = args.precision.split(",")
     hybridflow_peak, trl_peak = 2 * peaks[(torch.float32, 1)], peaks[(torch.float32, torch.get_num_threads())]
-    print("matmul peak (GFLOP/s): " + ", ".join(f"{str(dt).split('.')[-1]} x {th} thread(s) {v / 1e9:.1f}" for (dt, th), v in peaks.items()), flush=True)
+    print("matmul peak (GFLOP/s): " + ", ".join(f"{str(dt).split('.')[-1]} x {th} thread(s) {v / 1e9:.1f}" for (dt, th), v in peaks.items())
+          + f"; this CPU: {bf16_units()} (the bf16 update MFU goal: 0.4 with AMX, 0.6 without)", flush=True)
     out = []
     for name, path in models.items():
         for prec in precisions:
