@@ -221,3 +221,16 @@ def test_lora_vlm_grpo_moves_the_adapters_and_generation_equals_training(ray_clu
     for k, v in merged.items():
         torch.testing.assert_close(saved[k], v, rtol=1e-6, atol=1e-6, msg=k)  # both W + s B A in fp32 / float64; the order differs
     assert not torch.equal(saved["model.language_model.layers.0.self_attn.q_proj.weight"], base["model.language_model.layers.0.self_attn.q_proj.weight"])
+    # the processor beside the weights, and `hybridflow export --merge` of the checkpoint: the image-text-to-text class,
+    # the same merged weights as save_hf_model's, the processor saved as one (what AutoProcessor reads back)
+    from hybridflow.utils.export import export_checkpoint
+
+    fixture_processor = load_processor(FIXTURE)
+    exported = export_checkpoint(str(out / "global_step_2"), str(tmp_path / "export"), merge=True)
+    for d in (out / "hf_model", exported):
+        processor = load_processor(d)
+        assert processor.tokenizer.get_vocab() == fixture_processor.tokenizer.get_vocab() and processor.chat_template == fixture_processor.chat_template
+    exported_state = _load_model(exported).state_dict()
+    assert exported_state.keys() == saved.keys()
+    for k, v in saved.items():
+        torch.testing.assert_close(exported_state[k], v, rtol=1e-6, atol=1e-6, msg=k)  # W + s B A merged by peft vs by the engine

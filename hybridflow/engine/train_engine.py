@@ -297,7 +297,8 @@ class TrainEngine:
         return sd
 
     def save_hf(self, out_dir: str, tokenizer, rank: int) -> str:
-        """The full weights as an HF checkpoint (+ tokenizer), written by rank 0; a collective."""
+        """The full weights as an HF checkpoint (+ tokenizer, or a VLM's processor: anything with
+        save_pretrained), written by rank 0; a collective."""
         full = self.state_dict()
         if rank == 0:
             if self.lora:  # the adapters merged into the base: a plain HF checkpoint

@@ -3,8 +3,9 @@
 CHECKPOINT_DIR is a `global_step_<k>` directory (its `actor/` holds the sharded DCP checkpoint);
 the architecture and tokenizer come from the run's model (`actor_rollout_ref.model.path` in the
 run's saved `config.yaml`, or `--model-path`). The output (safetensors weights, config.json,
-generation config, tokenizer) loads with `AutoModelForCausalLM.from_pretrained` and vLLM. A LoRA
-run exports a PEFT adapter, or with `--merge` the merged model.
+generation config, tokenizer) loads with `AutoModelForCausalLM.from_pretrained` and vLLM; a
+vision-language model's (`models/vlm.py::is_vlm_dir`) with `AutoModelForImageTextToText` and its
+processor with `AutoProcessor`. A LoRA run exports a PEFT adapter, or with `--merge` the merged model.
 """
 
 from __future__ import annotations
@@ -55,13 +56,16 @@ def export_checkpoint(ckpt_dir: str, out_dir: str, model_path: str | None = None
     as a PEFT adapter (adapter_model.safetensors + adapter_config.json, for `PeftModel.from_pretrained`
     and vLLM's LoRA requests), or with `merge` merged into the base as a plain HF checkpoint."""
     import torch.distributed.checkpoint as dcp
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+
+    from hybridflow.models.vlm import is_vlm_dir, load_processor
 
     actor_dir = os.path.join(ckpt_dir, "actor")
     if not os.path.isdir(actor_dir):
         raise SystemExit(f"error: {actor_dir} not found: CHECKPOINT_DIR must be a global_step_<k> directory of a run")
     mcfg = _run_model_config(ckpt_dir, model_path)
-    model = AutoModelForCausalLM.from_pretrained(mcfg.path)
+    vlm = is_vlm_dir(mcfg.path)  # the training FQNs are the image-text-to-text class's
+    model = (AutoModelForImageTextToText if vlm else AutoModelForCausalLM).from_pretrained(mcfg.path)
     if _is_lora_checkpoint(actor_dir):
         if mcfg.lora_rank <= 0:
             raise SystemExit(f"error: {actor_dir} holds LoRA adapters; the run's config.yaml (next to CHECKPOINT_DIR) gives their rank and targets")
@@ -81,7 +85,8 @@ def export_checkpoint(ckpt_dir: str, out_dir: str, model_path: str | None = None
     else:
         load_actor_weights(actor_dir, model)
         model.save_pretrained(out_dir, safe_serialization=True)
-    AutoTokenizer.from_pretrained(mcfg.tokenizer_source()).save_pretrained(out_dir)
+    # a VLM's processor holds its tokenizer (and chat template): saved as one, as AutoProcessor reads it back
+    (load_processor(mcfg.path) if vlm else AutoTokenizer.from_pretrained(mcfg.tokenizer_source())).save_pretrained(out_dir)
     return out_dir
 
 

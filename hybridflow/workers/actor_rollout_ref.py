@@ -271,5 +271,9 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
 
     @register(Dispatch.RANK_ZERO)
     def save_hf_model(self, out_dir: str) -> str:
-        """Gather the full weights and write an HF checkpoint (+ tokenizer) from rank 0."""
-        return self.actor.save_hf(out_dir, self.tokenizer, self.rank)
+        """Gather the full weights and write an HF checkpoint (+ tokenizer; a VLM's processor) from rank 0."""
+        from hybridflow.models.vlm import is_vlm_dir, load_processor
+
+        path = self.spec.model.path
+        # a VLM's processor (image processor + tokenizer + chat template) writes the tokenizer too: what AutoProcessor reads back
+        return self.actor.save_hf(out_dir, load_processor(path) if is_vlm_dir(path) else self.tokenizer, self.rank)
