@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from conftest import rl_overrides
+from test_vlm_multiturn import _runs
 
 FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "recipes" / "vision"
 RENDER_CALL = '<tool_call>\n{"name": "render", "arguments": {}}\n</tool_call>'
@@ -56,14 +57,6 @@ class RecordingGroup:
     def __getattr__(self, name):
         return getattr(self.group, name)
 
-
-def _runs(mask: list[int]) -> list[tuple[int, int, int]]:
-    out, start = [], 0
-    for k in range(1, len(mask) + 1):
-        if k == len(mask) or mask[k] != mask[start]:
-            out.append((mask[start], start, k))
-            start = k
-    return out
 
 
 @pytest.mark.timeout(300)
