@@ -194,3 +194,27 @@ def test_grpo_step_with_router_replay(ray_cluster, task_dir, tmp_path):
                                                "actor_rollout_ref.actor.router_replay.mode=R3"), tmp_path / "run")
     m = rows[-1]
     assert m["rollout/logprob_diff_max"] < 1e-4 and m["actor/ppo_kl"] == 0.0, m
+    assert m["actor/router_replay/differs"] == 0.0, m  # fp32 on both sides: the trainer's own experts are the rollout's
+
+
+def test_the_replayer_counts_the_tokens_whose_experts_it_changed(moe_dir):
+    """`actor/router_replay/differs` (the old-log-prob pass's share): replayed (token, layer) pairs whose own
+    top-k set is another than the recorded one. Oracle: the recorded ids are the forward's own (0 differ), all
+    shifted by one expert (every valid pair differs: with k = 2 of E = 4, a shift never maps a pair onto itself),
+    or shifted on the first row only (that row's valid tokens x layers)."""
+    from transformers import AutoTokenizer
+
+    from hybridflow.engine.model import response_logprobs
+    from hybridflow.models.routing import RouteReplayer
+
+    model, tok = _model(moe_dir), AutoTokenizer.from_pretrained(moe_dir)
+    own, shifted = _replay_batch(model, tok, forced_shift=0), _replay_batch(model, tok, forced_shift=1)
+    layers = own["routed_experts"].shape[2]
+    valid = int(own["attention_mask"].sum()) * layers
+    first_row = own.select(["input_ids", "attention_mask", "position_ids", "responses", "routed_experts"])
+    first_row["routed_experts"] = torch.cat([shifted["routed_experts"][:1], own["routed_experts"][1:]])
+    replayer = RouteReplayer(model)
+    for batch, differing in ((own, 0), (shifted, valid), (first_row, int(own["attention_mask"][0].sum()) * layers)):
+        with torch.no_grad():
+            response_logprobs(model, batch)
+        assert replayer.take_counts() == (valid, differing)

@@ -143,6 +143,7 @@ class RouteReplayer:
         self.layers, self.experts, self.top_k = _moe_routers(model, "routing replay needs MoE routers")
         self.target: torch.Tensor | None = None  # [T, L, k] long, -1 = natural
         self.replayed_tokens = 0  # tokens whose ids came from the target (over layers), since the last reset
+        self.differing_tokens = 0  # of those, (token, layer) pairs whose own top-k set was another than the target's
         for i, r in enumerate(self.layers):
             r.register_forward_hook(self._hook(i), prepend=True)
         model._route_replayer = self  # engine/model.py finds it on the module it runs
@@ -162,14 +163,21 @@ class RouteReplayer:
             top = probs.gather(1, chosen)  # [T, k]
             if getattr(module, "norm_topk_prob", True):  # Mixtral always renormalises; Qwen when norm_topk_prob
                 top = top / top.sum(dim=-1, keepdim=True)
-            if layer == 0:
-                self.replayed_tokens += int(use.sum())
+            self.replayed_tokens += int(use.sum())
+            # the replay changed this token's experts (not just their order): the routing the rollout saw differs from this forward's
+            self.differing_tokens += int(((forced.sort(-1).values != ids.sort(-1).values).any(-1, keepdim=True) & use).sum())
             return logits, top.to(weights.dtype), chosen
 
         return hook
 
     def set(self, target: torch.Tensor | None) -> None:
         self.target = None if target is None else target.long()
+
+    def take_counts(self) -> tuple[int, int]:
+        """(replayed, differing) (token, layer) pairs since the last call, then zero."""
+        out = (self.replayed_tokens, self.differing_tokens)
+        self.replayed_tokens = self.differing_tokens = 0
+        return out
 
 
 def set_target(model: nn.Module, mb: Any, packed: bool) -> None:

@@ -204,12 +204,19 @@ class ActorRolloutRefWorker(RolloutMixin, PreferenceMixin, Worker):
     def compute_log_prob(self, data: Batch) -> Batch:
         """old_log_probs [b, R] under the current policy (before this step's update)."""
         r = self.spec.rollout.rollout
+        replayer = getattr(self.actor.module, "_route_replayer", None)  # MoE routing replay (models/routing.py)
+        if replayer is not None:
+            replayer.take_counts()
         logp, ent = self.actor.log_probs(data, r.log_prob_micro_batch_size_per_gpu, r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None,
                                          float(data.meta.get("temperature", 1.0)), with_entropy=True)
         if logp is None:  # an earlier pipeline stage: nothing to report
             return Batch.from_dict(tensors={"old_log_probs": torch.zeros(data["responses"].shape)})
         mask = data["response_mask"].to(logp.device)
-        return Batch.from_dict(tensors={"old_log_probs": logp.cpu()}, meta={"metrics": {"actor/entropy": float(masked_mean(ent, mask))}})
+        metrics = {"actor/entropy": float(masked_mean(ent, mask))}
+        if replayer is not None:  # this rank's share of replayed (token, layer) pairs whose own experts were others than the rollout's
+            replayed, differing = replayer.take_counts()
+            metrics["actor/router_replay/differs"] = differing / max(replayed, 1)
+        return Batch.from_dict(tensors={"old_log_probs": logp.cpu()}, meta={"metrics": metrics})
 
     @register(Dispatch.DP_COMPUTE, layout="train")
     def compute_ref_log_prob(self, data: Batch) -> Batch:
