@@ -38,6 +38,8 @@ class VersionReplica(Worker):
         self.held, self.hang_file, self.rng, self.slowdown, self.delay = -1, hang_file, random.Random(self.rank), 1.0, 0.0
         if hang_file and os.path.exists(hang_file + ".slow_process"):  # a process that takes a while to start (a loaded machine)
             time.sleep(float(open(hang_file + ".slow_process").read()))
+        if hang_file and os.path.exists(hang_file + ".fail_start"):  # a replacement that cannot start (its node is gone, a broken install)
+            raise RuntimeError("this replica cannot start")
 
     def dispatch_layout(self, layout):
         return self.rank, self.world_size, True
@@ -350,3 +352,19 @@ def test_a_restart_whose_process_starts_slowly_is_waited_for_by_every_caller(poo
     requests = [Request((1,), SamplingParams(max_new_tokens=2)) for _ in range(4)]
     out = replicas.submit("generate_requests", Batch.from_dict(non_tensors={"request": requests})).result(30)
     assert [c.token_ids for c in out["completion"]] == [(8, 8)] * 4  # both replicas hold the latest weights
+
+
+def test_a_replacement_that_dies_before_it_starts_is_a_named_worker_error(pool_group):
+    """A replacement whose process dies before it answers (here its constructor raises; in
+    test_e2e_two_nodes.py its node is gone) is a WorkerDiedError naming the rank, the pool and the
+    resume hint, not Ray's raw ActorDiedError (which the trainer does not name)."""
+    group, hang = pool_group
+    fail = f"{hang}.fail_start"
+    open(fail, "w").close()
+    try:
+        with pytest.raises(WorkerDiedError, match=r"the replacement of rank 0 \(pool 'replicas'\) died before it started: .*resume"):
+            group.replace_worker(0, start_timeout_s=30)
+    finally:
+        os.remove(fail)
+        group.replace_worker(0, start_timeout_s=30)  # the pool's other tests need replica 0 back
+        ray.get(group.workers[0].rollout__init_model.remote())

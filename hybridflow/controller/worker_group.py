@@ -312,11 +312,16 @@ class RayWorkerGroup:
         self.workers[rank] = remote_cls.options(**{**options[rank], "name": f"{options[rank]['name']}_r{self.replaced}"}).remote(**init_kwargs)
         _probed(self.workers[rank], self.worker_cls)
         if start_timeout_s is not None and hasattr(self.worker_cls, "_group_calls"):
+            pool = getattr(self.pool, "name", "global_pool")
             probe = self.workers[rank]._group_calls.options(concurrency_group=PROBE_GROUP).remote([])
             if not ray.wait([probe], timeout=start_timeout_s)[0]:
-                pool = getattr(self.pool, "name", "global_pool")
                 raise WorkerTimeoutError(f"the replacement of rank {rank} (pool {pool!r}) did not start within {start_timeout_s:g} s", (rank,))
-            ray.get(probe)  # a constructor that raised: its error here
+            try:
+                ray.get(probe)  # a constructor that raised, or a slot on a node that is gone: named here
+            except ray.exceptions.RayActorError as e:
+                cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise WorkerDiedError(f"the replacement of rank {rank} (pool {pool!r}) died before it started: {cause}; {RESUME_HINT}",
+                                      (rank,)) from None
 
     def shutdown(self) -> None:
         for w in self.workers:

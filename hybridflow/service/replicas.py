@@ -45,7 +45,7 @@ MAX_SESSIONS = 100_000  # sessions remembered for routing (the oldest forgotten 
 # PROCESS_START_S, then its init and weight calls within timeout_s (request_timeout_s, counted from their
 # start on the worker as every call's deadline). A caller waiting for a restart another caller runs waits
 # for both, so it never gives up on a restart that is still in time.
-PROCESS_START_S = 120.0
+PROCESS_START_S = 60.0
 
 
 class ReplicaRestarted(WorkerCallError):
