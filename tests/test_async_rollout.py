@@ -112,19 +112,37 @@ def test_no_trained_batch_is_staler_than_k_and_each_is_trained_once(k, seed):
 
 class FakeAgent:
     """A multi-turn rollout: each row takes 3 model turns through the group, with tool time between
-    them; a turn's completion is the weights the pool ran it with (the pool's record, as its token)."""
+    them; a turn's completion is the weights the pool ran it with (the pool's record, as its token).
 
-    def __init__(self, rng: random.Random):
-        self.rng = rng
+    With `pool` given, the first two batches are ordered so that a sync lands between two turns of
+    the second whatever the machine's load (timing alone once gave no such turn in a loaded CI run):
+    the first batch returns only after the second's first turn ran (with version 0: no sync can be
+    submitted before the first batch is taken), and the second's tool call lasts until the pool
+    holds version 1 (the sync the trainer submits after step 1, before it needs the second batch)."""
+
+    def __init__(self, rng: random.Random, pool: FifoPool | None = None):
+        self.rng, self.pool, self.calls, self.lock = rng, pool, 0, threading.Lock()
+        self.second_batch_turned = threading.Event()
 
     def generate(self, group, prompts: Batch, params) -> Batch:
         from hybridflow.protocol import Request, SamplingParams
 
+        with self.lock:
+            self.calls += 1
+            call = self.calls
         b, turns = len(prompts), []
-        for _ in range(3):
+        for turn in range(3):
             out = group.generate_requests(Batch.from_dict(non_tensors={"request": [Request((1,), SamplingParams(max_new_tokens=1)) for _ in range(b)]}))
             turns.append(out["completion"])
             time.sleep(min(0.002 * self.rng.paretovariate(1.5), 0.05))  # a tool call
+            if self.pool is not None and call == 2 and turn == 0:
+                self.second_batch_turned.set()
+                deadline = time.monotonic() + 30
+                while self.pool.held < 1:
+                    assert time.monotonic() < deadline, "the sync after step 1 never reached the pool"
+                    time.sleep(0.001)
+        if self.pool is not None and call == 1:
+            assert self.second_batch_turned.wait(30), "the second batch's first turn never ran"
         out = {k: torch.zeros(b, 3, dtype=torch.long) for k in GEN_OUTPUTS}
         out["response_mask"] = torch.ones(b, 3, dtype=torch.long)
         out["responses"] = torch.tensor([[t[i].token_ids[0] for t in turns] for i in range(b)])  # the pool's record
@@ -147,7 +165,8 @@ def test_async_multi_turn_turns_carry_the_weights_that_sampled_them(k):
         return Batch.from_dict(tensors={"input_ids": torch.zeros(2, 2)})
 
     steps, mixed = 8, 0
-    gen = AsyncRollout(pool, sync, prompts, lambda step: step, steps, max_staleness=k, agent=FakeAgent(rng))
+    agent = FakeAgent(rng, pool if k else None)  # at k = 0 the second batch starts only after the first sync
+    gen = AsyncRollout(pool, sync, prompts, lambda step: step, steps, max_staleness=k, agent=agent)
     for step in range(1, steps + 1):
         batch, m = gen.take(step)
         versions, sampled_by = batch["rollout_policy_version"], batch["responses"]
@@ -160,6 +179,7 @@ def test_async_multi_turn_turns_carry_the_weights_that_sampled_them(k):
     gen.drain()
     assert count[0] == steps and pool.held == steps
     # at k = 0 nothing runs during an update; at k = 2 syncs land between the turns of queued trajectories
+    # (the second batch's, at least: the agent orders it so)
     assert mixed == 0 if k == 0 else mixed > 0
 
 
