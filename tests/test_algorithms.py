@@ -486,6 +486,37 @@ def test_the_schedules_give_transformers_learning_rates_bit_for_bit():
         lambda o: get_scheduler("constant_with_warmup", o, num_warmup_steps=7))
 
 
+def test_the_fused_adamw_step_is_adamw_by_hand():
+    """build_optimizer runs PyTorch's fused AdamW on CPU; three steps of it against AdamW written out
+    in float64 (decoupled weight decay, bias-corrected moments). Parameters are O(1-4): fp32 spacing
+    there is <= 4.8e-7 and three steps round a few times, so 5e-6; a wrong formula (no bias
+    correction, no decay) moves a value by ~1e-3 (lr x decay x value) or more."""
+    from hybridflow.config.schema import OptimConfig
+    from hybridflow.engine.optim import build_optimizer
+
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in (7, 300)]
+    grads = [[torch.randn(p.shape, generator=gen) for p in params] for _ in range(3)]
+    cfg = OptimConfig(lr=1e-2, weight_decay=0.1, betas=[0.9, 0.95])
+    opt = build_optimizer(params, cfg)
+    assert opt.param_groups[0]["fused"] is True
+    want = [p.detach().double().clone() for p in params]
+    m, v = [torch.zeros_like(w) for w in want], [torch.zeros_like(w) for w in want]
+    b1, b2, eps = 0.9, 0.95, 1e-8
+    for t, step_grads in enumerate(grads, start=1):
+        for p, g in zip(params, step_grads):
+            p.grad = g.clone()
+        opt.step()
+        for i, g in enumerate(step_grads):
+            g = g.double()
+            want[i] *= 1 - cfg.lr * cfg.weight_decay
+            m[i] = b1 * m[i] + (1 - b1) * g
+            v[i] = b2 * v[i] + (1 - b2) * g * g
+            want[i] -= cfg.lr * (m[i] / (1 - b1**t)) / ((v[i] / (1 - b2**t)).sqrt() + eps)
+    for p, w in zip(params, want):
+        torch.testing.assert_close(p.detach().double(), w, rtol=0, atol=5e-6)
+
+
 def test_grad_clip_clips_to_the_limit_and_reports_the_norm_before():
     from hybridflow.engine.optim import clip_and_step
 
