@@ -85,9 +85,10 @@ def bf16_units() -> str:
 
 
 def run_hybridflow(model: str, train: str, reward: str, out: str, steps: int, lora_rank: int = 0, precision: str = "fp32",
-                   split: bool = False, compile: bool = False) -> dict:
+                   split: bool = False, compile: bool = False, variant: tuple[str, list[str]] | None = None) -> dict:
     """split: async rollout on split pools (1 + 1 workers) instead of 2 colocated workers; compile:
-    the actor's decoder layers torch.compile'd (actor.use_torch_compile)."""
+    the actor's decoder layers torch.compile'd (actor.use_torch_compile); variant: (label, config
+    overrides) applied last, the row named "hybridflow <label>"."""
     from hybridflow.config import HybridFlowConfig, load_config
     from hybridflow.trainer.rl import RLTrainer
 
@@ -103,6 +104,7 @@ def run_hybridflow(model: str, train: str, reward: str, out: str, steps: int, lo
         "actor_rollout_ref.hybrid_engine.measure_baseline=false", f"actor_rollout_ref.model.lora_rank={lora_rank}",
         *(["actor_rollout_ref.actor.fsdp_config.mixed_precision=bf16"] if precision == "bf16" else []),  # bf16 compute and generation
         *(SPLIT_POOLS if split else ()), f"actor_rollout_ref.actor.use_torch_compile={str(compile).lower()}",
+        *(variant[1] if variant else ()),
     ], schema=HybridFlowConfig)
     trainer = RLTrainer(cfg)
     try:
@@ -114,6 +116,7 @@ def run_hybridflow(model: str, train: str, reward: str, out: str, steps: int, lo
     tokens = statistics.median(h["response_length/mean"] * PROMPTS * SAMPLES for h in hist)
     system = f"hybridflow+lora{lora_rank}" if lora_rank else "hybridflow async" if split else "hybridflow"
     system += " compiled" if compile else ""
+    system += f" {variant[0]}" if variant else ""
     row = {"system": system, "step_seconds": step, "tokens_per_second": tokens / step,
            "prompt_len": statistics.median(h["prompt_length/mean"] for h in hist), "response_len": statistics.median(h["response_length/mean"] for h in hist),
            **{k: max(s[k] for s in stats) for k in LORA_KEYS}, **planned_state(model, lora_rank, dp=1 if split else 2)}
@@ -173,7 +176,7 @@ def add_mfu(row: dict, arch, peak: float, update_peak: float | None = None) -> N
     n = PROMPTS * SAMPLES
     p, r = round(row["prompt_len"]), round(row["response_len"])
     gen = generation_flops(arch, [p] * n, [r] * n)
-    update = 3 * forward_flops(arch, [p + r] * n)
+    update = 3 * forward_flops(arch, [p + r] * n, logits=[r] * n)  # the head projects the response positions only
     row.update({"gflop/gen": gen / 1e9, "gflop/update": update / 1e9, "mfu/step": (gen + update) / row["step_seconds"] / peak})
     if "timing_s/gen" in row:  # split pools generate behind the update: no gen stage of their own
         row["mfu/gen"] = gen / row["timing_s/gen"] / peak
@@ -192,6 +195,9 @@ def main() -> None:
     ap.add_argument("--async-rollout", action="store_true", help="also hybridflow with async rollout on split pools (1 worker trains, 1 generates)")
     ap.add_argument("--compile", default="0", help="comma-separated 0 / 1: hybridflow rows without / with actor.use_torch_compile (compiled "
                     "decoder layers; the rows print dynamo's graph, graph-break and recompile counts and the first step's seconds)")
+    ap.add_argument("--variant", action="append", default=[], metavar="LABEL:KEY=VALUE,...",
+                    help="also a hybridflow row with these config overrides, named 'hybridflow LABEL' (repeatable), e.g. "
+                    "sgo:actor_rollout_ref.actor.fsdp_config.reshard_after_forward=false")
     ap.add_argument("--precision", default="fp32", help="comma-separated: fp32 and/or bf16 (hybridflow: fsdp_config.mixed_precision=bf16, "
                     "bf16 generation; TRL: bf16=True); each precision's MFU is against that dtype's measured peak")
     args = ap.parse_args()
@@ -225,6 +231,11 @@ def main() -> None:
         for prec in precisions:
             systems = [("hybridflow", lambda c=c: run_hybridflow(str(path), train, reward, os.path.join(tmp, f"hf_{name}_{prec}_{c}"), args.steps,
                                                                  precision=prec, compile=c == "1")) for c in args.compile.split(",")]
+            for v in args.variant:
+                label, _, sets = v.partition(":")
+                systems.append(("hybridflow", lambda label=label, sets=sets: run_hybridflow(
+                    str(path), train, reward, os.path.join(tmp, f"hf_{name}_{prec}_{label}"), args.steps, precision=prec,
+                    variant=(label, [kv for kv in sets.split(",") if kv]))))
             if args.lora_rank:
                 systems.append(("hybridflow+lora", lambda: run_hybridflow(str(path), train, reward, os.path.join(tmp, f"lora_{name}_{prec}"), args.steps,
                                                                           args.lora_rank, precision=prec)))

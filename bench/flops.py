@@ -8,6 +8,12 @@ LM head; the embedding lookup does no matmul), n layers and attention width a = 
     generation   prefill over the P prompt tokens: 2 M P + 2 n a P^2,
                  then each new token t (t = 0 .. R-1): 2 M + 4 n a (P + t)  (one query against P + t keys)
 
+The LM head's V x H of M is counted only at the positions whose logits are computed: an RL
+log-prob or update pass projects the R response positions of a sequence (engine/model.py and TRL
+alike), and a prefill only its last position (HF generate and vLLM keep one position's logits), so
+the head over L - R (or P - 1) other positions is work nobody does and is not counted
+(`logits=`; without it every position counts, as torch's counter sees a plain HF forward).
+
 MFU = FLOPs / seconds / peak, where the peak is `matmul_peak` measured in the same run with the
 thread count the stage's processes use (hybridflow's workers: 1 thread each, 2 workers; TRL: one
 process with torch's threads), so the fraction says how far a stage is from what this machine's
@@ -30,18 +36,21 @@ def matmul_params(arch) -> int:
     return n + (arch.vocab * arch.hidden if arch.tied else 0)
 
 
-def forward_flops(arch, lengths: list[int]) -> float:
-    """One forward over sequences of these lengths (prompt + response, no padding)."""
-    m, a = matmul_params(arch), arch.heads * arch.head_dim
-    return float(sum(2 * m * n + 2 * arch.layers * a * n * n for n in lengths))
+def forward_flops(arch, lengths: list[int], logits: list[int] | None = None) -> float:
+    """One forward over sequences of these lengths (prompt + response, no padding), the LM head at
+    `logits[i]` positions of sequence i (None: at every position)."""
+    m, a, head = matmul_params(arch), arch.heads * arch.head_dim, arch.vocab * arch.hidden
+    logits = lengths if logits is None else logits
+    return float(sum(2 * (m - head) * n + 2 * head * k + 2 * arch.layers * a * n * n for n, k in zip(lengths, logits)))
 
 
 def generation_flops(arch, prompt_lengths: list[int], response_lengths: list[int]) -> float:
-    """Prefill of each prompt, then one decode step per generated token (with a KV cache)."""
-    m, a = matmul_params(arch), arch.heads * arch.head_dim
+    """Prefill of each prompt (the LM head at its last position only), then one decode step per
+    generated token (with a KV cache)."""
+    m, a, head = matmul_params(arch), arch.heads * arch.head_dim, arch.vocab * arch.hidden
     total = 0.0
     for p, r in zip(prompt_lengths, response_lengths):
-        total += 2 * m * p + 2 * arch.layers * a * p * p
+        total += 2 * (m - head) * p + 2 * head + 2 * arch.layers * a * p * p
         total += sum(2 * m + 4 * arch.layers * a * (p + t) for t in range(r))
     return total
 

@@ -125,7 +125,7 @@ def add_mfu(row: dict, arch, peak: float) -> None:
     from flops import forward_flops, generation_flops
 
     n, p, r = row["sequences"], round(row["prompt_len"]), round(row["response_len"])
-    fwd = forward_flops(arch, [p + r] * n)
+    fwd = forward_flops(arch, [p + r] * n, logits=[r] * n)  # the head projects the response positions only
     flops = {"gen": generation_flops(arch, [p] * n, [r] * n), "log_probs": fwd, "update": 3 * fwd}
     for key, f in flops.items():
         row[f"mfu_{key}"] = f / row[f"{key}_s"] / peak

@@ -27,7 +27,21 @@ def test_forward_flops_match_torch_flop_counter(tiny_model_dir):
 
 def test_generation_flops_are_prefill_plus_decode_by_hand(tiny_model_dir):
     arch = load_arch(str(tiny_model_dir))
-    m, a, n = matmul_params(arch), arch.heads * arch.head_dim, arch.layers
-    # prompt 5, 3 new tokens: prefill 2*m*5 + 2*n*a*25, decodes at contexts 5, 6, 7
-    want = 2 * m * 5 + 2 * n * a * 25 + 3 * 2 * m + 4 * n * a * (5 + 6 + 7)
+    m, a, n, head = matmul_params(arch), arch.heads * arch.head_dim, arch.layers, arch.vocab * arch.hidden
+    # prompt 5, 3 new tokens: prefill 2*m*5 + 2*n*a*25 less the head at the 4 positions whose logits generate
+    # drops, decodes at contexts 5, 6, 7
+    want = 2 * m * 5 - 2 * head * 4 + 2 * n * a * 25 + 3 * 2 * m + 4 * n * a * (5 + 6 + 7)
     assert generation_flops(arch, [5], [3]) == want
+
+
+def test_forward_flops_count_the_head_where_logits_are_kept(tiny_model_dir):
+    """torch's counter on a forward that keeps the last 3 positions' logits (HF's logits_to_keep, as
+    the log-prob pass projects only the response): the head counted at 3 positions, not 24."""
+    arch = load_arch(str(tiny_model_dir))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    L, R = 24, 3
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(input_ids=torch.randint(0, arch.vocab, (1, L)), logits_to_keep=R)
+    want = forward_flops(arch, [L], logits=[R]) + 2 * arch.layers * arch.heads * arch.head_dim * L * L
+    rotary = 2 * (arch.head_dim // 2) * L
+    assert counter.get_total_flops() in (want, want + rotary)
