@@ -183,6 +183,59 @@ def test_async_multi_turn_turns_carry_the_weights_that_sampled_them(k):
     assert mixed == 0 if k == 0 else mixed > 0
 
 
+def test_a_sync_never_passes_a_turn_between_its_version_and_its_submission():
+    """A turn's version is read and its call submitted under the lock the syncs take, so a sync the
+    trainer starts while a turn's submission is slow (routing, pickling many requests) waits for it
+    and the turn runs with the version it recorded. On 4a1245f the version was read under the lock and
+    the call submitted outside it: the sync below reached the pool first and the turn ran with weights
+    one version newer than recorded (seen once in a full-suite run with real replicas)."""
+    from hybridflow.protocol import Request, SamplingParams
+
+    first_taken, submitting, marked = threading.Event(), threading.Event(), threading.local()
+
+    class SlowSubmitPool(FifoPool):
+        def submit(self, method: str, *args, **kwargs) -> _Call:
+            if getattr(marked, "slow", False) and method == "generate_requests":
+                submitting.set()
+                time.sleep(0.2)  # a slow submission: a sync that can land first does so now
+            return super().submit(method, *args, **kwargs)
+
+    class TwoTurns:
+        """Two turns per row; the second batch's second turn starts once the first batch is taken
+        and is submitted slowly (its thread marked)."""
+
+        def generate(self, group, prompts: Batch, params) -> Batch:
+            b, turns = len(prompts), []
+            for turn in range(2):
+                marked.slow = int(prompts["input_ids"][0, 0]) == 1 and turn == 1
+                if marked.slow:
+                    assert first_taken.wait(10)
+                out = group.generate_requests(Batch.from_dict(non_tensors={"request": [Request((1,), SamplingParams(max_new_tokens=1)) for _ in range(b)]}))
+                turns.append(out["completion"])
+            out = {k: torch.zeros(b, 2, dtype=torch.long) for k in GEN_OUTPUTS}
+            out["response_mask"] = torch.ones(b, 2, dtype=torch.long)
+            out["responses"] = torch.tensor([[t[i].token_ids[0] for t in turns] for i in range(b)])  # the pool's record
+            out["rollout_policy_version"] = torch.tensor([[t[i].versions[0] for t in turns] for i in range(b)])  # the scheduler's
+            return Batch.from_dict(tensors=out)
+
+    pool = SlowSubmitPool(random.Random(0), slow=0.001)
+    drawn = []
+
+    def prompts() -> Batch:
+        drawn.append(len(drawn))
+        return Batch.from_dict(tensors={"input_ids": torch.full((2, 2), len(drawn) - 1)})
+
+    gen = AsyncRollout(pool, FakeWeightSync(pool), prompts, lambda step: step, 3, max_staleness=1, agent=TwoTurns())
+    for step in range(1, 4):
+        batch, _ = gen.take(step)
+        assert torch.equal(batch["rollout_policy_version"], batch["responses"]), (step, batch["rollout_policy_version"], batch["responses"])
+        if step == 1:  # the sync starts while the second batch's second turn is being submitted
+            first_taken.set()
+            assert submitting.wait(10)
+        gen.sync_weights(step)
+    gen.drain()
+
+
 @pytest.mark.parametrize("k", [1, 2])
 def test_partial_rollout_pauses_responses_for_weight_updates_within_the_bound(k):
     """async_training.partial_rollout: each response runs in segments (2 tokens of 8), so the syncs

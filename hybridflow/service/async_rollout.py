@@ -233,9 +233,13 @@ class _VersionedPool:
         o = self.owner
         data = Batch.from_dict(non_tensors={"request": requests})
         while True:
-            with o.lock:  # bookkeeping only: the version of the syncs submitted so far (a replica that stamps none is taken to hold it)
+            # The version and the submission as one step, as a sync's receipt and its version are: a sync
+            # submitted between them would reach the replica first, and a replica that stamps no version
+            # (taken to hold this one) would sample with newer weights than recorded. The submission only
+            # queues the call (its requests pickled: small); the replica's work runs outside the lock.
+            with o.lock:
                 version = o.version
-            pending = o.rollout.submit("generate_requests", data)  # submitted (pickled) outside the lock
+                pending = o.rollout.submit("generate_requests", data)
             try:
                 out = pending.result(o.timeout_s, f"{len(requests)} generation requests (policy version {version})", REQUEST_TIMEOUT_KEY)
                 break
