@@ -57,6 +57,9 @@ def test_pools_on_two_nodes_train_lose_a_node_and_resume(spread_run, tiny_model_
     run = tmp_path / "run"
     killed = _run("split", run, tiny_model_dir, task_dir, varied_reward, "--kill-at", 3)
     assert killed["worker_nodes"] == {"a_pool": ["a", "a"], "b_pool": ["b"], "c_pool": ["b"]}
+    # the reward workers sit on the driver's node (a), so losing b loses none (a soft affinity put some on b,
+    # and a full-suite run then stopped on the reward workers' deaths instead of the pool's)
+    assert killed["reward_worker_nodes"] and set(killed["reward_worker_nodes"]) == {"a"}, killed["reward_worker_nodes"]
     err = killed["error"] or ""
     assert err.startswith("WorkerDiedError") and "pool '" in err and "resume" in err, err
     assert killed["kill_to_error_s"] is not None and killed["kill_to_error_s"] < 60

@@ -58,12 +58,14 @@ def main(argv: list[str]) -> None:
     def killer() -> None:
         while trainer.global_step < kill_at:
             time.sleep(0.05)
+        pool = trainer.reward_fn.pool  # started by the first step's scoring (reward_model.num_workers: one per CPU up to 4)
+        result["reward_worker_nodes"] = _actor_nodes(pool.actors) if pool is not None else []
         killed.append(time.time())
         cluster.remove_node(node_b, allow_graceful=False)
 
     try:
         trainer.init_workers()
-        result["worker_nodes"] = {name: _worker_nodes(group) for name, group in trainer.groups.items()}
+        result["worker_nodes"] = {name: _actor_nodes(group.workers) for name, group in trainer.groups.items()}
         if kill_at is not None:
             threading.Thread(target=killer, daemon=True).start()
         fit = trainer.fit()
@@ -82,13 +84,13 @@ def main(argv: list[str]) -> None:
     print("RESULT " + json.dumps(result, default=str), flush=True)
 
 
-def _worker_nodes(group) -> list[str]:
-    """The Ray node each worker of the group runs on (by its resource labels)."""
+def _actor_nodes(actors) -> list[str]:
+    """The Ray node each actor runs on (by its resource labels)."""
     import ray
 
     by_id = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
     out = []
-    for w in group.workers:
+    for w in actors:
         node_id = ray.get(w.__ray_call__.remote(lambda self: __import__("ray").get_runtime_context().get_node_id()))
         out.append("a" if "node_a" in by_id[node_id] else "b")
     return out

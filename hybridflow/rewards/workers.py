@@ -115,7 +115,11 @@ class RewardWorkerPool:
         self.remote_cls = ray.remote(RewardWorker)
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        self.placement = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=True)
+        # On the driver's node, hard: a soft affinity put 2 of 4 such actors on another node of a two-node
+        # cluster (Ray 2.x, num_cpus=0), where custom_reward_function.path may not exist and whose loss
+        # killed them (tests/test_e2e_two_nodes.py). The driver's node lost is the driver lost, so a hard
+        # affinity never strands a worker.
+        self.placement = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
         self.lock = threading.Lock()  # the actors and their incarnations vs a replacement (never held across a wait)
         self.actors: list[Any] = [None] * n
         self.incarnation = [0] * n
@@ -127,7 +131,7 @@ class RewardWorkerPool:
     def _start(self, i: int) -> None:
         # num_cpus=0: a worker mostly waits on its sandboxes (processes Ray does not account for); reserving CPUs would
         # compete with the model workers' placement groups and could leave the pool waiting for resources that never free.
-        # On the driver's node (soft): the default count is that machine's CPUs, and custom_reward_function.path is a path there.
+        # On the driver's node: the default count is that machine's CPUs, and custom_reward_function.path is a path there.
         actor = self.remote_cls.options(num_cpus=0, max_concurrency=2, scheduling_strategy=self.placement).remote(self.scorer, self.timeout_s)
         with self.lock:
             self.actors[i] = actor
