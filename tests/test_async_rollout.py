@@ -44,11 +44,15 @@ class FifoPool:
         self.calls.put((call, method, args))
         return call
 
+    def before(self, method: str, args: tuple) -> None:
+        """Called on the pool's thread before it runs a call (a test orders calls here)."""
+
     def _run(self):
         from hybridflow.protocol import Completion
 
         while True:
             call, method, args = self.calls.get()
+            self.before(method, args)
             time.sleep(min(self.slow * self.rng.paretovariate(1.5), 0.05))  # a long tail, capped for the test's time
             if method == "receive_weights":
                 self.held = args[0]
@@ -236,36 +240,81 @@ def test_a_sync_never_passes_a_turn_between_its_version_and_its_submission():
     gen.drain()
 
 
+class SecondBatchAcrossTheFirstSync(FifoPool):
+    """Orders the first two batches of a partial rollout so that the sync after step 1 lands between
+    two segments of the second batch's responses, whatever the machine's load (timing alone, at
+    2 ms segments, once gave no such response in 8 steps). A prompt's first token is its batch
+    number (1, 2, ...), its length says the segment (2 prompt tokens, 2 more per segment):
+    - the second batch's first segment waits on the pool's thread until the first batch's only call
+      is queued, so that call runs before the second batch's second segment is even submitted;
+    - the second segment (the first batch has run by then, so step 1 can be taken) waits until the
+      trainer has submitted the sync of step 1, so the third segment is submitted after that sync
+      (under the lock the syncs take): it records version 1 and runs after the sync. The first segment
+      was submitted before step 1 was taken, with version 0; the sync may land before or after the
+      second segment's submission, so the switch comes after the first or the second segment."""
+
+    def __init__(self, rng: random.Random, slow: float):
+        self.first_queued, self.syncs_submitted = threading.Event(), 0
+        super().__init__(rng, slow)
+
+    def submit(self, method: str, *args, **kwargs) -> _Call:
+        self.syncs_submitted += method == "receive_weights"
+        call = super().submit(method, *args, **kwargs)
+        if method == "generate_requests" and args[0]["request"][0].prompt_ids[0] == 1:
+            self.first_queued.set()
+        return call
+
+    def before(self, method: str, args: tuple) -> None:
+        if method != "generate_requests":
+            return
+        prompt = args[0]["request"][0].prompt_ids
+        batch, segment = prompt[0], (len(prompt) - 2) // 2
+        if batch == 2 and segment == 0:
+            assert self.first_queued.wait(10), "the first batch's call was never queued"
+        if batch == 2 and segment == 1:
+            deadline = time.monotonic() + 10
+            while not self.syncs_submitted:
+                assert time.monotonic() < deadline, "the sync after step 1 was never submitted"
+                time.sleep(0.001)
+
+
 @pytest.mark.parametrize("k", [1, 2])
 def test_partial_rollout_pauses_responses_for_weight_updates_within_the_bound(k):
     """async_training.partial_rollout: each response runs in segments (2 tokens of 8), so the syncs
     queued while it runs land between its segments: a response may be sampled by several versions,
     every token's recorded version is the one the pool ran it with, versions only grow along a
-    response, and the oldest token is never more than k updates behind the step that trains it."""
+    response, and the oldest token is never more than k updates behind the step that trains it.
+    The first batch's responses are one segment (2 tokens), and the pool orders the first two batches
+    so that at least the second's responses span a sync (SecondBatchAcrossTheFirstSync)."""
     rng = random.Random(10 + k)
-    # segments of >= 10 ms: a batch ahead takes >= 120 ms, so the sync queued after each step lands
-    # between segments of a running response even when a loaded machine slows the driver loop
-    # (at 2 ms, one CI run under load saw no mixed row in 8 steps)
-    pool = FifoPool(rng, slow=0.01)
+    pool = SecondBatchAcrossTheFirstSync(rng, slow=0.01)
     sync = FakeWeightSync(pool)
     from hybridflow.protocol import SamplingParams
 
-    def prompts() -> Batch:
-        return Batch.from_dict(tensors={"input_ids": torch.ones(3, 2, dtype=torch.long), "attention_mask": torch.ones(3, 2, dtype=torch.long),
+    drawn = []
+
+    def prompts() -> Batch:  # each prompt's tokens are its batch number (1, 2, ...)
+        drawn.append(len(drawn) + 1)
+        return Batch.from_dict(tensors={"input_ids": torch.full((3, 2), drawn[-1], dtype=torch.long), "attention_mask": torch.ones(3, 2, dtype=torch.long),
                                         "position_ids": torch.zeros(3, 2, dtype=torch.long)})
 
+    def length(step: int) -> int:
+        return 2 if step == 1 else 8
+
     steps, mixed = 8, 0
-    gen = AsyncRollout(pool, sync, prompts, lambda step: SamplingParams(max_new_tokens=8, seed=step), steps, max_staleness=k,
+    gen = AsyncRollout(pool, sync, prompts, lambda step: SamplingParams(max_new_tokens=length(step), seed=step), steps, max_staleness=k,
                        partial_chunk=2, pad_id=0)
     for step in range(1, steps + 1):
         batch, m = gen.take(step)
         versions, sampled_by = batch["rollout_policy_version"], batch["responses"]
-        assert versions.shape == (3, 8) and batch["response_mask"].all()
+        assert versions.shape == (3, length(step)) and batch["response_mask"].all()
         assert torch.equal(versions, sampled_by)  # the scheduler's record of every token is the pool's
         assert (versions[:, 1:] >= versions[:, :-1]).all()
         assert int(versions.min()) >= step - 1 - k and int(versions.max()) <= step - 1
         assert m["rollout/staleness_max"] == step - 1 - int(versions.min()) <= k
         mixed += int(m["rollout/mixed_version_rows"])
+        if step == 2:  # the second batch: every response began with version 0 and ended with version 1
+            assert m["rollout/mixed_version_rows"] == 3 and versions[:, 0].eq(0).all() and versions[:, -1].eq(1).all(), versions
         time.sleep(min(0.003 * rng.paretovariate(1.5), 0.05))
         gen.sync_weights(step)
     gen.drain()
