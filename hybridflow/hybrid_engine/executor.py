@@ -49,7 +49,7 @@ from hybridflow.hybrid_engine.staging import MIN_UNIT_BYTES, staging_numel, stag
 from hybridflow.hybrid_engine.trace import TraceRecorder
 from hybridflow.parallel.dims import ParallelDims
 from hybridflow.parallel.dtensor import crop, free_storage, held_box, local, own_storage, restore_storage  # noqa: F401  (crop, held_box re-exported)
-from hybridflow.parallel.expert_parallel import expert_modules, is_expert_param
+from hybridflow.parallel.expert_parallel import expert_modules, gather_experts, is_expert_param
 from hybridflow.protocol import WeightPiece
 
 logger = logging.getLogger("hybridflow")
@@ -535,9 +535,7 @@ class HybridEngine:
             t = t.detach().to(self.dtype)  # cast the shard, then gather: the wire carries the generation dtype
         full = None if t is None else (t.full_tensor() if isinstance(t, DTensor) else t.data)
         if self.ep_group is not None and is_expert_param(p.name):  # full_tensor() has this EP rank's experts: gather the others
-            parts = [torch.empty_like(full) for _ in range(self.layout.ep)]
-            dist.all_gather(parts, full.contiguous(), group=self.ep_group)
-            full = torch.cat(parts)
+            full = gather_experts(full, self.ep_group, self.layout.ep)
         if self.layout.pp == 1:
             return full
         src = next(r for r in range(self.world) if volume(p.own[r]))

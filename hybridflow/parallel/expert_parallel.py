@@ -147,6 +147,15 @@ def apply_expert_parallel(model: nn.Module, ep_group: Any, ep: int, ep_i: int, d
     return mods
 
 
+def gather_experts(local: torch.Tensor, ep_group: Any, ep: int) -> torch.Tensor:
+    """This EP rank's experts [E/ep, ...] -> every expert [E, ...], in EP-rank order (rank i holds
+    experts expert_box(E, ep, i)). A collective over the EP group."""
+    local = local.contiguous()
+    parts = [torch.empty_like(local) for _ in range(ep)]
+    dist.all_gather(parts, local, group=ep_group)
+    return torch.cat(parts)
+
+
 def full_expert_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     """{FQN: the whole [E, ...] tensor} of every routed expert weight of an EP model (after FSDP2): the
     FSDP2 gather over edp, then the EP group's experts in order. A collective: every rank calls it."""
@@ -158,10 +167,7 @@ def full_expert_weights(model: nn.Module) -> dict[str, torch.Tensor]:
             continue
         for name in EXPERT_PARAMS:
             p = getattr(m, name)
-            t = (p.full_tensor() if isinstance(p, DTensor) else p.data).contiguous()  # [E/ep, ...]
-            parts = [torch.empty_like(t) for _ in range(m.ep_size)]
-            dist.all_gather(parts, t, group=m.ep_group)
-            out[f"{prefix}.{name}"] = torch.cat(parts)  # [E, ...]
+            out[f"{prefix}.{name}"] = gather_experts(p.full_tensor() if isinstance(p, DTensor) else p.data, m.ep_group, m.ep_size)
     return out
 
 
