@@ -118,22 +118,21 @@ class FakeAgent:
     """A multi-turn rollout: each row takes 3 model turns through the group, with tool time between
     them; a turn's completion is the weights the pool ran it with (the pool's record, as its token).
 
-    With `pool` given, the first two batches are ordered so that a sync lands between two turns of
-    the second whatever the machine's load (timing alone once gave no such turn in a loaded CI run):
-    the first batch returns only after the second's first turn ran (with version 0: no sync can be
-    submitted before the first batch is taken), and the second's tool call lasts until the pool
-    holds version 1 (the sync the trainer submits after step 1, before it needs the second batch)."""
+    With `pool` given, the first two batches (a prompt's tokens are its batch number: 1, 2, ...) are
+    ordered so that a sync lands between two turns of the second whatever the machine's load (timing
+    alone once gave no such turn in a loaded CI run): the first batch returns only after the
+    second's first turn ran (with version 0: no sync can be submitted before the first batch is
+    taken), and the second's tool call lasts until the pool holds version 1 (the sync the trainer
+    submits after step 1, before it needs the second batch)."""
 
     def __init__(self, rng: random.Random, pool: FifoPool | None = None):
-        self.rng, self.pool, self.calls, self.lock = rng, pool, 0, threading.Lock()
+        self.rng, self.pool = rng, pool
         self.second_batch_turned = threading.Event()
 
     def generate(self, group, prompts: Batch, params) -> Batch:
         from hybridflow.protocol import Request, SamplingParams
 
-        with self.lock:
-            self.calls += 1
-            call = self.calls
+        call = int(prompts["input_ids"][0, 0])  # the batch number (the threads may start in either order)
         b, turns = len(prompts), []
         for turn in range(3):
             out = group.generate_requests(Batch.from_dict(non_tensors={"request": [Request((1,), SamplingParams(max_new_tokens=1)) for _ in range(b)]}))
@@ -164,9 +163,9 @@ def test_async_multi_turn_turns_carry_the_weights_that_sampled_them(k):
     sync = FakeWeightSync(pool)
     count = [0]
 
-    def prompts() -> Batch:
+    def prompts() -> Batch:  # each prompt's tokens are its batch number (1, 2, ...)
         count[0] += 1
-        return Batch.from_dict(tensors={"input_ids": torch.zeros(2, 2)})
+        return Batch.from_dict(tensors={"input_ids": torch.full((2, 2), count[0])})
 
     steps, mixed = 8, 0
     agent = FakeAgent(rng, pool if k else None)  # at k = 0 the second batch starts only after the first sync

@@ -58,7 +58,6 @@ class RecordingGroup:
         return getattr(self.group, name)
 
 
-
 @pytest.mark.timeout(300)
 def test_multi_turn_grpo_with_a_render_tools_image(ray_cluster, tmp_path):
     """One GRPO step (2 prompts x 2 samples, old log-probs recomputed, KL loss against the reference) and a validation

@@ -106,7 +106,7 @@ def call_progress(calls: list[tuple[Any, Any]], timeout_s: float, probe_timeout_
             out = _set(out, idx, ("late", "unreachable"))
             continue
         except ray.exceptions.RayActorError as e:
-            out = _set(out, idx, ("dead", str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__))
+            out = _set(out, idx, ("dead", _first_line(e)))
             continue
         except ray.exceptions.RayError:
             continue  # cannot tell: late, as without a probe
@@ -319,7 +319,7 @@ class RayWorkerGroup:
             try:
                 ray.get(probe)  # a constructor that raised, or a slot on a node that is gone: named here
             except ray.exceptions.RayActorError as e:
-                cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                cause = _first_line(e)
                 raise WorkerDiedError(f"the replacement of rank {rank} (pool {pool!r}) died before it started: {cause}; {RESUME_HINT}",
                                       (rank,)) from None
 
@@ -343,6 +343,12 @@ class WorkerDiedError(WorkerCallError):
 
 class WorkerTimeoutError(WorkerCallError):
     """A call did not finish within the deadline its caller gave (`Pending.result(timeout_s=...)`)."""
+
+
+def _first_line(e: BaseException) -> str:
+    """What Ray says of a dead actor, in one line (its message's first, or the error's type)."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 RESUME_HINT = ("re-run the same command to resume from the latest checkpoint in trainer.default_local_dir "
@@ -434,7 +440,7 @@ class Pending:
         try:
             return ray.get(ref)
         except ray.exceptions.RayActorError as e:
-            cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            cause = _first_line(e)
             raise WorkerDiedError(f"{where} died: {cause}; {RESUME_HINT}", (rank,)) from None
         except ray.exceptions.RayTaskError as e:
             cause = e.cause if getattr(e, "cause", None) is not None else e

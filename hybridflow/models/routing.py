@@ -142,8 +142,10 @@ class RouteReplayer:
     def __init__(self, model: nn.Module):
         self.layers, self.experts, self.top_k = _moe_routers(model, "routing replay needs MoE routers")
         self.target: torch.Tensor | None = None  # [T, L, k] long, -1 = natural
-        self.replayed_tokens = 0  # tokens whose ids came from the target (over layers), since the last reset
-        self.differing_tokens = 0  # of those, (token, layer) pairs whose own top-k set was another than the target's
+        # (token, layer) pairs whose ids came from the target, and of those the pairs whose own top-k set was another
+        # than the target's, since the last take_counts: device tensors, summed without a host sync per router
+        self.replayed_pairs: torch.Tensor | int = 0
+        self.differing_pairs: torch.Tensor | int = 0
         for i, r in enumerate(self.layers):
             r.register_forward_hook(self._hook(i), prepend=True)
         model._route_replayer = self  # engine/model.py finds it on the module it runs
@@ -163,9 +165,9 @@ class RouteReplayer:
             top = probs.gather(1, chosen)  # [T, k]
             if getattr(module, "norm_topk_prob", True):  # Mixtral always renormalises; Qwen when norm_topk_prob
                 top = top / top.sum(dim=-1, keepdim=True)
-            self.replayed_tokens += int(use.sum())
+            self.replayed_pairs = self.replayed_pairs + use.sum()
             # the replay changed this token's experts (not just their order): the routing the rollout saw differs from this forward's
-            self.differing_tokens += int(((forced.sort(-1).values != ids.sort(-1).values).any(-1, keepdim=True) & use).sum())
+            self.differing_pairs = self.differing_pairs + ((forced.sort(-1).values != ids.sort(-1).values).any(-1, keepdim=True) & use).sum()
             return logits, top.to(weights.dtype), chosen
 
         return hook
@@ -175,8 +177,8 @@ class RouteReplayer:
 
     def take_counts(self) -> tuple[int, int]:
         """(replayed, differing) (token, layer) pairs since the last call, then zero."""
-        out = (self.replayed_tokens, self.differing_tokens)
-        self.replayed_tokens = self.differing_tokens = 0
+        out = (int(self.replayed_pairs), int(self.differing_pairs))
+        self.replayed_pairs = self.differing_pairs = 0
         return out
 
 
